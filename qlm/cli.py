@@ -1,0 +1,287 @@
+"""The ``qlm`` command. ``QLMError`` becomes one red line and exit code 1, here and only here."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Annotated, Any, Literal, NoReturn, TypeVar
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from qlm.errors import QLMError
+from qlm.planner import POLICIES, create_policy
+from qlm.settings import get_settings
+from qlm.sim.cluster import SimResult, simulate
+from qlm.sim.instances import parse_instances
+from qlm.sim.metrics import write_outputs
+from qlm.sim.traces import load_lengths, load_trace, scale_rate, synthetic, window
+from qlm.sim.workload import PRESETS, create_workload
+
+app = typer.Typer(
+    help="QLM: queue management for LLM serving with SLOs.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+)
+console = Console()
+err_console = Console(stderr=True)
+
+T = TypeVar("T")
+
+
+def _fail(message: str) -> NoReturn:
+    err_console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
+    raise typer.Exit(1)
+
+
+def _guard(fn: Callable[[], T]) -> T:
+    try:
+        return fn()
+    except QLMError as exc:
+        _fail(str(exc))
+
+
+def run_simulation(
+    *,
+    trace: str,
+    workload: str,
+    instances: str,
+    policy: str,
+    seed: int,
+    start_s: float,
+    duration_s: float | None,
+    rate_scale: float,
+    slo_scale: float,
+    synthetic_rate: float | None,
+    arrival: Literal["poisson", "gamma"],
+    cv: float,
+    show_progress: bool,
+) -> SimResult:
+    """The service behind ``qlm simulate`` and ``qlm demo``."""
+    if synthetic_rate is not None:
+        if duration_s is None:
+            raise QLMError("--duration is required with --rate (a synthetic workload)")
+        tr = synthetic(
+            load_lengths(trace),
+            rate=synthetic_rate,
+            duration_s=duration_s,
+            arrival=arrival,
+            cv=cv,
+            seed=seed,
+        )
+    else:
+        tr = load_trace(trace, seed=seed)
+        if rate_scale != 1.0:
+            tr = scale_rate(tr, rate_scale)
+        if start_s > 0 or duration_s is not None:
+            end = start_s + duration_s if duration_s is not None else tr.duration_s + 1.0
+            tr = window(tr, start_s, end)
+    requests = create_workload(workload, tr, seed=seed, slo_scale=slo_scale)
+    specs = parse_instances(instances)
+    pol = create_policy(policy)
+    if not show_progress:
+        return simulate(requests, specs, pol)
+    with Progress(
+        TextColumn("[bold]simulating[/]"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=err_console,
+        transient=True,
+    ) as bar:
+        task = bar.add_task("sim", total=len(requests))
+        return simulate(
+            requests, specs, pol, progress=lambda done, _total: bar.update(task, completed=done)
+        )
+
+
+def _fmt(x: Any, pct: bool = False) -> str:
+    if x is None:
+        return "-"
+    if pct:
+        return f"{100 * x:.1f} %"
+    return f"{x:.2f}" if isinstance(x, float) else str(x)
+
+
+def print_summary(result: SimResult, command: str) -> None:
+    s = result.summary
+    inst = ", ".join(
+        f"{i.name} ({i.gpu_count}x{i.gpu}: {'+'.join(i.models)})" for i in result.instances
+    )
+    table = Table(title=f"QLM simulation — policy {result.policy}", title_justify="left")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    table.add_row("instances", inst)
+    table.add_row(
+        "requests (finished / failed)", f"{s['requests']} ({s['finished']} / {s['failed']})"
+    )
+    table.add_row("[bold]SLO attainment[/]", f"[bold]{_fmt(s['slo_attainment'], pct=True)}[/]")
+    for title, key in (
+        ("class", "slo_attainment_by_class"),
+        ("tier", "slo_attainment_by_tier"),
+        ("model", "slo_attainment_by_model"),
+    ):
+        if len(s[key]) > 1:
+            for name, v in s[key].items():
+                table.add_row(
+                    f"  {title} {name} ({v['requests']})", _fmt(v["slo_attainment"], pct=True)
+                )
+    table.add_row("throughput (req/s)", _fmt(s["throughput_rps"]))
+    table.add_row("throughput (output tok/s)", _fmt(s["throughput_output_tps"]))
+    for label, key in (("TTFT", "ttft_s"), ("end-to-end", "e2e_s"), ("queueing", "queue_s")):
+        p = s[key]
+        table.add_row(
+            f"{label} p50 / p90 / p99 (s)", " / ".join(_fmt(p[k]) for k in ("p50", "p90", "p99"))
+        )
+    table.add_row("preemptions", str(s["preemptions"]))
+    table.add_row("model switches", str(s["model_switches"]))
+    table.add_row("GPU memory utilisation (mean)", _fmt(s.get("gpu_memory_utilization"), pct=True))
+    table.add_row("simulated makespan (s)", _fmt(s["makespan_s"]))
+    console.print(table)
+    console.print(f"[dim]reproduce: {escape(command)}[/]", highlight=False, soft_wrap=True)
+
+
+def _command_line(ctx: typer.Context) -> str:
+    """The command that reproduces this run: every option that shapes the result, spelled out."""
+    parts = ["qlm", ctx.info_name or ""]
+    for param in ctx.command.params:
+        if param.param_type_name != "option" or param.name in {"as_json", "out", "progress"}:
+            continue
+        value = ctx.params.get(param.name or "")
+        if value is None or value is False:
+            continue
+        flag = max(param.opts, key=len)
+        parts.append(flag if value is True else f"{flag} {shlex.quote(str(value))}")
+    return " ".join(parts)
+
+
+@app.command("simulate")
+def simulate_cmd(
+    ctx: typer.Context,
+    trace: Annotated[
+        str,
+        typer.Option(
+            help="Trace name (azure-conv, azure-code, mooncake-conversation, mooncake-synthetic) or file; with --rate, a length sample (sharegpt, arxiv or file)."
+        ),
+    ] = "azure-conv",
+    workload: Annotated[
+        str,
+        typer.Option(
+            help=f"How models, SLO classes and tiers are assigned: {', '.join(PRESETS)} (docs/workloads.md)."
+        ),
+    ] = "default",
+    instances: Annotated[
+        str,
+        typer.Option(
+            help="Fleet, e.g. 2xA100:llama-3-8b,1xH100/2:llama-2-70b (COUNTxGPU[/GPUS]:MODEL[+MODEL])."
+        ),
+    ] = "2xA100:llama-3-8b",
+    policy: Annotated[
+        str, typer.Option(help=f"Scheduling policy: {', '.join(POLICIES)}.")
+    ] = "fcfs",
+    seed: Annotated[
+        int, typer.Option(help="Seed of every random choice; same seed, same result.")
+    ] = 0,
+    start: Annotated[float, typer.Option(help="Start of the trace window (s).")] = 0.0,
+    duration: Annotated[
+        float | None, typer.Option(help="Length of the trace window (s); whole trace if unset.")
+    ] = None,
+    rate_scale: Annotated[float, typer.Option(help="Multiply the trace's arrival rate.")] = 1.0,
+    slo_scale: Annotated[float, typer.Option(help="Multiply every SLO.")] = 1.0,
+    rate: Annotated[
+        float | None,
+        typer.Option(help="Synthetic arrivals at this rate (req/s), lengths sampled from --trace."),
+    ] = None,
+    arrival: Annotated[
+        str, typer.Option(help="Synthetic arrival process: poisson or gamma.")
+    ] = "poisson",
+    cv: Annotated[
+        float, typer.Option(help="Coefficient of variation of gamma inter-arrivals (> 1: bursty).")
+    ] = 1.0,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the summary as JSON.")] = False,
+    out: Annotated[
+        Path | None, typer.Option(help="Write requests.csv and summary.json here.")
+    ] = None,
+    progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
+) -> None:
+    """Replay a trace or synthetic workload on simulated vLLM instances under a policy."""
+    if arrival not in ("poisson", "gamma"):
+        _fail(f"--arrival must be poisson or gamma, got {arrival!r}")
+    arrival_kind: Literal["poisson", "gamma"] = "gamma" if arrival == "gamma" else "poisson"
+    result = _guard(
+        lambda: run_simulation(
+            trace=trace,
+            workload=workload,
+            instances=instances,
+            policy=policy,
+            seed=seed,
+            start_s=start,
+            duration_s=duration,
+            rate_scale=rate_scale,
+            slo_scale=slo_scale,
+            synthetic_rate=rate,
+            arrival=arrival_kind,
+            cv=cv,
+            show_progress=progress and not as_json and sys.stderr.isatty(),
+        )
+    )
+    _emit(result, ctx, as_json=as_json, out=out)
+
+
+def _emit(result: SimResult, ctx: typer.Context, *, as_json: bool, out: Path | None) -> None:
+    command = _command_line(ctx)
+    result.summary["command"] = command
+    if out is not None:
+        paths = write_outputs(out, result.records, result.summary, result.memory)
+        if not as_json:
+            console.print("wrote " + ", ".join(str(p) for p in paths), highlight=False)
+    if as_json:
+        sys.stdout.write(json.dumps(result.summary, indent=2, sort_keys=True) + "\n")
+    else:
+        print_summary(result, command)
+
+
+@app.command("demo")
+def demo_cmd(
+    ctx: typer.Context,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the summary as JSON.")] = False,
+) -> None:
+    """The main job on embedded defaults: a short replay of a real trace on simulated instances.
+
+    Settings come from QLM_DEMO__* (trace, workload, instances, policy, duration_s, rate_scale, seed).
+    """
+
+    def run() -> SimResult:
+        d = get_settings().demo
+        return run_simulation(
+            trace=d.trace,
+            workload=d.workload,
+            instances=d.instances,
+            policy=d.policy,
+            seed=d.seed,
+            start_s=0.0,
+            duration_s=d.duration_s,
+            rate_scale=d.rate_scale,
+            slo_scale=1.0,
+            synthetic_rate=None,
+            arrival="poisson",
+            cv=1.0,
+            show_progress=not as_json and sys.stderr.isatty(),
+        )
+
+    result = _guard(run)
+    _emit(result, ctx, as_json=as_json, out=None)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,27 @@
+"""One error root; every failure QLM raises on purpose is a ``QLMError``.
+
+Third-party exceptions are translated at the boundary (``raise EngineError(...) from exc``), so a
+caller handles QLM's errors without knowing which library sits underneath.
+"""
+
+from __future__ import annotations
+
+
+class QLMError(Exception):
+    """Root of QLM's errors. The CLI prints one red line for it and exits with code 1."""
+
+
+class ConfigError(QLMError):
+    """A setting, file or argument is invalid; the message names it."""
+
+
+class EngineError(QLMError):
+    """A serving engine refused or failed an operation."""
+
+
+class UnknownRequest(EngineError):
+    """The engine has no request with that id (finished, aborted, or never submitted)."""
+
+
+class WorkloadError(QLMError):
+    """A trace or workload description cannot be loaded or built."""

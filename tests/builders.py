@@ -1,0 +1,56 @@
+"""Builders with overrides for tests: small, hand-checkable hardware and requests."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from qlm.domain import SLO, Request, Tier
+from qlm.engines.perf_model import HardwareCatalog, parse_catalog
+
+STEP = {
+    "base_ms": 10.0,
+    "per_seq_ms": 0.05,
+    "compute_base_ms": 5.0,
+    "per_token_ms": 0.06,
+    "per_ctx_token_ms": 1e-4,
+    "per_prefill_pair_ms": 1e-6,
+}
+
+
+def make_catalog(**step_overrides: float) -> HardwareCatalog:
+    """One GPU type ``G`` (80 GB) and two 8B-class models ``m`` and ``n`` with the same profile."""
+    model = {"params_b": 8, "weights_gb": 16.0, "kv_bytes_per_token": 131072, "max_context": 8192}
+    step = STEP | step_overrides
+    return parse_catalog(
+        {
+            "gpus": {
+                "G": {
+                    "memory_gb": 80,
+                    "memory_bandwidth_gbs": 2000,
+                    "fp16_tflops": 300,
+                    "host_link_gbs": 20,
+                }
+            },
+            "models": {"m": model, "n": model},
+            "perf_models": [
+                {"model": "m", "gpu": "G", "gpu_count": 1, **step},
+                {"model": "n", "gpu": "G", "gpu_count": 1, **step},
+            ],
+            "model_load": {"disk_load_gbs": 2.0, "load_overhead_s": 0.5},
+        }
+    )
+
+
+def make_request(i: int = 0, **overrides: Any) -> Request:
+    fields: dict[str, Any] = {
+        "id": f"r{i:04d}",
+        "model": "m",
+        "input_tokens": 200,
+        "max_tokens": 1000,
+        "arrival_s": float(i),
+        "slo": SLO(e2e_s=30.0),
+        "tier": Tier.STANDARD,
+        "replay_output_tokens": 50,
+    }
+    fields.update(overrides)
+    return Request(**fields)

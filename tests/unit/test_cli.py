@@ -1,0 +1,81 @@
+"""The qlm command: simulate and demo, output formats, clear errors."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from qlm.cli import app
+
+runner = CliRunner()
+SHORT = ["--trace", "azure-conv", "--duration", "60", "--instances", "2xA100:llama-3-8b"]
+
+
+def simulate(*args: str) -> dict[str, object]:
+    result = runner.invoke(app, ["simulate", *SHORT, "--json", *args])
+    assert result.exit_code == 0, result.output
+    summary: dict[str, object] = json.loads(result.stdout)
+    return summary
+
+
+def test_simulate_prints_slo_attainment_of_a_real_trace_window() -> None:
+    summary = simulate("--policy", "fcfs")
+    assert summary["policy"] == "fcfs"
+    assert summary["requests"] == summary["finished"]
+    assert 0 < summary["requests"] < 1000  # type: ignore[operator]
+    assert 0.0 <= summary["slo_attainment"] <= 1.0  # type: ignore[operator]
+    assert "qlm simulate" in str(summary["command"])
+
+
+def test_the_same_seed_gives_the_same_records_and_another_seed_does_not(tmp_path: Path) -> None:
+    def records(seed: int, name: str) -> str:
+        out = tmp_path / name
+        args = ["simulate", *SHORT, "--workload", "wb", "--rate-scale", "3", "--seed", str(seed)]
+        result = runner.invoke(app, [*args, "--out", str(out), "--no-progress"])
+        assert result.exit_code == 0, result.output
+        return (out / "requests.csv").read_text()
+
+    a, b, c = records(3, "a"), records(3, "b"), records(4, "c")
+    assert a == b
+    assert a != c
+
+
+def test_out_writes_one_csv_row_per_request_and_the_summary(tmp_path: Path) -> None:
+    result = runner.invoke(app, ["simulate", *SHORT, "--out", str(tmp_path), "--no-progress"])
+    assert result.exit_code == 0, result.output
+    assert "SLO attainment" in result.stdout
+    rows = list(csv.DictReader((tmp_path / "requests.csv").open()))
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert len(rows) == summary["requests"]
+    assert {r["status"] for r in rows} == {"finished"}
+    assert (tmp_path / "memory.csv").exists()
+
+
+def test_bad_arguments_give_one_line_naming_the_problem_and_exit_1() -> None:
+    cases = {
+        ("--instances", "2xB200:llama-3-8b"): "unknown GPU 'B200'",
+        ("--instances", "2xA100"): "--instances item '2xA100'",
+        ("--trace", "nope"): "nope",
+        ("--policy", "magic"): "unknown policy 'magic'",
+        ("--workload", "wz"): "unknown workload 'wz'",
+        ("--instances", "1xA100/1:llama-2-70b"): "no performance profile",
+    }
+    for args, needle in cases.items():
+        result = runner.invoke(app, ["simulate", "--duration", "10", *args])
+        assert result.exit_code == 1, (args, result.output)
+        lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
+        assert len(lines) == 1 and needle in lines[0], (args, result.stderr)
+
+
+def test_demo_runs_on_embedded_defaults_and_reads_its_settings(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setenv("QLM_DEMO__DURATION_S", "30")
+    result = runner.invoke(app, ["demo", "--json"])
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout)
+    assert summary["requests"] > 0 and summary["slo_attainment"] is not None
+    monkeypatch.setenv("QLM_DEMO__DURATION_S", "-5")
+    bad = runner.invoke(app, ["demo"])
+    assert bad.exit_code == 1 and "QLM_DEMO__DURATION_S" in bad.stderr
