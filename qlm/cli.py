@@ -111,9 +111,12 @@ def _fmt(x: Any, pct: bool = False) -> str:
 
 def print_summary(result: SimResult, command: str) -> None:
     s = result.summary
-    inst = ", ".join(
-        f"{i.name} ({i.gpu_count}x{i.gpu}: {'+'.join(i.models)})" for i in result.instances
-    )
+    kinds: dict[str, int] = {}
+    for i in result.instances:
+        gpus = f"{i.gpu_count}x{i.gpu}" if i.gpu_count > 1 else i.gpu
+        key = f"{gpus} {'+'.join(i.models)}"
+        kinds[key] = kinds.get(key, 0) + 1
+    inst = ", ".join(f"{n} × {k}" for k, n in kinds.items())
     table = Table(title=f"QLM simulation — policy {result.policy}", title_justify="left")
     table.add_column("metric")
     table.add_column("value", justify="right")
@@ -154,7 +157,8 @@ def _command_line(ctx: typer.Context) -> str:
         if param.param_type_name != "option" or param.name in {"as_json", "out", "progress"}:
             continue
         value = ctx.params.get(param.name or "")
-        if value is None or value is False:
+        always = param.name in {"trace", "workload", "instances", "policy", "seed"}
+        if value is None or value is False or (value == param.default and not always):
             continue
         flag = max(param.opts, key=len)
         parts.append(flag if value is True else f"{flag} {shlex.quote(str(value))}")

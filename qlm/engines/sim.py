@@ -36,7 +36,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from qlm.domain import ModelTier
 from qlm.engines.base import EngineEvent, EngineRequest, EngineStats, EventKind
@@ -140,7 +140,6 @@ class _Step:
     macro_k: int = 0  # > 0: ``macro_k`` fused decode iterations over ``work``
     d0_s: float = 0.0
     slope_s: float = 0.0
-    events: list[EngineEvent] = field(default_factory=list)  # emitted when the step ends
 
     def macro_elapsed(self, j: int) -> float:
         """Time of the first ``j`` fused iterations."""
@@ -472,7 +471,7 @@ class SimEngine:
         step = self._step
         assert step is not None
         self._step = None
-        events = step.events
+        events: list[EngineEvent] = []
         t = step.end
         if step.macro_k:
             k = step.macro_k

@@ -92,9 +92,7 @@ def test_every_entry_has_kv_room_and_70b_does_not_fit_one_gpu() -> None:
         # room for at least one full-length request beside the weights
         assert tokens >= pm.model.max_context, (pm.model.name, pm.gpu.name, pm.gpu_count, tokens)
     for gpu in ("A10", "A100", "H100"):
-        seventy = replace(
-            cat.perf_model("llama-2-70b", gpu, cat.default_gpu_count("llama-2-70b", gpu))
-        )
+        seventy = cat.perf_model("llama-2-70b", gpu, cat.default_gpu_count("llama-2-70b", gpu))
         with pytest.raises(ConfigError):
             replace(seventy, gpu_count=1).kv_capacity_tokens(
                 gpu_memory_utilization=UTIL, activation_gb=ACTIVATION_GB
