@@ -28,6 +28,7 @@ app = typer.Typer(
     help="QLM: queue management for LLM serving with SLOs.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,  # help texts contain [brackets] that are not markup
 )
 console = Console()
 err_console = Console(stderr=True)

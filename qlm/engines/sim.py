@@ -37,6 +37,7 @@ import contextlib
 import math
 from collections import deque
 from dataclasses import dataclass
+from typing import Literal
 
 from qlm.domain import ModelTier
 from qlm.engines.base import EngineEvent, EngineRequest, EngineStats, EventKind
@@ -49,7 +50,11 @@ class SimEngineConfig:
     """vLLM engine arguments the simulation honours (names as ``vllm serve`` flags).
 
     ``max_num_seqs`` and ``max_num_batched_tokens`` default to vLLM's online-serving defaults for
-    the GPU (see ``for_gpu``). ``max_macro_steps`` caps how many decode iterations are fused into one
+    the GPU (see ``for_gpu``). ``model_switching``: ``fcfs`` switches models on its own when the
+    oldest waiting request is for another model (several vLLM servers sharing a GPU, served in
+    arrival order); ``explicit`` only switches on ``set_model_tier(..., ACTIVE)`` (an agent decides)
+    and meanwhile serves the active model's requests, skipping the others. ``fuse_decode=False``
+    steps every iteration (the reference the fused runs are tested against). ``max_macro_steps`` caps how many decode iterations are fused into one
     event: leave it unset in virtual time, set it small on the wall clock to stream tokens steadily.
     """
 
@@ -61,6 +66,8 @@ class SimEngineConfig:
     swap_space_gb: float = 64.0
     cpu_model_cache_gb: float = 256.0
     max_macro_steps: int | None = None
+    fuse_decode: bool = True
+    model_switching: Literal["fcfs", "explicit"] = "fcfs"
     emit_token_events: bool = False
     kv_capacity_tokens: int | None = None
 
@@ -83,10 +90,13 @@ class SimEngineConfig:
             )
 
     @classmethod
-    def for_gpu(cls, gpu_memory_gb: float, **overrides: object) -> SimEngineConfig:
-        """vLLM V1's online-serving defaults: GPUs with >= 70 GiB get 1024 sequences and an
-        8192-token budget per iteration, smaller ones 256 and 2048."""
-        big = gpu_memory_gb * GB >= 70 * 1024**3
+    def for_gpu(
+        cls, gpu_memory_gb: float, gpu_name: str = "", **overrides: object
+    ) -> SimEngineConfig:
+        """vLLM V1's online-serving defaults (``get_batch_defaults``): GPUs with >= 70 GiB get 1024
+        sequences and an 8192-token budget per iteration — except A100s (vLLM PR #17885) — and
+        the others 256 and 2048."""
+        big = gpu_memory_gb * GB >= 70 * 1024**3 and "a100" not in gpu_name.lower()
         base: dict[str, object] = {
             "max_num_seqs": 1024 if big else 256,
             "max_num_batched_tokens": 8192 if big else 2048,
@@ -162,7 +172,7 @@ class SimEngine:
         self.name = name
         self.perf_models = dict(perf_models)
         first = next(iter(self.perf_models.values()))
-        self.config = config or SimEngineConfig.for_gpu(first.gpu.memory_gb)
+        self.config = config or SimEngineConfig.for_gpu(first.gpu.memory_gb, first.gpu.name)
         self._capacity_blocks = {
             model: self._blocks_for(self._capacity_tokens(pm)) for model, pm in perf_models.items()
         }
@@ -240,7 +250,7 @@ class SimEngine:
                 f"{self.name}: request {req.request_id!r} needs {total} tokens of KV cache, more "
                 f"than the instance holds"
             )
-        self._cut(now)
+        self._sync(now)
         seq = _Seq(req, now)
         self._by_id[seq.rid] = seq
         self.waiting.append(seq)
@@ -251,16 +261,14 @@ class SimEngine:
         seq = self._by_id.get(request_id)
         if seq is None:
             raise UnknownRequest(f"{self.name}: no request {request_id!r}")
-        self._cut(now)
+        self._sync(now)
         step = self._step
         if step is not None:
             # Iterations of this step that ended by ``now`` count; the one in progress is lost.
             for i, (other, _) in enumerate(step.work):
                 if other is seq:
                     if step.macro_k:
-                        done = self._macro_steps_done(step, now)
-                        seq.generated += done
-                        seq.computed += done
+                        self._advance_fused(seq, self._macro_steps_done(step, now))
                     del step.work[i]
                     break
         self._forget(seq)
@@ -277,7 +285,7 @@ class SimEngine:
         need_gb = seq.computed * self.perf_models[seq.model].model.kv_bytes_per_token / GB
         if need_gb > self._swap_free_gb():
             raise EngineError(f"{self.name}: swap space full; cannot swap out {request_id!r}")
-        self._cut(now)
+        self._sync(now)
         if seq not in self._swap_out_pending:
             self._swap_out_pending.append(seq)
         self._kick(now)
@@ -287,7 +295,11 @@ class SimEngine:
         seq = self._require(request_id)
         if seq.rid not in self.swapped:
             raise EngineError(f"{self.name}: request {request_id!r} is not swapped out")
-        self._cut(now)
+        if seq.model != self.active_model:
+            raise EngineError(
+                f"{self.name}: cannot swap in {request_id!r}: its model {seq.model!r} is not active"
+            )
+        self._sync(now)
         if seq not in self._swap_in_pending:
             self._swap_in_pending.append(seq)
         self._kick(now)
@@ -301,10 +313,9 @@ class SimEngine:
         """
         if model not in self.perf_models:
             raise EngineError(f"{self.name}: model {model!r} is not served here")
-        self._cut(now)
+        self._sync(now)
         if tier is ModelTier.ACTIVE:
-            if model != self.active_model:
-                self._switch_to = model
+            self._switch_to = None if model == self.active_model else model
         elif model == self.active_model:
             raise EngineError(f"{self.name}: cannot offload the active model {model!r}")
         elif tier is ModelTier.WARM and self.tiers[model] is ModelTier.COLD:
@@ -341,12 +352,23 @@ class SimEngine:
             self._start_next(t, events)
         return events
 
-    def stats(self) -> EngineStats:
+    def _used_blocks(self, now: float | None) -> int:
+        if self.active_model is None:
+            return 0
+        used = self._capacity_blocks[self.active_model] - self._free_blocks
+        done, _ = self._fused_done(now)
+        if done and self._step is not None:
+            for seq, _ in self._step.work:
+                used += max(0, self._blocks_for(seq.computed + done) - seq.blocks)
+        return used
+
+    def stats(self, now: float | None = None) -> EngineStats:
+        """Load at ``now`` (default: as of the last iteration boundary)."""
         cap_blocks = self._capacity_blocks[self.active_model] if self.active_model else 0
-        used_blocks = cap_blocks - self._free_blocks if self.active_model else 0
+        used_blocks = self._used_blocks(now)
         return EngineStats(
             running=len(self.running),
-            waiting=len(self.waiting) + len(self._swap_in_pending),
+            waiting=len(self.waiting),
             swapped=len(self.swapped),
             kv_used_tokens=used_blocks * self.config.block_size,
             kv_capacity_tokens=cap_blocks * self.config.block_size,
@@ -356,18 +378,36 @@ class SimEngine:
             gpu_memory_used_fraction=self._memory_fraction(used_blocks),
         )
 
-    def gpu_memory_used_fraction(self) -> float:
+    def gpu_memory_used_fraction(self, now: float | None = None) -> float:
         """Weights of the active model plus the KV blocks in use, over the GPUs' memory."""
-        if self.active_model is None:
-            return 0.0
-        return self._memory_fraction(self._capacity_blocks[self.active_model] - self._free_blocks)
+        return self._memory_fraction(self._used_blocks(now))
+
+    def _fused_done(self, now: float | None) -> tuple[int, set[int]]:
+        """Iterations of the fused run in flight that have ended by ``now``, and who runs them."""
+        step = self._step
+        if now is None or step is None or not step.macro_k:
+            return 0, set()
+        return self._macro_steps_done(step, now), {id(seq) for seq, _ in step.work}
+
+    def queue_view(self, now: float | None = None) -> tuple[tuple[str, int, bool], ...]:
+        """Every request in service order — the running batch, then the waiting queue (FCFS),
+        then swapped-out ones — as (request id, output tokens generated by ``now``, running)."""
+        done, fused = self._fused_done(now)
+        running = tuple(
+            (s.rid, s.generated + (done if id(s) in fused else 0), True) for s in self.running
+        )
+        waiting = tuple((s.rid, s.generated, False) for s in self.waiting)
+        swapped = tuple((s.rid, s.generated, False) for s in self.swapped.values())
+        return running + waiting + swapped
 
     def has_request(self, request_id: str) -> bool:
         return request_id in self._by_id
 
-    def generated_tokens(self, request_id: str) -> int:
-        """Output tokens generated so far (as of the last iteration boundary)."""
-        return self._require(request_id).generated
+    def generated_tokens(self, request_id: str, now: float | None = None) -> int:
+        """Output tokens generated by ``now`` (default: as of the last iteration boundary)."""
+        seq = self._require(request_id)
+        done, fused = self._fused_done(now)
+        return seq.generated + (done if id(seq) in fused else 0)
 
     @property
     def idle(self) -> bool:
@@ -392,7 +432,7 @@ class SimEngine:
     def _swap_free_gb(self) -> float:
         used = sum(
             s.computed * self.perf_models[s.model].model.kv_bytes_per_token
-            for s in self.swapped.values()
+            for s in (*self.swapped.values(), *self._swap_out_pending)
         )
         return self.config.swap_space_gb - used / GB
 
@@ -437,6 +477,26 @@ class SimEngine:
             j += 1
         return min(j, step.macro_k)
 
+    def _advance_fused(self, seq: _Seq, k: int) -> None:
+        """Apply ``k`` fused decode iterations to ``seq``: tokens and their KV blocks."""
+        seq.computed += k
+        seq.generated += k
+        need = self._blocks_for(seq.computed) - seq.blocks
+        if need > 0:
+            self._free_blocks -= need
+            seq.blocks += need
+
+    def _sync(self, now: float) -> None:
+        """Every operation happens at ``now``: the caller must have advanced the engine that far
+        (events that end before ``now`` would otherwise be applied after the operation)."""
+        t = self.next_event_time()
+        if t is not None and t < now:
+            raise EngineError(
+                f"{self.name}: operation at t={now:.6f} but the engine has work ending at "
+                f"t={t:.6f}; call advance({now:.6f}) first"
+            )
+        self._cut(now)
+
     def _cut(self, now: float) -> None:
         """Something changes at ``now``: end a fused decode run at the iteration in progress."""
         step = self._step
@@ -446,12 +506,6 @@ class SimEngine:
         if keep < step.macro_k:
             step.macro_k = keep
             step.end = step.start + step.macro_elapsed(keep)
-            # Give back the blocks reserved for the iterations that will no longer run.
-            for seq, _ in step.work:
-                excess = seq.blocks - self._blocks_for(seq.computed + keep)
-                if excess > 0:
-                    seq.blocks -= excess
-                    self._free_blocks += excess
 
     def _kick(self, now: float) -> None:
         """An idle engine has new work: it runs its scheduler at ``now`` (in ``advance``)."""
@@ -477,8 +531,7 @@ class SimEngine:
             k = step.macro_k
             self.steps_total += k
             for seq, _ in step.work:
-                seq.computed += k
-                seq.generated += k
+                self._advance_fused(seq, k)
                 if self.config.emit_token_events:
                     events.append(EngineEvent(EventKind.TOKENS, t, seq.rid, seq.generated))
                 if seq.generated >= seq.target:
@@ -500,6 +553,9 @@ class SimEngine:
         return events
 
     def _complete(self, seq: _Seq, t: float, events: list[EngineEvent]) -> None:
+        for pending in (self._swap_in_pending, self._swap_out_pending):
+            if seq in pending:
+                pending.remove(seq)
         self.running.remove(seq)
         self._free_blocks += seq.blocks
         seq.blocks = 0
@@ -516,12 +572,26 @@ class SimEngine:
             return
         self._schedule(now, events)
 
+    def _admission_head(self) -> _Seq | None:
+        """The next waiting request to admit. FCFS across models: the oldest, if it is for the
+        active model (else nobody: the engine drains and switches). Explicit switching: the oldest
+        request of the active model (the others wait for their model to be activated)."""
+        if self.config.model_switching == "fcfs":
+            if self.waiting and self.waiting[0].model == self.active_model:
+                return self.waiting[0]
+            return None
+        return next((s for s in self.waiting if s.model == self.active_model), None)
+
     def _switch_target(self) -> str | None:
         if self._switch_to is not None and self._switch_to != self.active_model:
             return self._switch_to
         self._switch_to = None
         # FCFS across models: when the oldest waiting request is for another model, drain and switch.
-        if self.waiting and self.waiting[0].model != self.active_model:
+        if (
+            self.config.model_switching == "fcfs"
+            and self.waiting
+            and self.waiting[0].model != self.active_model
+        ):
             return self.waiting[0].model
         return None
 
@@ -529,6 +599,7 @@ class SimEngine:
         pm = self.perf_models[model]
         load_s = pm.warm_load_s if self.tiers[model] is ModelTier.WARM else pm.cold_load_s
         old = self.active_model
+        self.tiers[model] = ModelTier.ACTIVE  # waking frees its CPU copy (sleep level 1)
         if old is not None:
             # vLLM sleep level 1: weights to CPU memory (if it has room), KV cache discarded.
             self.tiers[old] = ModelTier.COLD
@@ -604,19 +675,16 @@ class SimEngine:
                 self.running.append(seq)
                 events.append(EngineEvent(EventKind.SWAPPED_IN, now, seq.rid, seq.generated))
             block_others = self._switch_to is not None
-            while (
-                self.waiting
-                and budget > 0
-                and len(self.running) < cfg.max_num_seqs
-                and not block_others
-                and self.waiting[0].model == model
-            ):
-                seq = self.waiting[0]
+            while budget > 0 and len(self.running) < cfg.max_num_seqs and not block_others:
+                head = self._admission_head()
+                if head is None:
+                    break
+                seq = head
                 n = min(seq.num_tokens - seq.computed, budget)
                 need = self._blocks_for(seq.computed + n) - seq.blocks
                 if need > self._free_blocks:
                     break
-                self.waiting.popleft()
+                self.waiting.remove(seq)
                 self._free_blocks -= need
                 seq.blocks += need
                 self.running.append(seq)
@@ -654,20 +722,21 @@ class SimEngine:
 
     def _can_fuse(self) -> bool:
         """True when the next iterations are decode-only and nothing can join them."""
+        if not self.config.fuse_decode:
+            return False
         if not self.running or self._swap_in_pending or self._switch_to is not None:
             return False
         if len(self.running) > self.config.max_num_batched_tokens:
             return False
         for seq in self.running:
-            if seq.num_tokens - seq.computed != 1:
+            if seq.num_tokens - seq.computed != 1 or seq.computed < seq.prompt:
                 return False
-        if self.waiting:
-            head = self.waiting[0]
-            if head.model == self.active_model and len(self.running) < self.config.max_num_seqs:
-                budget = self.config.max_num_batched_tokens - len(self.running)
-                n = min(head.num_tokens - head.computed, budget)
-                if self._blocks_for(head.computed + n) - head.blocks <= self._free_blocks:
-                    return False  # it would be admitted in the next iteration
+        head = self._admission_head()
+        if head is not None and len(self.running) < self.config.max_num_seqs:
+            budget = self.config.max_num_batched_tokens - len(self.running)
+            n = min(head.num_tokens - head.computed, budget)
+            if self._blocks_for(head.computed + n) - head.blocks <= self._free_blocks:
+                return False  # it would be admitted in the next iteration
         return True
 
     def _fuse_length(self) -> int:
@@ -686,12 +755,8 @@ class SimEngine:
         # Iteration i (from 0) feeds each sequence's newest token; it attends to computed + 1 + i.
         ctx0 = sum(seq.computed + 1 for seq in running)
         d0 = pm.step.step_ms(n_scheduled=B, n_tokens=B, decode_ctx=ctx0, prefill_pairs=0.0) / 1000
-        # Blocks for all k iterations are reserved now (``_cut`` gives back what is not used).
-        for seq in running:
-            need = self._blocks_for(seq.computed + k) - seq.blocks
-            if need > 0:
-                self._free_blocks -= need
-                seq.blocks += need
+        # The blocks of the k iterations are allocated as they end (``_finish_step``, ``abort``):
+        # nothing else can allocate during the run, and ``_fuse_length`` checked they are free.
         step = _Step(start=now + extra_s, end=now, work=[(s, 1) for s in running], macro_k=k)
         step.d0_s, step.slope_s = d0, pm.step.per_ctx_token_ms * B / 1000
         step.end = step.start + step.macro_elapsed(k)

@@ -12,7 +12,7 @@ import heapq
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from qlm.clock import VirtualClock
 from qlm.domain import (
@@ -35,6 +35,15 @@ from qlm.planner import DispatchContext, InstanceLoad, Policy
 from qlm.sim.metrics import MemoryTimeline, summarize
 
 ProgressFn = Callable[[int, int], None]
+
+
+class SimObserver(Protocol):
+    """Watches a run from inside, for experiments that need more than the records (e.g. what an
+    estimator would have predicted at each dispatch). Production code never needs it."""
+
+    def on_dispatch(self, now: float, request: Request, engine: SimEngine) -> None: ...
+
+    def on_finish(self, record: RequestRecord) -> None: ...
 
 
 @dataclass(slots=True)
@@ -96,7 +105,7 @@ def build_engines(
     for spec in instances:
         perf = {m: catalog.perf_model(m, spec.gpu, spec.gpu_count) for m in spec.models}
         gpu = catalog.gpu(spec.gpu)
-        config = SimEngineConfig.for_gpu(gpu.memory_gb, **(config_overrides or {}))
+        config = SimEngineConfig.for_gpu(gpu.memory_gb, gpu.name, **(config_overrides or {}))
         engines.append(SimEngine(spec.name, perf, config))
     return engines
 
@@ -112,11 +121,13 @@ class ClusterSimulation:
         catalog: HardwareCatalog | None = None,
         engine_config: dict[str, Any] | None = None,
         memory_bin_s: float = 10.0,
+        observer: SimObserver | None = None,
     ) -> None:
         if not instances:
             raise ConfigError("a cluster simulation needs at least one instance")
         self.specs = tuple(instances)
         self.policy = policy
+        self.observer = observer
         self.engines = build_engines(instances, catalog=catalog, config_overrides=engine_config)
         self._index = {e.name: i for i, e in enumerate(self.engines)}
         self.clock = VirtualClock()
@@ -143,9 +154,16 @@ class ClusterSimulation:
             self._tracks[r.id] = _Track(r)
         total = len(ordered)
         ai = 0
+        if ordered:
+            self.clock.advance_to(ordered[0].arrival_s)
+            self.memory.begin(
+                ordered[0].arrival_s, [e.gpu_memory_used_fraction() for e in self.engines]
+            )
         step_progress = max(1, total // 200)
         while ai < total or self._heap:
             t_engine, idx = self._peek_engine()
+            if idx < 0 and ai >= total:
+                break  # only stale wake-ups were left
             t_arrival = ordered[ai].arrival_s if ai < total else math.inf
             if t_engine < t_arrival:  # on a tie, arrivals first: they join the next step
                 heapq.heappop(self._heap)
@@ -162,6 +180,9 @@ class ClusterSimulation:
         for req in self._pending.values():  # only possible if a policy never dispatches them
             track = self._tracks[req.id]
             track.status, track.error = RequestStatus.FAILED, "never dispatched"
+        for track in self._tracks.values():  # e.g. left swapped out by a policy: never silent
+            if track.status not in (RequestStatus.FINISHED, RequestStatus.FAILED):
+                track.status, track.error = RequestStatus.FAILED, "unfinished when the run ended"
         records = tuple(self._tracks[r.id].record() for r in ordered)
         self.memory.close(self.clock.now())
         summary = summarize(
@@ -222,6 +243,8 @@ class ClusterSimulation:
             self._outstanding[idx] -= 1
             self._outstanding_tokens[idx] -= self._work_tokens(track.request)
             self._finished += 1
+            if self.observer is not None:
+                self.observer.on_finish(track.record())
             return True
         elif kind is EventKind.PREEMPTED:
             track.preemptions += 1
@@ -280,6 +303,8 @@ class ClusterSimulation:
                 track.dispatch_s = now
             self._outstanding[idx] += 1
             self._outstanding_tokens[idx] += self._work_tokens(req)
+            if self.observer is not None:
+                self.observer.on_dispatch(now, req, engine)
         elif isinstance(decision, Evict):
             generated = engine.abort(decision.request_id, now)
             track = self._tracks[decision.request_id]
@@ -295,6 +320,7 @@ class ClusterSimulation:
             engine.swap_in(decision.request_id, now)
         elif isinstance(decision, SetModelTier):
             engine.set_model_tier(decision.model, decision.tier, now)
+        self.memory.observe(idx, now, engine.gpu_memory_used_fraction(now))
         self._wake(idx)
 
 

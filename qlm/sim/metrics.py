@@ -29,7 +29,13 @@ class MemoryTimeline:
         self._last: list[tuple[float, float]] = [(0.0, 0.0) for _ in instances]
         self._area = [0.0 for _ in instances]
         self._bins: list[dict[int, float]] = [defaultdict(float) for _ in instances]
+        self.start_s = 0.0
         self.end_s = 0.0
+
+    def begin(self, t: float, fractions: Sequence[float]) -> None:
+        """The run starts at ``t`` with these utilisations (weights already resident count)."""
+        self.start_s = t
+        self._last = [(t, f) for f in fractions]
 
     def observe(self, idx: int, t: float, fraction: float) -> None:
         """The instance's utilisation is ``fraction`` from ``t`` on."""
@@ -57,13 +63,23 @@ class MemoryTimeline:
         self.end_s = t
 
     def mean(self, idx: int) -> float:
-        return self._area[idx] / self.end_s if self.end_s > 0 else 0.0
+        span = self.end_s - self.start_s
+        return self._area[idx] / span if span > 0 else 0.0
 
     def series(self, idx: int) -> list[tuple[float, float]]:
-        """(bin start, mean utilisation in the bin) for every bin up to the end of the run."""
-        n = int(np.ceil(self.end_s / self.bin_s)) if self.end_s > 0 else 0
+        """(bin start, mean utilisation over the part of the bin inside the run), every bin."""
+        if self.end_s <= self.start_s:
+            return []
+        first = int(self.start_s // self.bin_s)
+        last = int(np.ceil(self.end_s / self.bin_s))
         bins = self._bins[idx]
-        return [(b * self.bin_s, bins.get(b, 0.0) / self.bin_s) for b in range(n)]
+        out = []
+        for b in range(first, last):
+            lo = max(b * self.bin_s, self.start_s)
+            hi = min((b + 1) * self.bin_s, self.end_s)
+            if hi > lo:
+                out.append((b * self.bin_s, bins.get(b, 0.0) / (hi - lo)))
+        return out
 
 
 def percentiles(values: Sequence[float]) -> dict[str, float | None]:

@@ -79,3 +79,10 @@ def test_demo_runs_on_embedded_defaults_and_reads_its_settings(monkeypatch) -> N
     monkeypatch.setenv("QLM_DEMO__DURATION_S", "-5")
     bad = runner.invoke(app, ["demo"])
     assert bad.exit_code == 1 and "QLM_DEMO__DURATION_S" in bad.stderr
+
+
+def test_help_of_every_command_renders() -> None:
+    for args in (["--help"], ["simulate", "--help"], ["demo", "--help"]):
+        result = runner.invoke(app, args)
+        assert result.exit_code == 0, result.output
+        assert "Usage" in result.stdout

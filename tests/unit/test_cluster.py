@@ -8,7 +8,17 @@ from dataclasses import dataclass, field
 import pytest
 from builders import make_catalog, make_request
 
-from qlm.domain import SLO, Decision, Evict, InstanceSpec, Pull, Request, RequestStatus
+from qlm.domain import (
+    SLO,
+    Decision,
+    Evict,
+    InstanceSpec,
+    Pull,
+    Request,
+    RequestRecord,
+    RequestStatus,
+)
+from qlm.engines.sim import SimEngine
 from qlm.errors import ConfigError
 from qlm.planner import DispatchContext, create_policy
 from qlm.sim.cluster import ClusterSimulation, SimResult
@@ -99,14 +109,33 @@ class EvictOnce:
         return out
 
 
+@dataclass
+class Prompts:
+    """Observer: the prompt and cap each dispatch handed to the engine."""
+
+    seen: list[tuple[str, int, int]] = field(default_factory=list)
+
+    def on_dispatch(self, now: float, request: Request, engine: SimEngine) -> None:
+        seq = engine._by_id[request.id]
+        self.seen.append((request.id, seq.prompt, seq.target))
+
+    def on_finish(self, record: RequestRecord) -> None:
+        pass
+
+
 def test_an_evicted_request_resumes_from_its_partial_output() -> None:
     reqs = [
         make_request(0, arrival_s=0.0, replay_output_tokens=400, max_tokens=400),
         make_request(1, arrival_s=1.0, replay_output_tokens=10),
     ]
-    sim = ClusterSimulation([TWO[0]], EvictOnce(), catalog=make_catalog())
+    prompts = Prompts()
+    sim = ClusterSimulation([TWO[0]], EvictOnce(), catalog=make_catalog(), observer=prompts)
     result = sim.run(reqs)
     first = result.records[0]
+    resumed = [(p, t) for rid, p, t in prompts.seen if rid == "r0000"]
+    assert len(resumed) == 2 and resumed[0] == (200, 400)
+    prompt, remaining = resumed[1]
+    assert prompt > 200 and prompt - 200 + remaining == 400  # prompt + partial output, rest to go
     assert first.evictions == 1
     assert first.status is RequestStatus.FINISHED
     assert first.output_tokens == 400  # tokens before the eviction + after the resumption

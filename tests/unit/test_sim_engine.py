@@ -107,7 +107,19 @@ def test_kv_exhaustion_preempts_the_newest_request_which_recomputes_later() -> N
     assert fin["old"].tokens == fin["new"].tokens == 100
     assert fin["old"].time < fin["new"].time
     assert engine.preemptions_total == 1
-    # Recompute: after "old" finishes, "new" prefills prompt + what it had generated.
+    # Recompute: once "old" is done, "new" prefills its prompt and what it had generated again.
+    generated = preempted[0].tokens
+    assert generated > 0
+    recompute_s = (
+        STEP.step_ms(
+            n_scheduled=1,
+            n_tokens=100 + generated,
+            decode_ctx=0,
+            prefill_pairs=prefill_pairs(100 + generated, 0),
+        )
+        / 1000
+    )
+    assert fin["new"].time - fin["old"].time >= recompute_s
     assert engine.stats().kv_used_tokens == 0
 
 
@@ -163,14 +175,26 @@ def test_swap_out_pauses_a_request_and_swap_in_resumes_it_without_recompute() ->
     events = engine.advance(engine.next_event_time() or t)
     assert [e.kind for e in events] == [EventKind.SWAPPED_OUT]
     assert engine.stats().swapped == 1 and engine.stats().kv_used_tokens == 0
+    [(_, generated, _)] = engine.queue_view()
+    assert run_to_end(engine, until=5.0) == []  # nothing happens while it is swapped out
     engine.swap_in("a", now=5.0)
     events = run_to_end(engine)
     kinds = [e.kind for e in events]
     assert EventKind.SWAPPED_IN in kinds and EventKind.PREEMPTED not in kinds
     fin = [e for e in events if e.kind is EventKind.FINISHED]
     assert fin[0].tokens == 50
-    # Only decode steps after the swap-in: no second prefill of 1000 tokens.
-    assert fin[0].time - 5.0 < 0.05 * 50
+    # Exactly the copy back plus the remaining decode steps: no second prefill of 1000 tokens.
+    computed = 1000 + generated - 1
+    expected = (
+        5.0
+        + make_perf().kv_transfer_s(computed)
+        + sum(
+            STEP.step_ms(n_scheduled=1, n_tokens=1, decode_ctx=computed + 1 + i, prefill_pairs=0)
+            for i in range(50 - generated)
+        )
+        / 1000
+    )
+    assert fin[0].time == pytest.approx(expected)
 
 
 def test_model_switch_costs_the_warm_or_cold_load_time() -> None:
@@ -214,3 +238,24 @@ def test_bad_submissions_are_refused_with_the_reason() -> None:
     engine.submit(req("a"), now=0.0)
     with pytest.raises(EngineError, match="already"):
         engine.submit(req("a"), now=0.0)
+
+
+def test_with_explicit_switching_the_engine_serves_the_active_model_and_waits_for_orders() -> None:
+    engine = make_engine("a", "b", model_switching="explicit")
+    engine.submit(req("b1", model="b", out=1), now=0.0)
+    engine.submit(req("a1", model="a", out=5), now=0.0)
+    events = run_to_end(engine)
+    assert [e.request_id for e in events if e.kind is EventKind.FINISHED] == ["a1"]
+    assert engine.model_switches == 0 and engine.has_request("b1")
+    t = events[-1].time
+    engine.set_model_tier("b", ModelTier.ACTIVE, now=t)
+    events = run_to_end(engine)
+    assert [e.request_id for e in events if e.kind is EventKind.FINISHED] == ["b1"]
+    assert engine.model_switches == 1
+
+
+def test_operations_refuse_to_run_behind_the_engines_clock() -> None:
+    engine = make_engine()
+    engine.submit(req("a"), now=0.0)
+    with pytest.raises(EngineError, match="advance"):
+        engine.submit(req("b"), now=1.0)
