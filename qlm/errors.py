@@ -25,3 +25,12 @@ class UnknownRequest(EngineError):
 
 class WorkloadError(QLMError):
     """A trace or workload description cannot be loaded or built."""
+
+
+class GroupError(QLMError):
+    """A request-group operation names an unknown group or request, or adds a request twice."""
+
+
+class VirtualQueueError(QLMError):
+    """A virtual-queue operation is invalid: unknown instance or group, a group in two queues, a bad
+    position. The message names the instance and the group."""

@@ -8,7 +8,16 @@ from pathlib import Path
 import pytest
 
 QLM = Path(__file__).resolve().parents[2] / "qlm"
-PURE = ["domain.py", "groups", "rct", "planner", "agents/decide.py", "engines/sim.py", "sim"]
+PURE = [
+    "domain.py",
+    "groups",
+    "virtual_queues",
+    "rct",
+    "planner",
+    "agents/decide.py",
+    "engines/sim.py",
+    "sim",
+]
 FORBIDDEN = {"pika", "httpx", "sqlalchemy", "fastapi", "uvicorn", "requests", "psycopg"}
 
 

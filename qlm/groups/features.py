@@ -1,0 +1,111 @@
+"""What makes two requests similar: the feature vector k-means and online classification compare.
+
+A request's partition key ``(model, tier, slo_class)`` is matched exactly: groups never mix models,
+priority tiers or SLO classes. Inside a partition, four numeric features (natural logarithms, so a
+factor counts the same at every size):
+
+=====================  ======  ===============================================================
+feature                weight  value
+=====================  ======  ===============================================================
+``log_e2e_slo``        2       ``log(slo.e2e_s)``
+``log_ttft_slo``       1       ``log(slo.ttft_s)``, or ``log(slo.e2e_s)`` without a TTFT SLO
+``log_input_tokens``   1       ``log(1 + input_tokens)``
+``log_output_tokens``  1       ``log(1 + predicted output)``, the prediction clamped to
+                               ``[1, max_tokens]``
+=====================  ======  ===============================================================
+
+Each feature is divided by its standard deviation over the waiting requests (at least
+``MIN_SCALE``, so a feature that barely varies is not blown up; ``DEFAULT_SCALE`` before the first
+re-clustering), then multiplied by its weight. Deadlines weigh double: requests whose SLOs differ by
+a factor ``slo_ratio`` are never grouped anyway (a hard rule, see ``Grouper``), and among compatible
+ones a group should be as homogeneous in deadline as in length, because the planner orders whole
+groups by their earliest deadline.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import numpy.typing as npt
+
+from qlm.domain import Request, Tier
+
+FloatArray = npt.NDArray[np.float64]
+IntArray = npt.NDArray[np.int64]
+
+GroupKey = tuple[str, Tier, str]
+"""Partition of a request: (model, tier, slo_class), matched exactly."""
+
+PredictOutput = Callable[[Request], float]
+"""Predicted output tokens of a waiting request (the estimator plugs in its posterior mean)."""
+
+FEATURES = ("log_e2e_slo", "log_ttft_slo", "log_input_tokens", "log_output_tokens")
+WEIGHTS: FloatArray = np.array([2.0, 1.0, 1.0, 1.0])
+MIN_SCALE = 0.5
+DEFAULT_SCALE: FloatArray = np.ones(len(FEATURES))
+SLO_FEATURES = 2
+"""The first two features are the SLOs: the ones ``slo_ratio`` bounds within a group."""
+
+DEFAULT_OUTPUT_TOKENS = 256
+"""Output length guessed before the estimator knows better: between the mean outputs of the Azure
+conversation trace (211 tokens) and ShareGPT (439)."""
+
+
+def default_predict_output(request: Request) -> float:
+    """``min(max_tokens, DEFAULT_OUTPUT_TOKENS)``: all a policy may know without a fitted model."""
+    return float(min(request.max_tokens, DEFAULT_OUTPUT_TOKENS))
+
+
+def group_key(request: Request) -> GroupKey:
+    return (request.model, request.tier, request.slo_class)
+
+
+def raw_features(request: Request, predict_output: PredictOutput) -> FloatArray:
+    """The unscaled feature vector of one request (natural-log units)."""
+    slo = request.slo
+    ttft = slo.e2e_s if slo.ttft_s is None else slo.ttft_s
+    output = min(max(predict_output(request), 1.0), float(request.max_tokens))
+    return np.array(
+        [math.log(slo.e2e_s), math.log(ttft), math.log1p(request.input_tokens), math.log1p(output)]
+    )
+
+
+def raw_feature_matrix(requests: Sequence[Request], predict_output: PredictOutput) -> FloatArray:
+    """``raw_features`` of many requests at once, one row each."""
+    n = len(requests)
+    e2e = np.fromiter((r.slo.e2e_s for r in requests), np.float64, n)
+    ttft = np.fromiter(
+        (r.slo.e2e_s if r.slo.ttft_s is None else r.slo.ttft_s for r in requests), np.float64, n
+    )
+    inputs = np.fromiter((r.input_tokens for r in requests), np.float64, n)
+    caps = np.fromiter((r.max_tokens for r in requests), np.float64, n)
+    predicted = np.fromiter((predict_output(r) for r in requests), np.float64, n)
+    output = np.minimum(np.maximum(predicted, 1.0), caps)
+    return np.column_stack([np.log(e2e), np.log(ttft), np.log1p(inputs), np.log1p(output)])
+
+
+def fit_multipliers(raw: FloatArray) -> FloatArray:
+    """Per-feature ``weight / max(std, MIN_SCALE)`` over the rows of ``raw``: the space k-means uses."""
+    if len(raw) < 2:
+        return WEIGHTS / DEFAULT_SCALE
+    result: FloatArray = WEIGHTS / np.maximum(raw.std(axis=0), MIN_SCALE)
+    return result
+
+
+def predicted_output(raw: FloatArray) -> FloatArray:
+    """The (clamped) predicted output tokens back from rows of raw features."""
+    result: FloatArray = np.expm1(raw[..., 3])
+    return result
+
+
+def stable_hash(ids: npt.NDArray[np.str_]) -> npt.NDArray[np.uint64]:
+    """FNV-1a over the characters of each id: the same id hashes the same in every process."""
+    width = ids.dtype.itemsize // 4
+    chars = np.ascontiguousarray(ids).view(np.uint32).reshape(len(ids), width).astype(np.uint64)
+    h = np.full(len(ids), 0xCBF29CE484222325, dtype=np.uint64)
+    prime = np.uint64(0x100000001B3)
+    for j in range(width):
+        h = (h ^ chars[:, j]) * prime
+    return h

@@ -1,0 +1,585 @@
+"""The owner of the request groups: online classification, FCFS service, re-clustering.
+
+One ``Grouper`` per controller. It holds every waiting request exactly once, each in one group, and
+keeps per partition ``(model, tier, slo_class)`` a matrix of group centroids so that a new request is
+classified with one numpy pass over the compatible groups. Time comes in as ``now`` arguments.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from qlm.domain import Request, Tier
+from qlm.errors import GroupError
+from qlm.groups.clustering import form_groups
+from qlm.groups.config import GroupingConfig
+from qlm.groups.features import (
+    DEFAULT_SCALE,
+    FEATURES,
+    SLO_FEATURES,
+    WEIGHTS,
+    FloatArray,
+    GroupKey,
+    IntArray,
+    PredictOutput,
+    default_predict_output,
+    fit_multipliers,
+    group_key,
+    predicted_output,
+    raw_feature_matrix,
+    raw_features,
+    stable_hash,
+)
+
+MIN_DRIFT_SAMPLES = 32
+"""Online classifications needed before their distance to the centroid can signal drift."""
+DRIFT_FLOOR = 0.1
+"""Smallest baseline distance (weighted, standardised units): identical requests give a baseline of
+0, and any new request would otherwise look like drift."""
+MIN_NEW_GROUPS = 4
+"""Groups created online before their number can signal drift."""
+
+
+@dataclass(frozen=True, slots=True)
+class RequestGroup:
+    """A snapshot of one request group: its waiting requests in FCFS order and cheap summaries.
+
+    Every member has the group's ``model``, ``tier`` and ``slo_class``. ``predicted_output_tokens``
+    sums the predictions made when each request was classified (or at the last re-clustering).
+    ``centroid`` is the members' mean in the weighted, standardised feature space (``FEATURES``).
+    """
+
+    id: str
+    model: str
+    tier: Tier
+    slo_class: str
+    requests: tuple[Request, ...]
+    input_tokens: int
+    predicted_output_tokens: float
+    earliest_deadline_s: float
+    min_e2e_slo_s: float
+    min_ttft_slo_s: float | None
+    centroid: tuple[float, ...]
+
+    @property
+    def size(self) -> int:
+        return len(self.requests)
+
+
+@dataclass(frozen=True, slots=True)
+class ReclusterResult:
+    """What a re-clustering did to group identities: ids kept, newly created, and gone."""
+
+    kept: tuple[str, ...]
+    created: tuple[str, ...]
+    removed: tuple[str, ...]
+    requests: int
+    now: float
+
+
+class _Partition:
+    """Centroid matrix of the groups of one (model, tier, slo_class), grown by doubling."""
+
+    __slots__ = ("centroids", "gids", "hi", "lo", "sizes")
+
+    def __init__(self, capacity: int = 8) -> None:
+        self.gids: list[str] = []
+        self.centroids: FloatArray = np.empty((capacity, len(FEATURES)))
+        self.sizes: IntArray = np.empty(capacity, dtype=np.int64)
+        self.lo: FloatArray = np.empty((capacity, SLO_FEATURES))  # min log SLO of the members
+        self.hi: FloatArray = np.empty((capacity, SLO_FEATURES))  # max log SLO of the members
+
+    def append(self, gid: str) -> int:
+        row = len(self.gids)
+        if row == len(self.sizes):
+            cap = 2 * row
+            self.centroids = np.resize(self.centroids, (cap, len(FEATURES)))
+            self.sizes = np.resize(self.sizes, cap)
+            self.lo = np.resize(self.lo, (cap, SLO_FEATURES))
+            self.hi = np.resize(self.hi, (cap, SLO_FEATURES))
+        self.gids.append(gid)
+        return row
+
+    def delete(self, row: int) -> str | None:
+        """Drop a row by moving the last one into it; return the id of the group that moved."""
+        last = len(self.gids) - 1
+        moved = None
+        if row != last:
+            self.centroids[row] = self.centroids[last]
+            self.sizes[row] = self.sizes[last]
+            self.lo[row] = self.lo[last]
+            self.hi[row] = self.hi[last]
+            moved = self.gids[row] = self.gids[last]
+        self.gids.pop()
+        return moved
+
+
+class _Group:
+    __slots__ = ("feature_sum", "id", "key", "part", "requests", "row", "view")
+
+    def __init__(self, gid: str, key: GroupKey, part: _Partition, feature_sum: FloatArray) -> None:
+        self.id = gid
+        self.key = key
+        self.part = part
+        self.row = part.append(gid)
+        self.requests: list[Request] = []
+        self.feature_sum = feature_sum
+        self.view: RequestGroup | None = None
+
+
+def _fcfs(request: Request) -> tuple[float, str]:
+    return (request.arrival_s, request.id)
+
+
+class Grouper:
+    """Request groups of one controller (paper §4, Algorithm 1), kept up to date request by request.
+
+    Guarantees, whatever the sequence of calls:
+
+    - every waiting request is in exactly one group, and a group is never empty (it disappears);
+    - a group never mixes models, tiers (``Tier``) or SLO classes, and its members' end-to-end SLOs
+      (and TTFT SLOs) differ by at most ``config.slo_ratio``;
+    - no group holds more than ``config.max_group_size`` requests (δ × average batch size);
+    - requests inside a group are served FCFS: by ``arrival_s``, then ``id``;
+    - a group id (``g17``) is never reused for another group.
+
+    ``add`` classifies a request online without re-clustering; ``recluster`` re-runs Algorithm 1
+    over every waiting request and keeps ids where the new clusters overlap the old groups;
+    ``needs_recluster`` says when that is due. ``predict_output`` gives a request's predicted output
+    tokens (default ``default_predict_output``); the estimator passes its posterior mean.
+    """
+
+    def __init__(
+        self,
+        config: GroupingConfig | None = None,
+        *,
+        predict_output: PredictOutput = default_predict_output,
+    ) -> None:
+        self._config = config if config is not None else GroupingConfig()
+        self._predict = predict_output
+        self._groups: dict[str, _Group] = {}
+        self._group_of: dict[str, str] = {}
+        self._features: dict[str, FloatArray] = {}
+        self._parts: dict[GroupKey, _Partition] = {}
+        self._centres: dict[GroupKey, FloatArray] = {}  # last k-means centres, raw units
+        self._mult: FloatArray = WEIGHTS / DEFAULT_SCALE
+        self._max_log_spread = math.log(self._config.slo_ratio)
+        self._next_id = 1
+        self._last_recluster_s: float | None = None
+        self._first_change_s: float | None = None
+        self._changes = 0
+        self._created_online = 0
+        self._groups_after_recluster = 0
+        self._baseline_distance: float | None = None
+        self._online_distance_sum = 0.0
+        self._online_distance_n = 0
+
+    # --- reading -------------------------------------------------------------------------------
+
+    @property
+    def config(self) -> GroupingConfig:
+        return self._config
+
+    def set_config(self, config: GroupingConfig) -> None:
+        """Use new settings (e.g. the measured average batch size) from the next call on.
+
+        Groups already larger than a smaller new bound stay so until ``recluster``.
+        """
+        self._config = config
+        self._max_log_spread = math.log(config.slo_ratio)
+
+    def __len__(self) -> int:
+        """Number of groups."""
+        return len(self._groups)
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._group_of)
+
+    def has_group(self, gid: str) -> bool:
+        return gid in self._groups
+
+    def group_ids(self) -> tuple[str, ...]:
+        """Ids of every group, oldest id first."""
+        return tuple(self._groups)
+
+    def groups(self) -> tuple[RequestGroup, ...]:
+        return tuple(self._view(g) for g in self._groups.values())
+
+    def group(self, gid: str) -> RequestGroup:
+        """Snapshot of one group (cached until the group changes); ``GroupError`` if unknown."""
+        return self._view(self._get(gid))
+
+    def group_of(self, request_id: str) -> str | None:
+        return self._group_of.get(request_id)
+
+    def peek(self, gid: str) -> Request:
+        """The request the group serves next (its oldest)."""
+        return self._get(gid).requests[0]
+
+    # --- changing ------------------------------------------------------------------------------
+
+    def add(self, request: Request, now: float) -> str:
+        """Classify a new request online and return its group's id; never re-clusters.
+
+        It joins the nearest group (Euclidean distance to the centroid) of its partition that is below
+        ``max_group_size`` and stays within ``slo_ratio`` of its SLOs; when none does, it founds a new
+        group. ``GroupError`` if a request with that id is already waiting.
+        """
+        if request.id in self._group_of:
+            raise GroupError(
+                f"request {request.id!r} is already in group {self._group_of[request.id]}"
+            )
+        raw = raw_features(request, self._predict)
+        x = raw * self._mult
+        key = group_key(request)
+        part = self._parts.get(key)
+        if part is None:
+            part = self._parts[key] = _Partition()
+        group: _Group | None = None
+        n = len(part.gids)
+        if n:
+            slo = raw[:SLO_FEATURES]
+            spread = np.maximum(part.hi[:n], slo) - np.minimum(part.lo[:n], slo)
+            ok = (part.sizes[:n] < self._config.max_group_size) & (
+                spread <= self._max_log_spread + 1e-9
+            ).all(axis=1)
+            if ok.any():
+                diff = part.centroids[:n] - x
+                d2 = np.where(ok, (diff * diff).sum(axis=1), np.inf)
+                row = int(d2.argmin())
+                group = self._groups[part.gids[row]]
+                self._online_distance_sum += math.sqrt(float(d2[row]))
+                self._online_distance_n += 1
+        if group is None:
+            group = self._new_group(key, part, np.zeros(len(FEATURES)))
+            self._created_online += 1
+        self._insert(group, request, raw)
+        if self._changes == 0:
+            self._first_change_s = now
+        self._changes += 1
+        return group.id
+
+    def remove(self, request_id: str) -> str | None:
+        """Take a finished, cancelled or dispatched request out; return its group id (None if unknown).
+
+        A group left empty disappears.
+        """
+        gid = self._group_of.pop(request_id, None)
+        if gid is None:
+            return None
+        group = self._groups[gid]
+        for i, r in enumerate(group.requests):
+            if r.id == request_id:
+                del group.requests[i]
+                break
+        self._detach(group, request_id)
+        return gid
+
+    def pop(self, gid: str) -> Request:
+        """Take the group's next request (FCFS) out and return it; an emptied group disappears."""
+        group = self._get(gid)
+        request = group.requests.pop(0)
+        del self._group_of[request.id]
+        self._detach(group, request.id)
+        return request
+
+    def needs_recluster(self, now: float) -> bool:
+        """Whether ``recluster`` is due: something changed since the last one, and
+
+        - ``recluster_interval_s`` passed since it (or since the first request, before any), or
+        - online classification created more than ``max_new_group_fraction`` × (groups right after
+          it) new groups (at least ``MIN_NEW_GROUPS``), or
+        - requests classified online since (at least ``MIN_DRIFT_SAMPLES``) lie on average more than
+          ``drift_factor`` times farther from their group's centroid than members did right after it.
+        """
+        if not self._group_of or self._changes == 0:
+            return False
+        cfg = self._config
+        since = (
+            self._last_recluster_s if self._last_recluster_s is not None else self._first_change_s
+        )
+        if since is not None and now - since >= cfg.recluster_interval_s:
+            return True
+        if self._created_online >= MIN_NEW_GROUPS and self._created_online > (
+            cfg.max_new_group_fraction * max(self._groups_after_recluster, 1)
+        ):
+            return True
+        if self._baseline_distance is not None and self._online_distance_n >= MIN_DRIFT_SAMPLES:
+            mean = self._online_distance_sum / self._online_distance_n
+            return mean > cfg.drift_factor * max(self._baseline_distance, DRIFT_FLOOR)
+        return False
+
+    def recluster(self, now: float) -> ReclusterResult:
+        """Re-run Algorithm 1 over every waiting request and keep group ids where possible.
+
+        Features are recomputed (with the current ``predict_output``) and re-standardised. Per
+        partition, k-means and splitting give the new groups; each new group takes the id of the old
+        group it shares most members with, when they share at least ``keep_id_overlap`` of the larger
+        of the two (greedy, largest overlaps first). The other new groups get new ids, and old ids
+        left unmatched are reported removed.
+        """
+        cfg = self._config
+        old = list(self._groups.values())
+        requests = [r for g in old for r in g.requests]
+        n = len(requests)
+        old_ids = [g.id for g in old]
+        old_sizes = np.array([len(g.requests) for g in old], dtype=np.int64)
+        old_code = np.repeat(np.arange(len(old), dtype=np.int64), old_sizes)
+        if n == 0:
+            self._reset(now, groups={}, parts={}, features={}, group_of={}, baseline=None)
+            return ReclusterResult((), (), tuple(old_ids), 0, now)
+
+        raw = raw_feature_matrix(requests, self._predict)
+        mult = fit_multipliers(raw)
+        points = raw * mult
+        new_rows, new_keys = self._cluster(requests, raw, mult, old_code)
+
+        new_sizes = np.array([len(rows) for rows in new_rows], dtype=np.int64)
+        new_code = np.empty(n, dtype=np.int64)
+        for j, rows in enumerate(new_rows):
+            new_code[rows] = j
+        match = _match(old_code, old_sizes, new_code, new_sizes, cfg.keep_id_overlap)
+
+        ids: list[str] = []
+        created: list[str] = []
+        for j in range(len(new_rows)):
+            if j in match:
+                ids.append(old_ids[match[j]])
+            else:
+                ids.append(self._fresh_id())
+                created.append(ids[-1])
+        kept_set = {old_ids[i] for i in match.values()}
+
+        sums = np.zeros((len(new_rows), len(FEATURES)))
+        np.add.at(sums, new_code, raw)
+        centroids = sums / new_sizes[:, None] * mult
+        baseline = float(np.linalg.norm(points - centroids[new_code], axis=1).mean())
+
+        by_row = np.empty(n, dtype=object)
+        by_row[:] = requests
+        groups: dict[str, _Group] = {}
+        parts: dict[GroupKey, _Partition] = {}
+        for j in sorted(range(len(new_rows)), key=lambda j: int(ids[j][1:])):
+            key = new_keys[j]
+            part = parts.get(key)
+            if part is None:
+                part = parts[key] = _Partition()
+            group = _Group(ids[j], key, part, sums[j])
+            rows = new_rows[j]
+            group.requests = by_row[rows].tolist()
+            part.centroids[group.row] = centroids[j]
+            part.sizes[group.row] = len(rows)
+            slo = raw[rows, :SLO_FEATURES]
+            part.lo[group.row] = slo.min(axis=0)
+            part.hi[group.row] = slo.max(axis=0)
+            groups[group.id] = group
+        request_ids = [r.id for r in requests]
+        group_of = dict(
+            zip(request_ids, np.array(ids, dtype=object)[new_code].tolist(), strict=True)
+        )
+        features = dict(zip(request_ids, raw, strict=True))
+        self._mult = mult
+        self._reset(
+            now, groups=groups, parts=parts, features=features, group_of=group_of, baseline=baseline
+        )
+        return ReclusterResult(
+            kept=tuple(gid for gid in ids if gid in kept_set),
+            created=tuple(created),
+            removed=tuple(gid for gid in old_ids if gid not in kept_set),
+            requests=n,
+            now=now,
+        )
+
+    # --- internals -----------------------------------------------------------------------------
+
+    def _get(self, gid: str) -> _Group:
+        group = self._groups.get(gid)
+        if group is None:
+            raise GroupError(f"unknown group {gid!r} (emptied, re-clustered away or never created)")
+        return group
+
+    def _fresh_id(self) -> str:
+        gid = f"g{self._next_id}"
+        self._next_id += 1
+        return gid
+
+    def _new_group(self, key: GroupKey, part: _Partition, feature_sum: FloatArray) -> _Group:
+        group = _Group(self._fresh_id(), key, part, feature_sum)
+        self._groups[group.id] = group
+        return group
+
+    def _insert(self, group: _Group, request: Request, raw: FloatArray) -> None:
+        members = group.requests
+        if not members or _fcfs(request) >= _fcfs(members[-1]):
+            members.append(request)
+        else:  # a late or redelivered request: keep FCFS order
+            bisect.insort(members, request, key=_fcfs)
+        self._group_of[request.id] = group.id
+        self._features[request.id] = raw
+        group.feature_sum = group.feature_sum + raw
+        part, row = group.part, group.row
+        part.centroids[row] = group.feature_sum / len(members) * self._mult
+        part.sizes[row] = len(members)
+        slo = raw[:SLO_FEATURES]
+        if len(members) == 1:
+            part.lo[row] = slo
+            part.hi[row] = slo
+        else:
+            np.minimum(part.lo[row], slo, out=part.lo[row])
+            np.maximum(part.hi[row], slo, out=part.hi[row])
+        group.view = None
+
+    def _detach(self, group: _Group, request_id: str) -> None:
+        """Bookkeeping after ``request_id`` left ``group.requests``."""
+        raw = self._features.pop(request_id)
+        self._changes += 1
+        part, row = group.part, group.row
+        if not group.requests:
+            del self._groups[group.id]
+            moved = part.delete(row)
+            if moved is not None:
+                self._groups[moved].row = row
+            if not part.gids:
+                del self._parts[group.key]
+            return
+        group.feature_sum = group.feature_sum - raw
+        part.centroids[row] = group.feature_sum / len(group.requests) * self._mult
+        part.sizes[row] = len(group.requests)
+        slo = np.array([self._features[r.id][:SLO_FEATURES] for r in group.requests])
+        part.lo[row] = slo.min(axis=0)
+        part.hi[row] = slo.max(axis=0)
+        group.view = None
+
+    def _view(self, group: _Group) -> RequestGroup:
+        if group.view is None:
+            members = tuple(group.requests)
+            raw = np.array([self._features[r.id] for r in members])
+            ttfts = [r.slo.ttft_s for r in members if r.slo.ttft_s is not None]
+            model, tier, slo_class = group.key
+            group.view = RequestGroup(
+                id=group.id,
+                model=model,
+                tier=tier,
+                slo_class=slo_class,
+                requests=members,
+                input_tokens=sum(r.input_tokens for r in members),
+                predicted_output_tokens=float(predicted_output(raw).sum()),
+                earliest_deadline_s=min(r.deadline_s for r in members),
+                min_e2e_slo_s=min(r.slo.e2e_s for r in members),
+                min_ttft_slo_s=min(ttfts) if ttfts else None,
+                centroid=tuple(float(v) for v in group.part.centroids[group.row]),
+            )
+        return group.view
+
+    def _cluster(
+        self, requests: list[Request], raw: FloatArray, mult: FloatArray, old_code: IntArray
+    ) -> tuple[list[IntArray], list[GroupKey]]:
+        """Algorithm 1 per partition; rows of each new group in FCFS order, partitions sorted.
+
+        For stable ids, k-means starts from the partition's previous centres, samples the requests
+        with the smallest hash of their id, and splits prefer the boundaries of the old groups.
+        """
+        points = raw * mult
+        cfg = self._config
+        n = len(requests)
+        code_of: dict[GroupKey, int] = {}
+        codes = np.fromiter(
+            (code_of.setdefault(group_key(r), len(code_of)) for r in requests), np.int64, n
+        )
+        keys = sorted(code_of)
+        rank = np.empty(len(keys), dtype=np.int64)
+        for i, key in enumerate(keys):
+            rank[code_of[key]] = i
+        part_rank = rank[codes]
+        arrival = np.fromiter((r.arrival_s for r in requests), np.float64, n)
+        ids = np.array([r.id for r in requests])
+        order = np.lexsort((ids, arrival, part_rank))
+        bounds = np.searchsorted(part_rank[order], np.arange(len(keys) + 1))
+        per_model: dict[str, int] = {}
+        for i, key in enumerate(keys):
+            per_model[key[0]] = per_model.get(key[0], 0) + int(bounds[i + 1] - bounds[i])
+        sample_key = stable_hash(ids)
+        new_rows: list[IntArray] = []
+        new_keys: list[GroupKey] = []
+        centres: dict[GroupKey, FloatArray] = {}
+        for i, key in enumerate(keys):
+            rows = order[bounds[i] : bounds[i + 1]]
+            share = len(rows) / per_model[key[0]]
+            previous = self._centres.get(key)
+            local_groups, fitted = form_groups(
+                points[rows],
+                raw[rows, :SLO_FEATURES],
+                max_group_size=cfg.max_group_size,
+                k_cap=max(1, round(cfg.max_clusters_per_model * share)),
+                max_log_spread=self._max_log_spread,
+                sample=cfg.kmeans_sample,
+                max_iter=cfg.kmeans_max_iter,
+                seed=cfg.seed,
+                sample_key=sample_key[rows],
+                anchors=old_code[rows],
+                init=None if previous is None else previous * mult,
+            )
+            if fitted is not None:
+                centres[key] = fitted / mult  # raw units: the next fit may scale differently
+            for local in local_groups:
+                new_rows.append(rows[local])
+                new_keys.append(key)
+        self._centres = centres
+        return new_rows, new_keys
+
+    def _reset(
+        self,
+        now: float,
+        *,
+        groups: dict[str, _Group],
+        parts: dict[GroupKey, _Partition],
+        features: dict[str, FloatArray],
+        group_of: dict[str, str],
+        baseline: float | None,
+    ) -> None:
+        self._groups = groups
+        self._parts = parts
+        self._features = features
+        self._group_of = group_of
+        self._baseline_distance = baseline
+        self._last_recluster_s = now
+        self._first_change_s = None
+        self._changes = 0
+        self._created_online = 0
+        self._groups_after_recluster = len(groups)
+        self._online_distance_sum = 0.0
+        self._online_distance_n = 0
+
+
+def _match(
+    old_code: IntArray,
+    old_sizes: IntArray,
+    new_code: IntArray,
+    new_sizes: IntArray,
+    min_overlap: float,
+) -> dict[int, int]:
+    """New group index -> old group index whose id it keeps: greedy by overlap, largest first.
+
+    A pair qualifies when it shares at least ``min_overlap`` × the larger group's size.
+    """
+    if len(old_sizes) == 0:
+        return {}
+    width = len(new_sizes)
+    pairs, counts = np.unique(old_code * width + new_code, return_counts=True)
+    olds, news = pairs // width, pairs % width
+    need = min_overlap * np.maximum(old_sizes[olds], new_sizes[news])
+    good = np.flatnonzero(counts >= need - 1e-9)
+    good = good[np.lexsort((news[good], olds[good], -counts[good]))]
+    match: dict[int, int] = {}
+    taken: set[int] = set()
+    for p in good:
+        o, j = int(olds[p]), int(news[p])
+        if o not in taken and j not in match:
+            match[j] = o
+            taken.add(o)
+    return match

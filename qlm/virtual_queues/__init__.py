@@ -1,0 +1,15 @@
+"""Virtual queues (paper §4): one per instance, an ordered sequence of request-group references.
+
+See ``docs/groups.md``. Pure: no I/O, no clock.
+"""
+
+from __future__ import annotations
+
+from qlm.virtual_queues.virtual_queue import (
+    Estimate,
+    GroupSnapshot,
+    QueueSnapshot,
+    VirtualQueueSet,
+)
+
+__all__ = ["Estimate", "GroupSnapshot", "QueueSnapshot", "VirtualQueueSet"]
