@@ -10,21 +10,40 @@ groups all in the one partition the new requests fall into (single model and cla
 It also prints how many group ids survive a re-clustering after 5 % of the queue was dispatched and
 as many requests arrived.
 
+Re-estimation (paper §6, the RCT estimator the planner calls on every trigger): 1,000 request groups
+of 100 requests spread over 16 virtual queues of 16 A100 instances serving llama-3-8b; the profile is
+measured on the simulated engine (``profile_sim_hardware``) and the output prior fitted on ShareGPT
+(``NIG.fit``). ``estimate_queue`` for all 16 queues is timed; target ≤ 20 ms for the 16 together. It is
+timed again with a full batch of running requests on every instance, and once more right after a
+completion moved the output posterior (the running requests' moments are then recomputed); full
+garbage collections that fall inside the timed runs are reported, and that last case is repeated
+after ``gc.freeze()`` to show what the collector costs.
+
 Reproduce: .venv/bin/python benchmarks/grouping.py [--requests N] [--repeat N] [--churn-rounds N]
+[--estimate-repeat N]
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import platform
 import time
 
 import numpy as np
 
 from qlm.domain import Request
+from qlm.engines.perf_model import default_catalog
 from qlm.groups import Grouper
+from qlm.rct.estimator import GroupLoad, InstanceView, Queued, RCTEstimator
+from qlm.rct.output_model import NIG
+from qlm.rct.profile import RctProfile
+from qlm.rct.profiling import profile_sim_hardware
 from qlm.sim.traces import load_lengths, synthetic
 from qlm.sim.workload import create_workload
+
+ESTIMATE_TARGET_MS = 20.0
+"""Re-estimating every group of every virtual queue (1,000 groups, 16 queues) must fit in this."""
 
 
 def queued_requests(workload: str, n: int, *, seed: int = 0) -> list[Request]:
@@ -102,12 +121,119 @@ def bench_churn(grouper: Grouper, arrivals: list[Request], rounds: int) -> None:
         )
 
 
+def bench_estimate_queue(
+    repeat: int, *, groups: int = 1_000, group_size: int = 100, queues: int = 16
+) -> None:
+    """Time ``RCTEstimator.estimate_queue`` over ``groups`` GroupLoads spread round-robin over
+    ``queues`` A100 instances (llama-3-8b), all queues together, ``repeat`` times.
+
+    Three cases: the queued groups alone; with a full batch of running requests per instance (what
+    a controller passes); and that again right after each of ``repeat`` completions, which move the
+    output posterior so that the running requests' moments miss the cache. Full (generation 2)
+    garbage collections that land inside a timed run are counted: with ~100,000 requests alive they
+    take tens of ms, whatever code triggers them. The last case is repeated after ``gc.freeze()``
+    to show how much of it is the collector."""
+    t0 = time.perf_counter()
+    hw = profile_sim_hardware(default_catalog().perf_model("llama-3-8b", "A100", 1))
+    prior = NIG.fit(load_lengths("sharegpt").output_tokens.tolist())
+    est = RCTEstimator(RctProfile(hardware={hw.key: hw}, output_priors={"default": prior}))
+    setup_s = time.perf_counter() - t0
+    batch = hw.max_num_seqs
+    requests = queued_requests("default", groups * group_size + queues * batch, seed=2)
+    queued, extra = requests[: groups * group_size], requests[groups * group_size :]
+
+    t0 = time.perf_counter()
+    loads = [
+        est.group_load(f"g{k}", queued[k * group_size : (k + 1) * group_size])
+        for k in range(groups)
+    ]
+    build_ms = (time.perf_counter() - t0) * 1e3
+    instances = [InstanceView(f"a100-{k}", hw.gpu, hw.gpu_count, hw.model) for k in range(queues)]
+    per_queue: list[list[GroupLoad]] = [loads[k::queues] for k in range(queues)]
+    rng = np.random.default_rng(0)
+    running = [
+        [
+            Queued(r, generated=int(rng.integers(0, min(r.max_tokens, 400))), running=True)
+            for r in extra[k * batch : (k + 1) * batch]
+        ]
+        for k in range(queues)
+    ]
+    no_running: list[list[Queued]] = [[] for _ in range(queues)]
+
+    full_gc_ms: list[float] = []  # pauses of generation-2 collections, as they happen
+    gc_start = [0]
+
+    def watch(phase: str, info: dict[str, int]) -> None:
+        if info["generation"] != 2:
+            return
+        if phase == "start":
+            gc_start[0] = time.perf_counter_ns()
+        else:
+            full_gc_ms.append((time.perf_counter_ns() - gc_start[0]) / 1e6)
+
+    def once(run: list[list[Queued]]) -> tuple[float, list[float]]:
+        seen = len(full_gc_ms)
+        t = time.perf_counter_ns()
+        for inst, q, r in zip(instances, per_queue, run, strict=True):
+            est.estimate_queue(inst, q, 1e6, running=r)
+        return (time.perf_counter_ns() - t) / 1e6, full_gc_ms[seen:]
+
+    def report(label: str, runs: list[tuple[float, list[float]]]) -> None:
+        times_ms = [t for t, _ in runs]
+        pauses = [p for _, ps in runs for p in ps]
+        median, p99 = np.percentile(times_ms, [50, 99])
+        verdict = "meets" if p99 <= ESTIMATE_TARGET_MS else "MISSES"
+        gc_note = (
+            f"; {len(pauses)} full garbage collection(s) inside timed runs, up to "
+            f"{max(pauses):.0f} ms"
+            if pauses
+            else ""
+        )
+        print(
+            f"re-estimate {groups:,} groups in {queues} virtual queues{label}: median "
+            f"{median:.2f} ms, p99 {p99:.2f} ms, worst {max(times_ms):.2f} ms over "
+            f"{len(times_ms)} runs (target p99 ≤ {ESTIMATE_TARGET_MS:.0f} ms for all {queues}: "
+            f"{verdict}; {1e3 * median / groups:.1f} µs per group{gc_note})"
+        )
+
+    def after_completions(offset: int) -> list[tuple[float, list[float]]]:
+        runs = []
+        for i in range(repeat):
+            est.observe(extra[(offset + i) % len(extra)], output_tokens=200 + offset + i)
+            runs.append(once(running))
+        return runs
+
+    print(
+        f"estimator setup: profile of the simulated {hw.gpu} ({hw.model}) and ShareGPT prior "
+        f"in {setup_s:.2f} s; {groups:,} GroupLoads of {group_size} requests built in "
+        f"{build_ms:.0f} ms (group_load; not in the target)"
+    )
+    gc.callbacks.append(watch)
+    try:
+        once(no_running)  # warm the moments cache, as a controller's would be
+        report("", [once(no_running) for _ in range(repeat)])
+        once(running)
+        report(f", {batch} running requests each", [once(running) for _ in range(repeat)])
+        report(f", {batch} running each, right after a completion", after_completions(0))
+        gc.freeze()  # move everything alive now out of the collector's sight
+        try:
+            report(
+                f", {batch} running each, right after a completion, after gc.freeze()",
+                after_completions(repeat),
+            )
+        finally:
+            gc.unfreeze()
+    finally:
+        gc.callbacks.remove(watch)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--requests", type=int, default=100_000)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--arrivals", type=int, default=5_000)
     parser.add_argument("--churn-rounds", type=int, default=3)
+    parser.add_argument("--estimate-repeat", type=int, default=50)
     args = parser.parse_args()
     print(
         f"{platform.processor() or platform.machine()}, Python {platform.python_version()}; "
@@ -125,9 +251,11 @@ def main() -> None:
     )
     grouper = bench_recluster(queued, args.repeat)
     bench_churn(grouper, arrivals, args.churn_rounds)
+    bench_estimate_queue(args.estimate_repeat)
     print(
         f"reproduce: .venv/bin/python benchmarks/grouping.py --requests {args.requests} "
-        f"--repeat {args.repeat} --arrivals {args.arrivals} --churn-rounds {args.churn_rounds}"
+        f"--repeat {args.repeat} --arrivals {args.arrivals} --churn-rounds {args.churn_rounds} "
+        f"--estimate-repeat {args.estimate_repeat}"
     )
 
 

@@ -15,8 +15,12 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from qlm.engines.perf_model import default_catalog
 from qlm.errors import QLMError
 from qlm.planner import POLICIES, create_policy
+from qlm.rct.output_model import NIG
+from qlm.rct.profile import HardwareProfile, RctProfile, dump_profile, parse_profile
+from qlm.rct.profiling import profile_sim_hardware, profile_workload
 from qlm.settings import get_settings
 from qlm.sim.cluster import SimResult, simulate
 from qlm.sim.instances import parse_instances
@@ -282,6 +286,110 @@ def demo_cmd(
 
     result = _guard(run)
     _emit(result, ctx, as_json=as_json, out=None)
+
+
+profile_app = typer.Typer(
+    help="Profile hardware and workloads for the completion-time estimator.",
+    no_args_is_help=True,
+    rich_markup_mode=None,
+)
+app.add_typer(profile_app, name="profile")
+
+WORKLOAD_PRIORS = ("azure-conv", "azure-code", "mooncake-conversation", "sharegpt", "arxiv")
+
+
+def _merge_into(out: Path, addition: RctProfile) -> RctProfile:
+    merged = (
+        parse_profile(out.read_text(encoding="utf-8"), str(out)).merged(addition)
+        if out.exists()
+        else addition
+    )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(dump_profile(merged), encoding="utf-8")
+    return merged
+
+
+def profile_hardware_service(
+    model: str, gpu: str, gpus: int | None, input_tokens: int, output_tokens: int
+) -> HardwareProfile:
+    catalog = default_catalog()
+    count = gpus if gpus is not None else catalog.default_gpu_count(model, gpu)
+    perf = catalog.perf_model(model, gpu, count)
+    return profile_sim_hardware(perf, input_tokens=input_tokens, output_tokens=output_tokens)
+
+
+def profile_workload_service(trace: str, name: str | None) -> tuple[str, NIG]:
+    outputs = [int(x) for x in load_lengths(trace).output_tokens]
+    return (name or trace), profile_workload(outputs)
+
+
+@profile_app.command("hardware")
+def profile_hardware_cmd(
+    model: Annotated[str, typer.Option(help="Model, e.g. llama-3-8b.")],
+    gpu: Annotated[str, typer.Option(help="GPU type: A10, A100, H100.")],
+    out: Annotated[Path, typer.Option(help="Profile file to write or update.")],
+    gpus: Annotated[
+        int | None, typer.Option(help="GPUs per instance (default: fewest that fit).")
+    ] = None,
+    input_tokens: Annotated[int, typer.Option(help="Prompt length of the profiling batch.")] = 1024,
+    output_tokens: Annotated[int, typer.Option(help="Output length of the profiling batch.")] = 256,
+) -> None:
+    """Run profiling batches on a simulated instance and fit its hardware parameters."""
+    hw = _guard(lambda: profile_hardware_service(model, gpu, gpus, input_tokens, output_tokens))
+    _guard(lambda: _merge_into(out, RctProfile(hardware={hw.key: hw})))
+    console.print(
+        f"{hw.model} on {hw.gpu_count}x{hw.gpu}: prefill {hw.prefill_base_s * 1000:.1f} ms + "
+        f"{hw.prefill_per_token_s * 1e6:.1f} µs/token, d {hw.decode_alone_s * 1000:.1f} ms alone / "
+        f"{hw.decode_per_token_s * 1000:.1f} ms at batch {hw.saturation_batch:.0f}, "
+        f"Θ {hw.throughput_tps:,.0f} tok/s, ε {hw.inefficiency:.3f} -> {out}",
+        highlight=False,
+    )
+
+
+@profile_app.command("workload")
+def profile_workload_cmd(
+    trace: Annotated[str, typer.Option(help="Trace or length sample whose output lengths to fit.")],
+    out: Annotated[Path, typer.Option(help="Profile file to write or update.")],
+    name: Annotated[
+        str | None,
+        typer.Option(
+            help="Name of the prior (default: the trace name; 'default' is used when nothing else matches)."
+        ),
+    ] = None,
+) -> None:
+    """Fit the output-length prior of a workload from a trace."""
+    key, prior = _guard(lambda: profile_workload_service(trace, name))
+    _guard(lambda: _merge_into(out, RctProfile(output_priors={key: prior})))
+    console.print(
+        f"prior {key!r}: log-mean {prior.mu:.3f}, predictive log-sd {prior.predictive_log_sd:.3f} -> {out}",
+        highlight=False,
+    )
+
+
+@profile_app.command("all")
+def profile_all_cmd(
+    out: Annotated[Path, typer.Option(help="Profile file to write (replaced).")],
+) -> None:
+    """Profile every shipped (model, GPU) combination and every shipped workload; this is how
+    qlm/data/rct_profile.json is made."""
+
+    def run() -> RctProfile:
+        catalog = default_catalog()
+        hardware = {}
+        for model, gpu, count in sorted(catalog.perf):
+            hw = profile_hardware_service(model, gpu, count, 1024, 256)
+            hardware[hw.key] = hw
+        priors = dict(profile_workload_service(t, None) for t in WORKLOAD_PRIORS)
+        priors["default"] = priors["azure-conv"]
+        return RctProfile(hardware=hardware, output_priors=priors)
+
+    profile = _guard(run)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(dump_profile(profile), encoding="utf-8")
+    console.print(
+        f"{len(profile.hardware)} hardware profiles and {len(profile.output_priors)} priors -> {out}",
+        highlight=False,
+    )
 
 
 def main() -> None:

@@ -86,3 +86,43 @@ def test_help_of_every_command_renders() -> None:
         result = runner.invoke(app, args)
         assert result.exit_code == 0, result.output
         assert "Usage" in result.stdout
+
+
+def test_profile_commands_write_a_profile_the_estimator_loads(tmp_path: Path) -> None:
+    from qlm.rct.profile import parse_profile
+
+    out = tmp_path / "profile.json"
+    hw = runner.invoke(
+        app, ["profile", "hardware", "--model", "llama-3-8b", "--gpu", "H100", "--out", str(out)]
+    )
+    assert hw.exit_code == 0, hw.output
+    wl = runner.invoke(app, ["profile", "workload", "--trace", "azure-conv", "--out", str(out)])
+    assert wl.exit_code == 0, wl.output
+    profile = parse_profile(out.read_text())
+    assert ("llama-3-8b", "H100", 1) in profile.hardware
+    assert set(profile.output_priors) == {"azure-conv"}
+    bad = runner.invoke(
+        app,
+        [
+            "profile",
+            "hardware",
+            "--model",
+            "llama-2-70b",
+            "--gpu",
+            "A10",
+            "--gpus",
+            "1",
+            "--out",
+            str(out),
+        ],
+    )
+    assert bad.exit_code == 1 and "no performance profile" in bad.stderr
+
+
+def test_the_shipped_estimator_profile_covers_every_shipped_instance_type() -> None:
+    from qlm.engines.perf_model import default_catalog
+    from qlm.rct.profile import default_profile
+
+    profile = default_profile()
+    assert set(profile.hardware) == set(default_catalog().perf)
+    assert "default" in profile.output_priors

@@ -1,0 +1,550 @@
+"""The request completion time (RCT) estimator, paper §6 (Eqs. 1–5), with distributions.
+
+For a request ``q`` on one instance (Eq. 1): ``C_q = W_q + P(I_q) + O_q · ε · d``.
+
+*Work.* The paper divides the output tokens ahead by the throughput Θ (Eq. 2). Prompt tokens cost
+GPU time too — with Azure-conversation prompts (1,155 tokens on average against 211 output tokens)
+prefill is most of it — so a request's work is ``I · w_in + O / Θ`` seconds of a saturated
+instance, ``w_in`` and ``Θ`` measured by hardware profiling. A running request has only its
+remaining output left.
+
+*Waiting* (Eq. 2, for continuous batching). A request does not wait for the running batch to
+finish, only for the requests *waiting* ahead of it to be admitted; a loaded instance admits one
+as another completes, at the rate it does work. So ``W_q = κ_W · Σ work`` over the waiting requests
+ahead (0 when none wait), with ``κ_W`` (1 until learnt, kept in [1/4, 4]) the ratio of observed to
+predicted waiting over past requests.
+
+*Decode* (Eq. 4): ``O · ε · d`` with ``d = d(B) + B · Ī · w_in / Ō``. ``d(B)`` is the pure decode
+time per token with ``B`` requests running (from a request alone to a full batch, profiled). The
+second term is the prefill of the requests that replace finishing ones: in steady state ``B / (Ō d)``
+requests finish per second and as many are admitted, each costing ``Ī · w_in`` of GPU time that
+every running request waits through (``Ī``, ``Ō``: mean prompt and output of the mix). ``ε``
+(1 until learnt, kept in [1/2, 2]) is learnt online.
+
+*Output lengths* (Eq. 3, made Bayesian): ``O`` has the posterior predictive of ``NIG`` for the
+request's (model, SLO class), capped at ``max_tokens`` and, for a running request, conditioned on the
+tokens it already generated. Independent requests add means and variances, so ``W_q`` and ``C_q`` are
+carried as normal distributions (the central limit with many requests ahead, a moment match with
+few).
+
+*Groups* (Eq. 5): a group's completion is the max over its requests; FCFS inside the group makes it
+its last request's completion.
+
+*Model switches*: when the model changes along a queue (or differs from the active one) the load
+time is added: warm if the model is in CPU memory, cold otherwise.
+
+*Model error*: besides output-length uncertainty the estimator learns the spread of
+``log(actual / predicted)`` over completed requests and adds it, so that ``P(C ≤ SLO)`` is
+calibrated rather than over-confident.
+
+Pure: no I/O, no clock; ``now`` comes in, observations come in through ``observe``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from qlm.domain import Request
+from qlm.rct.output_model import NIG, _phi
+from qlm.rct.profile import HardwareProfile, RctProfile
+
+Z = {0.5: 0.0, 0.9: 1.2815515655446004, 0.95: 1.6448536269514722, 0.99: 2.3263478740408408}
+
+
+@dataclass(frozen=True, slots=True)
+class Estimate:
+    """A completion time on the absolute clock (seconds): its mean and variance and, for one
+    request, the shape of its distribution.
+
+    A group's completion sums many requests and is treated as normal. A single request's is
+    dominated by its own output length, which is skewed (log-normal, capped at ``max_tokens``):
+    with ``out_mu``/``out_sd`` set, ``P(completion ≤ t)`` is computed from that distribution —
+    decode starts at a normal time ``start`` and takes ``O · d`` — instead of a normal
+    approximation, which would be badly calibrated for one request.
+    """
+
+    mean: float
+    var: float
+    start_mean: float = 0.0
+    start_sd: float = 0.0
+    out_mu: float | None = None
+    out_sd: float = 0.0
+    generated: int = 0
+    cap: int = 0
+    per_token_s: float = 0.0
+
+    @property
+    def std(self) -> float:
+        return math.sqrt(max(self.var, 0.0))
+
+    def quantile(self, q: float) -> float:
+        """The ``q``-quantile: exact for a single request (bisection), normal for a group."""
+        if not 0 < q < 1:
+            raise ValueError(f"quantile must be in (0, 1), got {q}")
+        if self.out_mu is None:
+            z = Z.get(q)
+            if z is None:
+                z = _normal_ppf(q)
+            return self.mean + z * self.std
+        lo, hi = self.start_mean - 8 * self.start_sd, self.mean + 20 * self.std + 1.0
+        for _ in range(60):
+            mid = (lo + hi) / 2
+            if self.p_before(mid) < q:
+                lo = mid
+            else:
+                hi = mid
+        return (lo + hi) / 2
+
+    def p_before(self, t: float) -> float:
+        """``P(completion ≤ t)``."""
+        if self.out_mu is None:
+            sd = self.std
+            if sd <= 0:
+                return 1.0 if self.mean <= t else 0.0
+            return _phi((t - self.mean) / sd)
+        if self.start_sd <= 0:
+            return self._p_output_within(t - self.start_mean)
+        # Average over the normal start time (Gauss–Hermite, 7 nodes).
+        return sum(
+            w * self._p_output_within(t - (self.start_mean + x * self.start_sd))
+            for x, w in _GH_NODES
+        )
+
+    def _p_output_within(self, seconds: float) -> float:
+        """``P(the remaining output decodes within seconds)``."""
+        if seconds < 0:
+            return 0.0
+        if self.per_token_s <= 0:
+            return 1.0
+        tokens = seconds / self.per_token_s
+        remaining_cap = self.cap - self.generated
+        if tokens >= remaining_cap:
+            return 1.0
+        assert self.out_mu is not None
+        a = (math.log1p(self.generated) - self.out_mu) / self.out_sd
+        b = (math.log1p(self.generated + tokens) - self.out_mu) / self.out_sd
+        tail = 1.0 - _phi(a)
+        if tail < 1e-12:
+            return 1.0
+        return min(1.0, max(0.0, (_phi(b) - _phi(a)) / tail))
+
+
+def _normal_ppf(q: float) -> float:
+    lo, hi = -10.0, 10.0
+    for _ in range(80):
+        mid = (lo + hi) / 2
+        if _phi(mid) < q:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
+# Probabilists' Gauss–Hermite nodes and weights for E[f(Z)], Z ~ N(0, 1).
+_GH_NODES = tuple(
+    (x * math.sqrt(2.0), w / math.sqrt(math.pi))
+    for x, w in (
+        (-2.651961356835233, 0.0009717812450995192),
+        (-1.673551628767471, 0.05451558281912703),
+        (-0.8162878828589647, 0.4256072526101278),
+        (0.0, 0.8102646175568073),
+        (0.8162878828589647, 0.4256072526101278),
+        (1.673551628767471, 0.05451558281912703),
+        (2.651961356835233, 0.0009717812450995192),
+    )
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Queued:
+    """A request on an instance, with the output tokens it has generated so far; ``running`` when
+    it is in the engine's batch (its prompt is already processed)."""
+
+    request: Request
+    generated: int = 0
+    running: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceView:
+    """What the estimator needs to know of an instance right now."""
+
+    name: str
+    gpu: str
+    gpu_count: int
+    active_model: str | None
+    warm_models: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True, slots=True)
+class GroupLoad:
+    """Aggregated work of one request group, in the order its requests will be served."""
+
+    group_id: str
+    model: str
+    size: int
+    earliest_deadline_s: float
+    input_tokens: int  # sum over the group
+    output_mean: float  # sum of the requests' expected outputs
+    output_var: float  # sum of their variances
+    last_output_mean: float  # the last request's expected output (Eq. 5)
+    last_output_var: float
+    last_input_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class GroupEstimate:
+    group_id: str
+    instance: str
+    position: int
+    completion: Estimate
+    deadline_s: float
+
+    @property
+    def p_meet_slo(self) -> float:
+        return self.completion.p_before(self.deadline_s)
+
+
+@dataclass(slots=True)
+class _Calibration:
+    """Online corrections for one instance (ratio-of-sums with exponential forgetting)."""
+
+    wait_obs: float = 0.0
+    wait_pred: float = 0.0
+    decode_obs: float = 0.0
+    decode_pred: float = 0.0
+    n_wait: float = 0.0
+    wait_r2: float = 0.0  # sum of squared relative waiting errors
+    saturated: bool = False  # had waiting requests at the last estimate
+    last_finish: float | None = None
+    work_done: float = 0.0  # profile-seconds of work completed while saturated ...
+    busy_time: float = 0.0  # ... and the wall time it took
+
+    def wait_factor(self) -> float:
+        """Seconds per profile-second of work: the observed drain rate of a saturated instance
+        (online calibration of Θ and w_in); the ratio of observed to predicted waits before."""
+        if self.busy_time > 5.0 and self.work_done > 0:
+            return min(4.0, max(0.25, self.busy_time / self.work_done))
+        ratio = self.wait_obs / self.wait_pred if self.wait_pred > 1.0 else 1.0
+        return min(4.0, max(0.25, ratio))
+
+    def eps_factor(self) -> float:
+        ratio = self.decode_obs / self.decode_pred if self.decode_pred > 1.0 else 1.0
+        return min(2.0, max(0.5, ratio))
+
+    def wait_rel_sd(self) -> float:
+        """Relative spread of waiting-time errors seen so far (model error beyond the output
+        lengths of the requests ahead); 0.25 until 20 waits were observed."""
+        if self.n_wait < 20:
+            return 0.25
+        return min(2.0, math.sqrt(self.wait_r2 / self.n_wait))
+
+
+@dataclass(frozen=True, slots=True)
+class _Prediction:
+    instance: str
+    wait_raw: float  # work ahead in seconds, before calibration
+    d_eff: float  # ε · d from the profile, before calibration
+    mean_latency: float
+    work_in: float  # its own prompt work (s) and the work per output token (s)
+    work_per_output: float
+
+
+@dataclass
+class RCTEstimator:
+    """Completion-time distributions for requests and groups; learns from completions."""
+
+    profile: RctProfile
+    forgetting: float = 0.99  # weight of the past per observed completion
+    min_rel_sd: float = 0.02  # floor on the spread, relative to the latency
+    _posteriors: dict[tuple[str, str], NIG] = field(default_factory=dict, init=False)
+    _calibration: dict[str, _Calibration] = field(default_factory=dict, init=False)
+    _pending: dict[str, _Prediction] = field(default_factory=dict, init=False)
+    _moments: dict[tuple[NIG, int, int], tuple[float, float]] = field(
+        default_factory=dict, init=False
+    )
+
+    # --- output lengths --------------------------------------------------------------------------
+
+    def posterior(self, request: Request) -> NIG:
+        key = (request.model, request.slo_class)
+        post = self._posteriors.get(key)
+        if post is None:
+            post = self.profile.prior(request.model)
+            self._posteriors[key] = post
+        return post
+
+    def output_moments(self, request: Request, generated: int = 0) -> tuple[float, float]:
+        """Mean and variance of the output tokens ``request`` still has to generate."""
+        post = self.posterior(request)
+        key = (post, request.max_tokens, generated)
+        hit = self._moments.get(key)
+        if hit is None:
+            if len(self._moments) > 100_000:
+                self._moments.clear()
+            hit = self._moments[key] = post.moments(cap=request.max_tokens, generated=generated)
+        return hit
+
+    def expected_output(self, request: Request) -> float:
+        return self.output_moments(request)[0]
+
+    # --- per-request estimates -------------------------------------------------------------------
+
+    def slots(self, hw: HardwareProfile, mean_tokens: float) -> int:
+        """How many requests of ``mean_tokens`` (prompt + output) the instance runs at once."""
+        by_kv = hw.kv_capacity_tokens / max(mean_tokens, 1.0)
+        return max(1, int(min(hw.max_num_seqs, by_kv)))
+
+    def estimate_requests(
+        self,
+        instance: InstanceView,
+        queue: Sequence[Queued],
+        now: float,
+        *,
+        remember: bool = False,
+    ) -> list[Estimate]:
+        """Completion of every request in ``queue`` (served in that order: running ones first,
+        then FCFS). With ``remember`` the predictions are kept so that ``observe`` can learn."""
+        n = len(queue)
+        if n == 0:
+            return []
+        cal = self._cal(instance.name)
+        wf, ef = cal.wait_factor(), cal.eps_factor()
+        work = np.empty(n)
+        work_var = np.empty(n)
+        own = np.empty(n)  # prefill time (0 for running requests)
+        out_mean = np.empty(n)
+        out_var = np.empty(n)
+        tokens = np.empty(n)
+        switch = np.zeros(n)
+        mix_prompt = mix_output = 0.0
+        hws: list[HardwareProfile] = []
+        model = instance.active_model
+        for i, item in enumerate(queue):
+            req = item.request
+            hw = self.profile.hardware_for(req.model, instance.gpu, instance.gpu_count)
+            hws.append(hw)
+            if req.model != model:
+                switch[i] = self._load_s(hw, instance)
+                model = req.model
+            m, v = self.output_moments(req, item.generated)
+            prompt = 0.0 if item.running else req.input_tokens + item.generated
+            work[i] = prompt * hw.input_token_work_s + m / hw.throughput_tps
+            work_var[i] = v / hw.throughput_tps**2
+            own[i] = 0.0 if item.running else hw.prefill_s(prompt)
+            out_mean[i], out_var[i] = m, v
+            tokens[i] = req.input_tokens + item.generated + m
+            # The mix of whole requests (prompt work per output token) sets the refill cost.
+            mix_prompt += req.input_tokens * hw.input_token_work_s
+            mix_output += item.generated + m
+        cum = np.concatenate(([0.0], np.cumsum(work)))
+        cum_var = np.concatenate(([0.0], np.cumsum(work_var)))
+        cum_switch = np.cumsum(switch)
+        slots = self.slots(hws[0], float(tokens.mean()))
+        n_running = sum(1 for item in queue if item.running)
+        cal.saturated = n - n_running > 1  # someone besides the newest is waiting
+        refill = mix_prompt / max(mix_output, 1.0)
+        wait_rel = cal.wait_rel_sd()
+        out: list[Estimate] = []
+        for i, item in enumerate(queue):
+            hw = hws[i]
+            req = item.request
+            # Work of the waiting requests ahead (running ones come first in ``queue``).
+            wait_raw = float(cum[i] - cum[min(i, n_running)])
+            var_raw = float(cum_var[i] - cum_var[min(i, n_running)])
+            wait = wait_raw * wf + float(cum_switch[i])
+            wait_var = var_raw * wf * wf + (wait_rel * wait_raw * wf) ** 2
+            batch = min(i + 1, slots)
+            # Refill only while others wait (then admissions go on as requests finish).
+            refilling = i - n_running >= 1
+            d = (hw.decode_s(batch) + (batch * refill if refilling else 0.0)) * hw.inefficiency
+            start = now + wait + float(own[i])
+            mean = start + float(out_mean[i]) * d * ef
+            var = wait_var + float(out_var[i]) * (d * ef) ** 2
+            post = self.posterior(req)
+            out.append(
+                Estimate(
+                    mean,
+                    var,
+                    start_mean=start,
+                    start_sd=math.sqrt(wait_var),
+                    out_mu=post.mu,
+                    out_sd=post.predictive_log_sd,
+                    generated=item.generated,
+                    cap=req.max_tokens,
+                    per_token_s=d * ef,
+                )
+            )
+            if remember and not item.running and req.id not in self._pending:
+                # Learn from the prediction made when the request arrived, not from later ones.
+                self._pending[req.id] = _Prediction(
+                    instance=instance.name,
+                    wait_raw=wait_raw,
+                    d_eff=d,
+                    mean_latency=mean - now,
+                    work_in=(req.input_tokens + item.generated) * hw.input_token_work_s,
+                    work_per_output=1.0 / hw.throughput_tps,
+                )
+        return out
+
+    def _load_s(self, hw: HardwareProfile, instance: InstanceView) -> float:
+        return hw.warm_load_s if hw.model in instance.warm_models else hw.cold_load_s
+
+    def _cal(self, instance: str) -> _Calibration:
+        cal = self._calibration.get(instance)
+        if cal is None:
+            cal = self._calibration[instance] = _Calibration()
+        return cal
+
+    # --- groups ----------------------------------------------------------------------------------
+
+    def group_load(self, group_id: str, requests: Sequence[Request]) -> GroupLoad:
+        """Aggregate a group's requests (FCFS order) into the sums the queue estimate needs."""
+        if not requests:
+            raise ValueError(f"group {group_id} is empty")
+        o_mean = o_var = 0.0
+        for r in requests:
+            m, v = self.output_moments(r)
+            o_mean += m
+            o_var += v
+        last = requests[-1]
+        lm, lv = self.output_moments(last)
+        return GroupLoad(
+            group_id=group_id,
+            model=requests[0].model,
+            size=len(requests),
+            earliest_deadline_s=min(r.deadline_s for r in requests),
+            input_tokens=sum(r.input_tokens for r in requests),
+            output_mean=o_mean,
+            output_var=o_var,
+            last_output_mean=lm,
+            last_output_var=lv,
+            last_input_tokens=last.input_tokens,
+        )
+
+    def estimate_queue(
+        self,
+        instance: InstanceView,
+        groups: Sequence[GroupLoad],
+        now: float,
+        *,
+        running: Sequence[Queued] = (),
+    ) -> list[GroupEstimate]:
+        """Completion of each group of a virtual queue, in order, behind the running requests.
+
+        The same model as ``estimate_requests`` at group granularity: a group's last request waits
+        for the work of every group ahead and of its own group but itself.
+        """
+        cal = self._cal(instance.name)
+        wf, ef = cal.wait_factor(), cal.eps_factor()
+        rel_sd = max(cal.wait_rel_sd(), self.min_rel_sd)
+        waiting = waiting_var = 0.0  # work of the groups ahead, all of it waiting
+        count = 0
+        tokens = 0.0
+        mix_prompt = mix_output = 0.0
+        for item in running:
+            hw = self.profile.hardware_for(item.request.model, instance.gpu, instance.gpu_count)
+            m, _ = self.output_moments(item.request, item.generated)
+            tokens += item.request.input_tokens + item.generated + m
+            mix_prompt += item.request.input_tokens * hw.input_token_work_s
+            mix_output += item.generated + m
+            count += 1
+        n_running = count
+        for g in groups:
+            hw = self.profile.hardware_for(g.model, instance.gpu, instance.gpu_count)
+            mix_prompt += g.input_tokens * hw.input_token_work_s
+            mix_output += g.output_mean
+        refill = mix_prompt / max(mix_output, 1.0)
+        total_tokens = tokens + sum(g.input_tokens + g.output_mean for g in groups)
+        total_count = count + sum(g.size for g in groups)
+        model = instance.active_model
+        switches = 0.0
+        out: list[GroupEstimate] = []
+        for pos, g in enumerate(groups):
+            hw = self.profile.hardware_for(g.model, instance.gpu, instance.gpu_count)
+            slots = self.slots(hw, total_tokens / max(total_count, 1))
+            if g.model != model:
+                switches += self._load_s(hw, instance)
+                model = g.model
+            theta = hw.throughput_tps
+            # Everything of the group but its last request ...
+            own = (g.input_tokens - g.last_input_tokens) * hw.input_token_work_s + (
+                g.output_mean - g.last_output_mean
+            ) / theta
+            own_var = (g.output_var - g.last_output_var) / theta**2
+            before_last = count + g.size - 1  # requests ahead of the group's last request
+            wait = (waiting + own) * wf + switches
+            wait_var = (waiting_var + own_var) * wf * wf
+            batch = min(before_last + 1, slots)
+            refilling = before_last - n_running >= 1
+            d = (hw.decode_s(batch) + (batch * refill if refilling else 0.0)) * hw.inefficiency * ef
+            mean = now + wait + hw.prefill_s(g.last_input_tokens) + g.last_output_mean * d
+            var = wait_var + (rel_sd * wait) ** 2 + g.last_output_var * d * d
+            out.append(
+                GroupEstimate(
+                    g.group_id, instance.name, pos, Estimate(mean, var), g.earliest_deadline_s
+                )
+            )
+            # ... then the last request itself.
+            waiting += (
+                own + g.last_input_tokens * hw.input_token_work_s + g.last_output_mean / theta
+            )
+            waiting_var += own_var + g.last_output_var / theta**2
+            count += g.size
+        return out
+
+    # --- learning --------------------------------------------------------------------------------
+
+    def observe(
+        self,
+        request: Request,
+        *,
+        output_tokens: int,
+        scheduled_s: float | None = None,
+        first_token_s: float | None = None,
+        finish_s: float | None = None,
+    ) -> None:
+        """A request finished: update the output posterior and, if its completion was predicted
+        with ``remember``, the instance's calibration (waiting, decode and error spread)."""
+        key = (request.model, request.slo_class)
+        self._posteriors[key] = self.posterior(request).update(output_tokens)
+        pred = self._pending.pop(request.id, None)
+        if pred is None:
+            return
+        cal = self._cal(pred.instance)
+        lam = self.forgetting
+        if finish_s is not None:
+            if cal.saturated and cal.last_finish is not None and finish_s >= cal.last_finish:
+                # While requests wait, completions happen at the instance's service rate.
+                cal.work_done = (
+                    lam * cal.work_done + pred.work_in + output_tokens * pred.work_per_output
+                )
+                cal.busy_time = lam * cal.busy_time + (finish_s - cal.last_finish)
+            cal.last_finish = (
+                finish_s if cal.last_finish is None else max(cal.last_finish, finish_s)
+            )
+        if scheduled_s is not None and pred.wait_raw > 0:
+            cal.wait_obs = lam * cal.wait_obs + (scheduled_s - request.arrival_s)
+            cal.wait_pred = lam * cal.wait_pred + pred.wait_raw
+        if first_token_s is not None and finish_s is not None and output_tokens > 1:
+            cal.decode_obs = lam * cal.decode_obs + (finish_s - first_token_s)
+            cal.decode_pred = lam * cal.decode_pred + pred.d_eff * (output_tokens - 1)
+        if scheduled_s is not None and pred.wait_raw > 1e-3:
+            predicted = pred.wait_raw * cal.wait_factor()
+            r = (scheduled_s - request.arrival_s - predicted) / predicted
+            cal.n_wait = lam * cal.n_wait + 1
+            cal.wait_r2 = lam * cal.wait_r2 + r * r
+
+    def predicted_wait(self, request_id: str) -> float:
+        """The waiting time predicted (calibrated) for a remembered request when it arrived."""
+        pred = self._pending[request_id]
+        return pred.wait_raw * self._cal(pred.instance).wait_factor()
+
+    def forget(self, request_ids: Iterable[str]) -> None:
+        """Drop remembered predictions (cancelled or failed requests)."""
+        for rid in request_ids:
+            self._pending.pop(rid, None)

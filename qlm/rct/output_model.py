@@ -1,0 +1,169 @@
+"""Bayesian model of output lengths (paper §6, Eq. 3, made Bayesian).
+
+The length of a request's output is unknown until it finishes. We model ``X = log(1 + O)`` as
+normal with unknown mean and variance under a conjugate Normal–Inverse-Gamma prior,
+``(μ, σ²) ~ NIG(μ0, κ0, α0, β0)``, fitted from a workload profile (a trace's output lengths) and
+updated with every completed request of the same (model, SLO class). Working on the log scale fits
+the heavy right tail of real output lengths (Azure conv: mean 211, p99 601; ShareGPT: mean 439)
+far better than the paper's plain normal.
+
+Conjugate update after observing ``x`` (one request)::
+
+    κ' = κ + 1,  μ' = (κ μ + x) / κ',  α' = α + 1/2,  β' = β + κ (x − μ)² / (2 κ')
+
+The posterior predictive of a new ``X`` is Student-t with ``2α`` degrees of freedom, location ``μ``
+and scale² ``β (κ + 1) / (α κ)``; we use its normal approximation with the t's variance, so
+``O = exp(X) − 1`` is log-normal and its capped and conditional moments have closed forms:
+``E[min(O, cap)]``, ``Var[min(O, cap)]`` (a request cannot exceed ``max_tokens``) and the same given
+that ``g`` tokens were already generated (``O ≥ g``), for requests that are running.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+from scipy.special import ndtr
+
+from qlm.errors import ConfigError
+
+_SQRT2 = math.sqrt(2.0)
+
+
+def _phi(z: float) -> float:
+    """Standard normal CDF."""
+    return 0.5 * math.erfc(-z / _SQRT2)
+
+
+@dataclass(frozen=True, slots=True)
+class NIG:
+    """Normal–Inverse-Gamma belief over the mean and variance of ``log(1 + O)``."""
+
+    mu: float
+    kappa: float
+    alpha: float
+    beta: float
+
+    def __post_init__(self) -> None:
+        if not (self.kappa > 0 and self.alpha > 1 and self.beta > 0):
+            raise ConfigError(
+                f"NIG needs kappa > 0, alpha > 1, beta > 0; got kappa={self.kappa}, "
+                f"alpha={self.alpha}, beta={self.beta}"
+            )
+
+    @classmethod
+    def fit(cls, outputs: list[int] | tuple[int, ...], *, strength: float = 20.0) -> NIG:
+        """Empirical-Bayes prior from a sample of output lengths, worth ``strength`` observations:
+        centred on the sample's log mean, with the sample's log variance as its expected variance."""
+        if len(outputs) < 2:
+            raise ConfigError("fitting an output-length prior needs at least 2 lengths")
+        xs = [math.log1p(max(0, o)) for o in outputs]
+        n = len(xs)
+        mean = sum(xs) / n
+        var = max(sum((x - mean) ** 2 for x in xs) / (n - 1), 1e-6)
+        alpha = strength / 2 + 1  # > 1 so that the variance exists
+        return cls(mu=mean, kappa=strength, alpha=alpha, beta=var * (alpha - 1))
+
+    def update(self, output_tokens: int) -> NIG:
+        """The posterior after one more observed output length (closed form, see module doc)."""
+        x = math.log1p(max(0, output_tokens))
+        k1 = self.kappa + 1
+        return NIG(
+            mu=(self.kappa * self.mu + x) / k1,
+            kappa=k1,
+            alpha=self.alpha + 0.5,
+            beta=self.beta + self.kappa * (x - self.mu) ** 2 / (2 * k1),
+        )
+
+    def update_many(self, outputs: list[int]) -> NIG:
+        """Batch form of ``update`` (the same result as updating one at a time)."""
+        if not outputs:
+            return self
+        xs = [math.log1p(max(0, o)) for o in outputs]
+        n = len(xs)
+        xbar = sum(xs) / n
+        ss = sum((x - xbar) ** 2 for x in xs)
+        kn = self.kappa + n
+        return NIG(
+            mu=(self.kappa * self.mu + n * xbar) / kn,
+            kappa=kn,
+            alpha=self.alpha + n / 2,
+            beta=self.beta + 0.5 * ss + self.kappa * n * (xbar - self.mu) ** 2 / (2 * kn),
+        )
+
+    @property
+    def predictive_log_sd(self) -> float:
+        """Standard deviation of the predictive of ``log(1 + O)`` (Student-t variance)."""
+        nu = 2 * self.alpha
+        scale2 = self.beta * (self.kappa + 1) / (self.alpha * self.kappa)
+        return math.sqrt(scale2 * nu / (nu - 2)) if nu > 2 else math.sqrt(scale2 * 3)
+
+    def moments(self, *, cap: int, generated: int = 0) -> tuple[float, float]:
+        """Mean and variance of the tokens still to generate, ``min(O, cap) − g``, given ``O ≥ g``
+        with ``g = generated`` (0 for a request that has not started)."""
+        return lognormal_capped_moments(
+            self.mu, self.predictive_log_sd, cap=cap, generated=generated
+        )
+
+
+def lognormal_capped_moments(
+    mu: float, sd: float, *, cap: int, generated: int = 0
+) -> tuple[float, float]:
+    """Mean and variance of ``min(O, cap) − g`` given ``O ≥ g``, where ``log(1 + O) ~ N(mu, sd²)``.
+
+    With ``Y = 1 + O = e^X``: on ``[a, b) = [log(1 + g), log(1 + cap))`` use the partial moments
+    ``E[e^{kX}; a ≤ X < b] = e^{kμ + k²σ²/2} (Φ((b − μ − kσ²)/σ) − Φ((a − μ − kσ²)/σ))``, and above
+    ``b`` the value is capped at ``cap``.
+    """
+    if cap <= generated:
+        return 0.0, 0.0
+    a = math.log1p(max(generated, 0))
+    b = math.log1p(cap)
+    s2 = sd * sd
+    p_above_a = 1.0 - _phi((a - mu) / sd)
+    if p_above_a < 1e-12:
+        # Already past everything the model believed possible: expect a little more.
+        return min(float(cap - generated), 1.0), 0.0
+    p_above_b = 1.0 - _phi((b - mu) / sd)
+
+    def partial(k: int) -> float:
+        return math.exp(k * mu + k * k * s2 / 2) * (
+            _phi((b - mu - k * s2) / sd) - _phi((a - mu - k * s2) / sd)
+        )
+
+    y_cap = 1.0 + cap
+    m1 = (partial(1) + y_cap * p_above_b) / p_above_a
+    m2 = (partial(2) + y_cap * y_cap * p_above_b) / p_above_a
+    var = max(0.0, m2 - m1 * m1)
+    mean = m1 - 1.0 - generated
+    return max(mean, 0.0), var
+
+
+def lognormal_capped_moments_np(
+    mu: npt.NDArray[np.float64],
+    sd: npt.NDArray[np.float64],
+    cap: npt.NDArray[np.float64],
+    generated: npt.NDArray[np.float64],
+) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.float64]]:
+    """Vectorised ``lognormal_capped_moments`` over arrays of requests (same formulas)."""
+    a = np.log1p(np.maximum(generated, 0.0))
+    b = np.log1p(cap)
+    s2 = sd * sd
+    p_a = ndtr(-(a - mu) / sd)
+    p_b = ndtr(-(b - mu) / sd)
+    y_cap = 1.0 + cap
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+        part1 = np.exp(mu + s2 / 2) * (ndtr((b - mu - s2) / sd) - ndtr((a - mu - s2) / sd))
+        part2 = np.exp(2 * mu + 2 * s2) * (
+            ndtr((b - mu - 2 * s2) / sd) - ndtr((a - mu - 2 * s2) / sd)
+        )
+        m1 = (part1 + y_cap * p_b) / p_a
+        m2 = (part2 + y_cap * y_cap * p_b) / p_a
+    var = np.maximum(m2 - m1 * m1, 0.0)
+    mean = np.maximum(m1 - 1.0 - generated, 0.0)
+    degenerate = (p_a < 1e-12) | (cap <= generated)
+    mean = np.where(degenerate, np.minimum(np.maximum(cap - generated, 0.0), 1.0), mean)
+    var = np.where(degenerate, 0.0, var)
+    return mean, var

@@ -1,0 +1,140 @@
+"""What the estimator knows about the hardware and the workload, and the file it is kept in.
+
+A ``HardwareProfile`` describes one (model, GPU, GPU count) serving instance in the terms of the
+paper's §6: prefill time ``P`` as a function of input tokens, decode time per token ``d`` (in a full
+batch, without preemption), the inefficiency factor ``ε`` (decode slowed by preemption and
+recompute under continuous batching), token throughput ``Θ`` at saturation, the cost of a prompt
+token when the instance is saturated, KV bytes per token, KV capacity and load times per tier. It is
+measured by ``qlm.rct.profiling`` (``qlm profile``), never assumed.
+
+An ``RctProfile`` bundles hardware profiles and output-length priors (``NIG`` per workload) and is
+read from / written to JSON (``load_profile`` / ``dump_profile``); the estimator loads it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from importlib import resources
+from typing import Any
+
+from qlm.errors import ConfigError
+from qlm.rct.output_model import NIG
+
+PROFILE_VERSION = 1
+
+
+@dataclass(frozen=True, slots=True)
+class HardwareProfile:
+    model: str
+    gpu: str
+    gpu_count: int
+    prefill_base_s: float  # P(I) = prefill_base_s + prefill_per_token_s * I, a request alone
+    prefill_per_token_s: float
+    input_token_work_s: float  # GPU time of one prompt token when the instance is saturated
+    throughput_tps: float  # Θ: output tokens per second at saturation
+    decode_per_token_s: float  # d: time per output token in a full batch, pure decode
+    decode_alone_s: float  # time per output token of a request running alone
+    inefficiency: float  # ε: mean decode time / (O · d), >= 1 when preemption costs
+    saturation_batch: float  # requests running in a full batch
+    max_num_seqs: int  # the engine's limit on running requests
+    kv_bytes_per_token: int
+    kv_capacity_tokens: int
+    warm_load_s: float
+    cold_load_s: float
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        positive = {
+            "throughput_tps": self.throughput_tps,
+            "decode_per_token_s": self.decode_per_token_s,
+            "inefficiency": self.inefficiency,
+            "kv_capacity_tokens": self.kv_capacity_tokens,
+        }
+        for name, value in positive.items():
+            if not value > 0:
+                raise ConfigError(f"hardware profile {self.key}: {name} must be > 0, got {value}")
+
+    @property
+    def key(self) -> tuple[str, str, int]:
+        return (self.model, self.gpu, self.gpu_count)
+
+    def prefill_s(self, input_tokens: float) -> float:
+        return self.prefill_base_s + self.prefill_per_token_s * input_tokens
+
+    def decode_s(self, batch: float) -> float:
+        """Time per output token with ``batch`` requests running: from running alone to the
+        saturated batch, linear in the batch size (decode is memory-bound: each step reads the
+        weights once and every running request's KV cache)."""
+        if self.saturation_batch <= 1:
+            return self.decode_per_token_s
+        frac = min(1.0, max(0.0, (batch - 1) / (self.saturation_batch - 1)))
+        return self.decode_alone_s + (self.decode_per_token_s - self.decode_alone_s) * frac
+
+
+@dataclass(frozen=True, slots=True)
+class RctProfile:
+    """Hardware profiles by (model, GPU, GPU count) and output-length priors by workload name."""
+
+    hardware: dict[tuple[str, str, int], HardwareProfile] = field(default_factory=dict)
+    output_priors: dict[str, NIG] = field(default_factory=dict)
+
+    def hardware_for(self, model: str, gpu: str, gpu_count: int) -> HardwareProfile:
+        hw = self.hardware.get((model, gpu, gpu_count))
+        if hw is None:
+            have = ", ".join(f"{m}@{c}x{g}" for m, g, c in sorted(self.hardware))
+            raise ConfigError(
+                f"no RCT hardware profile for {model} on {gpu_count}x{gpu}; run `qlm profile "
+                f"hardware --model {model} --gpu {gpu} --gpus {gpu_count}` (have: {have})"
+            )
+        return hw
+
+    def prior(self, name: str = "default") -> NIG:
+        prior = self.output_priors.get(name) or self.output_priors.get("default")
+        if prior is None:
+            raise ConfigError(f"no output-length prior {name!r} and no 'default' prior in profile")
+        return prior
+
+    def merged(self, other: RctProfile) -> RctProfile:
+        """This profile with ``other``'s entries added (``other`` wins on the same key)."""
+        return RctProfile(
+            hardware={**self.hardware, **other.hardware},
+            output_priors={**self.output_priors, **other.output_priors},
+        )
+
+
+def dump_profile(profile: RctProfile) -> str:
+    doc: dict[str, Any] = {
+        "version": PROFILE_VERSION,
+        "hardware": [asdict(hw) for _, hw in sorted(profile.hardware.items())],
+        "output_priors": {k: asdict(v) for k, v in sorted(profile.output_priors.items())},
+    }
+    return json.dumps(doc, indent=2, sort_keys=True) + "\n"
+
+
+def parse_profile(text: str, source: str = "profile") -> RctProfile:
+    try:
+        doc = json.loads(text)
+    except ValueError as exc:
+        raise ConfigError(f"{source}: not valid JSON ({exc})") from exc
+    if not isinstance(doc, dict) or doc.get("version") != PROFILE_VERSION:
+        found = doc.get("version") if isinstance(doc, dict) else None
+        raise ConfigError(f"{source}: profile version {found!r}, expected {PROFILE_VERSION}")
+    try:
+        hardware = {}
+        for entry in doc.get("hardware", []):
+            hw = HardwareProfile(**entry)
+            hardware[hw.key] = hw
+        priors = {name: NIG(**fields) for name, fields in doc.get("output_priors", {}).items()}
+    except ConfigError as exc:
+        raise ConfigError(f"{source}: {exc}") from exc
+    except (ValueError, TypeError, KeyError, AttributeError) as exc:
+        raise ConfigError(f"{source}: not a valid RCT profile ({exc})") from exc
+    return RctProfile(hardware=hardware, output_priors=priors)
+
+
+def default_profile() -> RctProfile:
+    """The profile shipped with QLM (``qlm/data/rct_profile.json``, written by
+    ``qlm profile all``): every shipped simulated instance type, priors from the shipped traces."""
+    text = resources.files("qlm").joinpath("data/rct_profile.json").read_text(encoding="utf-8")
+    return parse_profile(text, "qlm/data/rct_profile.json")

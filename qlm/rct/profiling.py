@@ -1,0 +1,170 @@
+"""Profiling (paper §6, "Offline Profiling"): measure an engine, fit the estimator's parameters.
+
+*Hardware profiling* runs batches on an engine and measures them — nothing is read from the
+engine's own performance model:
+
+1. a request alone at several prompt lengths (one output token): its TTFT gives the prefill line
+   ``P(I) = a + b·I`` (least squares);
+2. one saturating batch — more requests of the workload's typical lengths than the instance can run
+   at once, submitted together — run to completion: ``Θ`` is the output tokens per second once the
+   prompt work is taken out, ``ε`` the mean time per output token over all requests divided by that
+   of the requests never preempted;
+3. one full batch (as many requests as fit at once), streamed: ``d`` is the median time per output
+   token once every prompt is in — pure decode at the saturation batch size.
+
+This drives the simulated engine (``SimEngine``); the same measurements against a vLLM server come
+with the vLLM engine client.
+
+*Workload profiling* fits the output-length prior (``NIG.fit``) from a trace's output lengths.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+from dataclasses import replace
+
+from qlm.engines.base import EngineRequest, EventKind
+from qlm.engines.perf_model import PerfModel
+from qlm.engines.sim import SimEngine, SimEngineConfig
+from qlm.errors import ConfigError
+from qlm.rct.output_model import NIG
+from qlm.rct.profile import HardwareProfile
+
+PREFILL_LENGTHS = (128, 256, 512, 1024, 2048, 4096)
+
+
+def _run(engine: SimEngine, requests: Sequence[EngineRequest]) -> dict[str, dict[str, float]]:
+    """Submit ``requests`` at t=0 and run to completion; per request: first token, finish,
+    preemptions. Also returns the time-weighted mean running batch under key ``""``."""
+    for r in requests:
+        engine.submit(r, 0.0)
+    out: dict[str, dict[str, float]] = {r.request_id: {"preemptions": 0.0} for r in requests}
+    ticks: list[tuple[float, str, int]] = []  # (time, request, tokens so far) when streaming
+    batch_area, last_t = 0.0, 0.0
+    while (t := engine.next_event_time()) is not None:
+        batch_area += engine.stats().running * (t - last_t)
+        last_t = t
+        for ev in engine.advance(t):
+            rec = out.get(ev.request_id)
+            if rec is None:
+                continue
+            if ev.kind is EventKind.FIRST_TOKEN:
+                rec["first"] = ev.time
+            elif ev.kind is EventKind.FINISHED:
+                rec["finish"] = ev.time
+                rec["tokens"] = ev.tokens
+            elif ev.kind is EventKind.PREEMPTED:
+                rec["preemptions"] += 1
+            if ev.kind in (EventKind.TOKENS, EventKind.FIRST_TOKEN):
+                ticks.append((ev.time, ev.request_id, ev.tokens))
+    out[""] = {"mean_batch": batch_area / last_t if last_t > 0 else 0.0, "makespan": last_t}
+    if ticks:
+        # Pure decode: from the moment every prompt is in, the time per token of each request.
+        t_p = max(r["first"] for rid, r in out.items() if rid)
+        start: dict[str, tuple[float, int]] = {}
+        for t, rid, n in ticks:
+            if t >= t_p and rid not in start:
+                start[rid] = (t, n)
+        per = []
+        for rid, (t0, n0) in start.items():
+            rec = out[rid]
+            total = rec.get("tokens", 0.0)
+            if total - n0 >= 8:
+                per.append((rec["finish"] - t0) / (total - n0))
+        out[""]["pure_decode"] = statistics.median(per) if per else 0.0
+    return out
+
+
+def profile_sim_hardware(
+    perf: PerfModel,
+    *,
+    config: SimEngineConfig | None = None,
+    input_tokens: int = 1024,
+    output_tokens: int = 256,
+    oversubscribe: float = 1.5,
+) -> HardwareProfile:
+    """Profile one simulated instance type (see the module docstring)."""
+    name = perf.model.name
+    cfg = config or SimEngineConfig.for_gpu(perf.gpu.memory_gb, perf.gpu.name)
+    ctx = perf.model.max_context
+    if input_tokens + output_tokens > ctx:
+        raise ConfigError(f"profile lengths {input_tokens}+{output_tokens} exceed {name}'s context")
+
+    lengths = [n for n in PREFILL_LENGTHS if n + 1 <= ctx]
+    ttfts = []
+    for n in lengths:
+        engine = SimEngine("profile", {name: perf}, cfg)
+        res = _run(engine, [EngineRequest("p", name, n, max_tokens=1)])
+        ttfts.append(res["p"]["first"])
+    b, a = _line(lengths, ttfts)
+
+    if output_tokens < 2:
+        raise ConfigError("profiling needs output_tokens >= 2 to measure decode time")
+    engine = SimEngine("profile", {name: perf}, cfg)
+    alone = _run(engine, [EngineRequest("d", name, input_tokens, output_tokens)])["d"]
+    d_alone = (alone["finish"] - alone["first"]) / (output_tokens - 1)
+
+    engine = SimEngine("profile", {name: perf}, cfg)
+    capacity = engine.stats().kv_capacity_tokens
+    concurrent = min(cfg.max_num_seqs, max(1, capacity // (input_tokens + output_tokens)))
+    n_req = max(2, math.ceil(concurrent * oversubscribe))
+    batch = [EngineRequest(f"s{i}", name, input_tokens, output_tokens) for i in range(n_req)]
+    res = _run(engine, batch)
+    summary = res.pop("")
+    tpot = {
+        rid: (r["finish"] - r["first"]) / (output_tokens - 1)
+        for rid, r in res.items()
+        if output_tokens > 1
+    }
+    clean = [tpot[rid] for rid, r in res.items() if r["preemptions"] == 0]
+    d_burst = statistics.median(clean or list(tpot.values()))
+    eps = statistics.fmean(tpot.values()) / d_burst
+
+    # A full batch without oversubscription, streamed: the decode speed once all prompts are in.
+    stream_cfg = replace(cfg, emit_token_events=True)
+    engine = SimEngine("profile", {name: perf}, stream_cfg)
+    full = [EngineRequest(f"f{i}", name, input_tokens, output_tokens) for i in range(concurrent)]
+    pure = _run(engine, full)[""]
+    d = pure.get("pure_decode") or d_burst
+    batch_size = float(concurrent)
+    total_out = n_req * output_tokens
+    prompt_work = n_req * input_tokens * b
+    decode_time = max(summary["makespan"] - prompt_work, 1e-9)
+    return HardwareProfile(
+        model=name,
+        gpu=perf.gpu.name,
+        gpu_count=perf.gpu_count,
+        prefill_base_s=max(a, 0.0),
+        prefill_per_token_s=b,
+        input_token_work_s=b,
+        throughput_tps=total_out / decode_time,
+        decode_per_token_s=d,
+        decode_alone_s=d_alone,
+        inefficiency=max(eps, 1.0),
+        saturation_batch=batch_size,
+        max_num_seqs=cfg.max_num_seqs,
+        kv_bytes_per_token=perf.model.kv_bytes_per_token,
+        kv_capacity_tokens=capacity,
+        warm_load_s=perf.warm_load_s,
+        cold_load_s=perf.cold_load_s,
+        source=(
+            f"simulated engine, {n_req} requests of {input_tokens}+{output_tokens} tokens "
+            f"and prefill at {len(lengths)} lengths"
+        ),
+    )
+
+
+def _line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
+    """Least-squares slope and intercept."""
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx if sxx else 0.0
+    return slope, my - slope * mx
+
+
+def profile_workload(outputs: Sequence[int], *, strength: float = 20.0) -> NIG:
+    """The output-length prior of a workload from a sample of its output lengths."""
+    return NIG.fit(list(outputs), strength=strength)

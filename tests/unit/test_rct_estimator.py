@@ -1,0 +1,393 @@
+"""The RCT estimator on hand-made profiles: waiting, prefill, decode, model switches, groups,
+learning from completions, and the profile file; plus one profile of the real simulated engine."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+from dataclasses import asdict, replace
+from typing import Any
+
+import pytest
+
+from qlm.domain import SLO, Request
+from qlm.engines.perf_model import default_catalog
+from qlm.errors import ConfigError
+from qlm.rct.estimator import Estimate, InstanceView, Queued, RCTEstimator
+from qlm.rct.output_model import NIG
+from qlm.rct.profile import HardwareProfile, RctProfile, dump_profile, parse_profile
+from qlm.rct.profiling import profile_sim_hardware
+from tests.builders import make_request
+
+NOW = 100.0
+PRIOR = NIG(mu=4.0, kappa=20.0, alpha=11.0, beta=5.0)  # outputs of ~70 tokens
+
+
+def hardware(model: str = "m", **overrides: Any) -> HardwareProfile:
+    """A hand-made profile of ``model`` on one GPU ``G``: round numbers, every term distinct."""
+    fields: dict[str, Any] = {
+        "model": model,
+        "gpu": "G",
+        "gpu_count": 1,
+        "prefill_base_s": 0.02,
+        "prefill_per_token_s": 1e-4,
+        "input_token_work_s": 5e-5,
+        "throughput_tps": 2000.0,
+        "decode_per_token_s": 0.03,
+        "decode_alone_s": 0.01,
+        "inefficiency": 1.2,
+        "saturation_batch": 8.0,
+        "max_num_seqs": 8,
+        "kv_bytes_per_token": 131072,
+        "kv_capacity_tokens": 100_000,
+        "warm_load_s": 1.5,
+        "cold_load_s": 12.0,
+    }
+    fields.update(overrides)
+    return HardwareProfile(**fields)
+
+
+def estimator(**overrides: Any) -> RCTEstimator:
+    """Models ``m`` and ``n`` with the same hardware profile and the same output prior."""
+    hw = {h.key: h for h in (hardware("m", **overrides), hardware("n", **overrides))}
+    return RCTEstimator(RctProfile(hardware=hw, output_priors={"default": PRIOR}))
+
+
+def instance(active: str | None = "m", warm: frozenset[str] = frozenset()) -> InstanceView:
+    return InstanceView("i0", "G", 1, active, warm)
+
+
+def waiting(requests: list[Request]) -> list[Queued]:
+    return [Queued(r) for r in requests]
+
+
+# --- single requests -----------------------------------------------------------------------------
+
+
+def test_a_request_on_an_empty_instance_takes_its_prefill_plus_its_expected_decode() -> None:
+    est = estimator()
+    hw = hardware()
+    req = make_request(0, input_tokens=2000)
+    m, _ = est.output_moments(req)
+    (only,) = est.estimate_requests(instance(), waiting([req]), NOW)
+    expected = NOW + hw.prefill_s(2000) + m * hw.decode_alone_s * hw.inefficiency
+    assert only.mean == pytest.approx(expected, rel=1e-9)
+
+
+def test_a_request_behind_waiting_requests_waits_for_their_prompt_and_output_work() -> None:
+    # One request at a time (max_num_seqs=1): decode speed is the same at every position, so the
+    # difference between positions is the waiting time alone.
+    est = estimator(max_num_seqs=1)
+    hw = hardware()
+    reqs = [make_request(i, input_tokens=1000) for i in range(3)]
+    first, _, third = est.estimate_requests(instance(), waiting(reqs), NOW)
+    m, _ = est.output_moments(reqs[0])
+    work_each = 1000 * hw.input_token_work_s + m / hw.throughput_tps  # 0.05 s + ~0.036 s
+    # Decode starts after the waiting work (the decode itself also slows down while others
+    # wait to be admitted, so compare the starts).
+    assert third.start_mean - first.start_mean == pytest.approx(2 * work_each, rel=1e-9)
+    assert third.mean - third.start_mean > first.mean - first.start_mean
+
+
+def test_requests_behind_running_ones_only_do_not_wait() -> None:
+    # No prompt work and a flat decode speed: completion is exactly prefill + decode.
+    est = estimator(input_token_work_s=0.0, saturation_batch=1.0)
+    hw = hardware()
+    running = [Queued(make_request(i), generated=30, running=True) for i in range(2)]
+    req = make_request(2, input_tokens=500)
+    *_, behind_running = est.estimate_requests(instance(), [*running, Queued(req)], NOW)
+    m, _ = est.output_moments(req)
+    decode = m * hw.decode_per_token_s * hw.inefficiency
+    assert behind_running.mean == pytest.approx(NOW + hw.prefill_s(500) + decode, rel=1e-9)
+
+    # The same request behind the same two requests, still waiting, waits for their work.
+    ahead = [make_request(i) for i in range(2)]
+    *_, behind_waiting = est.estimate_requests(instance(), waiting([*ahead, req]), NOW)
+    work_ahead = sum(est.output_moments(r)[0] for r in ahead) / hw.throughput_tps
+    assert behind_waiting.start_mean - behind_running.start_mean == pytest.approx(
+        work_ahead, rel=1e-9
+    )
+
+
+def test_a_model_switch_along_the_queue_adds_the_warm_or_cold_load_time() -> None:
+    est = estimator()
+    hw = hardware()
+    same = [make_request(i) for i in range(3)]
+    switching = [same[0], *(replace(r, model="n") for r in same[1:])]
+    base = [e.mean for e in est.estimate_requests(instance("m"), waiting(same), NOW)]
+    warm = [
+        e.mean
+        for e in est.estimate_requests(instance("m", frozenset({"n"})), waiting(switching), NOW)
+    ]
+    cold = [e.mean for e in est.estimate_requests(instance("m"), waiting(switching), NOW)]
+    # The first request needs no switch; the second pays the load; the third waits through it too.
+    assert [w - b for w, b in zip(warm, base, strict=True)] == pytest.approx(
+        [0.0, hw.warm_load_s, hw.warm_load_s], abs=1e-9
+    )
+    assert [c - b for c, b in zip(cold, base, strict=True)] == pytest.approx(
+        [0.0, hw.cold_load_s, hw.cold_load_s], abs=1e-9
+    )
+
+
+def test_an_instance_with_no_active_model_loads_the_first_one() -> None:
+    est = estimator()
+    reqs = waiting([make_request(0)])
+    (loaded,) = est.estimate_requests(instance("m"), reqs, NOW)
+    (idle,) = est.estimate_requests(instance(None), reqs, NOW)
+    assert idle.mean - loaded.mean == pytest.approx(hardware().cold_load_s, rel=1e-9)
+
+
+def test_a_request_with_max_tokens_5_predicts_at_most_5_tokens_of_decode() -> None:
+    est = estimator(input_token_work_s=0.0, saturation_batch=1.0)
+    hw = hardware()
+    short = make_request(0, max_tokens=5, input_tokens=300)
+    long = make_request(1, max_tokens=1000, input_tokens=300)
+    assert 0 < est.expected_output(short) <= 5 < est.expected_output(long)
+    (capped,) = est.estimate_requests(instance(), waiting([short]), NOW)
+    decode = capped.mean - NOW - hw.prefill_s(300)
+    assert 0 < decode <= 5 * hw.decode_per_token_s * hw.inefficiency * (1 + 1e-12)
+
+
+def test_a_running_request_near_its_cap_has_few_tokens_left() -> None:
+    est = estimator()
+    req = make_request(0, max_tokens=100)
+    m, v = est.output_moments(req, generated=97)
+    assert 0 < m <= 3 and 0 <= v <= 3 * 3 / 4
+    assert est.output_moments(req, generated=100) == (0.0, 0.0)
+
+
+def test_p_before_of_a_request_follows_its_skewed_output_distribution() -> None:
+    est = estimator()
+    reqs = waiting([make_request(i) for i in range(5)])
+    last = est.estimate_requests(instance(), reqs, NOW)[-1]
+    assert last.std > 0
+    for q in (0.1, 0.5, 0.9):
+        assert last.p_before(last.quantile(q)) == pytest.approx(q, abs=1e-6)
+    # Output lengths are right-skewed: the median completes before the mean.
+    assert last.quantile(0.5) < last.mean
+    times = [
+        last.quantile(0.02) + k * (last.quantile(0.98) - last.quantile(0.02)) / 32
+        for k in range(33)
+    ]
+    ps = [last.p_before(t) for t in times]
+    assert all(a < b for a, b in itertools.pairwise(ps))
+    assert last.p_before(last.start_mean - 10 * last.start_sd) == 0.0
+
+
+def test_p_before_of_a_group_is_normal_around_its_mean() -> None:
+    group = Estimate(mean=100.0, var=25.0)
+    assert group.p_before(100.0) == pytest.approx(0.5, abs=1e-12)
+    assert group.p_before(group.quantile(0.9)) == pytest.approx(0.9, abs=1e-6)
+
+
+def test_a_certain_completion_is_met_exactly_from_its_time_on() -> None:
+    sure = Estimate(mean=10.0, var=0.0)
+    assert sure.p_before(9.999) == 0.0 and sure.p_before(10.0) == 1.0
+
+
+# --- groups --------------------------------------------------------------------------------------
+
+
+def test_a_group_load_sums_its_requests_and_keeps_its_last_one() -> None:
+    est = estimator()
+    reqs = [
+        make_request(0, input_tokens=100, max_tokens=20, arrival_s=5.0, slo=SLO(e2e_s=40.0)),
+        make_request(1, input_tokens=800, max_tokens=1000, arrival_s=6.0, slo=SLO(e2e_s=10.0)),
+        make_request(2, input_tokens=3000, max_tokens=60, arrival_s=7.0, slo=SLO(e2e_s=30.0)),
+    ]
+    moments = [est.output_moments(r) for r in reqs]
+    load = est.group_load("g1", reqs)
+    assert (load.group_id, load.model, load.size) == ("g1", "m", 3)
+    assert load.earliest_deadline_s == 16.0
+    assert load.input_tokens == 3900 and load.last_input_tokens == 3000
+    assert load.output_mean == pytest.approx(sum(m for m, _ in moments), rel=1e-12)
+    assert load.output_var == pytest.approx(sum(v for _, v in moments), rel=1e-12)
+    assert (load.last_output_mean, load.last_output_var) == moments[2]
+    # Capped requests differ, so the sum is not just size x one request's moments.
+    assert moments[0][0] < moments[2][0] < moments[1][0]
+
+
+def test_an_empty_group_has_no_load() -> None:
+    with pytest.raises(ValueError, match="g9"):
+        estimator().group_load("g9", [])
+
+
+def test_queue_estimates_of_one_request_groups_agree_with_request_estimates() -> None:
+    est = estimator()
+    running = [Queued(make_request(90 + i), generated=10 * i, running=True) for i in range(2)]
+    reqs = [
+        make_request(i, input_tokens=n, max_tokens=cap)
+        for i, (n, cap) in enumerate([(3000, 1000), (100, 50), (1500, 1000), (50, 400), (800, 200)])
+    ]
+    per_request = est.estimate_requests(instance(), [*running, *waiting(reqs)], NOW)[2:]
+    per_group = est.estimate_queue(
+        instance(), [est.group_load(r.id, [r]) for r in reqs], NOW, running=running
+    )
+    assert [g.group_id for g in per_group] == [r.id for r in reqs]
+    # Compare latencies (from now), not absolute times, so that the tolerance means something.
+    assert [g.completion.mean - NOW for g in per_group] == pytest.approx(
+        [e.mean - NOW for e in per_request], rel=1e-3
+    )
+
+
+def test_a_group_completes_with_its_last_request() -> None:
+    est = estimator()
+    reqs = [
+        make_request(i, input_tokens=400 + 100 * i, arrival_s=NOW, slo=SLO(e2e_s=2.0))
+        for i in range(4)
+    ]
+    (group,) = est.estimate_queue(instance(), [est.group_load("g", reqs)], NOW)
+    later = est.estimate_queue(
+        instance(), [est.group_load("g", reqs[:2]), est.group_load("h", reqs[2:])], NOW
+    )
+    # Splitting the same requests into two groups in the same order changes nothing for the last.
+    assert later[1].completion.mean == pytest.approx(group.completion.mean, rel=1e-9)
+    assert later[0].completion.mean < later[1].completion.mean
+    assert group.deadline_s == min(r.deadline_s for r in reqs)
+    assert 0.0 < group.p_meet_slo < 1.0
+
+
+def test_queue_estimates_add_the_load_time_when_the_model_changes() -> None:
+    est = estimator()
+    reqs = [make_request(i) for i in range(2)]
+    loads = [est.group_load("a", reqs[:1]), est.group_load("b", reqs[1:])]
+    other = [loads[0], replace(loads[1], model="n")]
+    base = est.estimate_queue(instance("m", frozenset({"n"})), loads, NOW)
+    warm = est.estimate_queue(instance("m", frozenset({"n"})), other, NOW)
+    cold = est.estimate_queue(instance("m"), other, NOW)
+    hw = hardware()
+    assert warm[0].completion.mean == pytest.approx(base[0].completion.mean, rel=1e-12)
+    assert warm[1].completion.mean - base[1].completion.mean == pytest.approx(hw.warm_load_s)
+    assert cold[1].completion.mean - base[1].completion.mean == pytest.approx(hw.cold_load_s)
+
+
+# --- learning ------------------------------------------------------------------------------------
+
+
+def test_a_completion_updates_the_posterior_of_its_model_and_slo_class_only() -> None:
+    est = estimator()
+    chat = make_request(0, slo_class="chat")
+    same_model_other_class = make_request(1)
+    other_model_same_class = make_request(2, model="n", slo_class="chat")
+    before = est.expected_output(chat)
+    est.observe(chat, output_tokens=900)
+    assert est.posterior(chat) == PRIOR.update(900)
+    assert est.expected_output(make_request(3, slo_class="chat")) > before
+    assert est.posterior(same_model_other_class) == PRIOR
+    assert est.posterior(other_model_same_class) == PRIOR
+
+
+SLOW = {"max_num_seqs": 1, "throughput_tps": 100.0}
+"""A profile that runs one request at a time, slowly enough that 30 requests take > 5 s."""
+
+
+def saturated_run(est: RCTEstimator, reqs: list[Request], slowdown: float) -> None:
+    """Predict ``reqs`` as one queue (all waiting: the instance is saturated), then let them finish
+    one after another, each ``slowdown`` times the profile's work for it after the one before."""
+    est.estimate_requests(instance(), waiting(reqs), 0.0, remember=True)
+    hw = hardware(**SLOW)
+    t = 0.0
+    for r in reqs:
+        out = r.replay_output_tokens or 1
+        t += slowdown * (r.input_tokens * hw.input_token_work_s + out / hw.throughput_tps)
+        est.observe(r, output_tokens=out, finish_s=t)
+
+
+def wait_of_third(est: RCTEstimator) -> tuple[float, float]:
+    """Predicted waiting of the third of three identical requests, and the profile's work ahead
+    of it (two requests); with ``SLOW`` decode speed is the same at every position."""
+    reqs = [make_request(1000 + i, input_tokens=1000) for i in range(3)]
+    first, _, third = est.estimate_requests(instance(), waiting(reqs), 0.0)
+    hw = hardware(**SLOW)
+    m, _ = est.output_moments(reqs[0])
+    return third.start_mean - first.start_mean, 2 * (
+        1000 * hw.input_token_work_s + m / hw.throughput_tps
+    )
+
+
+def test_completions_of_a_saturated_instance_calibrate_the_waiting_to_the_observed_rate() -> None:
+    est = estimator(**SLOW)
+    wait, work = wait_of_third(est)
+    assert wait == pytest.approx(work, rel=1e-9)  # uncalibrated: the profile's rate
+    reqs = [make_request(i, input_tokens=1000, replay_output_tokens=80) for i in range(30)]
+    saturated_run(est, reqs, slowdown=2.0)  # ~50 s of observed service for ~25 s of work
+    wait, work = wait_of_third(est)
+    assert wait == pytest.approx(2.0 * work, rel=1e-6)
+
+
+def test_completions_on_an_unsaturated_instance_leave_the_waiting_uncalibrated() -> None:
+    est = estimator(**SLOW)
+    hw = hardware(**SLOW)
+    t = 0.0
+    for i in range(30):
+        r = make_request(i, input_tokens=1000, replay_output_tokens=80)
+        est.estimate_requests(instance(), waiting([r]), 0.0, remember=True)  # alone: no queue
+        t += 2.0 * (1000 * hw.input_token_work_s + 80 / hw.throughput_tps)
+        est.observe(r, output_tokens=80, finish_s=t)
+    wait, work = wait_of_third(est)
+    assert wait == pytest.approx(work, rel=1e-9)
+
+
+# --- the profile file ----------------------------------------------------------------------------
+
+
+def test_a_profile_survives_a_json_round_trip() -> None:
+    profile = RctProfile(
+        hardware={
+            h.key: h
+            for h in (
+                hardware("m", source="hand-made"),
+                hardware("n", gpu_count=2, prefill_per_token_s=1 / 3, throughput_tps=1e4 / 7),
+            )
+        },
+        output_priors={"default": PRIOR, "m": NIG(mu=5.1234567891, kappa=3.0, alpha=2.5, beta=0.1)},
+    )
+    text = dump_profile(profile)
+    assert parse_profile(text, "p.json") == profile
+    assert dump_profile(parse_profile(text)) == text
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        pytest.param("not json at all", id="not-json"),
+        pytest.param("[1, 2]", id="a-list"),
+        pytest.param('{"version": 99, "hardware": []}', id="wrong-version"),
+        pytest.param('{"version": 1, "hardware": [{"model": "m"}]}', id="missing-fields"),
+        pytest.param('{"version": 1, "hardware": [3]}', id="hardware-not-an-object"),
+        pytest.param('{"version": 1, "output_priors": []}', id="priors-not-a-mapping"),
+        pytest.param(
+            '{"version": 1, "output_priors": {"x": {"mu": 1, "kappa": 1, "alpha": 0.5, "beta": 1}}}',
+            id="invalid-prior",
+        ),
+        pytest.param(
+            json.dumps({"version": 1, "hardware": [asdict(hardware(throughput_tps=1.0))]}).replace(
+                '"throughput_tps": 1.0', '"throughput_tps": 0.0'
+            ),
+            id="invalid-hardware-value",
+        ),
+    ],
+)
+def test_a_broken_profile_is_refused_naming_its_file(text: str) -> None:
+    with pytest.raises(ConfigError, match=r"^/etc/qlm/rct\.json: "):
+        parse_profile(text, "/etc/qlm/rct.json")
+
+
+# --- the real simulated engine -------------------------------------------------------------------
+
+
+def test_profiling_the_simulated_a100_gives_sane_values() -> None:
+    perf = default_catalog().perf_model("llama-3-8b", "A100", 1)
+    hw = profile_sim_hardware(perf)
+    assert hw.key == ("llama-3-8b", "A100", 1)
+    assert 0 < hw.decode_alone_s < hw.decode_per_token_s
+    assert hw.throughput_tps > 0
+    per_token_s = perf.step.per_token_ms / 1000
+    assert per_token_s / 2 <= hw.prefill_per_token_s <= 2 * per_token_s
+    assert hw.max_num_seqs == 256
+    assert hw.inefficiency >= 1.0
+    assert 0 < hw.warm_load_s < hw.cold_load_s
+    # Saturated throughput is about a full batch over the time per token of a full batch.
+    assert hw.throughput_tps == pytest.approx(hw.saturation_batch / hw.decode_per_token_s, rel=0.5)
+    assert math.isfinite(hw.prefill_base_s) and hw.prefill_base_s >= 0
