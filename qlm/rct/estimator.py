@@ -43,6 +43,7 @@ Pure: no I/O, no clock; ``now`` comes in, observations come in through ``observe
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -61,8 +62,8 @@ class Estimate:
     request, the shape of its distribution.
 
     A group's completion sums many requests and is treated as normal. A single request's is
-    dominated by its own output length, which is skewed (log-normal, capped at ``max_tokens``):
-    with ``out_mu``/``out_sd`` set, ``P(completion ≤ t)`` is computed from that distribution —
+    dominated by its own output length, which is skewed (and capped at ``max_tokens``): with
+    ``output`` set, ``P(completion ≤ t)`` is computed from that distribution —
     decode starts at a normal time ``start`` and takes ``O · d`` — instead of a normal
     approximation, which would be badly calibrated for one request.
     """
@@ -71,8 +72,7 @@ class Estimate:
     var: float
     start_mean: float = 0.0
     start_sd: float = 0.0
-    out_mu: float | None = None
-    out_sd: float = 0.0
+    output: NIG | None = None  # the request's output-length posterior
     generated: int = 0
     cap: int = 0
     per_token_s: float = 0.0
@@ -85,12 +85,12 @@ class Estimate:
         """The ``q``-quantile: exact for a single request (bisection), normal for a group."""
         if not 0 < q < 1:
             raise ValueError(f"quantile must be in (0, 1), got {q}")
-        if self.out_mu is None:
+        if self.output is None:
             z = Z.get(q)
             if z is None:
                 z = _normal_ppf(q)
             return self.mean + z * self.std
-        lo, hi = self.start_mean - 8 * self.start_sd, self.mean + 20 * self.std + 1.0
+        lo, hi = self.start_mean - 8 * self.start_sd - 1.0, self.mean + 20 * self.std + 1.0
         for _ in range(60):
             mid = (lo + hi) / 2
             if self.p_before(mid) < q:
@@ -101,7 +101,7 @@ class Estimate:
 
     def p_before(self, t: float) -> float:
         """``P(completion ≤ t)``."""
-        if self.out_mu is None:
+        if self.output is None:
             sd = self.std
             if sd <= 0:
                 return 1.0 if self.mean <= t else 0.0
@@ -118,19 +118,11 @@ class Estimate:
         """``P(the remaining output decodes within seconds)``."""
         if seconds < 0:
             return 0.0
-        if self.per_token_s <= 0:
+        if self.per_token_s <= 0 or self.output is None:
             return 1.0
-        tokens = seconds / self.per_token_s
-        remaining_cap = self.cap - self.generated
-        if tokens >= remaining_cap:
-            return 1.0
-        assert self.out_mu is not None
-        a = (math.log1p(self.generated) - self.out_mu) / self.out_sd
-        b = (math.log1p(self.generated + tokens) - self.out_mu) / self.out_sd
-        tail = 1.0 - _phi(a)
-        if tail < 1e-12:
-            return 1.0
-        return min(1.0, max(0.0, (_phi(b) - _phi(a)) / tail))
+        return self.output.p_remaining_within(
+            seconds / self.per_token_s, cap=self.cap, generated=self.generated
+        )
 
 
 def _normal_ppf(q: float) -> float:
@@ -218,8 +210,19 @@ class _Calibration:
     decode_obs: float = 0.0
     decode_pred: float = 0.0
     n_wait: float = 0.0
-    wait_r2: float = 0.0  # sum of squared relative waiting errors
+    wait_e2: float = 0.0  # sum of squared waiting errors ...
+    wait_p2: float = 0.0  # ... and of squared predicted waits
     saturated: bool = False  # had waiting requests at the last estimate
+
+    arrivals: deque[float] = field(default_factory=lambda: deque(maxlen=64))
+
+    def arrival_rate(self) -> float:
+        """Requests per second recently sent to this instance (0 until a few arrived)."""
+        if len(self.arrivals) < 8:
+            return 0.0
+        span = self.arrivals[-1] - self.arrivals[0]
+        return (len(self.arrivals) - 1) / span if span > 0 else 0.0
+
     last_finish: float | None = None
     work_done: float = 0.0  # profile-seconds of work completed while saturated ...
     busy_time: float = 0.0  # ... and the wall time it took
@@ -239,9 +242,9 @@ class _Calibration:
     def wait_rel_sd(self) -> float:
         """Relative spread of waiting-time errors seen so far (model error beyond the output
         lengths of the requests ahead); 0.25 until 20 waits were observed."""
-        if self.n_wait < 20:
+        if self.n_wait < 20 or self.wait_p2 <= 0:
             return 0.25
-        return min(2.0, math.sqrt(self.wait_r2 / self.n_wait))
+        return min(2.0, math.sqrt(self.wait_e2 / self.wait_p2))
 
 
 @dataclass(frozen=True, slots=True)
@@ -264,9 +267,10 @@ class RCTEstimator:
     _posteriors: dict[tuple[str, str], NIG] = field(default_factory=dict, init=False)
     _calibration: dict[str, _Calibration] = field(default_factory=dict, init=False)
     _pending: dict[str, _Prediction] = field(default_factory=dict, init=False)
-    _moments: dict[tuple[NIG, int, int], tuple[float, float]] = field(
+    _moments: dict[tuple[str, str, int, int, int], tuple[float, float]] = field(
         default_factory=dict, init=False
     )
+    _versions: dict[tuple[str, str], int] = field(default_factory=dict, init=False)
 
     # --- output lengths --------------------------------------------------------------------------
 
@@ -281,7 +285,13 @@ class RCTEstimator:
     def output_moments(self, request: Request, generated: int = 0) -> tuple[float, float]:
         """Mean and variance of the output tokens ``request`` still has to generate."""
         post = self.posterior(request)
-        key = (post, request.max_tokens, generated)
+        key = (
+            request.model,
+            request.slo_class,
+            self._versions.get((request.model, request.slo_class), 0),
+            request.max_tokens,
+            generated,
+        )
         hit = self._moments.get(key)
         if hit is None:
             if len(self._moments) > 100_000:
@@ -348,6 +358,11 @@ class RCTEstimator:
         n_running = sum(1 for item in queue if item.running)
         cal.saturated = n - n_running > 1  # someone besides the newest is waiting
         refill = mix_prompt / max(mix_output, 1.0)
+        # Unsaturated, new arrivals' prefills interrupt decoding: the share of time they take.
+        # Arriving faster than it serves (ρ ≥ 1), the instance is about to saturate.
+        rate = cal.arrival_rate()
+        arrival_share = min(0.9, rate * mix_prompt / max(n, 1))
+        overloaded = rate * (mix_prompt + mix_output / hws[0].throughput_tps) / max(n, 1) >= 1.0
         wait_rel = cal.wait_rel_sd()
         out: list[Estimate] = []
         for i, item in enumerate(queue):
@@ -359,9 +374,13 @@ class RCTEstimator:
             wait = wait_raw * wf + float(cum_switch[i])
             wait_var = var_raw * wf * wf + (wait_rel * wait_raw * wf) ** 2
             batch = min(i + 1, slots)
-            # Refill only while others wait (then admissions go on as requests finish).
-            refilling = i - n_running >= 1
-            d = (hw.decode_s(batch) + (batch * refill if refilling else 0.0)) * hw.inefficiency
+            # While others wait, admissions go on as requests finish (refill); otherwise new
+            # arrivals are admitted as they come.
+            if i - n_running >= 1 or overloaded:
+                d_batch = hw.decode_s(batch if not overloaded else slots) + batch * refill
+            else:
+                d_batch = hw.decode_s(batch) / (1.0 - arrival_share)
+            d = d_batch * hw.inefficiency
             start = now + wait + float(own[i])
             mean = start + float(out_mean[i]) * d * ef
             var = wait_var + float(out_var[i]) * (d * ef) ** 2
@@ -372,14 +391,14 @@ class RCTEstimator:
                     var,
                     start_mean=start,
                     start_sd=math.sqrt(wait_var),
-                    out_mu=post.mu,
-                    out_sd=post.predictive_log_sd,
+                    output=post,
                     generated=item.generated,
                     cap=req.max_tokens,
                     per_token_s=d * ef,
                 )
             )
             if remember and not item.running and req.id not in self._pending:
+                cal.arrivals.append(now)
                 # Learn from the prediction made when the request arrived, not from later ones.
                 self._pending[req.id] = _Prediction(
                     instance=instance.name,
@@ -512,6 +531,7 @@ class RCTEstimator:
         with ``remember``, the instance's calibration (waiting, decode and error spread)."""
         key = (request.model, request.slo_class)
         self._posteriors[key] = self.posterior(request).update(output_tokens)
+        self._versions[key] = self._versions.get(key, 0) + 1
         pred = self._pending.pop(request.id, None)
         if pred is None:
             return
@@ -535,9 +555,10 @@ class RCTEstimator:
             cal.decode_pred = lam * cal.decode_pred + pred.d_eff * (output_tokens - 1)
         if scheduled_s is not None and pred.wait_raw > 1e-3:
             predicted = pred.wait_raw * cal.wait_factor()
-            r = (scheduled_s - request.arrival_s - predicted) / predicted
+            error = scheduled_s - request.arrival_s - predicted
             cal.n_wait = lam * cal.n_wait + 1
-            cal.wait_r2 = lam * cal.wait_r2 + r * r
+            cal.wait_e2 = lam * cal.wait_e2 + error * error
+            cal.wait_p2 = lam * cal.wait_p2 + predicted * predicted
 
     def predicted_wait(self, request_id: str) -> float:
         """The waiting time predicted (calibrated) for a remembered request when it arrived."""

@@ -12,10 +12,15 @@ Conjugate update after observing ``x`` (one request)::
     κ' = κ + 1,  μ' = (κ μ + x) / κ',  α' = α + 1/2,  β' = β + κ (x − μ)² / (2 κ')
 
 The posterior predictive of a new ``X`` is Student-t with ``2α`` degrees of freedom, location ``μ``
-and scale² ``β (κ + 1) / (α κ)``; we use its normal approximation with the t's variance, so
-``O = exp(X) − 1`` is log-normal and its capped and conditional moments have closed forms:
-``E[min(O, cap)]``, ``Var[min(O, cap)]`` (a request cannot exceed ``max_tokens``) and the same given
-that ``g`` tokens were already generated (``O ≥ g``), for requests that are running.
+and scale² ``β (κ + 1) / (α κ)``. Real length distributions are not log-normal (ShareGPT's is
+nearly symmetric, Azure code's has a spike of very short outputs), so the *shape* of the
+predictive is the workload's own: ``X = μ + s · ε`` with ``s`` the predictive standard deviation
+and ``ε`` drawn from the standardised log-lengths of the profiled sample (kept as 256 quantiles in
+``shape``). The NIG still learns location and scale from every completion; the shape says how the
+mass is spread. Without a shape (``shape == ()``), ``ε`` is standard normal and ``O = exp(X) − 1``
+is log-normal with closed-form moments. Either way the moments are those of the tokens still to
+generate, ``min(O, cap) − g`` given ``O ≥ g``: a request cannot exceed ``max_tokens``, and a running
+request has already generated ``g``.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from scipy.special import ndtr
 from qlm.errors import ConfigError
 
 _SQRT2 = math.sqrt(2.0)
+SHAPE_POINTS = 256
 
 
 def _phi(z: float) -> float:
@@ -45,6 +51,7 @@ class NIG:
     kappa: float
     alpha: float
     beta: float
+    shape: tuple[float, ...] = ()  # sorted quantiles of the standardised log-lengths, or normal
 
     def __post_init__(self) -> None:
         if not (self.kappa > 0 and self.alpha > 1 and self.beta > 0):
@@ -64,7 +71,15 @@ class NIG:
         mean = sum(xs) / n
         var = max(sum((x - mean) ** 2 for x in xs) / (n - 1), 1e-6)
         alpha = strength / 2 + 1  # > 1 so that the variance exists
-        return cls(mu=mean, kappa=strength, alpha=alpha, beta=var * (alpha - 1))
+        z = (np.asarray(xs) - mean) / math.sqrt(var)
+        quantiles = np.quantile(z, (np.arange(SHAPE_POINTS) + 0.5) / SHAPE_POINTS)
+        return cls(
+            mu=mean,
+            kappa=strength,
+            alpha=alpha,
+            beta=var * (alpha - 1),
+            shape=tuple(round(float(q), 6) for q in quantiles),
+        )
 
     def update(self, output_tokens: int) -> NIG:
         """The posterior after one more observed output length (closed form, see module doc)."""
@@ -75,6 +90,7 @@ class NIG:
             kappa=k1,
             alpha=self.alpha + 0.5,
             beta=self.beta + self.kappa * (x - self.mu) ** 2 / (2 * k1),
+            shape=self.shape,
         )
 
     def update_many(self, outputs: list[int]) -> NIG:
@@ -91,6 +107,7 @@ class NIG:
             kappa=kn,
             alpha=self.alpha + n / 2,
             beta=self.beta + 0.5 * ss + self.kappa * n * (xbar - self.mu) ** 2 / (2 * kn),
+            shape=self.shape,
         )
 
     @property
@@ -103,9 +120,39 @@ class NIG:
     def moments(self, *, cap: int, generated: int = 0) -> tuple[float, float]:
         """Mean and variance of the tokens still to generate, ``min(O, cap) − g``, given ``O ≥ g``
         with ``g = generated`` (0 for a request that has not started)."""
-        return lognormal_capped_moments(
-            self.mu, self.predictive_log_sd, cap=cap, generated=generated
-        )
+        if not self.shape:
+            return lognormal_capped_moments(
+                self.mu, self.predictive_log_sd, cap=cap, generated=generated
+            )
+        if cap <= generated:
+            return 0.0, 0.0
+        outputs = np.expm1(self.mu + self.predictive_log_sd * np.asarray(self.shape))
+        alive = outputs[outputs >= generated]
+        if alive.size == 0:
+            return min(float(cap - generated), 1.0), 0.0
+        remaining = np.minimum(alive, cap) - generated
+        return float(remaining.mean()), float(remaining.var())
+
+    def p_remaining_within(self, tokens: float, *, cap: int, generated: int = 0) -> float:
+        """``P(min(O, cap) − g ≤ tokens | O ≥ g)``: the chance the rest fits in ``tokens``."""
+        if tokens < 0:
+            return 0.0
+        if generated + tokens >= cap:
+            return 1.0
+        sd = self.predictive_log_sd
+        a = (math.log1p(generated) - self.mu) / sd
+        b = (math.log1p(generated + tokens) - self.mu) / sd
+        if self.shape:
+            grid = np.asarray(self.shape)
+            probs = (np.arange(len(grid)) + 0.5) / len(grid)
+            fa = float(np.interp(a, grid, probs, left=0.0, right=1.0))
+            fb = float(np.interp(b, grid, probs, left=0.0, right=1.0))
+        else:
+            fa, fb = _phi(a), _phi(b)
+        tail = 1.0 - fa
+        if tail < 1e-12:
+            return 1.0
+        return min(1.0, max(0.0, (fb - fa) / tail))
 
 
 def lognormal_capped_moments(

@@ -125,7 +125,10 @@ def parse_profile(text: str, source: str = "profile") -> RctProfile:
         for entry in doc.get("hardware", []):
             hw = HardwareProfile(**entry)
             hardware[hw.key] = hw
-        priors = {name: NIG(**fields) for name, fields in doc.get("output_priors", {}).items()}
+        priors = {
+            name: NIG(**{**fields, "shape": tuple(fields.get("shape", ()))})
+            for name, fields in doc.get("output_priors", {}).items()
+        }
     except ConfigError as exc:
         raise ConfigError(f"{source}: {exc}") from exc
     except (ValueError, TypeError, KeyError, AttributeError) as exc:

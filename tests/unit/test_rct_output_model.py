@@ -231,3 +231,28 @@ def test_the_vectorised_moments_handle_finished_and_past_belief_requests_like_th
     scalar = [lognormal_capped_moments(*p[:2], cap=p[2], generated=p[3]) for p in grid]
     assert means.tolist() == [s[0] for s in scalar]
     assert variances.tolist() == [s[1] for s in scalar]
+
+
+def test_a_fitted_prior_keeps_the_workloads_own_shape_of_lengths() -> None:
+    # A nearly symmetric length distribution, far from log-normal (like ShareGPT's).
+    rng = np.random.default_rng(11)
+    outputs = [int(x) for x in rng.uniform(300, 600, size=20_000)]
+    prior = NIG.fit(outputs, strength=1e6)  # a very confident prior: predictive = the sample
+    assert len(prior.shape) == 256
+    mean, var = prior.moments(cap=10_000)
+    assert mean == pytest.approx(float(np.mean(outputs)), rel=0.01)
+    assert math.sqrt(var) == pytest.approx(float(np.std(outputs)), rel=0.03)
+    # The chance of finishing within 450 tokens is the sample's, not a log-normal's.
+    assert prior.p_remaining_within(450, cap=10_000) == pytest.approx(0.5, abs=0.02)
+    assert prior.p_remaining_within(250, cap=10_000) < 0.01
+    # Given 500 tokens already generated, at most 100 more are expected.
+    rest, _ = prior.moments(cap=10_000, generated=500)
+    assert 0 < rest < 100
+    assert prior.p_remaining_within(100, cap=10_000, generated=500) == pytest.approx(1.0, abs=0.02)
+
+
+def test_updates_keep_the_shape_and_move_the_location() -> None:
+    prior = NIG.fit([100, 200, 300, 400, 500] * 20, strength=5)
+    post = prior.update_many([2000] * 50)
+    assert post.shape == prior.shape
+    assert post.moments(cap=100_000)[0] > 2 * prior.moments(cap=100_000)[0]
