@@ -54,8 +54,9 @@ class SimEngineConfig:
     oldest waiting request is for another model (several vLLM servers sharing a GPU, served in
     arrival order); ``explicit`` only switches on ``set_model_tier(..., ACTIVE)`` (an agent decides)
     and meanwhile serves the active model's requests, skipping the others. ``fuse_decode=False``
-    steps every iteration (the reference the fused runs are tested against). ``max_macro_steps`` caps how many decode iterations are fused into one
-    event: leave it unset in virtual time, set it small on the wall clock to stream tokens steadily.
+    steps every iteration (the reference the fused runs are tested against). ``max_macro_steps``
+    caps how many decode iterations are fused into one event: leave it unset in virtual time, set
+    it small on the wall clock to stream tokens steadily.
     """
 
     max_num_seqs: int = 256
