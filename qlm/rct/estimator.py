@@ -53,6 +53,10 @@ from qlm.domain import Request
 from qlm.rct.output_model import NIG, _phi
 from qlm.rct.profile import HardwareProfile, RctProfile
 
+PRIOR_COMPLETIONS = 30.0  # weight of the profile in the drain-rate calibration, in completions
+RATE_FORGETTING = 0.999  # per completion: completions come in bursts, so remember ~1,000
+PRIOR_DECODE_S = 600.0  # weight of the profile in the decode-speed calibration, in seconds
+
 Z = {0.5: 0.0, 0.9: 1.2815515655446004, 0.95: 1.6448536269514722, 0.99: 2.3263478740408408}
 
 
@@ -225,18 +229,26 @@ class _Calibration:
 
     last_finish: float | None = None
     work_done: float = 0.0  # profile-seconds of work completed while saturated ...
-    busy_time: float = 0.0  # ... and the wall time it took
+    busy_time: float = 0.0  # ... the wall time it took ...
+    done: float = 0.0  # ... and how many completions that was
 
     def wait_factor(self) -> float:
         """Seconds per profile-second of work: the observed drain rate of a saturated instance
         (online calibration of Θ and w_in); the ratio of observed to predicted waits before."""
-        if self.busy_time > 5.0 and self.work_done > 0:
-            return min(4.0, max(0.25, self.busy_time / self.work_done))
+        if self.busy_time > 0 and self.work_done > 0:
+            # Shrunk toward the profile (factor 1) by PRIOR_COMPLETIONS of pseudo-evidence,
+            # so that the first few completions, which come in bursts, cannot swing it.
+            prior = PRIOR_COMPLETIONS * self.work_done / max(self.done, 1e-9)
+            ratio = (self.busy_time + prior) / (self.work_done + prior)
+            return min(4.0, max(0.25, ratio))
         ratio = self.wait_obs / self.wait_pred if self.wait_pred > 1.0 else 1.0
         return min(4.0, max(0.25, ratio))
 
     def eps_factor(self) -> float:
-        ratio = self.decode_obs / self.decode_pred if self.decode_pred > 1.0 else 1.0
+        """Observed over predicted decode time, shrunk toward 1 (the profile) by
+        ``PRIOR_DECODE_S`` seconds of pseudo-evidence: decode speed depends on the load regime,
+        and a few early completions must not set it for everyone after them."""
+        ratio = (self.decode_obs + PRIOR_DECODE_S) / (self.decode_pred + PRIOR_DECODE_S)
         return min(2.0, max(0.5, ratio))
 
     def wait_rel_sd(self) -> float:
@@ -540,10 +552,12 @@ class RCTEstimator:
         if finish_s is not None:
             if cal.saturated and cal.last_finish is not None and finish_s >= cal.last_finish:
                 # While requests wait, completions happen at the instance's service rate.
+                rf = RATE_FORGETTING
+                cal.done = rf * cal.done + 1
                 cal.work_done = (
-                    lam * cal.work_done + pred.work_in + output_tokens * pred.work_per_output
+                    rf * cal.work_done + pred.work_in + output_tokens * pred.work_per_output
                 )
-                cal.busy_time = lam * cal.busy_time + (finish_s - cal.last_finish)
+                cal.busy_time = rf * cal.busy_time + (finish_s - cal.last_finish)
             cal.last_finish = (
                 finish_s if cal.last_finish is None else max(cal.last_finish, finish_s)
             )
