@@ -133,6 +133,29 @@ class NIG:
         remaining = np.minimum(alive, cap) - generated
         return float(remaining.mean()), float(remaining.var())
 
+    def moments_many(
+        self, *, cap: int, generated: npt.NDArray[np.float64]
+    ) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.float64]]:
+        """``moments`` for many values of ``generated`` at once (same cap), vectorised."""
+        g = np.asarray(generated, dtype=np.float64)
+        if not self.shape:
+            n = g.size
+            return lognormal_capped_moments_np(
+                np.full(n, self.mu), np.full(n, self.predictive_log_sd), np.full(n, float(cap)), g
+            )
+        outputs = np.expm1(self.mu + self.predictive_log_sd * np.asarray(self.shape))
+        alive = outputs[None, :] >= g[:, None]
+        remaining = np.minimum(outputs, cap)[None, :] - g[:, None]
+        count = alive.sum(axis=1)
+        safe = np.maximum(count, 1)
+        mean = (remaining * alive).sum(axis=1) / safe
+        var = (remaining * remaining * alive).sum(axis=1) / safe - mean * mean
+        none_alive = count == 0
+        mean = np.where(none_alive, np.minimum(np.maximum(cap - g, 0.0), 1.0), mean)
+        var = np.where(none_alive, 0.0, np.maximum(var, 0.0))
+        done = cap <= g
+        return np.where(done, 0.0, mean), np.where(done, 0.0, var)
+
     def p_remaining_within(self, tokens: float, *, cap: int, generated: int = 0) -> float:
         """``P(min(O, cap) − g ≤ tokens | O ≥ g)``: the chance the rest fits in ``tokens``."""
         if tokens < 0:

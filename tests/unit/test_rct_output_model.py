@@ -256,3 +256,17 @@ def test_updates_keep_the_shape_and_move_the_location() -> None:
     post = prior.update_many([2000] * 50)
     assert post.shape == prior.shape
     assert post.moments(cap=100_000)[0] > 2 * prior.moments(cap=100_000)[0]
+
+
+@pytest.mark.parametrize("shaped", [True, False])
+def test_moments_for_many_generated_counts_equal_the_one_at_a_time_moments(shaped: bool) -> None:
+    rng = np.random.default_rng(5)
+    prior = NIG.fit([int(x) for x in rng.lognormal(5, 0.8, size=2_000)], strength=10)
+    if not shaped:
+        prior = NIG(prior.mu, prior.kappa, prior.alpha, prior.beta)
+    generated = np.array([0, 1, 17, 150, 400, 999, 1000, 1500], dtype=float)
+    means, variances = prior.moments_many(cap=1000, generated=generated)
+    for g, m, v in zip(generated, means, variances, strict=True):
+        em, ev = prior.moments(cap=1000, generated=int(g))
+        assert m == pytest.approx(em, rel=1e-9, abs=1e-9)
+        assert v == pytest.approx(ev, rel=1e-6, abs=1e-6)
