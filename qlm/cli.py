@@ -343,6 +343,7 @@ def profile_hardware_cmd(
         f"{hw.decode_per_token_s * 1000:.1f} ms at batch {hw.saturation_batch:.0f}, "
         f"Θ {hw.throughput_tps:,.0f} tok/s, ε {hw.inefficiency:.3f} -> {out}",
         highlight=False,
+        soft_wrap=True,
     )
 
 
@@ -363,6 +364,7 @@ def profile_workload_cmd(
     console.print(
         f"prior {key!r}: log-mean {prior.mu:.3f}, predictive log-sd {prior.predictive_log_sd:.3f} -> {out}",
         highlight=False,
+        soft_wrap=True,
     )
 
 
@@ -389,6 +391,7 @@ def profile_all_cmd(
     console.print(
         f"{len(profile.hardware)} hardware profiles and {len(profile.output_priors)} priors -> {out}",
         highlight=False,
+        soft_wrap=True,
     )
 
 
