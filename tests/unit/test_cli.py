@@ -126,3 +126,15 @@ def test_the_shipped_estimator_profile_covers_every_shipped_instance_type() -> N
     profile = default_profile()
     assert set(profile.hardware) == set(default_catalog().perf)
     assert "default" in profile.output_priors
+
+
+def test_the_shipped_estimator_profile_is_what_qlm_profile_all_produces(tmp_path: Path) -> None:
+    from importlib import resources
+
+    out = tmp_path / "rct_profile.json"
+    result = runner.invoke(app, ["profile", "all", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    shipped = resources.files("qlm").joinpath("data/rct_profile.json").read_text(encoding="utf-8")
+    assert out.read_text(encoding="utf-8") == shipped, (
+        "regenerate: qlm profile all --out qlm/data/rct_profile.json"
+    )
