@@ -80,7 +80,6 @@ class Estimate:
     generated: int = 0
     cap: int = 0
     per_token_s: float = 0.0
-    per_token_log_sd: float = 0.0  # spread of the actual speed around ``per_token_s`` (log)
 
     @property
     def std(self) -> float:
@@ -111,28 +110,22 @@ class Estimate:
             if sd <= 0:
                 return 1.0 if self.mean <= t else 0.0
             return _phi((t - self.mean) / sd)
-        # Average over the normal start time and the log-normal speed factor (Gauss–Hermite).
-        starts = _GH_NODES if self.start_sd > 0 else ((0.0, 1.0),)
-        speeds = _GH_NODES if self.per_token_log_sd > 0 else ((0.0, 1.0),)
+        if self.start_sd <= 0:
+            return self._p_output_within(t - self.start_mean)
+        # Average over the normal start time (Gauss–Hermite, 7 nodes).
         return sum(
-            ws
-            * wr
-            * self._p_output_within(
-                t - (self.start_mean + xs * self.start_sd),
-                self.per_token_s * math.exp(xr * self.per_token_log_sd),
-            )
-            for xs, ws in starts
-            for xr, wr in speeds
+            w * self._p_output_within(t - (self.start_mean + x * self.start_sd))
+            for x, w in _GH_NODES
         )
 
-    def _p_output_within(self, seconds: float, per_token_s: float) -> float:
-        """``P(the remaining output decodes within seconds)`` at ``per_token_s``."""
+    def _p_output_within(self, seconds: float) -> float:
+        """``P(the remaining output decodes within seconds)``."""
         if seconds < 0:
             return 0.0
-        if per_token_s <= 0 or self.output is None:
+        if self.per_token_s <= 0 or self.output is None:
             return 1.0
         return self.output.p_remaining_within(
-            seconds / per_token_s, cap=self.cap, generated=self.generated
+            seconds / self.per_token_s, cap=self.cap, generated=self.generated
         )
 
 
@@ -220,8 +213,6 @@ class _Calibration:
     wait_pred: float = 0.0
     decode_obs: float = 0.0
     decode_pred: float = 0.0
-    n_speed: float = 0.0
-    speed_log2: float = 0.0  # sum of squared log(observed / predicted time per token)
     n_wait: float = 0.0
     wait_e2: float = 0.0  # sum of squared waiting errors ...
     wait_p2: float = 0.0  # ... and of squared predicted waits
@@ -259,13 +250,6 @@ class _Calibration:
         and a few early completions must not set it for everyone after them."""
         ratio = (self.decode_obs + PRIOR_DECODE_S) / (self.decode_pred + PRIOR_DECODE_S)
         return min(2.0, max(0.5, ratio))
-
-    def speed_log_sd(self) -> float:
-        """Spread of the actual decode speed around the predicted one (log scale); 0.3 until
-        20 completions were seen."""
-        if self.n_speed < 20:
-            return 0.3
-        return min(1.5, math.sqrt(self.speed_log2 / self.n_speed))
 
     def wait_rel_sd(self) -> float:
         """Relative spread of waiting-time errors seen so far (model error beyond the output
@@ -415,7 +399,6 @@ class RCTEstimator:
         arrival_share = min(0.9, rate * mix_prompt / max(n, 1))
         overloaded = rate * (mix_prompt + mix_output / hws[0].throughput_tps) / max(n, 1) >= 1.0
         wait_rel = cal.wait_rel_sd()
-        speed_sd = cal.speed_log_sd()
         out: list[Estimate] = []
         for i, item in enumerate(queue):
             hw = hws[i]
@@ -435,9 +418,7 @@ class RCTEstimator:
             d = d_batch * hw.inefficiency
             start = now + wait + float(own[i])
             mean = start + float(out_mean[i]) * d * ef
-            # Output-length uncertainty, plus that of the decode speed (log-normal factor).
-            speed_var = math.expm1(speed_sd**2) * (float(out_mean[i]) * d * ef) ** 2
-            var = wait_var + float(out_var[i]) * (d * ef) ** 2 + speed_var
+            var = wait_var + float(out_var[i]) * (d * ef) ** 2
             post = self.posterior(req)
             out.append(
                 Estimate(
@@ -449,7 +430,6 @@ class RCTEstimator:
                     generated=item.generated,
                     cap=req.max_tokens,
                     per_token_s=d * ef,
-                    per_token_log_sd=speed_sd,
                 )
             )
             if remember and not item.running and req.id not in self._pending:
@@ -611,12 +591,6 @@ class RCTEstimator:
         if first_token_s is not None and finish_s is not None and output_tokens > 1:
             cal.decode_obs = lam * cal.decode_obs + (finish_s - first_token_s)
             cal.decode_pred = lam * cal.decode_pred + pred.d_eff * (output_tokens - 1)
-            if output_tokens > 8:
-                observed = (finish_s - first_token_s) / (output_tokens - 1)
-                predicted = pred.d_eff * cal.eps_factor()
-                r = math.log(max(observed, 1e-9) / max(predicted, 1e-9))
-                cal.n_speed = lam * cal.n_speed + 1
-                cal.speed_log2 = lam * cal.speed_log2 + r * r
         if scheduled_s is not None and pred.wait_raw > 1e-3:
             predicted = pred.wait_raw * cal.wait_factor()
             error = scheduled_s - request.arrival_s - predicted
