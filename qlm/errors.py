@@ -6,6 +6,8 @@ caller handles QLM's errors without knowing which library sits underneath.
 
 from __future__ import annotations
 
+import math
+
 
 class QLMError(Exception):
     """Root of QLM's errors. The CLI prints one red line for it and exits with code 1."""
@@ -34,3 +36,10 @@ class GroupError(QLMError):
 class VirtualQueueError(QLMError):
     """A virtual-queue operation is invalid: unknown instance or group, a group in two queues, a bad
     position. The message names the instance and the group."""
+
+
+def check_setting(ok: bool, name: str, rule: str, value: object) -> None:
+    """Raise ``ConfigError("<name> must be <rule>, got <value>")`` unless ``ok``: the one line a
+    bad setting gets. NaN fails every rule (all its comparisons are false, but say so anyway)."""
+    if not ok or (isinstance(value, float) and not math.isfinite(value)):
+        raise ConfigError(f"{name} must be {rule}, got {value!r}")

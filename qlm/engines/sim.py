@@ -42,7 +42,7 @@ from typing import Literal
 from qlm.domain import ModelTier
 from qlm.engines.base import EngineEvent, EngineRequest, EngineStats, EventKind
 from qlm.engines.perf_model import GB, PerfModel, prefill_pairs
-from qlm.errors import ConfigError, EngineError, UnknownRequest
+from qlm.errors import ConfigError, EngineError, UnknownRequest, check_setting
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,22 +73,22 @@ class SimEngineConfig:
     kv_capacity_tokens: int | None = None
 
     def __post_init__(self) -> None:
-        checks = {
-            "max_num_seqs": self.max_num_seqs >= 1,
-            "max_num_batched_tokens": self.max_num_batched_tokens >= 1,
-            "block_size": self.block_size >= 1,
-            "gpu_memory_utilization": 0 < self.gpu_memory_utilization <= 1,
-            "activation_gb": self.activation_gb >= 0,
-            "swap_space_gb": self.swap_space_gb >= 0,
-            "cpu_model_cache_gb": self.cpu_model_cache_gb >= 0,
-        }
-        for name, ok in checks.items():
-            if not ok:
-                raise ConfigError(f"sim engine setting {name}={getattr(self, name)!r} is invalid")
-        if self.max_macro_steps is not None and self.max_macro_steps < 1:
-            raise ConfigError(
-                f"sim engine setting max_macro_steps={self.max_macro_steps} must be >= 1"
-            )
+        rules = (
+            ("max_num_seqs", self.max_num_seqs >= 1, ">= 1"),
+            ("max_num_batched_tokens", self.max_num_batched_tokens >= 1, ">= 1"),
+            ("block_size", self.block_size >= 1, ">= 1"),
+            ("gpu_memory_utilization", 0 < self.gpu_memory_utilization <= 1, "in (0, 1]"),
+            ("activation_gb", self.activation_gb >= 0, ">= 0"),
+            ("swap_space_gb", self.swap_space_gb >= 0, ">= 0"),
+            ("cpu_model_cache_gb", self.cpu_model_cache_gb >= 0, ">= 0"),
+            (
+                "max_macro_steps",
+                self.max_macro_steps is None or self.max_macro_steps >= 1,
+                ">= 1 or unset",
+            ),
+        )
+        for name, ok, rule in rules:
+            check_setting(ok, f"sim engine setting {name}", rule, getattr(self, name))
 
     @classmethod
     def for_gpu(

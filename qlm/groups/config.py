@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from qlm.errors import ConfigError
+from qlm.errors import check_setting
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +77,4 @@ class GroupingConfig:
 
 
 def _check(ok: bool, field: str, rule: str, value: float) -> None:
-    # ``not ok`` also catches NaN, for which every comparison is false.
-    if not ok or (isinstance(value, float) and not math.isfinite(value)):
-        raise ConfigError(f"grouping.{field} must be {rule}, got {value!r}")
+    check_setting(ok, f"grouping.{field}", rule, value)
