@@ -72,7 +72,7 @@ class Recorder:
             for rid, generated, running in engine.queue_view()
         ]
         estimates = self.estimator.estimate_requests(
-            self.views[engine.name], queue, now, remember=True
+            self.views[engine.name], queue, now, remember=True, only=[-1]
         )
         est = estimates[-1]  # the request just dispatched is the last in FCFS order
         self.predicted[request.id] = (

@@ -350,9 +350,12 @@ class RCTEstimator:
         now: float,
         *,
         remember: bool = False,
+        only: Sequence[int] | None = None,
     ) -> list[Estimate]:
         """Completion of every request in ``queue`` (served in that order: running ones first,
-        then FCFS). With ``remember`` the predictions are kept so that ``observe`` can learn."""
+        then FCFS), or of those at the positions ``only`` (e.g. ``[-1]`` for a request just
+        queued: the sums over the queue are needed anyway, the per-request work is not). With
+        ``remember`` the predictions are kept so that ``observe`` can learn."""
         n = len(queue)
         if n == 0:
             return []
@@ -368,10 +371,13 @@ class RCTEstimator:
         switch = np.zeros(n)
         mix_prompt = mix_output = 0.0
         hws: list[HardwareProfile] = []
+        by_model: dict[str, HardwareProfile] = {}
         model = instance.active_model
         for i, item in enumerate(queue):
             req = item.request
-            hw = self.profile.hardware_for(req.model, instance.gpu, instance.gpu_count)
+            hw = by_model.get(req.model) or by_model.setdefault(
+                req.model, self.profile.hardware_for(req.model, instance.gpu, instance.gpu_count)
+            )
             hws.append(hw)
             if req.model != model:
                 switch[i] = self._load_s(hw, instance)
@@ -400,7 +406,9 @@ class RCTEstimator:
         overloaded = rate * (mix_prompt + mix_output / hws[0].throughput_tps) / max(n, 1) >= 1.0
         wait_rel = cal.wait_rel_sd()
         out: list[Estimate] = []
-        for i, item in enumerate(queue):
+        positions = range(n) if only is None else [i % n for i in only]
+        for i in positions:
+            item = queue[i]
             hw = hws[i]
             req = item.request
             # Work of the waiting requests ahead (running ones come first in ``queue``).

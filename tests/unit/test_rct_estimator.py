@@ -398,3 +398,12 @@ def test_profiling_the_simulated_a100_gives_sane_values() -> None:
     # Saturated throughput is about a full batch over the time per token of a full batch.
     assert hw.throughput_tps == pytest.approx(hw.saturation_batch / hw.decode_per_token_s, rel=0.5)
     assert math.isfinite(hw.prefill_base_s) and hw.prefill_base_s >= 0
+
+
+def test_estimating_only_the_newest_request_gives_the_same_answer_as_estimating_all() -> None:
+    est = estimator()
+    running = [Queued(make_request(i), generated=10 * i, running=True) for i in range(3)]
+    queue = [*running, *waiting([make_request(10 + i, input_tokens=300 * i + 1) for i in range(6)])]
+    everyone = est.estimate_requests(instance(), queue, NOW)
+    assert est.estimate_requests(instance(), queue, NOW, only=[-1]) == [everyone[-1]]
+    assert est.estimate_requests(instance(), queue, NOW, only=[0, 4]) == [everyone[0], everyone[4]]
