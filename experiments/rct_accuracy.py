@@ -177,10 +177,10 @@ def r_squared(pred: np.ndarray, act: np.ndarray) -> float:  # type: ignore[type-
     return 1 - float(np.sum((act - pred) ** 2) / np.sum((act - act.mean()) ** 2))
 
 
-def azure_case(rate: float) -> tuple[list[Request], list[int]]:
+def azure_case(rate: float, end_s: float = 1500.0) -> tuple[list[Request], list[int]]:
     trace = load_trace("azure-conv")
     prior = window(trace, 0.0, 600.0)
-    replay = scale_rate(window(trace, 600.0, 1500.0), rate)
+    replay = scale_rate(window(trace, 600.0, end_s), rate)
     return create_workload("wb", replay, seed=0), [int(x) for x in prior.output_tokens]
 
 
@@ -239,6 +239,10 @@ def main() -> int:
     parser.add_argument("--azure-rates", default="3,6,9", help="multiples of the trace's rate")
     parser.add_argument("--sharegpt-rates", default="6,12", help="requests per second")
     parser.add_argument("--sharegpt-duration", type=float, default=400.0)
+    parser.add_argument(
+        "--azure-end", type=float, default=1500.0, help="end of the replayed Azure window (s)"
+    )
+    parser.add_argument("--name", default="rct_accuracy", help="results/<name>.json and .png")
     parser.add_argument("--fleets", default="2xA100:llama-3-8b;2xH100:llama-3-8b")
     args = parser.parse_args()
     cases: list[dict[str, object]] = []
@@ -247,20 +251,23 @@ def main() -> int:
         scale = 1.0 if "A100" in fleet else 2.5  # an H100 serves ~2.5x an A100: load it alike
         for workload, rates in (("azure", args.azure_rates), ("sharegpt", args.sharegpt_rates)):
             runs = []
-            for rate in (float(r) * scale for r in rates.split(",")):
+            for rate in (float(r) * scale for r in rates.split(",") if r.strip()):
                 if workload == "azure":
-                    name, (reqs, prior) = f"azure-conv x{rate:g}", azure_case(rate)
+                    span = f" 600-{args.azure_end:g} s" if args.azure_end != 1500.0 else ""
+                    name = f"azure-conv x{rate:g}{span}"
+                    reqs, prior = azure_case(rate, args.azure_end)
                 else:
                     reqs, prior = sharegpt_case(rate, args.sharegpt_duration)
                     name = f"sharegpt {rate:g} req/s"
                 c = run_case(name, reqs, prior, fleet)
                 report(c, fleet)
                 runs.append(c)
-            cases.extend(runs)
-            heaviest.append(runs[-1])
+            if runs:
+                cases.extend(runs)
+                heaviest.append(runs[-1])
     RESULTS.mkdir(parents=True, exist_ok=True)
-    plot(heaviest, RESULTS / "rct_accuracy.png")
-    (RESULTS / "rct_accuracy.json").write_text(
+    plot(heaviest, RESULTS / f"{args.name}.png")
+    (RESULTS / f"{args.name}.json").write_text(
         json.dumps([{k: v for k, v in c.items() if not k.startswith("_")} for c in cases], indent=2)
         + "\n"
     )
@@ -275,7 +282,7 @@ def main() -> int:
     ok = all(float(c["r2"]) >= R2_TARGET and c["calibrated"] for c in heaviest)  # type: ignore[arg-type]
     print(
         f"targets (R² ≥ {R2_TARGET} and calibrated, at the heaviest load of each workload and "
-        f"fleet): {'met' if ok else 'NOT met'}; wrote {RESULTS / 'rct_accuracy.json'} and .png"
+        f"fleet): {'met' if ok else 'NOT met'}; wrote {RESULTS / args.name}.json and .png"
     )
     print("reproduce: .venv/bin/python experiments/rct_accuracy.py " + " ".join(sys.argv[1:]))
     return 0 if ok else 1
