@@ -54,7 +54,7 @@ from qlm.rct.output_model import NIG, _phi
 from qlm.rct.profile import HardwareProfile, RctProfile
 
 PRIOR_COMPLETIONS = 30.0  # weight of the profile in the drain-rate calibration, in completions
-RATE_FORGETTING = 0.999  # per completion: completions come in bursts, so remember ~1,000
+RATE_FORGETTING = 0.999  # per completion, for drain rate and decode speed: remember ~1,000
 PRIOR_DECODE_S = 600.0  # weight of the profile in the decode-speed calibration, in seconds
 
 Z = {0.5: 0.0, 0.9: 1.2815515655446004, 0.95: 1.6448536269514722, 0.99: 2.3263478740408408}
@@ -597,8 +597,8 @@ class RCTEstimator:
             cal.wait_obs = lam * cal.wait_obs + (scheduled_s - request.arrival_s)
             cal.wait_pred = lam * cal.wait_pred + pred.wait_raw
         if first_token_s is not None and finish_s is not None and output_tokens > 1:
-            cal.decode_obs = lam * cal.decode_obs + (finish_s - first_token_s)
-            cal.decode_pred = lam * cal.decode_pred + pred.d_eff * (output_tokens - 1)
+            cal.decode_obs = RATE_FORGETTING * cal.decode_obs + (finish_s - first_token_s)
+            cal.decode_pred = RATE_FORGETTING * cal.decode_pred + pred.d_eff * (output_tokens - 1)
         if scheduled_s is not None and pred.wait_raw > 1e-3:
             predicted = pred.wait_raw * cal.wait_factor()
             error = scheduled_s - request.arrival_s - predicted
