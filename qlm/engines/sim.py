@@ -196,6 +196,12 @@ class SimEngine:
         self.steps_total = 0
         self.model_switches = 0
 
+    def token_capacity(self, model: str | None = None) -> int:
+        """KV cache capacity in tokens for ``model`` (default: the smallest over its models)."""
+        if model is not None:
+            return self._capacity_blocks[model] * self.config.block_size
+        return min(self._capacity_blocks.values()) * self.config.block_size
+
     # --- construction helpers ------------------------------------------------------------------
 
     def _capacity_tokens(self, pm: PerfModel) -> int:

@@ -7,9 +7,10 @@ harness, trace and seed. Each policy is pure: ``decide(ctx)`` returns decisions 
 from __future__ import annotations
 
 from qlm.errors import ConfigError
-from qlm.planner.baselines import DispatchContext, FcfsDispatch, InstanceLoad, Policy
+from qlm.planner.baselines import FcfsDispatch
+from qlm.planner.policy import Completion, DispatchContext, InstanceLoad, Policy
 
-__all__ = ["POLICIES", "DispatchContext", "InstanceLoad", "Policy", "create_policy"]
+__all__ = ["POLICIES", "Completion", "DispatchContext", "InstanceLoad", "Policy", "create_policy"]
 
 POLICIES = ("fcfs", "fcfs-rr")
 

@@ -8,37 +8,10 @@ reordered or evicted: head-of-line blocking is left to happen, which is what QLM
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Literal
 
-from qlm.domain import Decision, Pull, Request
-
-
-@dataclass(frozen=True, slots=True)
-class InstanceLoad:
-    """What a policy knows of one instance: its models and the work it has been given."""
-
-    name: str
-    models: tuple[str, ...]
-    outstanding_requests: int
-    outstanding_tokens: int
-
-
-@dataclass(frozen=True, slots=True)
-class DispatchContext:
-    """Input of one decision: the time, the requests not yet sent anywhere, and the instances."""
-
-    now: float
-    pending: tuple[Request, ...]
-    instances: tuple[InstanceLoad, ...]
-
-
-class Policy(Protocol):
-    name: str
-
-    def decide(self, ctx: DispatchContext) -> list[Decision]:
-        """Called whenever something changed (arrival, completion, tick); returns what to do."""
-        ...
+from qlm.domain import Decision, Pull
+from qlm.planner.policy import DispatchContext
 
 
 class FcfsDispatch:
@@ -52,7 +25,7 @@ class FcfsDispatch:
     def decide(self, ctx: DispatchContext) -> list[Decision]:
         decisions: list[Decision] = []
         added: dict[str, int] = {}
-        for req in ctx.pending:
+        for req in ctx.arrived:
             able = [i for i in ctx.instances if req.model in i.models]
             if not able:
                 continue  # nobody serves this model: it stays pending and the harness reports it

@@ -31,7 +31,7 @@ from qlm.engines.base import EngineEvent, EngineRequest, EventKind
 from qlm.engines.perf_model import HardwareCatalog, default_catalog
 from qlm.engines.sim import SimEngine, SimEngineConfig
 from qlm.errors import ConfigError, EngineError
-from qlm.planner import DispatchContext, InstanceLoad, Policy
+from qlm.planner.policy import Completion, DispatchContext, InstanceLoad, Policy
 from qlm.sim.metrics import MemoryTimeline, summarize
 
 ProgressFn = Callable[[int, int], None]
@@ -136,7 +136,9 @@ class ClusterSimulation:
         self._version = [0] * len(self.engines)
         self._seq = 0
         self._tracks: dict[str, _Track] = {}
-        self._pending: dict[str, Request] = {}
+        self._pending: dict[str, Request] = {}  # given to the policy, not pulled yet
+        self._arrived: list[Request] = []  # to hand to the policy at the next step
+        self._completions: list[Completion] = []
         self._outstanding = [0] * len(self.engines)
         self._outstanding_tokens = [0] * len(self.engines)
         self._finished = 0
@@ -174,6 +176,7 @@ class ClusterSimulation:
                 req = ordered[ai]
                 ai += 1
                 self._pending[req.id] = req
+                self._arrived.append(req)
                 self._control(t_arrival)
             if progress is not None and (self._finished % step_progress == 0 or ai == total):
                 progress(self._finished, total)
@@ -221,7 +224,7 @@ class ClusterSimulation:
             finished_any |= self._on_event(idx, ev)
         self.memory.observe(idx, now, engine.gpu_memory_used_fraction())
         self._wake(idx)
-        if self._pending or finished_any:
+        if self._arrived or finished_any:
             self._control(now)
 
     def _on_event(self, idx: int, ev: EngineEvent) -> bool:
@@ -243,6 +246,16 @@ class ClusterSimulation:
             self._outstanding[idx] -= 1
             self._outstanding_tokens[idx] -= self._work_tokens(track.request)
             self._finished += 1
+            self._completions.append(
+                Completion(
+                    track.request,
+                    self.engines[idx].name,
+                    track.output_tokens,
+                    track.scheduled_s,
+                    track.first_token_s,
+                    ev.time,
+                )
+            )
             if self.observer is not None:
                 self.observer.on_finish(track.record())
             return True
@@ -252,20 +265,32 @@ class ClusterSimulation:
             track.swaps += 1
         return False
 
-    @staticmethod
-    def _work_tokens(req: Request) -> int:
-        return req.input_tokens + req.max_tokens
+    def _work_tokens(self, req: Request) -> int:
+        return req.input_tokens + self._tracks[req.id].output_tokens
 
     def _control(self, now: float) -> None:
+        arrived, self._arrived = self._arrived, []
+        finished, self._completions = self._completions, []
         ctx = DispatchContext(
             now=now,
-            pending=tuple(self._pending.values()),
+            arrived=tuple(arrived),
+            finished=tuple(finished),
+            generated=tuple(
+                (r.id, self._tracks[r.id].output_tokens)
+                for r in arrived
+                if self._tracks[r.id].output_tokens
+            ),
             instances=tuple(
                 InstanceLoad(
                     name=spec.name,
                     models=spec.models,
                     outstanding_requests=self._outstanding[i],
                     outstanding_tokens=self._outstanding_tokens[i],
+                    max_running=self.engines[i].config.max_num_seqs,
+                    token_capacity=self.engines[i].token_capacity(),
+                    gpu=spec.gpu,
+                    gpu_count=spec.gpu_count,
+                    active_model=self.engines[i].active_model,
                 )
                 for i, spec in enumerate(self.specs)
             ),
@@ -308,12 +333,13 @@ class ClusterSimulation:
         elif isinstance(decision, Evict):
             generated = engine.abort(decision.request_id, now)
             track = self._tracks[decision.request_id]
+            self._outstanding[idx] -= 1
+            self._outstanding_tokens[idx] -= self._work_tokens(track.request)
             track.output_tokens += generated
             track.evictions += 1
             track.status = RequestStatus.QUEUED
-            self._outstanding[idx] -= 1
-            self._outstanding_tokens[idx] -= self._work_tokens(track.request)
             self._pending[track.request.id] = track.request
+            self._arrived.append(track.request)
         elif isinstance(decision, SwapOut):
             engine.swap_out(decision.request_id, now)
         elif isinstance(decision, SwapIn):

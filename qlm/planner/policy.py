@@ -1,0 +1,100 @@
+"""The one interface every scheduling policy implements, and what it is told at each step.
+
+A policy is pure: ``decide(ctx)`` gets the time, the requests that arrived (or came back after an
+eviction) since the last call, the completions since the last call and the state of every instance,
+and returns decisions (``Pull``, ``Evict``, ...). The harness (simulation) or the controller
+(production) applies them; the policy never reads a clock or touches an engine.
+
+Policies that hold requests back keep them in their own queues and *pull* them onto an instance
+while it has room (``has_room``): the agent counts what it sent itself, because an engine's gauges
+lag (vLLM's ``num_requests_running`` is sampled once per iteration).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from qlm.domain import Decision, Request
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceLoad:
+    """What a policy knows of one instance: its models and the work it has been given.
+
+    ``outstanding_*`` count what was dispatched to it and has not finished (counted by the
+    executor, not read from the engine); ``outstanding_tokens`` is their prompt tokens (including
+    the output an evicted request resumes from). ``max_running`` is the engine's ``max_num_seqs``
+    and ``token_capacity`` its KV cache in tokens.
+    """
+
+    name: str
+    models: tuple[str, ...]
+    outstanding_requests: int = 0
+    outstanding_tokens: int = 0
+    max_running: int = 256
+    token_capacity: int = 1 << 30
+    gpu: str = ""
+    gpu_count: int = 1
+    active_model: str | None = None
+    up: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class Completion:
+    """A request that finished since the last step, with what was measured."""
+
+    request: Request
+    instance: str
+    output_tokens: int
+    scheduled_s: float | None
+    first_token_s: float | None
+    finish_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class DispatchContext:
+    """Input of one decision.
+
+    ``arrived``: requests handed to the policy since the last call — new arrivals and evicted
+    requests coming back (``generated`` says how many output tokens they keep). Every request the
+    policy is given must eventually be pulled. ``pending`` is kept for dispatch-on-arrival policies
+    and equals ``arrived``.
+    """
+
+    now: float
+    arrived: tuple[Request, ...]
+    instances: tuple[InstanceLoad, ...]
+    finished: tuple[Completion, ...] = ()
+    generated: tuple[tuple[str, int], ...] = ()
+
+    @property
+    def pending(self) -> tuple[Request, ...]:
+        return self.arrived
+
+
+class Policy(Protocol):
+    name: str
+
+    def decide(self, ctx: DispatchContext) -> list[Decision]:
+        """Called whenever something changed (arrival, completion, tick); returns what to do."""
+        ...
+
+
+def prompt_tokens(request: Request, generated: int = 0) -> int:
+    """Tokens an instance must hold for ``request`` when it starts (a resumed request re-reads
+    its earlier output as prompt)."""
+    return request.input_tokens + generated
+
+
+def has_room(load: InstanceLoad, requests: int, tokens: int, request_tokens: int) -> bool:
+    """May one more request of ``request_tokens`` prompt tokens be pulled onto ``load``, given
+    ``requests``/``tokens`` already pulled in this step? Room means fewer running than
+    ``max_num_seqs`` and the prompts within the KV cache; output growth beyond that is the engine's
+    to handle (it preempts, as vLLM does). An idle instance always takes one request."""
+    if not load.up:
+        return False
+    running = load.outstanding_requests + requests
+    if running >= load.max_running:
+        return False
+    return running == 0 or load.outstanding_tokens + tokens + request_tokens <= load.token_capacity

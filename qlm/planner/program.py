@@ -1,0 +1,232 @@
+"""The planning problem of §7 as data, and the one function that scores a plan.
+
+A *plan* puts every request group on one virtual queue (instance) in an order. The planner minimises
+the expected weighted SLO violation of the groups, subject to each group's chance constraint
+``P(completion <= deadline) >= Δ``, with a model-switch cost whenever consecutive groups on a queue
+need different models (Eqs. 6–13).
+
+Uncertainty is represented by sample-average approximation (SAA): ``S`` scenarios of every group's
+processing time, drawn once per problem from the RCT estimator's output-length distributions (the
+same draw for every instance, scaled by each instance's speed, so instances are compared on the same
+luck). In scenario ``s`` a queue is a single machine in the fluid sense of Eq. 2: the groups' work is
+served one after the other at the instance's throughput Θ, and a group completes at
+``max(fluid finish, fluid start + latency floor)`` — its last request cannot finish before it has
+been prefilled and decoded (Eq. 4), however fast the batch drains. The chance constraint is met
+when at least ``ceil(Δ·S)`` scenarios meet the deadline.
+
+The score is lexicographic in effect: ``risk_weight`` (much larger than any violation cost) times
+the weight of groups whose chance constraint is unmet, plus the expected weighted violation in
+seconds. A plan that meets every chance constraint is therefore always preferred, and when none
+does (overload) the planner gives up the fewest, least important groups — the §A.3 fallback reports
+them. Every solver (construction, local search, the MILP, brute force) scores plans with this
+function, so their objectives are comparable exactly.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import numpy.typing as npt
+
+FloatArray = npt.NDArray[np.float64]
+IntArray = npt.NDArray[np.int64]
+
+RISK_WEIGHT = 1e4
+"""Cost of one unit of weight whose chance constraint is unmet (seconds of weighted violation)."""
+
+
+@dataclass(frozen=True, slots=True)
+class PlanGroup:
+    """One request group as the planner sees it."""
+
+    id: str
+    model: str
+    deadline_s: float  # absolute, the group's earliest deadline
+    weight: float  # importance: tier weight × number of requests
+
+
+@dataclass(frozen=True, slots=True)
+class PlanInstance:
+    """One virtual queue's instance: what it serves, what it runs now and when it is free."""
+
+    name: str
+    models: tuple[str, ...]
+    active_model: str | None
+    ready_s: float  # absolute time the work already running drains (fluid)
+    switch_s: dict[str, float]  # time to make each model active on this instance
+
+
+@dataclass(frozen=True)
+class PlanProblem:
+    """Groups × instances × scenarios, as arrays.
+
+    ``proc[i, g, s]``: seconds of instance ``g`` that group ``i`` needs in scenario ``s`` (``inf``
+    when ``g`` does not serve its model); ``floor[i, g, s]``: the latency floor of its last request.
+    """
+
+    groups: tuple[PlanGroup, ...]
+    instances: tuple[PlanInstance, ...]
+    proc: FloatArray
+    floor: FloatArray
+    delta: float = 0.9
+    risk_weight: float = RISK_WEIGHT
+
+    def __post_init__(self) -> None:
+        n, q = len(self.groups), len(self.instances)
+        if self.proc.shape[:2] != (n, q) or self.floor.shape != self.proc.shape:
+            raise ValueError(f"proc/floor must be ({n}, {q}, S), got {self.proc.shape}")
+        if not 0 < self.delta <= 1:
+            raise ValueError(f"delta must be in (0, 1], got {self.delta}")
+        models = sorted(
+            {g.model for g in self.groups} | {m for i in self.instances for m in i.models}
+        )
+        index = {m: k for k, m in enumerate(models)}
+        object.__setattr__(self, "models", tuple(models))
+        object.__setattr__(
+            self, "model_idx", np.array([index[g.model] for g in self.groups], np.int64)
+        )
+        object.__setattr__(
+            self, "deadline", np.array([g.deadline_s for g in self.groups], np.float64)
+        )
+        object.__setattr__(self, "weight", np.array([g.weight for g in self.groups], np.float64))
+        object.__setattr__(self, "ready", np.array([i.ready_s for i in self.instances], np.float64))
+        object.__setattr__(
+            self,
+            "active",
+            np.array(
+                [index.get(i.active_model or "", -1) for i in self.instances],
+                np.int64,
+            ),
+        )
+        switch = np.full((q, len(models)), np.inf)
+        for g, inst in enumerate(self.instances):
+            for m in inst.models:
+                switch[g, index[m]] = inst.switch_s.get(m, 0.0)
+        object.__setattr__(self, "switch", switch)
+        object.__setattr__(self, "eligible", np.isfinite(self.proc[:, :, 0]))
+        object.__setattr__(self, "required_ok", math.ceil(self.delta * self.scenarios - 1e-9))
+        # Padded copies with one extra group ``pad`` = n: no work, no weight, never late, and a
+        # model of its own whose "switch" costs nothing (so rows of different lengths batch).
+        s_count = self.scenarios
+        zeros = np.zeros((1, q, s_count))
+        object.__setattr__(self, "pad", n)
+        object.__setattr__(self, "proc_pad", np.concatenate([self.proc, zeros]))
+        object.__setattr__(self, "floor_pad", np.concatenate([self.floor, zeros]))
+        object.__setattr__(self, "model_pad", np.append(self.model_idx, len(models)))
+        object.__setattr__(self, "switch_pad", np.concatenate([switch, np.zeros((q, 1))], axis=1))
+        object.__setattr__(self, "deadline_pad", np.append(self.deadline, np.inf))
+        object.__setattr__(self, "weight_pad", np.append(self.weight, 0.0))
+
+    # Derived in __post_init__.
+    models: tuple[str, ...] = field(init=False, repr=False)
+    model_idx: IntArray = field(init=False, repr=False)
+    deadline: FloatArray = field(init=False, repr=False)
+    weight: FloatArray = field(init=False, repr=False)
+    ready: FloatArray = field(init=False, repr=False)
+    active: IntArray = field(init=False, repr=False)
+    switch: FloatArray = field(init=False, repr=False)
+    eligible: npt.NDArray[np.bool_] = field(init=False, repr=False)
+    required_ok: int = field(init=False, repr=False)
+    pad: int = field(init=False, repr=False)
+    proc_pad: FloatArray = field(init=False, repr=False)
+    floor_pad: FloatArray = field(init=False, repr=False)
+    model_pad: IntArray = field(init=False, repr=False)
+    switch_pad: FloatArray = field(init=False, repr=False)
+    deadline_pad: FloatArray = field(init=False, repr=False)
+    weight_pad: FloatArray = field(init=False, repr=False)
+
+    @property
+    def scenarios(self) -> int:
+        return int(self.proc.shape[2])
+
+    @property
+    def size(self) -> tuple[int, int]:
+        """(queues, groups)."""
+        return len(self.instances), len(self.groups)
+
+
+Plan = tuple[tuple[int, ...], ...]
+"""Group indices per instance, in service order."""
+
+
+@dataclass(frozen=True, slots=True)
+class QueueScore:
+    cost: float
+    violation: FloatArray  # expected violation (s) per group of the queue, in order
+    p_meet: FloatArray  # fraction of scenarios meeting the deadline, per group
+    missed: npt.NDArray[np.bool_]  # chance constraint unmet, per group
+
+
+def score_orders(problem: PlanProblem, g: int, orders: IntArray) -> FloatArray:
+    """Cost of several candidate orders of queue ``g`` at once: ``orders`` is (m, L) of group
+    indices (all rows the same length). Returns (m,) costs; ``inf`` if a group is not servable."""
+    return score_many(problem, np.full(len(orders), g, np.int64), orders)
+
+
+def score_many(problem: PlanProblem, queues: IntArray, orders: IntArray) -> FloatArray:
+    """Cost of candidate orders of possibly different queues in one numpy pass: row ``r`` is an
+    order of queue ``queues[r]``; rows shorter than the widest are padded with ``problem.pad``
+    (a group of no work, no weight and no model switch) at the end."""
+    m, length = orders.shape
+    if length == 0:
+        return np.zeros(m)
+    gq = queues[:, None]
+    p = problem.proc_pad[orders, gq, :]  # (m, L, S)
+    models = problem.model_pad[orders]  # (m, L)
+    prev = np.concatenate([problem.active[queues][:, None], models[:, :-1]], axis=1)
+    sw = np.where(models != prev, problem.switch_pad[gq, models], 0.0)
+    fin = problem.ready[queues][:, None, None] + np.cumsum(p + sw[:, :, None], axis=1)
+    done = np.maximum(fin, fin - p + problem.floor_pad[orders, gq, :])
+    dl = problem.deadline_pad[orders][:, :, None]
+    late = np.maximum(done - dl, 0.0).mean(axis=2)
+    ok = (done <= dl).sum(axis=2)
+    w = problem.weight_pad[orders]
+    cost: FloatArray = (w * late).sum(axis=1) + problem.risk_weight * (
+        w * (ok < problem.required_ok)
+    ).sum(axis=1)
+    return cost
+
+
+def score_queue(problem: PlanProblem, g: int, order: Sequence[int]) -> QueueScore:
+    """The cost of one queue with the per-group details (expected violation, P(meet), missed)."""
+    if not order:
+        empty = np.zeros(0)
+        return QueueScore(0.0, empty, empty, np.zeros(0, bool))
+    idx = np.asarray(order, np.int64)
+    p = problem.proc[idx, g, :]
+    models = problem.model_idx[idx]
+    prev = np.concatenate([[problem.active[g]], models[:-1]])
+    sw = np.where(models != prev, problem.switch[g, models], 0.0)
+    fin = problem.ready[g] + np.cumsum(p + sw[:, None], axis=0)
+    done = np.maximum(fin, fin - p + problem.floor[idx, g, :])
+    dl = problem.deadline[idx][:, None]
+    late = np.maximum(done - dl, 0.0).mean(axis=1)
+    ok = (done <= dl).sum(axis=1)
+    missed = ok < problem.required_ok
+    w = problem.weight[idx]
+    cost = float((w * late).sum() + problem.risk_weight * (w * missed).sum())
+    return QueueScore(cost, late, ok / problem.scenarios, missed)
+
+
+def score_plan(problem: PlanProblem, plan: Plan) -> float:
+    """The objective of a whole plan (sum over queues); ``inf`` if a group is misplaced."""
+    return sum(score_queue(problem, g, order).cost for g, order in enumerate(plan))
+
+
+def check_plan(problem: PlanProblem, plan: Plan) -> None:
+    """Raise ``ValueError`` unless ``plan`` places every group exactly once, where it is served."""
+    if len(plan) != len(problem.instances):
+        raise ValueError(f"plan has {len(plan)} queues, problem {len(problem.instances)}")
+    seen = sorted(i for order in plan for i in order)
+    if seen != list(range(len(problem.groups))):
+        raise ValueError("plan must place every group exactly once")
+    for g, order in enumerate(plan):
+        for i in order:
+            if not problem.eligible[i, g]:
+                raise ValueError(
+                    f"group {problem.groups[i].id} ({problem.groups[i].model}) placed on "
+                    f"{problem.instances[g].name}, which does not serve it"
+                )

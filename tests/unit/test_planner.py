@@ -1,0 +1,160 @@
+"""The plan problem, its scoring, and the solvers agree with brute force where it is tractable."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from qlm.planner.milp import solve_milp
+from qlm.planner.program import (
+    PlanGroup,
+    PlanInstance,
+    PlanProblem,
+    check_plan,
+    score_plan,
+    score_queue,
+)
+from qlm.planner.solve import Budget, brute_force, capacity_needed, edf_plan, solve
+from qlm.planner.synthetic import random_problem
+
+
+def tiny(
+    proc: list[list[float]],
+    deadlines: list[float],
+    *,
+    models: list[str] | None = None,
+    served: list[tuple[str, ...]] | None = None,
+    weights: list[float] | None = None,
+    switch_s: float = 0.0,
+    delta: float = 0.9,
+) -> PlanProblem:
+    """Deterministic problem (one scenario): ``proc[i][g]`` seconds, zero latency floor."""
+    n, q = len(proc), len(proc[0])
+    models = models or ["m"] * n
+    served = served or [("m", "n")] * q
+    instances = tuple(
+        PlanInstance(f"i{g}", served[g], served[g][0], 0.0, {m: switch_s for m in served[g]})
+        for g in range(q)
+    )
+    groups = tuple(
+        PlanGroup(f"g{i}", models[i], deadlines[i], (weights or [1.0] * n)[i]) for i in range(n)
+    )
+    p = np.array(proc, float)[:, :, None]
+    for i in range(n):
+        for g in range(q):
+            if models[i] not in served[g]:
+                p[i, g] = np.inf
+    return PlanProblem(groups, instances, p, np.where(np.isfinite(p), 0.0, np.inf), delta=delta)
+
+
+def test_score_is_expected_weighted_violation_plus_risk() -> None:
+    # One queue: g0 (2 s, due 1 s) then g1 (3 s, due 10 s): g0 is 1 s late and misses.
+    pr = tiny([[2.0], [3.0]], [1.0, 10.0], weights=[2.0, 1.0])
+    s = score_queue(pr, 0, [0, 1])
+    assert s.violation.tolist() == [1.0, 0.0]
+    assert s.missed.tolist() == [True, False]
+    assert s.cost == pytest.approx(2.0 * 1.0 + pr.risk_weight * 2.0)
+
+
+def test_model_switch_cost_is_charged_between_different_models() -> None:
+    pr = tiny([[1.0], [1.0], [1.0]], [100.0] * 3, models=["m", "n", "m"], switch_s=5.0)
+    # m (active) -> n (switch) -> m (switch): g2 finishes at 1+5+1+5+1 = 13.
+    assert score_queue(pr, 0, [0, 1, 2]).cost == 0.0
+    pr_tight = tiny(
+        [[1.0], [1.0], [1.0]], [100.0, 100.0, 12.5], models=["m", "n", "m"], switch_s=5.0
+    )
+    assert score_queue(pr_tight, 0, [0, 1, 2]).missed.tolist() == [False, False, True]
+    assert not score_queue(pr_tight, 0, [0, 2, 1]).missed.any()
+
+
+def test_latency_floor_bounds_completion() -> None:
+    pr = tiny([[1.0]], [3.0])
+    floor = np.full_like(pr.proc, 4.0)
+    slow = PlanProblem(pr.groups, pr.instances, pr.proc, floor)
+    assert score_queue(slow, 0, [0]).violation.tolist() == [1.0]
+
+
+def test_chance_constraint_counts_scenarios() -> None:
+    groups = (PlanGroup("g", "m", 10.0, 1.0),)
+    inst = (PlanInstance("i", ("m",), "m", 0.0, {"m": 0.0}),)
+    proc = np.array([[[5.0] * 9 + [20.0]]])  # 9 of 10 scenarios meet the deadline
+    ok = PlanProblem(groups, inst, proc, np.zeros_like(proc), delta=0.9)
+    strict = PlanProblem(groups, inst, proc, np.zeros_like(proc), delta=0.95)
+    assert not score_queue(ok, 0, [0]).missed[0]
+    assert score_queue(strict, 0, [0]).missed[0]
+    assert score_queue(ok, 0, [0]).violation[0] == pytest.approx(1.0)  # (20 - 10) / 10
+
+
+def test_check_plan_rejects_misplaced_and_missing_groups() -> None:
+    pr = tiny([[1.0, 1.0], [1.0, 1.0]], [5.0, 5.0], models=["m", "n"], served=[("m",), ("m", "n")])
+    check_plan(pr, ((0,), (1,)))
+    with pytest.raises(ValueError, match="does not serve"):
+        check_plan(pr, ((1,), (0,)))
+    with pytest.raises(ValueError, match="exactly once"):
+        check_plan(pr, ((0,), ()))
+
+
+def test_solver_moves_a_hopeless_group_behind_feasible_ones() -> None:
+    # EDF runs the long, already-late g0 first and makes g1 and g2 miss too.
+    pr = tiny([[10.0], [1.0], [1.0]], [2.0, 3.0, 4.0])
+    edf = edf_plan(pr)
+    assert edf == ((0, 1, 2),)
+    sol = solve(pr, Budget(time_s=None, evaluations=10_000, milp_max_groups=0))
+    assert sol.plan == ((1, 2, 0),)
+    assert sol.at_risk == (0,)
+    assert sol.objective < sol.edf_objective
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_planner_objective_equals_brute_force_on_small_problems(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    q = 2 if seed else 1
+    n = 7 if seed else 5  # up to 2 queues and 7 groups
+    pr = random_problem(q, n, seed=seed, scenarios=6, load=float(rng.choice([0.5, 1.0, 2.0])))
+    _, best = brute_force(pr)
+    sol = solve(pr, Budget(time_s=None, milp_max_groups=8))
+    assert sol.status == "optimal"
+    assert sol.objective == pytest.approx(best, rel=1e-6, abs=1e-6)
+    assert sol.objective <= sol.edf_objective + 1e-9
+
+
+def test_milp_objective_matches_score_and_respects_eligibility() -> None:
+    pr = random_problem(2, 6, seed=11, scenarios=4)
+    result = solve_milp(pr)
+    assert result is not None
+    plan, status, _ = result
+    check_plan(pr, plan)
+    assert status == "optimal"
+    assert score_plan(pr, plan) == pytest.approx(brute_force(pr)[1], rel=1e-6, abs=1e-6)
+
+
+def test_solution_is_never_worse_than_edf_and_budget_is_respected() -> None:
+    pr = random_problem(4, 40, seed=3)
+    sol = solve(pr, Budget(time_s=None, evaluations=500, milp_max_groups=0))
+    check_plan(pr, sol.plan)
+    assert sol.objective <= sol.edf_objective
+    # One batch may overshoot the count; never by more than a batch of candidates.
+    assert sol.evaluations < 500 + 40 * 41
+
+
+def test_warm_start_keeps_a_good_plan_and_places_new_groups() -> None:
+    pr = random_problem(3, 20, seed=5)
+    first = solve(pr, Budget(time_s=None, evaluations=20_000, milp_max_groups=0))
+    partial = tuple(tuple(i for i in o if i < 15) for o in first.plan)
+    again = solve(pr, Budget(time_s=None, evaluations=1, milp_max_groups=0), previous=partial)
+    check_plan(pr, again.plan)
+    assert again.method.startswith(("warm", "edf"))
+
+
+def test_simulated_budget_is_reproducible() -> None:
+    pr = random_problem(4, 32, seed=2)
+    a = solve(pr, Budget(time_s=None, evaluations=3000, milp_max_groups=0))
+    b = solve(pr, Budget(time_s=None, evaluations=3000, milp_max_groups=0))
+    assert a.plan == b.plan and a.objective == b.objective
+
+
+def test_capacity_needed_grows_with_load() -> None:
+    light = capacity_needed(tiny([[1.0], [1.0]], [5.0, 5.0]))
+    heavy = capacity_needed(tiny([[4.0], [4.0]], [5.0, 5.0]))
+    assert light == 1.0
+    assert heavy is not None and 1.5 < heavy < 1.7  # both done by 5 s needs 8/5 the speed
