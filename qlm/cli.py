@@ -17,7 +17,7 @@ from rich.table import Table
 
 from qlm.engines.perf_model import default_catalog
 from qlm.errors import QLMError
-from qlm.planner import POLICIES, create_policy
+from qlm.planner import POLICIES, PlannerConfig, create_policy
 from qlm.rct.output_model import NIG
 from qlm.rct.profile import HardwareProfile, RctProfile, dump_profile, parse_profile
 from qlm.rct.profiling import profile_sim_hardware, profile_workload
@@ -89,7 +89,7 @@ def run_simulation(
             tr = window(tr, start_s, end)
     requests = create_workload(workload, tr, seed=seed, slo_scale=slo_scale)
     specs = parse_instances(instances)
-    pol = create_policy(policy)
+    pol = create_policy(policy, planner=PlannerConfig.for_simulation())
     if not show_progress:
         return simulate(requests, specs, pol)
     with Progress(

@@ -6,6 +6,8 @@ from typing import Any
 
 from qlm.domain import SLO, Request, Tier
 from qlm.engines.perf_model import HardwareCatalog, parse_catalog
+from qlm.rct.output_model import NIG
+from qlm.rct.profile import HardwareProfile, RctProfile
 
 STEP = {
     "base_ms": 10.0,
@@ -54,3 +56,32 @@ def make_request(i: int = 0, **overrides: Any) -> Request:
     }
     fields.update(overrides)
     return Request(**fields)
+
+
+def make_profile(**overrides: Any) -> RctProfile:
+    """An RCT profile for model ``m`` on GPU ``G`` (the test catalog), outputs of ~70 tokens."""
+    fields: dict[str, Any] = {
+        "model": "m",
+        "gpu": "G",
+        "gpu_count": 1,
+        "prefill_base_s": 0.02,
+        "prefill_per_token_s": 1e-4,
+        "input_token_work_s": 5e-5,
+        "throughput_tps": 2000.0,
+        "decode_per_token_s": 0.03,
+        "decode_alone_s": 0.01,
+        "inefficiency": 1.0,
+        "saturation_batch": 8.0,
+        "max_num_seqs": 8,
+        "kv_bytes_per_token": 131072,
+        "kv_capacity_tokens": 100_000,
+        "warm_load_s": 1.5,
+        "cold_load_s": 12.0,
+    }
+    fields.update(overrides)
+    hw = HardwareProfile(**fields)
+    second = HardwareProfile(**(fields | {"model": "n"}))
+    return RctProfile(
+        hardware={hw.key: hw, second.key: second},
+        output_priors={"default": NIG(mu=4.0, kappa=20.0, alpha=11.0, beta=5.0)},
+    )

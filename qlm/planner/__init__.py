@@ -7,18 +7,38 @@ harness, trace and seed. Each policy is pure: ``decide(ctx)`` returns decisions 
 from __future__ import annotations
 
 from qlm.errors import ConfigError
-from qlm.planner.baselines import FcfsDispatch
+from qlm.planner.baselines import create_baseline
 from qlm.planner.policy import Completion, DispatchContext, InstanceLoad, Policy
+from qlm.planner.qlm_policy import PlannerConfig, QlmPolicy
+from qlm.rct.profile import RctProfile
 
-__all__ = ["POLICIES", "Completion", "DispatchContext", "InstanceLoad", "Policy", "create_policy"]
+__all__ = [
+    "POLICIES",
+    "Completion",
+    "DispatchContext",
+    "InstanceLoad",
+    "PlannerConfig",
+    "Policy",
+    "QlmPolicy",
+    "create_policy",
+]
 
-POLICIES = ("fcfs", "fcfs-rr")
+POLICIES = ("fcfs", "fcfs-rr", "edf", "sedf", "priority", "proserve", "shepherd", "qlm")
 
 
-def create_policy(name: str) -> Policy:
-    """``fcfs``: vLLM as it serves requests, least-loaded dispatch; ``fcfs-rr``: round-robin."""
-    if name == "fcfs":
-        return FcfsDispatch(dispatch="least-loaded")
-    if name == "fcfs-rr":
-        return FcfsDispatch(dispatch="round-robin")
+def create_policy(
+    name: str, *, profile: RctProfile | None = None, planner: PlannerConfig | None = None
+) -> Policy:
+    """A policy by name (``POLICIES``). ``profile``: the RCT profile policies that estimate use
+    (default: the shipped one); ``planner``: settings of ``qlm``.
+
+    ``fcfs``/``fcfs-rr``: vLLM as it serves requests (dispatch on arrival, least-loaded or
+    round-robin); ``edf``, ``sedf`` (FlowPrefill), ``priority`` (QLLM), ``proserve`` (PROSERVE),
+    ``shepherd`` (SHEPHERD as the QLM paper describes it): ``qlm.planner.baselines``; ``qlm``: groups,
+    RCT estimator and the stochastic planner (``qlm.planner.qlm_policy``)."""
+    if name == "qlm":
+        return QlmPolicy(profile, config=planner)
+    policy = create_baseline(name, profile=profile)
+    if policy is not None:
+        return policy
     raise ConfigError(f"unknown policy {name!r}; known: {', '.join(POLICIES)}")

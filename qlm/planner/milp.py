@@ -41,7 +41,7 @@ def available_solvers() -> tuple[str, ...]:
     return tuple(out)
 
 
-def _solver(name: str, time_limit_s: float | None, warm: bool) -> Any:
+def make_solver(name: str, time_limit_s: float | None, warm: bool) -> Any:
     if name == "cbc":
         with warnings.catch_warnings():  # PuLP 3.x bundles CBC behind a name it deprecates for 4.0
             warnings.simplefilter("ignore", DeprecationWarning)
@@ -63,10 +63,10 @@ def build_milp(problem: PlanProblem) -> tuple[pulp.LpProblem, dict[str, Any]]:
     finite_fl = np.where(np.isfinite(fl), fl, 0.0)
     max_switch = float(np.where(np.isfinite(problem.switch), problem.switch, 0.0).max(initial=0.0))
     # Per-scenario bounds on any finish time: the tighter the big-Ms, the stronger the relaxation.
-    upper = problem.ready.max() + finite_p.max(axis=1).sum(axis=0) + n * max_switch  # (S,)
-    lower = np.where(elig[:, :, None], problem.ready[None, :, None] + p, np.inf).min(
-        axis=1
-    )  # (n,S)
+    upper = problem.ready.max() + finite_p.max(axis=1).sum(axis=0) + n * max_switch + 1e-6
+    upper = upper * (1 + 1e-9)  # (S,), with room for rounding in sums taken in another order
+    lower = np.where(elig[:, :, None], problem.ready[None, :, None] + p, np.inf).min(axis=1)
+    lower = lower - 1e-6 - 1e-9 * np.abs(lower)  # (n, S)
     lp = pulp.LpProblem("qlm_plan", pulp.LpMinimize)
     x = {
         (i, g): lp.add_variable(f"x_{i}_{g}", cat="Binary")
@@ -243,7 +243,7 @@ def solve_milp(
     if start is not None:
         _warm_values(problem, start, variables)
     limit = None if time_limit_s is None else max(0.05, round(time_limit_s, 2))
-    status = lp.solve(_solver(solver, limit, start is not None))
+    status = lp.solve(make_solver(solver, limit, start is not None))
     plan = _read_plan(problem, variables)
     if plan is None:
         return None

@@ -456,6 +456,12 @@ class RCTEstimator:
     def _load_s(self, hw: HardwareProfile, instance: InstanceView) -> float:
         return hw.warm_load_s if hw.model in instance.warm_models else hw.cold_load_s
 
+    def calibration_factors(self, instance: str) -> tuple[float, float]:
+        """(waiting-time factor, decode-speed factor) learned for ``instance``: how much slower
+        than the profile it has drained its queue and decoded (1.0 before any observation)."""
+        cal = self._cal(instance)
+        return cal.wait_factor(), cal.eps_factor()
+
     def _cal(self, instance: str) -> _Calibration:
         cal = self._calibration.get(instance)
         if cal is None:

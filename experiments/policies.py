@@ -1,0 +1,205 @@
+"""Policy comparison (issue 4; paper §8.1): SLO attainment and throughput as load rises.
+
+W_B (one model, llama-3-8b; classes interactive 20 s 40 %, standard 60 s 30 %, batch 300 s 30 %)
+on the Azure conversation trace's arrivals and lengths, one simulated A100, every policy behind the
+same harness (``ClusterSimulation``), trace and seed. Dispatch is by request pulling: a policy
+hands an instance requests while it has room (``max_num_seqs`` running, prompts within the KV
+cache); the agents issue adds evictions, swaps and warm starts. The load is the trace's arrival rate
+times ``--rates``; the sweep rises until FCFS attains less than 50 % of SLOs (and ``--extra`` loads
+past that).
+
+Prints a table of SLO attainment (all requests, and per tier) and throughput per policy and load,
+checks the targets — ``qlm`` within 2 points of the best baseline at every load, and at least 40
+points above FCFS at the first load where FCFS drops below 50 % — and writes
+``experiments/results/policies.json`` and ``policies.png``.
+
+Reproduce: .venv/bin/python experiments/policies.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from qlm.planner import POLICIES, PlannerConfig, create_policy
+from qlm.sim.cluster import ClusterSimulation
+from qlm.sim.instances import parse_instances
+from qlm.sim.traces import load_trace, scale_rate, window
+from qlm.sim.workload import create_workload
+
+RESULTS = Path(__file__).resolve().parent / "results"
+BASELINES = tuple(p for p in POLICIES if p not in ("qlm", "fcfs-rr"))
+
+
+def run_one(args: tuple[str, float, float, str, int, int]) -> dict[str, Any]:
+    policy_name, rate, end_s, instances, seed, evaluations = args
+    trace = window(scale_rate(load_trace("azure-conv", seed=seed), rate), 0.0, end_s)
+    requests = create_workload("wb", trace, seed=seed)
+    specs = parse_instances(instances)
+    planner = PlannerConfig.for_simulation(evaluations)
+    policy = create_policy(policy_name, planner=planner)
+    t0 = time.perf_counter()
+    result = ClusterSimulation(specs, policy).run(requests)
+    wall = time.perf_counter() - t0
+    s = result.summary
+    tiers = {k: v["slo_attainment"] for k, v in s["slo_attainment_by_tier"].items()}
+    row: dict[str, Any] = {
+        "policy": policy_name,
+        "rate": rate,
+        "requests": len(requests),
+        "slo_attainment": s["slo_attainment"],
+        "by_tier": tiers,
+        "throughput_rps": s["throughput_rps"],
+        "throughput_output_tps": s["throughput_output_tps"],
+        "wall_s": wall,
+    }
+    plans = getattr(policy, "plans", None)
+    if plans:
+        row["plans"] = len(plans)
+        row["plan_compute_s"] = sum(p.solve_s for p in plans)
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--rates", default="1,1.5,2,2.5,3,3.5,4,5,6", help="arrival-rate multipliers")
+    ap.add_argument("--extra", type=int, default=1, help="loads to run after FCFS drops below 50%%")
+    ap.add_argument("--end", type=float, default=1200.0, help="seconds of the trace to replay")
+    ap.add_argument("--instances", default="1xA100:llama-3-8b")
+    ap.add_argument("--policies", default=",".join((*BASELINES, "qlm")))
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--evaluations", type=int, default=5000, help="qlm planner budget per plan")
+    ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--name", default="policies")
+    args = ap.parse_args(argv)
+    rates = [float(r) for r in args.rates.split(",")]
+    policies = args.policies.split(",")
+    rows: list[dict[str, Any]] = []
+    extra_left = args.extra
+    with ProcessPoolExecutor(max_workers=args.jobs) as pool:
+        for rate in rates:
+            jobs = [
+                (p, rate, args.end, args.instances, args.seed, args.evaluations) for p in policies
+            ]
+            batch = list(pool.map(run_one, jobs))
+            rows.extend(batch)
+            line = "  ".join(f"{r['policy']}={r['slo_attainment']:.3f}" for r in batch)
+            print(f"rate x{rate:g}: {line}", flush=True)
+            fcfs = next((r for r in batch if r["policy"] == "fcfs"), None)
+            if fcfs is not None and fcfs["slo_attainment"] < 0.5:
+                if extra_left <= 0:
+                    break
+                extra_left -= 1
+    report(rows, policies)
+    ok = check(rows, policies)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    out = RESULTS / f"{args.name}.json"
+    command = "python experiments/policies.py " + " ".join(
+        argv if argv is not None else sys.argv[1:]
+    )
+    out.write_text(
+        json.dumps({"command": command.strip(), "args": vars(args), "rows": rows}, indent=1)
+    )
+    plot(rows, policies, RESULTS / f"{args.name}.png", args)
+    print(f"wrote {out} and {out.with_suffix('.png')}")
+    print(f"reproduce: .venv/bin/{command.strip()}")
+    return 0 if ok else 1
+
+
+def report(rows: list[dict[str, Any]], policies: list[str]) -> None:
+    rates = sorted({r["rate"] for r in rows})
+    by = {(r["policy"], r["rate"]): r for r in rows}
+    print("\nSLO attainment (%) — all requests [interactive/standard/batch]")
+    print("load  " + "".join(f"{p:>22}" for p in policies))
+    for rate in rates:
+        cells = []
+        for p in policies:
+            r = by.get((p, rate))
+            if r is None:
+                cells.append(f"{'-':>22}")
+                continue
+            t = r["by_tier"]
+            tiers = "/".join(
+                f"{100 * t.get(k, float('nan')):.0f}" for k in ("interactive", "standard", "batch")
+            )
+            cells.append(f"{100 * r['slo_attainment']:>8.1f} [{tiers:>11}]")
+        print(f"x{rate:<4g}" + "".join(cells))
+    print("\nthroughput (requests/s)")
+    print("load  " + "".join(f"{p:>12}" for p in policies))
+    for rate in rates:
+        print(
+            f"x{rate:<4g}"
+            + "".join(
+                f"{by[(p, rate)]['throughput_rps']:>12.2f}" if (p, rate) in by else f"{'-':>12}"
+                for p in policies
+            )
+        )
+    qlm_rows = [r for r in rows if r["policy"] == "qlm" and "plans" in r]
+    for r in qlm_rows:
+        print(
+            f"qlm at x{r['rate']:g}: {r['plans']} plans, {r['plan_compute_s']:.1f} s planning, run {r['wall_s']:.0f} s"
+        )
+
+
+def check(rows: list[dict[str, Any]], policies: list[str]) -> bool:
+    if "qlm" not in policies or "fcfs" not in policies:
+        return True
+    rates = sorted({r["rate"] for r in rows})
+    by = {(r["policy"], r["rate"]): r["slo_attainment"] for r in rows}
+    ok = True
+    for rate in rates:
+        base = {p: by[(p, rate)] for p in policies if p != "qlm" and (p, rate) in by}
+        best = max(base, key=lambda p: base[p])
+        diff = 100 * (by[("qlm", rate)] - base[best])
+        good = diff >= -2.0
+        ok &= good
+        print(
+            f"x{rate:g}: qlm {100 * by[('qlm', rate)]:.1f} vs best baseline {best} {100 * base[best]:.1f} ({diff:+.1f} points) {'ok' if good else 'MISSED (target: within 2 points)'}"
+        )
+    knee = next((rate for rate in rates if by[("fcfs", rate)] < 0.5), None)
+    if knee is None:
+        print("FCFS never dropped below 50 %: raise --rates")
+        return False
+    gain = 100 * (by[("qlm", knee)] - by[("fcfs", knee)])
+    good = gain >= 40.0
+    print(
+        f"first load with FCFS < 50 %: x{knee:g}; qlm - fcfs = {gain:+.1f} points {'ok' if good else 'MISSED (target: >= 40)'}"
+    )
+    return ok and good
+
+
+def plot(
+    rows: list[dict[str, Any]], policies: list[str], path: Path, args: argparse.Namespace
+) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
+    for p in policies:
+        pts = sorted(
+            (r["rate"], r["slo_attainment"], r["throughput_rps"]) for r in rows if r["policy"] == p
+        )
+        if not pts:
+            continue
+        style = {"linewidth": 2.5, "color": "black"} if p == "qlm" else {}
+        a1.plot([x for x, _, _ in pts], [100 * y for _, y, _ in pts], marker="o", label=p, **style)
+        a2.plot([x for x, _, _ in pts], [t for _, _, t in pts], marker="o", label=p, **style)
+    a1.set(xlabel="arrival rate × Azure conv", ylabel="SLO attainment (%)", ylim=(0, 102))
+    a2.set(xlabel="arrival rate × Azure conv", ylabel="throughput (requests/s)")
+    a1.legend(fontsize=8)
+    a1.grid(alpha=0.3)
+    a2.grid(alpha=0.3)
+    fig.suptitle(f"W_B on {args.instances}, first {args.end:g} s of Azure conv (seed {args.seed})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,125 @@
+"""QLM's policy: groups in virtual queues, re-planned on its triggers, pulled while there is room."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from builders import make_catalog, make_profile, make_request
+
+from qlm.domain import SLO, InstanceSpec, Pull, RequestStatus, Tier
+from qlm.planner import PlannerConfig, QlmPolicy, create_policy
+from qlm.planner.policy import DispatchContext, InstanceLoad
+from qlm.sim.cluster import ClusterSimulation
+
+PROFILE = make_profile()
+CONFIG = PlannerConfig.for_simulation(2000)
+
+
+def load(name: str = "i0", **overrides: object) -> InstanceLoad:
+    fields: dict[str, object] = {"name": name, "models": ("m",), "gpu": "G", "max_running": 2}
+    fields.update(overrides)
+    return InstanceLoad(**fields)  # type: ignore[arg-type]
+
+
+def policy(**config: object) -> QlmPolicy:
+    return QlmPolicy(
+        PROFILE, config=dataclasses.replace(CONFIG, **config), measure_solve_time=False
+    )
+
+
+def test_pulls_only_while_the_instance_has_room() -> None:
+    qlm = policy()
+    reqs = [make_request(i, arrival_s=0.0) for i in range(5)]
+    out = qlm.decide(DispatchContext(0.0, tuple(reqs), (load(max_running=2),)))
+    assert [type(d) for d in out] == [Pull, Pull]
+    busy = load(max_running=2, outstanding_requests=2, outstanding_tokens=400)
+    assert qlm.decide(DispatchContext(0.5, (), (busy,))) == []
+
+
+def test_urgent_group_is_pulled_before_a_lax_one_that_arrived_first() -> None:
+    qlm = policy()
+    lax = [make_request(i, arrival_s=0.0, slo=SLO(600.0), tier=Tier.BATCH) for i in range(4)]
+    urgent = [
+        make_request(10 + i, arrival_s=0.0, slo=SLO(5.0), tier=Tier.INTERACTIVE) for i in range(2)
+    ]
+    busy = load(max_running=2, outstanding_requests=2, outstanding_tokens=400)
+    assert qlm.decide(DispatchContext(0.0, (*lax, *urgent), (busy,))) == []
+    out = qlm.decide(DispatchContext(2.0, (), (load(max_running=2),)))
+    assert sorted(d.request_id for d in out if isinstance(d, Pull)) == ["r0010", "r0011"]
+
+
+def test_instance_change_and_period_trigger_a_plan() -> None:
+    qlm = policy(period_s=5.0, min_interval_s=1.0)
+    busy = load(max_running=1, outstanding_requests=1, outstanding_tokens=200)
+    qlm.decide(DispatchContext(0.0, (make_request(0, slo=SLO(600.0)),), (busy,)))
+    assert [p.trigger for p in qlm.plans] == ["instances"]
+    qlm.decide(DispatchContext(0.5, (make_request(1, slo=SLO(600.0)),), (busy,)))
+    assert len(qlm.plans) == 1  # within min_interval_s, and nothing at risk
+    qlm.decide(DispatchContext(6.0, (), (busy,)))
+    assert [p.trigger for p in qlm.plans] == ["instances", "period"]
+    second = load("i1", max_running=1)
+    qlm.decide(DispatchContext(7.5, (), (busy, second)))
+    assert qlm.plans[-1].trigger == "instances"
+
+
+def test_predicted_violation_triggers_a_plan_and_reports_risk() -> None:
+    qlm = policy(period_s=1000.0)
+    busy = load(max_running=1, outstanding_requests=1, outstanding_tokens=200)
+    qlm.decide(DispatchContext(0.0, (make_request(0, slo=SLO(600.0)),), (busy,)))
+    hopeless = make_request(1, arrival_s=2.0, slo=SLO(0.01), tier=Tier.INTERACTIVE)
+    qlm.decide(DispatchContext(2.0, (hopeless,), (busy,)))
+    assert qlm.plans[-1].trigger == "violation"
+    assert qlm.plans[-1].at_risk  # a 10 ms SLO behind a running request cannot be met
+
+
+def test_down_instance_gets_nothing() -> None:
+    qlm = policy()
+    reqs = [make_request(i) for i in range(3)]
+    out = qlm.decide(
+        DispatchContext(0.0, tuple(reqs), (load("i0", up=False), load("i1", max_running=8)))
+    )
+    assert {d.instance for d in out} == {"i1"} and len(out) == 3
+
+
+def test_runs_a_workload_to_the_end() -> None:
+    tiers = list(Tier)
+    reqs = [
+        make_request(
+            i,
+            arrival_s=i * 0.05,
+            input_tokens=100 + 37 * i % 900,
+            replay_output_tokens=1 + 53 * i % 300,
+            tier=tiers[i % 3],
+            slo=SLO(e2e_s=5.0 + 10 * (i % 3)),
+        )
+        for i in range(150)
+    ]
+    specs = [InstanceSpec("i0", "G", ("m",)), InstanceSpec("i1", "G", ("m",))]
+    qlm = policy()
+    sim = ClusterSimulation(specs, qlm, catalog=make_catalog(), engine_config={"max_num_seqs": 8})
+    result = sim.run(reqs)
+    assert all(r.status is RequestStatus.FINISHED for r in result.records)
+    assert all(r.output_tokens == r.request.replay_output_tokens for r in result.records)
+    assert qlm.plans and all(p.status == "heuristic" for p in qlm.plans)
+
+
+def test_decisions_do_not_depend_on_true_output_lengths() -> None:
+    reqs = [
+        make_request(i, arrival_s=i * 0.2, tier=list(Tier)[i % 3], slo=SLO(3.0 + 7 * (i % 3)))
+        for i in range(30)
+    ]
+    runs = []
+    for truth in (None, 1, 10**6):
+        qlm = policy(min_interval_s=0.5, check_interval_s=0.5)
+        decisions = []
+        for k, r in enumerate(reqs):
+            busy = load(max_running=4, outstanding_requests=k % 5, outstanding_tokens=200 * (k % 5))
+            arrived = (dataclasses.replace(r, replay_output_tokens=truth),)
+            decisions.append(qlm.decide(DispatchContext(r.arrival_s, arrived, (busy,))))
+        runs.append(decisions)
+    assert runs[0] == runs[1] == runs[2]
+    assert sum(len(d) for d in runs[0]) > 10
+
+
+def test_create_policy_knows_qlm() -> None:
+    assert create_policy("qlm", profile=PROFILE).name == "qlm"
