@@ -28,6 +28,10 @@ class GroupingConfig:
     than the members did right after the last re-clustering, or when online classification created
     more than ``max_new_group_fraction`` × (groups after the last re-clustering) new groups.
 
+    ``deadline_window``: requests share a group only if their absolute deadlines fall in the same
+    slice of ``deadline_window`` × their SLO (0 disables it): a group stays homogeneous in time,
+    so the planner's group deadline (its earliest) is true of all its members.
+
     ``keep_id_overlap``: a new cluster keeps an old group's id when they share at least this fraction
     of the larger of the two. ``kmeans_sample`` and ``kmeans_max_iter`` bound k-means' cost: it is
     fitted on at most that many requests per partition, and every request is then assigned to the
@@ -42,6 +46,7 @@ class GroupingConfig:
     drift_factor: float = 2.0
     max_new_group_fraction: float = 0.5
     keep_id_overlap: float = 0.5
+    deadline_window: float = 0.25
     kmeans_sample: int = 4096
     kmeans_max_iter: int = 300
     seed: int = 0
@@ -66,6 +71,7 @@ class GroupingConfig:
             "> 0",
             self.max_new_group_fraction,
         )
+        _check(self.deadline_window >= 0, "deadline_window", ">= 0", self.deadline_window)
         _check(0 < self.keep_id_overlap <= 1, "keep_id_overlap", "in (0, 1]", self.keep_id_overlap)
         _check(self.kmeans_sample >= 2, "kmeans_sample", ">= 2", self.kmeans_sample)
         _check(self.kmeans_max_iter >= 1, "kmeans_max_iter", ">= 1", self.kmeans_max_iter)

@@ -1,7 +1,7 @@
 """What makes two requests similar: the feature vector k-means and online classification compare.
 
-A request's partition key ``(model, tier, slo_class)`` is matched exactly: groups never mix models,
-priority tiers or SLO classes. Inside a partition, four numeric features (natural logarithms, so a
+A request's partition key ``(model, tier, slo_class, deadline window)`` is matched exactly: groups
+never mix models, priority tiers, SLO classes or deadlines more than a window apart. Inside a partition, four numeric features (natural logarithms, so a
 factor counts the same at every size):
 
 =====================  ======  ===============================================================
@@ -35,8 +35,8 @@ from qlm.domain import Request, Tier
 FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.int64]
 
-GroupKey = tuple[str, Tier, str]
-"""Partition of a request: (model, tier, slo_class), matched exactly."""
+GroupKey = tuple[str, Tier, str, int]
+"""Partition of a request: (model, tier, slo_class, deadline window), matched exactly."""
 
 PredictOutput = Callable[[Request], float]
 """Predicted output tokens of a waiting request (the estimator plugs in its posterior mean)."""
@@ -58,8 +58,16 @@ def default_predict_output(request: Request) -> float:
     return float(min(request.max_tokens, DEFAULT_OUTPUT_TOKENS))
 
 
-def group_key(request: Request) -> GroupKey:
-    return (request.model, request.tier, request.slo_class)
+def group_key(request: Request, deadline_window: float = 0.0) -> GroupKey:
+    """``(model, tier, slo_class, window)``: ``window`` numbers the slice of absolute deadlines,
+    each ``deadline_window`` × the request's SLO wide, that its deadline falls in (0 when
+    ``deadline_window`` is 0). Requests that arrive far apart in time then never share a group:
+    a group is ordered by its earliest deadline, and an old member must not drag new ones with it
+    (or a hopeless old one hide feasible new ones)."""
+    window = 0
+    if deadline_window > 0:
+        window = math.floor(request.deadline_s / (deadline_window * request.slo.e2e_s))
+    return (request.model, request.tier, request.slo_class, window)
 
 
 def raw_features(request: Request, predict_output: PredictOutput) -> FloatArray:

@@ -236,7 +236,7 @@ class Grouper:
             )
         raw = raw_features(request, self._predict)
         x = raw * self._mult
-        key = group_key(request)
+        key = group_key(request, self._config.deadline_window)
         part = self._parts.get(key)
         if part is None:
             part = self._parts[key] = _Partition()
@@ -460,7 +460,7 @@ class Grouper:
             members = tuple(group.requests)
             raw = np.array([self._features[r.id] for r in members])
             ttfts = [r.slo.ttft_s for r in members if r.slo.ttft_s is not None]
-            model, tier, slo_class = group.key
+            model, tier, slo_class, _ = group.key
             group.view = RequestGroup(
                 id=group.id,
                 model=model,
@@ -489,7 +489,7 @@ class Grouper:
         n = len(requests)
         code_of: dict[GroupKey, int] = {}
         codes = np.fromiter(
-            (code_of.setdefault(group_key(r), len(code_of)) for r in requests), np.int64, n
+            (code_of.setdefault(group_key(r, cfg.deadline_window), len(code_of)) for r in requests), np.int64, n
         )
         keys = sorted(code_of)
         rank = np.empty(len(keys), dtype=np.int64)

@@ -13,7 +13,8 @@ from qlm.errors import ConfigError, GroupError
 from qlm.groups import Grouper, GroupingConfig, default_predict_output
 from qlm.groups.clustering import split_half
 
-SMALL = GroupingConfig(delta=2.0, avg_batch_size=8)  # groups of at most 16
+SMALL = GroupingConfig(delta=2.0, avg_batch_size=8, deadline_window=0)
+NO_WINDOW = GroupingConfig(deadline_window=0)  # these tests spread arrivals over time  # groups of at most 16
 
 
 def members(grouper: Grouper, gid: str) -> list[str]:
@@ -131,7 +132,7 @@ def test_online_classification_fills_groups_only_up_to_the_bound() -> None:
 
 
 def test_kmeans_separates_short_requests_from_long_ones_of_the_same_class() -> None:
-    grouper = Grouper(GroupingConfig(delta=4, avg_batch_size=8))  # k = ceil(120 / 32) = 4
+    grouper = Grouper(GroupingConfig(delta=4, avg_batch_size=8, deadline_window=0))  # k = ceil(120 / 32) = 4
     for i in range(120):
         if i % 2:
             r = make_request(i, input_tokens=40 + i % 7, max_tokens=32)
@@ -145,7 +146,7 @@ def test_kmeans_separates_short_requests_from_long_ones_of_the_same_class() -> N
 
 
 def test_short_interactive_and_long_batch_requests_never_share_a_group() -> None:
-    grouper = Grouper()
+    grouper = Grouper(NO_WINDOW)
     for i in range(200):
         if i % 2:
             r = make_request(i, tier=Tier.INTERACTIVE, slo=SLO(20.0), input_tokens=100)
@@ -160,7 +161,7 @@ def test_short_interactive_and_long_batch_requests_never_share_a_group() -> None
 
 
 def test_requests_with_very_different_deadlines_never_share_a_group() -> None:
-    grouper = Grouper()  # same model, tier and class: only the deadline differs
+    grouper = Grouper(NO_WINDOW)  # same model, tier and class: only the deadline differs
     for i in range(20):
         grouper.add(make_request(i, slo=SLO(10.0 if i % 2 else 600.0)), now=0)
     for _ in range(2):
@@ -171,7 +172,7 @@ def test_requests_with_very_different_deadlines_never_share_a_group() -> None:
 
 
 def test_deadlines_within_the_slo_ratio_may_share_a_group() -> None:
-    grouper = Grouper(GroupingConfig(slo_ratio=2.0))
+    grouper = Grouper(GroupingConfig(slo_ratio=2.0, deadline_window=0))
     first = grouper.add(make_request(0, slo=SLO(30.0)), now=0)
     assert grouper.add(make_request(1, slo=SLO(50.0)), now=0) == first
     assert grouper.add(make_request(2, slo=SLO(70.0)), now=0) != first  # 70 / 30 > 2
@@ -194,7 +195,7 @@ def test_online_classification_never_mixes_models_tiers_or_slo_classes(seed: int
 
 
 def test_a_new_request_joins_the_nearest_compatible_group() -> None:
-    grouper = Grouper(GroupingConfig(delta=4, avg_batch_size=8))  # 40 requests: k = 2
+    grouper = Grouper(GroupingConfig(delta=4, avg_batch_size=8, deadline_window=0))  # 40 requests: k = 2
     for i in range(40):
         grouper.add(make_request(i, input_tokens=50 if i % 2 else 5000), now=0)
     grouper.recluster(now=1)
@@ -208,7 +209,7 @@ def test_a_new_request_joins_the_nearest_compatible_group() -> None:
 
 
 def test_requests_inside_a_group_are_served_first_come_first_served() -> None:
-    grouper = Grouper()
+    grouper = Grouper(NO_WINDOW)
     arrivals = [5.0, 1.0, 3.0, 1.0, 4.0]
     for i, t in reversed(list(enumerate(arrivals))):
         gid = grouper.add(make_request(i, arrival_s=t), now=10)
@@ -220,7 +221,7 @@ def test_requests_inside_a_group_are_served_first_come_first_served() -> None:
 
 
 def test_removing_a_groups_last_request_makes_the_group_disappear() -> None:
-    grouper = Grouper()
+    grouper = Grouper(NO_WINDOW)
     gid = grouper.add(make_request(0), now=0)
     grouper.add(make_request(1), now=0)
     assert grouper.remove("r0000") == gid
@@ -234,7 +235,7 @@ def test_removing_a_groups_last_request_makes_the_group_disappear() -> None:
 
 
 def test_adding_a_waiting_request_again_raises() -> None:
-    grouper = Grouper()
+    grouper = Grouper(NO_WINDOW)
     gid = grouper.add(make_request(0), now=0)
     with pytest.raises(GroupError, match=f"already in group {gid}"):
         grouper.add(make_request(0), now=1)
@@ -327,7 +328,7 @@ def test_reclustering_is_deterministic() -> None:
 
 
 def test_reclustering_an_empty_grouper_changes_nothing() -> None:
-    grouper = Grouper()
+    grouper = Grouper(NO_WINDOW)
     gid = grouper.add(make_request(0), now=0)
     grouper.pop(gid)
     result = grouper.recluster(now=1)
@@ -335,7 +336,7 @@ def test_reclustering_an_empty_grouper_changes_nothing() -> None:
 
 
 def test_reclustering_is_due_after_the_interval_only_when_something_changed() -> None:
-    grouper = Grouper(GroupingConfig(recluster_interval_s=30))
+    grouper = Grouper(GroupingConfig(recluster_interval_s=30, deadline_window=0))
     assert not grouper.needs_recluster(now=100)
     grouper.add(make_request(0), now=0)
     assert not grouper.needs_recluster(now=29)
@@ -348,7 +349,7 @@ def test_reclustering_is_due_after_the_interval_only_when_something_changed() ->
 
 
 def test_reclustering_is_due_when_online_requests_drift_from_their_centroids() -> None:
-    grouper = Grouper()
+    grouper = Grouper(NO_WINDOW)
     for i in range(10):
         grouper.add(make_request(i), now=0)
     grouper.recluster(now=0)
@@ -361,7 +362,7 @@ def test_reclustering_is_due_when_online_requests_drift_from_their_centroids() -
 
 
 def test_requests_like_the_members_cause_no_drift() -> None:
-    grouper = Grouper()
+    grouper = Grouper(NO_WINDOW)
     for i in range(10):
         grouper.add(make_request(i), now=0)
     grouper.recluster(now=0)
@@ -371,7 +372,7 @@ def test_requests_like_the_members_cause_no_drift() -> None:
 
 
 def test_reclustering_is_due_when_many_groups_were_created_online() -> None:
-    grouper = Grouper()
+    grouper = Grouper(NO_WINDOW)
     for i in range(8):
         grouper.add(make_request(i), now=0)
     grouper.recluster(now=0)  # one group
@@ -380,3 +381,14 @@ def test_reclustering_is_due_when_many_groups_were_created_online() -> None:
     assert not grouper.needs_recluster(now=1)  # 3 new groups: fewer than 4
     grouper.add(make_request(20, model="d"), now=1)
     assert grouper.needs_recluster(now=1)
+
+
+def test_requests_far_apart_in_time_never_share_a_group() -> None:
+    grouper = Grouper(GroupingConfig(deadline_window=0.25))  # 30 s SLO: windows of 7.5 s
+    early = grouper.add(make_request(0, arrival_s=0.0), now=0.0)
+    assert grouper.add(make_request(1, arrival_s=5.0), now=5.0) == early
+    late = grouper.add(make_request(2, arrival_s=8.0), now=8.0)
+    assert late != early
+    grouper.recluster(now=9.0)
+    assert {grouper.group_of("r0000"), grouper.group_of("r0001")} != {grouper.group_of("r0002")}
+    assert grouper.group_of("r0000") == grouper.group_of("r0001")

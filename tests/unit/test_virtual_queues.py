@@ -13,7 +13,7 @@ from qlm.errors import VirtualQueueError
 from qlm.groups import Grouper, GroupingConfig
 from qlm.virtual_queues import VirtualQueueSet
 
-SMALL = GroupingConfig(delta=1.0, avg_batch_size=4)  # groups of at most 4
+SMALL = GroupingConfig(delta=1.0, avg_batch_size=4, deadline_window=0)  # groups of at most 4
 
 
 def fleet(*instances: str, config: GroupingConfig = SMALL) -> tuple[Grouper, VirtualQueueSet]:
@@ -162,7 +162,7 @@ def test_removing_a_groups_last_request_takes_the_group_out_of_its_queue() -> No
 
 
 def test_sync_after_reclustering_drops_removed_ids_and_leaves_created_ones_unassigned() -> None:
-    grouper, queues = fleet("a", config=GroupingConfig(delta=2, avg_batch_size=4))
+    grouper, queues = fleet("a", config=GroupingConfig(delta=2, avg_batch_size=4, deadline_window=0))
     assert add_requests(grouper, range(10)) == ["g1", "g2"]  # 10 identical requests: 8 + 2
     queues.set_order("a", ["g2", "g1"])
     result = grouper.recluster(now=10)  # 5 + 5: r0-4 keep g1; r5-9 become g3
@@ -203,7 +203,7 @@ def test_snapshot_lists_each_queue_with_sizes_deadlines_and_estimates() -> None:
 @pytest.mark.parametrize("seed", range(6))
 def test_no_virtual_queue_ever_holds_a_request_twice_under_random_operations(seed: int) -> None:
     rng = random.Random(seed)
-    config = GroupingConfig(delta=2.0, avg_batch_size=3)
+    config = GroupingConfig(delta=2.0, avg_batch_size=3, deadline_window=0)
     grouper = Grouper(config)
     queues = VirtualQueueSet(grouper)
     waiting: set[str] = set()
