@@ -489,7 +489,9 @@ class Grouper:
         n = len(requests)
         code_of: dict[GroupKey, int] = {}
         codes = np.fromiter(
-            (code_of.setdefault(group_key(r, cfg.deadline_window), len(code_of)) for r in requests), np.int64, n
+            (code_of.setdefault(group_key(r, cfg.deadline_window), len(code_of)) for r in requests),
+            np.int64,
+            n,
         )
         keys = sorted(code_of)
         rank = np.empty(len(keys), dtype=np.int64)

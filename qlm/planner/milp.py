@@ -11,8 +11,8 @@ pairs rather than groups × queues × positions):
   completion ``C[i,s] >= F[i,s]`` and ``>= F[i,s] − p[i] + floor[i]`` (the latency floor). As
   processing times are positive, the finish times rule out cycles (as in MTZ).
 - ``T[i,s] >= C[i,s] − D[i]`` (violation), ``u[i,s]`` marks a missed scenario
-  (``C − D <= M·u``), and ``Σ_s u[i,s] <= S − ceil(Δ·S) + S·r[i]``: ``r[i] = 1`` gives up the chance
-  constraint of ``i`` at the cost ``risk_weight · w[i]``.
+  (``C − D <= M·u``), and ``Σ_s u[i,s] <= S − ceil(Δ·S) + ceil(Δ·S)·r[i]``: ``r[i] ∈ [0, 1]`` is
+  the shortfall of the chance constraint of ``i``, at the cost ``risk_weight · w[i] · r[i]``.
 - Objective: ``Σ_i w[i] · mean_s T[i,s] + risk_weight · Σ_i w[i]·r[i]`` — ``program.score_plan``
   exactly, so MILP and heuristic objectives compare one to one.
 
@@ -102,7 +102,7 @@ def build_milp(problem: PlanProblem) -> tuple[pulp.LpProblem, dict[str, Any]]:
         for i in range(n)
         for s in range(s_count)
     }
-    relax = {i: lp.add_variable(f"r_{i}", cat="Binary") for i in range(n)}
+    relax = {i: lp.add_variable(f"r_{i}", lowBound=0, upBound=1) for i in range(n)}
 
     lp += (
         pulp.lpSum(float(w[i]) / s_count * late[i, s] for i in range(n) for s in range(s_count))
@@ -144,7 +144,8 @@ def build_milp(problem: PlanProblem) -> tuple[pulp.LpProblem, dict[str, Any]]:
                     f"head_{g}_{i}_{s}",
                 )
         lp += (
-            pulp.lpSum(miss[i, s] for s in range(s_count)) <= allowed_misses + s_count * relax[i],
+            pulp.lpSum(miss[i, s] for s in range(s_count))
+            <= allowed_misses + problem.required_ok * relax[i],
             f"chance_{i}",
         )
     for g in range(q):
@@ -206,7 +207,8 @@ def _warm_values(problem: PlanProblem, plan: Plan, variables: dict[str, Any]) ->
                 variables["C"][i, s].setInitialValue(float(c[s]))
                 variables["T"][i, s].setInitialValue(float(max(c[s] - dl, 0.0)))
                 variables["u"][i, s].setInitialValue(int(missed[s]))
-            variables["r"][i].setInitialValue(int(s_count - missed.sum() < problem.required_ok))
+            short = max(0, problem.required_ok - (s_count - int(missed.sum())))
+            variables["r"][i].setInitialValue(short / problem.required_ok)
 
 
 def _read_plan(problem: PlanProblem, variables: dict[str, Any]) -> Plan | None:

@@ -14,11 +14,13 @@ served one after the other at the instance's throughput Θ, and a group complete
 been prefilled and decoded (Eq. 4), however fast the batch drains. The chance constraint is met
 when at least ``ceil(Δ·S)`` scenarios meet the deadline.
 
-The score is lexicographic in effect: ``risk_weight`` (much larger than any violation cost) times
-the weight of groups whose chance constraint is unmet, plus the expected weighted violation in
-seconds. A plan that meets every chance constraint is therefore always preferred, and when none
-does (overload) the planner gives up the fewest, least important groups — the §A.3 fallback reports
-them. Every solver (construction, local search, the MILP, brute force) scores plans with this
+The score has two parts. The chance constraint is elastic: a group whose constraint is unmet costs
+``risk_weight`` (much larger than any violation cost) × its weight × its *shortfall*, the fraction
+of the ``ceil(Δ·S)`` scenarios it needs that it misses. So a plan meeting every chance constraint is
+always preferred; under overload the planner gives up the fewest, least important groups and still
+raises the odds of those it cannot make safe (a group at P = 0.6 is worth more than one at 0.1) —
+the §A.3 fallback reports the groups left short. Then the expected weighted violation, in seconds.
+Every solver (construction, local search, the MILP, brute force) scores plans with this
 function, so their objectives are comparable exactly.
 """
 
@@ -184,9 +186,8 @@ def score_many(problem: PlanProblem, queues: IntArray, orders: IntArray) -> Floa
     late = np.maximum(done - dl, 0.0).mean(axis=2)
     ok = (done <= dl).sum(axis=2)
     w = problem.weight_pad[orders]
-    cost: FloatArray = (w * late).sum(axis=1) + problem.risk_weight * (
-        w * (ok < problem.required_ok)
-    ).sum(axis=1)
+    short = np.maximum(problem.required_ok - ok, 0) / problem.required_ok
+    cost: FloatArray = (w * late).sum(axis=1) + problem.risk_weight * (w * short).sum(axis=1)
     return cost
 
 
@@ -207,7 +208,8 @@ def score_queue(problem: PlanProblem, g: int, order: Sequence[int]) -> QueueScor
     ok = (done <= dl).sum(axis=1)
     missed = ok < problem.required_ok
     w = problem.weight[idx]
-    cost = float((w * late).sum() + problem.risk_weight * (w * missed).sum())
+    short = np.maximum(problem.required_ok - ok, 0) / problem.required_ok
+    cost = float((w * late).sum() + problem.risk_weight * (w * short).sum())
     return QueueScore(cost, late, ok / problem.scenarios, missed)
 
 

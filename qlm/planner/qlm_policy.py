@@ -3,7 +3,7 @@
 Every step: completions teach the RCT estimator; arrivals are classified into request groups
 (§4), and a group the queues do not hold yet is put on the least-loaded instance serving its model
 at its deadline slot; when a trigger fires the planner re-orders and re-assigns every group
-(``build_problem`` + ``solve``); then each instance pulls from the head of its own virtual queue
+(``build_family`` + ``solve``); then each instance pulls from the head of its own virtual queue
 while it has room (§5 *pull*, *load balancing*: a running request never migrates).
 
 Triggers (issue 4): a predicted violation (the estimator's completion distribution of the current
@@ -16,15 +16,16 @@ period ``period_s`` otherwise. Never more often than ``min_interval_s`` nor, on 
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from qlm.domain import Decision, Pull, Request, Tier
 from qlm.groups import Grouper, GroupingConfig
 from qlm.planner.policy import DispatchContext, InstanceLoad, has_room, prompt_tokens
-from qlm.planner.program import PlanGroup, PlanInstance, PlanProblem
+from qlm.planner.program import FloatArray, PlanGroup, PlanInstance, PlanProblem, score_queue
 from qlm.planner.solve import Budget, Solution, capacity_needed, solve
 from qlm.rct.estimator import RCTEstimator
 from qlm.rct.profile import RctProfile, default_profile
@@ -50,6 +51,8 @@ class PlannerConfig:
     min_interval_s: float = 1.0
     check_interval_s: float = 1.0
     keep_up: float = 2.0
+    rate_window_s: float = 60.0
+    max_utilisation: float = 0.95
     seed: int = 0
 
     @classmethod
@@ -85,6 +88,7 @@ class PlanRecord:
     capacity_needed: float | None
     solve_s: float
     evaluations: int
+    concurrency: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -94,52 +98,101 @@ class _Inflight:
     generated: int  # output tokens it had when pulled (resumed after an eviction)
 
 
-def build_problem(
+BATCH_CHOICES = (16, 32, 64, 96, 128, 192, 256, 384, 512)
+"""Concurrency limits the planner considers for an instance (capped by its ``max_num_seqs``)."""
+
+
+@dataclass(frozen=True)
+class ProblemFamily:
+    """The plan problem at every concurrency limit the planner may choose per instance.
+
+    With ``b`` requests running, decode runs at ``decode_s(b)`` per step for all ``b`` (the
+    profile), so a group's fluid work is its prompt work plus ``output × decode_s(b) / b``; its last
+    request's latency floor is its prefill plus ``output × (decode_s(b) + b × refill)``, where
+    ``refill`` is the prompt work per output token of the waiting mix (chunked prefill shares each
+    step with decode). A larger ``b`` drains faster and makes every request slower: the trade-off
+    the planner settles per instance.
+    """
+
+    groups: tuple[PlanGroup, ...]
+    instances: tuple[PlanInstance, ...]
+    batches: tuple[tuple[int, ...], ...]  # per instance, the limits it may use
+    proc: dict[tuple[int, int], FloatArray]  # (instance, batch) -> (n, S)
+    floor: dict[tuple[int, int], FloatArray]
+    delta: float
+
+    def problem(self, choice: Sequence[int]) -> PlanProblem:
+        """The problem with instance ``g`` limited to ``choice[g]`` running requests."""
+        n, q = len(self.groups), len(self.instances)
+        s_count = next(iter(self.proc.values())).shape[1] if self.proc else 1
+        proc = np.empty((n, q, s_count))
+        floor = np.empty((n, q, s_count))
+        for g, b in enumerate(choice):
+            proc[:, g] = self.proc[g, b]
+            floor[:, g] = self.floor[g, b]
+        return PlanProblem(self.groups, self.instances, proc, floor, delta=self.delta)
+
+
+def build_family(
     groups: Sequence[tuple[str, Sequence[Request], Tier]],
     instances: Sequence[InstanceLoad],
     ready_s: Mapping[str, float],
     estimator: RCTEstimator,
     config: PlannerConfig,
     rng: np.random.Generator,
-) -> PlanProblem:
-    """The plan problem of the waiting groups (id, requests in FCFS order, tier) on the up
-    instances, with scenarios of each group's work drawn from the estimator."""
+) -> ProblemFamily:
+    """The plan problems of the waiting groups (id, requests in FCFS order, tier) on the up
+    instances, with scenarios of each group's output drawn from the estimator's posterior."""
     up = [i for i in instances if i.up]
-    n, q, s_count = len(groups), len(up), config.scenarios
-    proc = np.full((n, q, s_count), np.inf)
-    floor = np.full((n, q, s_count), np.inf)
+    n, s_count = len(groups), config.scenarios
     z_total = rng.standard_normal((n, s_count))
     z_last = rng.standard_normal((n, s_count))
-    plan_groups: list[PlanGroup] = []
-    for i, (gid, requests, tier) in enumerate(groups):
-        load = estimator.group_load(gid, requests)
-        plan_groups.append(
-            PlanGroup(
-                gid, load.model, load.earliest_deadline_s, config.tier_weights[tier] * load.size
-            )
+    loads = [estimator.group_load(gid, requests) for gid, requests, _ in groups]
+    plan_groups = tuple(
+        PlanGroup(gid, ld.model, ld.earliest_deadline_s, config.tier_weights[tier] * ld.size)
+        for (gid, _, tier), ld in zip(groups, loads, strict=True)
+    )
+    out = np.array([[ld.output_mean, math.sqrt(ld.output_var)] for ld in loads]).reshape(n, 2)
+    last = np.array([[ld.last_output_mean, math.sqrt(ld.last_output_var)] for ld in loads])
+    out_s = np.maximum(out[:, :1] + out[:, 1:] * z_total, 0.0)  # (n, S)
+    last_s = np.maximum(last.reshape(n, 2)[:, :1] + last.reshape(n, 2)[:, 1:] * z_last, 1.0)
+    models = np.array([ld.model for ld in loads])
+    inputs = np.array([ld.input_tokens for ld in loads], np.float64)
+    last_inputs = np.array([ld.last_input_tokens for ld in loads], np.float64)
+    proc: dict[tuple[int, int], FloatArray] = {}
+    floor: dict[tuple[int, int], FloatArray] = {}
+    batches: list[tuple[int, ...]] = []
+    plan_instances: list[PlanInstance] = []
+    for g, inst in enumerate(up):
+        wait_f, eps_f = estimator.calibration_factors(inst.name)
+        limits = tuple(
+            sorted({b for b in BATCH_CHOICES if b < inst.max_running} | {inst.max_running})
         )
-        out = np.maximum(load.output_mean + math.sqrt(load.output_var) * z_total[i], 0.0)
-        last = np.maximum(load.last_output_mean + math.sqrt(load.last_output_var) * z_last[i], 1.0)
-        for g, inst in enumerate(up):
-            if load.model not in inst.models:
-                continue
-            hw = estimator.profile.hardware_for(load.model, inst.gpu, inst.gpu_count)
-            wait_f, eps_f = estimator.calibration_factors(inst.name)
-            proc[i, g] = (
-                load.input_tokens * hw.input_token_work_s + out / hw.throughput_tps
-            ) * wait_f
-            d = hw.decode_per_token_s * hw.inefficiency * eps_f
-            floor[i, g] = hw.prefill_s(load.last_input_tokens) + last * d
-    plan_instances = []
-    for inst in up:
-        switch = {}
-        for m in inst.models:
-            hw = estimator.profile.hardware_for(m, inst.gpu, inst.gpu_count)
-            switch[m] = 0.0 if m == inst.active_model else hw.warm_load_s
+        batches.append(limits)
+        hws = {m: estimator.profile.hardware_for(m, inst.gpu, inst.gpu_count) for m in inst.models}
+        for b in limits:
+            p_arr = np.full((n, s_count), np.inf)
+            f_arr = np.full((n, s_count), np.inf)
+            for m, hw in hws.items():
+                rows = np.flatnonzero(models == m)
+                if not len(rows):
+                    continue
+                w_in = hw.input_token_work_s
+                refill = w_in * inputs[rows].sum() / max(float(out[rows, 0].sum()), 1.0)
+                dec = hw.decode_s(b) * hw.inefficiency
+                p_arr[rows] = (inputs[rows, None] * w_in + out_s[rows] * dec / b) * wait_f
+                f_arr[rows] = (hw.prefill_base_s + hw.prefill_per_token_s * last_inputs[rows])[
+                    :, None
+                ] + last_s[rows] * (dec + b * refill) * eps_f
+            proc[g, b] = p_arr
+            floor[g, b] = f_arr
+        switch = {m: 0.0 if m == inst.active_model else hws[m].warm_load_s for m in inst.models}
         plan_instances.append(
             PlanInstance(inst.name, inst.models, inst.active_model, ready_s[inst.name], switch)
         )
-    return PlanProblem(tuple(plan_groups), tuple(plan_instances), proc, floor, delta=config.delta)
+    return ProblemFamily(
+        plan_groups, tuple(plan_instances), tuple(batches), proc, floor, config.delta
+    )
 
 
 class QlmPolicy:
@@ -171,6 +224,9 @@ class QlmPolicy:
         self._last_solve_s = 0.0
         self._changed = False
         self._plans_made = 0
+        self._batch: dict[str, int] = {}  # concurrency limit per instance, chosen by the planner
+        self._arrivals: deque[tuple[float, Request]] = deque()  # the last rate_window_s
+        self._first_arrival_s = math.inf
 
     # --- the step --------------------------------------------------------------------------------
 
@@ -193,6 +249,10 @@ class QlmPolicy:
             )
         generated = dict(ctx.generated)
         for req in ctx.arrived:
+            if req.id not in self._generated and not generated.get(req.id):
+                if not self._arrivals:
+                    self._first_arrival_s = min(self._first_arrival_s, now)
+                self._arrivals.append((now, req))
             for running in self._inflight.values():
                 running.pop(req.id, None)  # an evicted request comes back
             if generated.get(req.id):
@@ -263,27 +323,110 @@ class QlmPolicy:
                 groups.append((g.id, g.requests, g.tier))
         return groups, [o for o, i in zip(current, self._instances, strict=True) if i.up]
 
-    def _problem(self, now: float) -> tuple[PlanProblem, list[list[int]]]:
+    def _family(self, now: float) -> tuple[ProblemFamily, list[list[int]]]:
         groups, current = self._groups()
         rng = np.random.default_rng((self.config.seed, self._plans_made))
-        problem = build_problem(
+        family = build_family(
             groups, self._instances, self._ready(now), self.estimator, self.config, rng
         )
-        return problem, current
+        return family, current
+
+    def _choice(self, family: ProblemFamily) -> list[int]:
+        """Each instance's current concurrency limit (its largest before the first plan)."""
+        return [
+            self._batch.get(inst.name, limits[-1])
+            if self._batch.get(inst.name) in limits
+            else limits[-1]
+            for inst, limits in zip(family.instances, family.batches, strict=True)
+        ]
+
+    def _concurrency(self, now: float, family: ProblemFamily) -> list[int]:
+        """Each instance's concurrency limit, by a steady-state fluid model of what keeps arriving
+        (the last ``rate_window_s``): a larger batch serves more requests per second and serves
+        each one slower. For a limit ``b``, each class of requests (model, tier, SLO) costs
+        ``input × w_in + output × decode_s(b) / b`` GPU-seconds per request and meets its SLO alone
+        with probability ``P(output × (decode_s(b) + b × refill) + prefill ≤ SLO)`` (the output
+        posterior); classes are admitted by value per GPU-second up to ``max_utilisation`` of the
+        instance; the limit with the most expected weighted SLOs met per second wins. A plan judged
+        only on today's queue would pick a small batch that looks fast and then drown in what keeps
+        arriving; this judges the stream instead."""
+        horizon = self.config.rate_window_s
+        while self._arrivals and self._arrivals[0][0] < now - horizon:
+            self._arrivals.popleft()
+        span = max(min(horizon, now - self._first_arrival_s), 1.0)
+        classes: dict[tuple[str, Tier, float], list[Request]] = {}
+        for _, req in self._arrivals:
+            classes.setdefault((req.model, req.tier, req.slo.e2e_s), []).append(req)
+        out: list[int] = []
+        for inst, limits in zip(family.instances, family.batches, strict=True):
+            ld = next(i for i in self._instances if i.name == inst.name)
+            serving = {m: max(1, sum(m in i.models for i in family.instances)) for m in inst.models}
+            mine = {k: v for k, v in classes.items() if k[0] in inst.models}
+            if not mine:
+                out.append(
+                    self._batch.get(inst.name, limits[-1])
+                    if self._batch.get(inst.name) in limits
+                    else limits[-1]
+                )
+                continue
+            stats = []
+            for (model, tier, slo), reqs in mine.items():
+                hw = self.estimator.profile.hardware_for(model, ld.gpu, ld.gpu_count)
+                rate = len(reqs) / span / serving[model]
+                tokens_in = sum(r.input_tokens for r in reqs) / len(reqs)
+                tokens_out = sum(self.estimator.expected_output(r) for r in reqs) / len(reqs)
+                stats.append((hw, rate, tokens_in, tokens_out, slo, tier, reqs[-1]))
+            prompt_work = sum(st[1] * st[2] * st[0].input_token_work_s for st in stats)
+            output_rate = sum(st[1] * st[3] for st in stats)
+            refill = prompt_work / max(output_rate, 1e-9)
+            best_b, best_value = limits[-1], -1.0
+            for b in limits:
+                offers = []
+                for hw, rate, tokens_in, tokens_out, slo, tier, sample in stats:
+                    dec = hw.decode_s(b) * hw.inefficiency
+                    cost = tokens_in * hw.input_token_work_s + tokens_out * dec / b
+                    budget = (slo - hw.prefill_s(tokens_in)) / (dec + b * refill)
+                    p_meet = self.estimator.posterior(sample).p_remaining_within(
+                        budget, cap=sample.max_tokens
+                    )
+                    value = self.config.tier_weights[tier] * p_meet
+                    offers.append((value / cost, rate, cost, value))
+                left = self.config.max_utilisation
+                total = 0.0
+                for _, rate, cost, value in sorted(offers, reverse=True):
+                    served = min(rate, left / cost)
+                    total += served * value
+                    left -= served * cost
+                    if left <= 0:
+                        break
+                if total > best_value * (1 + 1e-9):
+                    best_b, best_value = b, total
+            out.append(best_b)
+        return out
 
     def _predicts_violation(self, now: float) -> bool:
-        problem, current = self._problem(now)
-        if len(problem.groups) != sum(len(o) for o in current):
+        family, current = self._family(now)
+        if len(family.groups) != sum(len(o) for o in current):
             return True  # some group has no queue
-        from qlm.planner.program import score_queue
-
+        problem = family.problem(self._choice(family))
         return any(score_queue(problem, g, o).missed.any() for g, o in enumerate(current))
 
     def plan(self, now: float, trigger: str = "manual") -> PlanRecord:
-        """Re-plan every waiting group now and apply the plan to the virtual queues."""
-        problem, current = self._problem(now)
+        """Re-plan every waiting group now and apply the plan to the virtual queues: order and
+        assignment by the solver, then each instance's concurrency limit (the one under which its
+        queue scores best), re-solving once if a limit changed."""
+        family, current = self._family(now)
         self._plans_made += 1
-        solution = solve(problem, self.config.budget, previous=current)
+        choice = self._choice(family)
+        problem = family.problem(choice)
+        budget = self.config.budget
+        solution = solve(problem, budget, previous=current)
+        best = self._concurrency(now, family)
+        if best != choice:
+            problem = family.problem(best)
+            solution = solve(problem, budget, previous=solution.plan)
+        for inst, b in zip(family.instances, best, strict=True):
+            self._batch[inst.name] = b
         orders = {
             inst.name: [problem.groups[i].id for i in order]
             for inst, order in zip(problem.instances, solution.plan, strict=True)
@@ -306,6 +449,7 @@ class QlmPolicy:
             capacity_needed=capacity_needed(problem) if solution.at_risk else 1.0,
             solve_s=solution.solve_s,
             evaluations=solution.evaluations,
+            concurrency=dict(self._batch),
         )
         self.plans.append(record)
         return record
@@ -319,18 +463,18 @@ class QlmPolicy:
             if not running or not inst.up:
                 out[inst.name] = now
                 continue
+            n_run = len(running)
             work = 0.0
-            share = 0.0
             for item in running.values():
                 hw = self.estimator.profile.hardware_for(
                     item.request.model, inst.gpu, inst.gpu_count
                 )
-                share = hw.throughput_tps / len(running)
-                done = item.generated + int(max(0.0, now - item.pulled_s) * share)
+                per_token = hw.decode_s(n_run) * hw.inefficiency / n_run  # fluid share of a step
+                done = item.generated + int(max(0.0, now - item.pulled_s) / (per_token * n_run))
                 mean, _ = self.estimator.output_moments(
                     item.request, min(done, item.request.max_tokens - 1)
                 )
-                work += mean / hw.throughput_tps
+                work += mean * per_token
             out[inst.name] = now + work * self.estimator.calibration_factors(inst.name)[0]
         return out
 
@@ -359,7 +503,9 @@ class QlmPolicy:
 
     def _pull(self, now: float) -> list[Decision]:
         decisions: list[Decision] = []
-        for inst in self._instances:
+        for load in self._instances:
+            limit = self._batch.get(load.name, load.max_running)
+            inst = replace(load, max_running=min(load.max_running, limit))
             count = tokens = 0
             while True:
                 req = self.queues.next_request(inst.name)
