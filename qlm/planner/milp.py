@@ -13,7 +13,8 @@ pairs rather than groups × queues × positions):
 - ``T[i,s] >= C[i,s] − D[i]`` (violation), ``u[i,s]`` marks a missed scenario
   (``C − D <= M·u``), and ``Σ_s u[i,s] <= S − ceil(Δ·S) + ceil(Δ·S)·r[i]``: ``r[i] ∈ [0, 1]`` is
   the shortfall of the chance constraint of ``i``, at the cost ``risk_weight · w[i] · r[i]``.
-- Objective: ``Σ_i w[i] · mean_s T[i,s] + risk_weight · Σ_i w[i]·r[i]`` — ``program.score_plan``
+- Objective: ``Σ_i w[i] · mean_s T[i,s] + risk_weight · Σ_i w[i]·r[i] + flow_weight · Σ_i w[i] ·
+  (mean_s C[i,s] − ready of its queue)`` — ``program.score_plan``
   exactly, so MILP and heuristic objectives compare one to one.
 
 Solved with CBC (bundled with PuLP) or HiGHS (``highspy``) when installed, warm-started from a
@@ -41,7 +42,17 @@ def available_solvers() -> tuple[str, ...]:
     return tuple(out)
 
 
+def resolve_solver(name: str) -> str:
+    """``auto``: HiGHS when ``highspy`` is installed, else CBC (bundled with PuLP)."""
+    if name == "auto":
+        return "highs" if "highs" in available_solvers() else "cbc"
+    if name not in SOLVERS:
+        raise ValueError(f"unknown solver {name!r}; known: auto, {', '.join(SOLVERS)}")
+    return name
+
+
 def make_solver(name: str, time_limit_s: float | None, warm: bool) -> Any:
+    name = resolve_solver(name)
     if name == "cbc":
         with warnings.catch_warnings():  # PuLP 3.x bundles CBC behind a name it deprecates for 4.0
             warnings.simplefilter("ignore", DeprecationWarning)
@@ -106,7 +117,15 @@ def build_milp(problem: PlanProblem) -> tuple[pulp.LpProblem, dict[str, Any]]:
 
     lp += (
         pulp.lpSum(float(w[i]) / s_count * late[i, s] for i in range(n) for s in range(s_count))
-        + pulp.lpSum(problem.risk_weight * float(w[i]) * relax[i] for i in range(n)),
+        + pulp.lpSum(problem.risk_weight * float(w[i]) * relax[i] for i in range(n))
+        + pulp.lpSum(
+            problem.flow_weight * float(w[i]) / s_count * comp[i, s]
+            for i in range(n)
+            for s in range(s_count)
+        )
+        - pulp.lpSum(
+            problem.flow_weight * float(w[i]) * float(problem.ready[g]) * x[i, g] for (i, g) in x
+        ),
         "expected_weighted_violation",
     )
     allowed_misses = s_count - problem.required_ok

@@ -38,6 +38,12 @@ DEFAULT_TIER_WEIGHTS: Mapping[Tier, float] = {
 }
 
 
+DEFAULT_GROUPING = GroupingConfig(avg_batch_size=8.0)
+"""Groups of at most δ × 8 = 32 requests: finer than the grouping module's placeholder (§8.3: small
+groups decide more finely and cost the planner more — this planner is fast enough for them). On W_B
+at 1.8× the Azure rate it lifts SLO attainment from 69 % (128-request groups) to 74 %."""
+
+
 @dataclass(frozen=True, slots=True)
 class PlannerConfig:
     """Settings of the QLM policy. ``delta``: the chance constraint's Δ; ``scenarios``: SAA
@@ -51,6 +57,8 @@ class PlannerConfig:
     min_interval_s: float = 1.0
     check_interval_s: float = 1.0
     keep_up: float = 2.0
+    solver: str = "auto"
+    choose_concurrency: bool = True
     rate_window_s: float = 60.0
     max_utilisation: float = 0.95
     seed: int = 0
@@ -68,6 +76,8 @@ class PlannerConfig:
             raise ValueError(f"planner.delta must be in (0, 1), got {self.delta}")
         if self.scenarios < 1:
             raise ValueError(f"planner.scenarios must be >= 1, got {self.scenarios}")
+        if self.solver not in ("auto", "cbc", "highs"):
+            raise ValueError(f"planner.solver must be auto, cbc or highs, got {self.solver!r}")
         for name in ("period_s", "min_interval_s", "check_interval_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"planner.{name} must be > 0, got {getattr(self, name)}")
@@ -210,7 +220,7 @@ class QlmPolicy:
     ) -> None:
         self.config = config or PlannerConfig()
         self.estimator = RCTEstimator(profile or default_profile())
-        self.grouper = Grouper(grouping or GroupingConfig())
+        self.grouper = Grouper(grouping or DEFAULT_GROUPING)
         self.queues = VirtualQueueSet(self.grouper)
         self.plans: list[PlanRecord] = []
         self.last_solution: Solution | None = None
@@ -420,11 +430,11 @@ class QlmPolicy:
         choice = self._choice(family)
         problem = family.problem(choice)
         budget = self.config.budget
-        solution = solve(problem, budget, previous=current)
-        best = self._concurrency(now, family)
+        solution = solve(problem, budget, previous=current, solver=self.config.solver)
+        best = self._concurrency(now, family) if self.config.choose_concurrency else choice
         if best != choice:
             problem = family.problem(best)
-            solution = solve(problem, budget, previous=solution.plan)
+            solution = solve(problem, budget, previous=solution.plan, solver=self.config.solver)
         for inst, b in zip(family.instances, best, strict=True):
             self._batch[inst.name] = b
         orders = {

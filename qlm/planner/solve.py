@@ -288,7 +288,7 @@ def solve(
     budget: Budget | None = None,
     *,
     previous: Sequence[Sequence[int]] | None = None,
-    solver: str = "cbc",
+    solver: str = "auto",
 ) -> Solution:
     """The best plan found within ``budget``: construction, local search, then the MILP when the
     problem is small enough to prove optimality."""

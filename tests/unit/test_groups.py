@@ -14,7 +14,9 @@ from qlm.groups import Grouper, GroupingConfig, default_predict_output
 from qlm.groups.clustering import split_half
 
 SMALL = GroupingConfig(delta=2.0, avg_batch_size=8, deadline_window=0)
-NO_WINDOW = GroupingConfig(deadline_window=0)  # these tests spread arrivals over time  # groups of at most 16
+NO_WINDOW = GroupingConfig(
+    deadline_window=0
+)  # these tests spread arrivals over time  # groups of at most 16
 
 
 def members(grouper: Grouper, gid: str) -> list[str]:
@@ -132,7 +134,9 @@ def test_online_classification_fills_groups_only_up_to_the_bound() -> None:
 
 
 def test_kmeans_separates_short_requests_from_long_ones_of_the_same_class() -> None:
-    grouper = Grouper(GroupingConfig(delta=4, avg_batch_size=8, deadline_window=0))  # k = ceil(120 / 32) = 4
+    grouper = Grouper(
+        GroupingConfig(delta=4, avg_batch_size=8, deadline_window=0)
+    )  # k = ceil(120 / 32) = 4
     for i in range(120):
         if i % 2:
             r = make_request(i, input_tokens=40 + i % 7, max_tokens=32)
@@ -195,7 +199,9 @@ def test_online_classification_never_mixes_models_tiers_or_slo_classes(seed: int
 
 
 def test_a_new_request_joins_the_nearest_compatible_group() -> None:
-    grouper = Grouper(GroupingConfig(delta=4, avg_batch_size=8, deadline_window=0))  # 40 requests: k = 2
+    grouper = Grouper(
+        GroupingConfig(delta=4, avg_batch_size=8, deadline_window=0)
+    )  # 40 requests: k = 2
     for i in range(40):
         grouper.add(make_request(i, input_tokens=50 if i % 2 else 5000), now=0)
     grouper.recluster(now=1)

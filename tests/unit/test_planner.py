@@ -44,7 +44,8 @@ def tiny(
         for g in range(q):
             if models[i] not in served[g]:
                 p[i, g] = np.inf
-    return PlanProblem(groups, instances, p, np.where(np.isfinite(p), 0.0, np.inf), delta=delta)
+    floor = np.where(np.isfinite(p), 0.0, np.inf)
+    return PlanProblem(groups, instances, p, floor, delta=delta, flow_weight=0.0)
 
 
 def test_score_is_expected_weighted_violation_plus_risk() -> None:
@@ -70,7 +71,7 @@ def test_model_switch_cost_is_charged_between_different_models() -> None:
 def test_latency_floor_bounds_completion() -> None:
     pr = tiny([[1.0]], [3.0])
     floor = np.full_like(pr.proc, 4.0)
-    slow = PlanProblem(pr.groups, pr.instances, pr.proc, floor)
+    slow = PlanProblem(pr.groups, pr.instances, pr.proc, floor, flow_weight=0.0)
     assert score_queue(slow, 0, [0]).violation.tolist() == [1.0]
 
 
@@ -112,15 +113,16 @@ def test_planner_objective_equals_brute_force_on_small_problems(seed: int) -> No
     n = 7 if seed else 5  # up to 2 queues and 7 groups
     pr = random_problem(q, n, seed=seed, scenarios=6, load=float(rng.choice([0.5, 1.0, 2.0])))
     _, best = brute_force(pr)
-    sol = solve(pr, Budget(time_s=None, milp_max_groups=8))
+    sol = solve(pr, Budget(time_s=None, milp_max_groups=8), solver="cbc")
     assert sol.status == "optimal"
     assert sol.objective == pytest.approx(best, rel=1e-6, abs=1e-6)
     assert sol.objective <= sol.edf_objective + 1e-9
 
 
-def test_milp_objective_matches_score_and_respects_eligibility() -> None:
+@pytest.mark.parametrize("solver", ["cbc", "highs"])
+def test_milp_objective_matches_score_and_respects_eligibility(solver: str) -> None:
     pr = random_problem(2, 6, seed=11, scenarios=4)
-    result = solve_milp(pr)
+    result = solve_milp(pr, solver=solver)
     assert result is not None
     plan, status, _ = result
     check_plan(pr, plan)
@@ -158,3 +160,11 @@ def test_capacity_needed_grows_with_load() -> None:
     heavy = capacity_needed(tiny([[4.0], [4.0]], [5.0, 5.0]))
     assert light == 1.0
     assert heavy is not None and 1.5 < heavy < 1.7  # both done by 5 s needs 8/5 the speed
+
+
+def test_flow_term_serves_more_value_per_second_first() -> None:
+    # Nothing is late either way: Smith's rule (weight / work) decides the order.
+    pr = tiny([[4.0], [1.0]], [100.0, 100.0], weights=[1.0, 1.0])
+    flow = PlanProblem(pr.groups, pr.instances, pr.proc, pr.floor, flow_weight=0.01)
+    assert score_queue(flow, 0, [1, 0]).cost < score_queue(flow, 0, [0, 1]).cost
+    assert solve(flow, Budget(time_s=None, evaluations=1000, milp_max_groups=0)).plan == ((1, 0),)

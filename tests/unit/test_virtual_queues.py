@@ -162,7 +162,9 @@ def test_removing_a_groups_last_request_takes_the_group_out_of_its_queue() -> No
 
 
 def test_sync_after_reclustering_drops_removed_ids_and_leaves_created_ones_unassigned() -> None:
-    grouper, queues = fleet("a", config=GroupingConfig(delta=2, avg_batch_size=4, deadline_window=0))
+    grouper, queues = fleet(
+        "a", config=GroupingConfig(delta=2, avg_batch_size=4, deadline_window=0)
+    )
     assert add_requests(grouper, range(10)) == ["g1", "g2"]  # 10 identical requests: 8 + 2
     queues.set_order("a", ["g2", "g1"])
     result = grouper.recluster(now=10)  # 5 + 5: r0-4 keep g1; r5-9 become g3
