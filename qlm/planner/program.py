@@ -167,6 +167,7 @@ class QueueScore:
     violation: FloatArray  # expected violation (s) per group of the queue, in order
     p_meet: FloatArray  # fraction of scenarios meeting the deadline, per group
     missed: npt.NDArray[np.bool_]  # chance constraint unmet, per group
+    penalty: float = 0.0  # the cost without the flow tie-breaker: violation and risk
 
 
 def score_orders(problem: PlanProblem, g: int, orders: IntArray) -> FloatArray:
@@ -207,7 +208,7 @@ def score_queue(problem: PlanProblem, g: int, order: Sequence[int]) -> QueueScor
     """The cost of one queue with the per-group details (expected violation, P(meet), missed)."""
     if not order:
         empty = np.zeros(0)
-        return QueueScore(0.0, empty, empty, np.zeros(0, bool))
+        return QueueScore(0.0, empty, empty, np.zeros(0, bool), 0.0)
     idx = np.asarray(order, np.int64)
     p = problem.proc[idx, g, :]
     models = problem.model_idx[idx]
@@ -225,7 +226,8 @@ def score_queue(problem: PlanProblem, g: int, order: Sequence[int]) -> QueueScor
     cost = float(
         (w * late).sum() + problem.risk_weight * (w * short).sum() + problem.flow_weight * flow
     )
-    return QueueScore(cost, late, ok / problem.scenarios, missed)
+    penalty = cost - problem.flow_weight * flow
+    return QueueScore(cost, late, ok / problem.scenarios, missed, penalty)
 
 
 def score_plan(problem: PlanProblem, plan: Plan) -> float:

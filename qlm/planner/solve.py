@@ -219,15 +219,18 @@ def warm_plan(problem: PlanProblem, previous: Sequence[Sequence[int]], meter: _M
 
 def local_search(problem: PlanProblem, start: Plan, meter: _Meter) -> Plan:
     """Relocate and adjacent-swap moves on the exact objective until none improves or the budget
-    is spent."""
+    is spent. Relocation starts from queues that are late or at risk (only they can gain much);
+    every queue is then put in Smith's order (weight per second of work) where that costs
+    nothing, and its neighbours swapped where that helps."""
     queues = [list(o) for o in start]
-    costs = [score_queue(problem, g, o).cost for g, o in enumerate(queues)]
+    scores = [score_queue(problem, g, o) for g, o in enumerate(queues)]
+    costs = [sc.cost for sc in scores]
+    penalties = [sc.penalty for sc in scores]
     improved = True
     while improved and not meter.spent():
         improved = False
-        # Groups of costly queues, worst queue first: only they can gain from a move.
-        for g in sorted(range(len(queues)), key=lambda g: -costs[g]):
-            if costs[g] <= 1e-12:
+        for g in sorted(range(len(queues)), key=lambda g: -penalties[g]):
+            if penalties[g] <= 1e-9:
                 break
             order = list(queues[g])
             removal = _removal_costs(problem, meter, order, g)
@@ -251,13 +254,45 @@ def local_search(problem: PlanProblem, start: Plan, meter: _Meter) -> Plan:
                 if gain > 1e-9 * max(1.0, abs(costs[g])):
                     queues[g] = rest
                     queues[h].insert(pos, x)
-                    costs[g] = removed
-                    costs[h] = score_queue(problem, h, queues[h]).cost
+                    for q in {g, h}:
+                        sc = score_queue(problem, q, queues[q])
+                        costs[q], penalties[q] = sc.cost, sc.penalty
                     improved = True
             if meter.spent():
                 break
-            improved |= _adjacent_swaps(problem, meter, queues, costs, g)
+        for g in range(len(queues)):
+            if meter.spent():
+                break
+            changed = _smith_order(problem, meter, queues, costs, g)
+            changed |= _adjacent_swaps(problem, meter, queues, costs, g)
+            if changed:
+                penalties[g] = score_queue(problem, g, queues[g]).penalty
+                improved = True
     return tuple(tuple(o) for o in queues)
+
+
+def _smith_order(
+    problem: PlanProblem, meter: _Meter, queues: list[list[int]], costs: list[float], g: int
+) -> bool:
+    """Try the queue in Smith's order (most weight per second of work first, models kept in
+    blocks by their first appearance); keep it if it costs less."""
+    order = queues[g]
+    if len(order) < 2 or problem.flow_weight <= 0:
+        return False
+    idx = np.asarray(order, np.int64)
+    density = problem.weight[idx] / np.maximum(problem.proc[idx, g, :].mean(axis=1), 1e-9)
+    models = problem.model_idx[idx]
+    first_seen = {int(m): k for k, m in reversed(list(enumerate(models)))}
+    block = np.array([first_seen[int(m)] for m in models])
+    candidate = idx[np.lexsort((-density, block))]
+    if np.array_equal(candidate, idx):
+        return False
+    score = float(meter.score(problem, g, candidate[None, :])[0])
+    if score < costs[g] - 1e-9 * max(1.0, abs(costs[g])):
+        queues[g] = [int(v) for v in candidate]
+        costs[g] = score
+        return True
+    return False
 
 
 def _adjacent_swaps(
