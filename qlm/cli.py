@@ -91,7 +91,7 @@ def run_simulation(
     specs = parse_instances(instances)
     pol = create_policy(policy, planner=PlannerConfig.for_simulation())
     if not show_progress:
-        return simulate(requests, specs, pol)
+        return _with_plans(simulate(requests, specs, pol), pol)
     with Progress(
         TextColumn("[bold]simulating[/]"),
         BarColumn(),
@@ -101,9 +101,28 @@ def run_simulation(
         transient=True,
     ) as bar:
         task = bar.add_task("sim", total=len(requests))
-        return simulate(
+        result = simulate(
             requests, specs, pol, progress=lambda done, _total: bar.update(task, completed=done)
         )
+    return _with_plans(result, pol)
+
+
+def _with_plans(result: SimResult, policy: object) -> SimResult:
+    """Add what the planner did (``qlm`` only) to the summary: plans, their status, the groups
+    left at risk and the scale-up signal (capacity needed to meet every SLO)."""
+    plans = getattr(policy, "plans", None)
+    if plans:
+        needed = [p.capacity_needed for p in plans]
+        result.summary["planner"] = {
+            "plans": len(plans),
+            "status": {st: sum(p.status == st for p in plans) for st in {p.status for p in plans}},
+            "plans_with_groups_at_risk": sum(bool(p.at_risk) for p in plans),
+            "max_capacity_needed": None
+            if any(c is None for c in needed)
+            else max(c for c in needed if c is not None),
+            "solve_s_total": sum(p.solve_s for p in plans),
+        }
+    return result
 
 
 def _fmt(x: Any, pct: bool = False) -> str:
@@ -151,6 +170,16 @@ def print_summary(result: SimResult, command: str) -> None:
     table.add_row("model switches", str(s["model_switches"]))
     table.add_row("GPU memory utilisation (mean)", _fmt(s.get("gpu_memory_utilization"), pct=True))
     table.add_row("simulated makespan (s)", _fmt(s["makespan_s"]))
+    plan = s.get("planner")
+    if plan:
+        table.add_row(
+            "plans (with groups at risk)", f"{plan['plans']} ({plan['plans_with_groups_at_risk']})"
+        )
+        need = plan["max_capacity_needed"]
+        table.add_row(
+            "capacity needed for every SLO (max)",
+            "beyond 64x" if need is None else f"{need:.2f}x",
+        )
     console.print(table)
     console.print(f"[dim]reproduce: {escape(command)}[/]", highlight=False, soft_wrap=True)
 
@@ -393,6 +422,125 @@ def profile_all_cmd(
         highlight=False,
         soft_wrap=True,
     )
+
+
+sim_engine_app = typer.Typer(
+    help="A simulated vLLM instance behind vLLM's HTTP API (docs/engines.md).",
+    no_args_is_help=True,
+    rich_markup_mode=None,
+)
+app.add_typer(sim_engine_app, name="sim-engine")
+
+
+@sim_engine_app.command("serve")
+def sim_engine_serve_cmd(
+    model: Annotated[str, typer.Option(help="Model, e.g. llama-3-8b (the served model name).")],
+    gpu: Annotated[str, typer.Option(help="GPU type: A10, A100, H100.")],
+    gpus: Annotated[
+        int | None, typer.Option(help="GPUs of the instance (default: fewest that fit).")
+    ] = None,
+    port: Annotated[int, typer.Option(help="Port to listen on.")] = 8001,
+    host: Annotated[str, typer.Option(help="Address to bind.")] = "127.0.0.1",
+    time_scale: Annotated[
+        float, typer.Option(help="Simulated seconds per real second (> 1: faster than real).")
+    ] = 1.0,
+    dev_mode: Annotated[
+        bool,
+        typer.Option(
+            "--dev-mode",
+            help="Serve /sleep, /wake_up, /is_sleeping (vLLM: VLLM_SERVER_DEV_MODE=1).",
+        ),
+    ] = False,
+    eos_lengths: Annotated[
+        str,
+        typer.Option(
+            help="Without ignore_eos, output lengths come from this length sample (sharegpt, arxiv, a trace or file), or 'max_tokens'."
+        ),
+    ] = "sharegpt",
+    seed: Annotated[int, typer.Option(help="Seed of the output-length draw.")] = 0,
+) -> None:
+    """Serve one simulated instance with the same HTTP API as `vllm serve`."""
+    from qlm.engines.server import serve
+
+    if time_scale <= 0:
+        _fail(f"--time-scale must be > 0, got {time_scale}")
+    err_console.print(
+        f"simulated vLLM: {model} on {f'{gpus}x' if gpus else ''}{gpu} at http://{host}:{port} "
+        f"(time x{time_scale:g}{', dev mode' if dev_mode else ''})",
+        highlight=False,
+        soft_wrap=True,
+    )
+    _guard(
+        lambda: serve(
+            model=model,
+            gpu=gpu,
+            gpu_count=gpus,
+            host=host,
+            port=port,
+            time_scale=time_scale,
+            dev_mode=dev_mode,
+            eos_lengths=eos_lengths,
+            seed=seed,
+        )
+    )
+
+
+instance_app = typer.Typer(
+    help="Real serving instances (vLLM) for QLM.", no_args_is_help=True, rich_markup_mode=None
+)
+app.add_typer(instance_app, name="instance")
+
+
+@instance_app.command("launch")
+def instance_launch_cmd(
+    model: Annotated[str, typer.Option(help="Model to serve (Hugging Face id or local path).")],
+    port: Annotated[int, typer.Option(help="Port of the vLLM server.")] = 8000,
+    host: Annotated[
+        str | None, typer.Option(help="Address to bind (vLLM's default if unset).")
+    ] = None,
+    served_model_name: Annotated[
+        str | None, typer.Option(help="Name QLM and clients use for the model.")
+    ] = None,
+    sleep_mode: Annotated[
+        bool,
+        typer.Option(
+            "--sleep-mode", help="Enable sleep mode (warm starts) and the dev-mode endpoints."
+        ),
+    ] = False,
+    kv_offload_gb: Annotated[
+        float | None, typer.Option(help="CPU KV-cache offloading buffer in GiB (native backend).")
+    ] = None,
+    print_only: Annotated[
+        bool, typer.Option("--print-only", help="Print the command instead of running it.")
+    ] = False,
+) -> None:
+    """Start `vllm serve` with the flags QLM needs (priority scheduling, request-id headers,
+    sleep mode, CPU KV offloading)."""
+    import os
+    import subprocess
+
+    from qlm.engines.vllm import VLLM_VERSION, vllm_installed, vllm_serve_command
+
+    command = _guard(
+        lambda: vllm_serve_command(
+            model,
+            port=port,
+            host=host,
+            served_model_name=served_model_name,
+            sleep_mode=sleep_mode,
+            kv_offload_gb=kv_offload_gb,
+        )
+    )
+    if print_only:
+        sys.stdout.write(command.shell() + "\n")
+        return
+    if not vllm_installed():
+        sys.stdout.write(command.shell() + "\n")
+        _fail(
+            f"vLLM is not installed; install it (pip install 'qlm[vllm]', tested with {VLLM_VERSION}) and run the command above"
+        )
+    env = {**os.environ, **dict(command.env)}
+    raise typer.Exit(subprocess.call(list(command.argv), env=env))
 
 
 def main() -> None:

@@ -1,15 +1,21 @@
-"""What an engine is asked to run and what it reports back.
+"""The engine seam: what an engine is asked to run, what it reports back, and the ``Engine``
+protocol the production agents drive (docs/engines.md).
 
-These are the plain data crossing the engine seam; the ``Engine`` protocol itself (shared by the
-simulated engine and the vLLM HTTP client) grows with the agents that drive it.
+Two families sit behind it. ``SimEngine`` (``sim.py``) is synchronous and runs on a clock its
+caller owns: the cluster simulator drives it in virtual time. The asynchronous ``Engine``
+protocol is what an agent talks to on the wall clock: ``VllmEngine`` (``vllm.py``, HTTP client of
+``vllm serve``) and ``WallClockEngine`` (``wallclock.py``, a ``SimEngine`` driven in real time).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
+from typing import Literal, Protocol, runtime_checkable
 
 from qlm.domain import ModelTier
+from qlm.errors import EngineError
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,6 +33,9 @@ class EngineRequest:
     max_tokens: int
     priority: int = 0
     output_tokens: int | None = None
+    prompt: str | tuple[int, ...] | None = None
+    """What an HTTP engine sends as the prompt. ``None``: ``prompt_tokens`` filler token ids, so a
+    replayed request has exactly its recorded prompt length. The simulated engine ignores it."""
 
     @property
     def tokens_to_generate(self) -> int:
@@ -74,7 +83,117 @@ class EngineStats:
     model_tiers: tuple[tuple[str, ModelTier], ...]
     preemptions_total: int
     gpu_memory_used_fraction: float
+    kv_usage_fraction: float | None = None
+    """KV usage as the engine reports it (vLLM's ``vllm:kv_cache_usage_perc``), when it reports a
+    fraction rather than tokens; ``kv_usage`` prefers it."""
+    sleeping: bool = False
 
     @property
     def kv_usage(self) -> float:
+        if self.kv_usage_fraction is not None:
+            return self.kv_usage_fraction
         return self.kv_used_tokens / self.kv_capacity_tokens if self.kv_capacity_tokens else 0.0
+
+
+class UnsupportedOperation(EngineError):
+    """The engine cannot do this at all (e.g. per-request KV swap on vLLM); the message says why."""
+
+
+@dataclass(frozen=True, slots=True)
+class EngineCapabilities:
+    """What an engine can do, read once when an agent attaches to it.
+
+    ``None`` means unknown (e.g. ``max_num_seqs`` of a vLLM server is not exported by its API).
+    """
+
+    models: tuple[str, ...]
+    max_num_seqs: int | None
+    kv_capacity_tokens: int | None
+    supports_sleep: bool
+    supports_swap: bool
+    supports_abort_endpoint: bool
+
+
+FinishReason = Literal["length", "stop", "abort"]
+
+
+@dataclass(frozen=True, slots=True)
+class TokenChunk:
+    """New output of a streaming request: ``text`` is the delta, ``tokens`` the total so far.
+    ``finish_reason`` is set on a request's last chunk (whose text may be empty)."""
+
+    request_id: str
+    text: str
+    tokens: int
+    finish_reason: FinishReason | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class EngineOutput:
+    """How a request left the engine: finished (``length``: hit ``max_tokens``; ``stop``: ended
+    earlier, e.g. at end-of-sequence) or aborted with its partial output."""
+
+    request_id: str
+    text: str
+    tokens: int
+    finish_reason: FinishReason
+
+    @property
+    def aborted(self) -> bool:
+        return self.finish_reason == "abort"
+
+
+ChunkCallback = Callable[[TokenChunk], None]
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """One serving instance as an agent drives it, on the wall clock (asyncio).
+
+    Failures raise ``EngineError`` naming the instance; an unknown request id raises
+    ``UnknownRequest``; an operation the engine cannot do raises ``UnsupportedOperation``.
+    """
+
+    name: str
+
+    async def capabilities(self) -> EngineCapabilities:
+        """What the instance serves and supports; called when an agent attaches."""
+        ...
+
+    async def submit(
+        self, request: EngineRequest, on_chunk: ChunkCallback | None = None
+    ) -> EngineOutput:
+        """Run ``request`` to the end. ``on_chunk`` is called with every new piece of output as it
+        streams. Returns the final output, or the partial one when the request is aborted meanwhile
+        (``finish_reason == "abort"``). The caller usually runs it as a task."""
+        ...
+
+    async def abort(self, request_id: str) -> EngineOutput:
+        """Stop a request now; returns its output so far (the agent resumes it later as prompt +
+        partial output). Its ``submit`` returns the same output."""
+        ...
+
+    async def stats(self) -> EngineStats:
+        """Load now: running, waiting, KV usage, preemptions. HTTP engines read gauges that lag."""
+        ...
+
+    async def set_model_tier(self, model: str, tier: ModelTier) -> None:
+        """``ACTIVE``: wake up / load; ``WARM``: sleep level 1 (weights to CPU memory);
+        ``COLD``: sleep level 2 (weights dropped). Returns once the change is done."""
+        ...
+
+    async def swap_out(self, request_id: str) -> None:
+        """Move a running request's KV cache to CPU memory, where supported."""
+        ...
+
+    async def swap_in(self, request_id: str) -> None:
+        """Bring a swapped-out request back, where supported."""
+        ...
+
+    async def health(self) -> bool:
+        """True when the instance answers and is serving; never raises."""
+        ...
+
+    async def close(self) -> None:
+        """Release connections and background tasks; in-flight requests are aborted."""
+        ...

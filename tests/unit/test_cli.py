@@ -30,6 +30,16 @@ def test_simulate_prints_slo_attainment_of_a_real_trace_window() -> None:
     assert "qlm simulate" in str(summary["command"])
 
 
+def test_simulate_qlm_reports_what_the_planner_did() -> None:
+    summary = simulate("--policy", "qlm", "--workload", "wb", "--rate-scale", "3")
+    assert summary["requests"] == summary["finished"]
+    planner = summary["planner"]
+    assert isinstance(planner, dict) and planner["plans"] >= 1
+    assert set(planner["status"]) <= {"optimal", "feasible", "heuristic", "fallback"}
+    assert "max_capacity_needed" in planner
+    assert "planner" not in simulate("--policy", "edf")
+
+
 def test_the_same_seed_gives_the_same_records_and_another_seed_does_not(tmp_path: Path) -> None:
     def records(seed: int, name: str) -> str:
         out = tmp_path / name

@@ -1,0 +1,339 @@
+"""A vLLM-compatible HTTP server backed by the simulated engine (``qlm sim-engine serve``).
+
+It answers the part of ``vllm serve``'s API that QLM uses, with the same paths, fields and
+formats (docs/engines.md lists them and the deviations), so that ``VllmEngine`` is tested end to
+end without a GPU: ``POST /v1/completions`` (plain and SSE streaming), ``GET /v1/models``,
+``GET /health``, ``GET /metrics`` (vLLM's metric names) and, with ``dev_mode`` (vLLM:
+``VLLM_SERVER_DEV_MODE=1``), ``POST /sleep``, ``POST /wake_up``, ``GET /is_sleeping``.
+
+Output length: with ``ignore_eos`` the request generates exactly ``max_tokens`` tokens. Without
+it, the "end of sequence" comes after a length drawn from ``eos_lengths`` (by default the shipped
+ShareGPT output lengths), deterministically from the request id, capped at ``max_tokens``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+import zlib
+from collections.abc import AsyncIterator, Iterator, Sequence
+from contextlib import asynccontextmanager
+from typing import Annotated, Any
+
+from fastapi import FastAPI, Query, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from qlm.engines.base import EngineOutput, EngineRequest, TokenChunk
+from qlm.engines.wallclock import WallClockEngine, count_tokens
+from qlm.errors import EngineError, UnknownRequest
+
+DISCONNECT_POLL_S = 0.25
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False
+
+
+class CompletionBody(BaseModel):
+    """The fields of vLLM's ``CompletionRequest`` the simulation honours; others are accepted
+    and ignored (sampling parameters do not change a simulated output)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    prompt: str | list[int]
+    max_tokens: int | None = Field(default=16, ge=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    priority: int = 0
+    ignore_eos: bool = False
+
+
+def _error(status: int, message: str, kind: str = "BadRequestError") -> JSONResponse:
+    return JSONResponse(
+        {"error": {"message": message, "type": kind, "param": None, "code": status}},
+        status_code=status,
+    )
+
+
+def _eos_length(request_id: str, max_tokens: int, lengths: Sequence[int], seed: int) -> int:
+    if not lengths:
+        return max_tokens
+    i = zlib.crc32(f"{seed}:{request_id}".encode()) % len(lengths)
+    return max(1, min(max_tokens, int(lengths[i])))
+
+
+class _SimCollector(Collector):
+    """vLLM's gauges and counters, read from the engine at scrape time."""
+
+    def __init__(self, engine: WallClockEngine, model: str) -> None:
+        self.engine = engine
+        self.model = model
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self.engine.stats_nowait()
+        labels, values = ["model_name", "engine"], [self.model, "0"]
+        for name, doc, value in (
+            ("vllm:num_requests_running", "Number of requests in model execution batches.", stats.running),
+            ("vllm:num_requests_waiting", "Number of requests waiting to be processed.", stats.waiting),
+            ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", stats.kv_usage),
+        ):  # fmt: skip
+            gauge = GaugeMetricFamily(name, doc, labels=labels)
+            gauge.add_metric(values, float(value))
+            yield gauge
+        counter = CounterMetricFamily(
+            "vllm:num_preemptions",
+            "Cumulative number of preemption from the engine.",
+            labels=labels,
+        )
+        counter.add_metric(values, float(stats.preemptions_total))
+        yield counter
+        cfg = self.engine.sim.config
+        blocks = self.engine.sim.token_capacity() // cfg.block_size
+        info = {
+            "block_size": str(cfg.block_size),
+            "gpu_memory_utilization": str(cfg.gpu_memory_utilization),
+            "num_gpu_blocks": str(blocks),
+            "engine": "0",
+        }
+        gauge = GaugeMetricFamily(
+            "vllm:cache_config_info", "Information of the LLMEngine CacheConfig", labels=list(info)
+        )
+        gauge.add_metric(list(info.values()), 1.0)
+        yield gauge
+
+
+def create_app(
+    engine: WallClockEngine,
+    *,
+    dev_mode: bool = False,
+    eos_lengths: Sequence[int] = (),
+    seed: int = 0,
+) -> FastAPI:
+    """The HTTP face of one simulated instance. The engine's driver runs in the app's lifespan."""
+    models = tuple(engine.sim.perf_models)
+    max_model_len = {m: pm.model.max_context for m, pm in engine.sim.perf_models.items()}
+    started = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        await engine.close()
+
+    app = FastAPI(title=f"QLM simulated vLLM ({', '.join(models)})", lifespan=lifespan)
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_SimCollector(engine, models[0]))
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200 if await engine.health() else 503)
+
+    @app.get("/v1/models")
+    async def list_models() -> dict[str, Any]:
+        cards = [
+            {
+                "id": m,
+                "object": "model",
+                "created": started,
+                "owned_by": "vllm",
+                "root": m,
+                "parent": None,
+                "max_model_len": max_model_len[m],
+            }
+            for m in models
+        ]
+        return {"object": "list", "data": cards}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        try:
+            body = CompletionBody.model_validate(await request.json())
+        except (ValidationError, json.JSONDecodeError) as exc:
+            return _error(400, str(exc))
+        model = body.model or models[0]
+        if model not in models:
+            return _error(404, f"The model `{model}` does not exist.", "NotFoundError")
+        if isinstance(body.prompt, list) and not body.prompt:
+            return _error(400, "prompt must not be empty")
+        if engine.is_sleeping:
+            return _error(503, "the engine is sleeping", "ServiceUnavailableError")
+        rid = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+        max_tokens = body.max_tokens or 16
+        output = max_tokens if body.ignore_eos else _eos_length(rid, max_tokens, eos_lengths, seed)
+        req = EngineRequest(
+            request_id=rid,
+            model=model,
+            prompt_tokens=count_tokens(body.prompt),
+            max_tokens=max_tokens,
+            priority=body.priority,
+            output_tokens=output,
+        )
+        chunks: asyncio.Queue[TokenChunk] = asyncio.Queue()
+        try:
+            done = engine.start_request(req, chunks.put_nowait)
+        except EngineError as exc:
+            return _error(400, str(exc))
+        headers = {"X-Request-Id": rid}
+        meta = {"id": f"cmpl-{rid}", "object": "text_completion", "created": int(time.time())}
+        meta["model"] = model
+        if body.stream:
+            events = _stream(engine, request, req, chunks, meta, body.stream_options)
+            return StreamingResponse(events, media_type="text/event-stream", headers=headers)
+        result = await _wait_or_abort(engine, request, rid, done)
+        if result is None:
+            return Response(status_code=499)  # the client is gone; nobody reads this
+        return JSONResponse(
+            {
+                **meta,
+                "choices": [
+                    {
+                        "index": 0,
+                        "text": result.text,
+                        "logprobs": None,
+                        "finish_reason": result.finish_reason,
+                        "stop_reason": None,
+                        "prompt_logprobs": None,
+                    }
+                ],
+                "usage": _usage(req.prompt_tokens, result.tokens),
+            },
+            headers=headers,
+        )
+
+    if dev_mode:
+
+        @app.post("/sleep")
+        async def sleep(level: Annotated[int, Query()] = 1) -> Response:
+            try:
+                engine.sleep(level)
+            except EngineError as exc:
+                return _error(409 if level in (1, 2) else 400, str(exc))
+            return Response(status_code=200)
+
+        @app.post("/wake_up")
+        async def wake_up() -> Response:
+            await engine.wake_up()
+            return Response(status_code=200)
+
+        @app.get("/is_sleeping")
+        async def is_sleeping() -> dict[str, bool]:
+            return {"is_sleeping": engine.is_sleeping}
+
+    return app
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "completion_tokens": completion_tokens,
+    }
+
+
+async def _wait_or_abort(
+    engine: WallClockEngine, request: Request, rid: str, done: asyncio.Future[EngineOutput]
+) -> EngineOutput | None:
+    """The request's output, or ``None`` after aborting it because the client disconnected."""
+    try:
+        while True:
+            finished, _ = await asyncio.wait({done}, timeout=DISCONNECT_POLL_S)
+            if finished:
+                return done.result()
+            if await request.is_disconnected():
+                _abort_quietly(engine, rid)
+                return None
+    except asyncio.CancelledError:
+        _abort_quietly(engine, rid)
+        raise
+
+
+def _abort_quietly(engine: WallClockEngine, rid: str) -> None:
+    with contextlib.suppress(UnknownRequest):  # it had finished
+        engine.abort_nowait(rid)
+
+
+async def _stream(
+    engine: WallClockEngine,
+    request: Request,
+    req: EngineRequest,
+    chunks: asyncio.Queue[TokenChunk],
+    meta: dict[str, Any],
+    options: StreamOptions | None,
+) -> AsyncIterator[str]:
+    """SSE events as vLLM sends them; aborts the engine request if the client goes away."""
+    include_usage = bool(options and options.include_usage)
+    continuous = include_usage and bool(options and options.continuous_usage_stats)
+    finished = False
+    try:
+        while True:
+            try:
+                async with asyncio.timeout(DISCONNECT_POLL_S):
+                    chunk = await chunks.get()
+            except TimeoutError:
+                if await request.is_disconnected():
+                    return
+                continue
+            event: dict[str, Any] = {
+                **meta,
+                "choices": [
+                    {
+                        "index": 0,
+                        "text": chunk.text,
+                        "logprobs": None,
+                        "finish_reason": chunk.finish_reason,
+                        "stop_reason": None,
+                    }
+                ],
+            }
+            if continuous:
+                event["usage"] = _usage(req.prompt_tokens, chunk.tokens)
+            yield f"data: {json.dumps(event)}\n\n"
+            if chunk.finish_reason is not None:
+                finished = True
+                if include_usage:
+                    last = {**meta, "choices": [], "usage": _usage(req.prompt_tokens, chunk.tokens)}
+                    yield f"data: {json.dumps(last)}\n\n"
+                yield "data: [DONE]\n\n"
+                return
+    finally:
+        if not finished:
+            _abort_quietly(engine, req.request_id)
+
+
+def serve(
+    *,
+    model: str,
+    gpu: str,
+    gpu_count: int | None,
+    host: str,
+    port: int,
+    time_scale: float,
+    dev_mode: bool,
+    eos_lengths: str,
+    seed: int,
+) -> None:
+    """Run the server until interrupted (``qlm sim-engine serve``)."""
+    import uvicorn
+
+    from qlm.sim.traces import load_lengths
+
+    engine = WallClockEngine.from_catalog(
+        f"sim-{model}-{port}", model, gpu, gpu_count, time_scale=time_scale
+    )
+    lengths: Sequence[int] = ()
+    if eos_lengths != "max_tokens":
+        lengths = [int(x) for x in load_lengths(eos_lengths).output_tokens]
+    app = create_app(engine, dev_mode=dev_mode, eos_lengths=lengths, seed=seed)
+    uvicorn.run(app, host=host, port=port, log_level="warning")

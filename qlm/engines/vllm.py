@@ -1,0 +1,415 @@
+"""The ``Engine`` of a real instance: an HTTP client of ``vllm serve`` (docs/engines.md).
+
+Every endpoint, field, flag and metric name here was checked against vLLM 0.14.0 (``VLLM_VERSION``);
+docs/engines.md records what was checked and where.
+
+* ``submit``: ``POST /v1/completions`` with ``stream: true``, the request's ``priority`` (the
+  server runs ``--scheduling-policy priority``; lower runs first) and an ``X-Request-Id`` header.
+  ``stream_options.continuous_usage_stats`` puts the running ``completion_tokens`` in every chunk,
+  so the token count is the server's, not a guess from the text. A replayed request
+  (``output_tokens`` set) is sent ``ignore_eos`` with ``max_tokens`` = its true length.
+* ``abort``: closing the stream. vLLM aborts a streaming request whose client disconnects.
+  (vLLM 0.14's ``POST /abort_requests`` exists only with ``--tokens-only`` and takes engine-internal
+  ids, so it is not used.)
+* ``stats``: ``GET /metrics`` (``vllm:num_requests_running``, ``vllm:num_requests_waiting``,
+  ``vllm:kv_cache_usage_perc``, ``vllm:num_preemptions_total``, ``vllm:cache_config_info``).
+* ``set_model_tier``: sleep mode (``POST /sleep?level=1|2``, ``POST /wake_up``), which needs
+  ``VLLM_SERVER_DEV_MODE=1`` and ``--enable-sleep-mode``.
+* ``swap_out`` / ``swap_in``: vLLM has no per-request KV swap API (its CPU KV offloading is a
+  cache the engine manages itself): they raise ``UnsupportedOperation``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import math
+import shutil
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from qlm.domain import ModelTier
+from qlm.engines.base import (
+    ChunkCallback,
+    EngineCapabilities,
+    EngineOutput,
+    EngineRequest,
+    EngineStats,
+    FinishReason,
+    TokenChunk,
+    UnsupportedOperation,
+)
+from qlm.errors import EngineError, UnknownRequest
+
+VLLM_VERSION = "0.14.0"
+"""The vLLM release whose API this client and ``qlm sim-engine serve`` follow."""
+
+FILLER_TOKEN_ID = 1000
+"""Token id of the synthetic prompt sent for a request without prompt text: any id inside every
+modern vocabulary will do; only the prompt's length matters to a replay."""
+
+_FINISH: dict[str, FinishReason] = {"length": "length", "stop": "stop", "abort": "abort"}
+
+
+@dataclass(slots=True)
+class _Flight:
+    request: EngineRequest
+    parts: list[str] = field(default_factory=list)
+    tokens: int = 0
+    aborted: bool = False
+    task: asyncio.Task[EngineOutput] | None = None
+
+    def partial(self) -> EngineOutput:
+        return EngineOutput(self.request.request_id, "".join(self.parts), self.tokens, "abort")
+
+
+class VllmEngine:
+    """One ``vllm serve`` instance at ``base_url`` serving ``models`` (its served model names)."""
+
+    def __init__(
+        self,
+        name: str,
+        base_url: str,
+        models: str | Sequence[str],
+        *,
+        max_num_seqs: int | None = None,
+        timeout_s: float = 10.0,
+        tier_timeout_s: float = 300.0,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        self.name = name
+        self.base_url = base_url.rstrip("/")
+        self.models = (models,) if isinstance(models, str) else tuple(models)
+        if not self.models:
+            raise EngineError(f"{name} ({self.base_url}): at least one served model is needed")
+        self.max_num_seqs = max_num_seqs
+        self.timeout_s = timeout_s
+        self.tier_timeout_s = tier_timeout_s
+        self._client = httpx.AsyncClient(
+            base_url=self.base_url, timeout=httpx.Timeout(timeout_s), transport=transport
+        )
+        self._flights: dict[str, _Flight] = {}
+        self._tiers = {m: ModelTier.ACTIVE for m in self.models}
+
+    def _fail(self, what: str, detail: object) -> EngineError:
+        return EngineError(f"{self.name} ({self.base_url}): {what}: {detail}")
+
+    async def _call(
+        self, method: str, path: str, *, timeout: float | None = None, **kwargs: Any
+    ) -> httpx.Response:
+        try:
+            resp = await self._client.request(
+                method, path, timeout=timeout or self.timeout_s, **kwargs
+            )
+        except httpx.HTTPError as exc:
+            raise self._fail(f"{method} {path} failed", repr(exc)) from exc
+        if resp.status_code == 404 and path in ("/sleep", "/wake_up", "/is_sleeping"):
+            raise self._fail(
+                f"{method} {path} is not served",
+                "start vLLM with VLLM_SERVER_DEV_MODE=1 and --enable-sleep-mode",
+            )
+        if resp.status_code >= 400:
+            raise self._fail(f"{method} {path} answered {resp.status_code}", _message(resp))
+        return resp
+
+    # --- the Engine protocol -------------------------------------------------------------------------
+
+    async def capabilities(self) -> EngineCapabilities:
+        cards = (await self._call("GET", "/v1/models")).json().get("data", [])
+        served = tuple(str(c["id"]) for c in cards if "id" in c)
+        missing = set(self.models) - set(served)
+        if missing:
+            raise self._fail("models not served", f"{sorted(missing)}; serves {list(served)}")
+        families = await self._metrics()
+        cap = _cache_capacity_tokens(families)
+        try:
+            await self._call("GET", "/is_sleeping")
+            sleep = True
+        except EngineError:
+            sleep = False
+        return EngineCapabilities(
+            models=self.models,
+            max_num_seqs=self.max_num_seqs,
+            kv_capacity_tokens=cap,
+            supports_sleep=sleep,
+            supports_swap=False,
+            supports_abort_endpoint=False,
+        )
+
+    async def submit(
+        self, request: EngineRequest, on_chunk: ChunkCallback | None = None
+    ) -> EngineOutput:
+        rid = request.request_id
+        if rid in self._flights:
+            raise self._fail("duplicate request", f"{rid!r} is already in flight")
+        flight = _Flight(request)
+        flight.task = asyncio.create_task(self._stream(flight, on_chunk), name=f"vllm-{rid}")
+        self._flights[rid] = flight
+        try:
+            return await flight.task
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if flight.aborted and (current is None or current.cancelling() == 0):
+                return flight.partial()  # ``abort`` closed the stream
+            raise
+        finally:
+            self._flights.pop(rid, None)
+
+    async def abort(self, request_id: str) -> EngineOutput:
+        flight = self._flights.get(request_id)
+        if flight is None or flight.task is None:
+            raise UnknownRequest(f"{self.name}: no request {request_id!r} in flight")
+        task = flight.task
+        if not task.done():
+            flight.aborted = True
+            task.cancel()  # leaves ``client.stream``: the connection closes, vLLM aborts
+            await asyncio.wait({task})
+        if task.cancelled() or task.exception() is not None:
+            return flight.partial()
+        return task.result()
+
+    async def stats(self) -> EngineStats:
+        families = await self._metrics()
+
+        def total(*names: str) -> float:
+            return sum(
+                v for n in names for v in _values(families, n, self.models) if not math.isnan(v)
+            )
+
+        kv = _values(families, "vllm:kv_cache_usage_perc", self.models) or _values(
+            families, "vllm:gpu_cache_usage_perc", self.models
+        )
+        kv_fraction = sum(kv) / len(kv) if kv else 0.0
+        cap = _cache_capacity_tokens(families) or 0
+        active = next((m for m, t in self._tiers.items() if t is ModelTier.ACTIVE), None)
+        return EngineStats(
+            running=int(total("vllm:num_requests_running")),
+            waiting=int(total("vllm:num_requests_waiting")),
+            swapped=0,
+            kv_used_tokens=round(kv_fraction * cap),
+            kv_capacity_tokens=cap,
+            active_model=active,
+            model_tiers=tuple(self._tiers.items()),
+            preemptions_total=int(total("vllm:num_preemptions_total", "vllm:num_preemptions")),
+            gpu_memory_used_fraction=0.0,  # not exported by vLLM
+            kv_usage_fraction=kv_fraction,
+            sleeping=active is None,
+        )
+
+    async def set_model_tier(self, model: str, tier: ModelTier) -> None:
+        if model not in self.models:
+            raise self._fail("unknown model", f"{model!r}; serves {list(self.models)}")
+        if tier is ModelTier.ACTIVE:
+            await self._call("POST", "/wake_up", timeout=self.tier_timeout_s)
+        else:
+            level = 1 if tier is ModelTier.WARM else 2
+            await self._call("POST", "/sleep", params={"level": level}, timeout=self.tier_timeout_s)
+        for m in self.models:  # one vLLM process: all its served names sleep and wake together
+            self._tiers[m] = tier
+
+    async def is_sleeping(self) -> bool:
+        return bool((await self._call("GET", "/is_sleeping")).json().get("is_sleeping"))
+
+    async def swap_out(self, request_id: str) -> None:
+        raise UnsupportedOperation(
+            f"{self.name}: vLLM has no per-request KV swap API (CPU KV offloading is a cache "
+            "vLLM manages itself); evict (abort) instead"
+        )
+
+    async def swap_in(self, request_id: str) -> None:
+        await self.swap_out(request_id)
+
+    async def health(self) -> bool:
+        try:
+            resp = await self._client.get("/health")
+        except httpx.HTTPError:
+            return False
+        return resp.status_code == 200
+
+    async def close(self) -> None:
+        for rid in list(self._flights):
+            with contextlib.suppress(UnknownRequest):
+                await self.abort(rid)
+        await self._client.aclose()
+
+    # --- internals -----------------------------------------------------------------------------------
+
+    def _body(self, request: EngineRequest) -> dict[str, Any]:
+        prompt: str | list[int] = (
+            list(request.prompt)
+            if isinstance(request.prompt, tuple)
+            else request.prompt
+            if request.prompt is not None
+            else [FILLER_TOKEN_ID] * request.prompt_tokens
+        )
+        body: dict[str, Any] = {
+            "model": request.model,
+            "prompt": prompt,
+            "max_tokens": request.max_tokens,
+            "priority": request.priority,
+            "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+        }
+        if request.output_tokens is not None:
+            body["max_tokens"] = request.tokens_to_generate
+            body["ignore_eos"] = True
+        return body
+
+    async def _stream(self, flight: _Flight, on_chunk: ChunkCallback | None) -> EngineOutput:
+        rid = flight.request.request_id
+        what = "POST /v1/completions"
+        timeout = httpx.Timeout(self.timeout_s, read=None)  # a queued request may wait long
+        finish: FinishReason | None = None
+        try:
+            async with self._client.stream(
+                "POST",
+                "/v1/completions",
+                json=self._body(flight.request),
+                headers={"X-Request-Id": rid},
+                timeout=timeout,
+            ) as resp:
+                if resp.status_code != 200:
+                    await resp.aread()
+                    raise self._fail(f"{what} answered {resp.status_code}", _message(resp))
+                async for line in resp.aiter_lines():
+                    if not line.startswith("data:"):
+                        continue
+                    data = line[len("data:") :].strip()
+                    if data == "[DONE]":
+                        break
+                    finish = self._take(flight, json.loads(data), on_chunk) or finish
+        except httpx.HTTPError as exc:
+            raise self._fail(f"{what} failed for {rid!r}", repr(exc)) from exc
+        except json.JSONDecodeError as exc:
+            raise self._fail(f"{what} sent a bad event for {rid!r}", exc) from exc
+        if finish is None:
+            raise self._fail(f"{what} ended without a finish reason for {rid!r}", "stream cut")
+        return EngineOutput(rid, "".join(flight.parts), flight.tokens, finish)
+
+    def _take(
+        self, flight: _Flight, event: dict[str, Any], on_chunk: ChunkCallback | None
+    ) -> FinishReason | None:
+        """Apply one SSE event; returns its finish reason if it has one."""
+        usage = event.get("usage") or {}
+        choices = event.get("choices") or []
+        text = "".join(str(c.get("text") or "") for c in choices)
+        raw = next((c.get("finish_reason") for c in choices if c.get("finish_reason")), None)
+        finish = _FINISH.get(str(raw), "stop") if raw else None
+        if "completion_tokens" in usage:
+            tokens = int(usage["completion_tokens"])
+        else:
+            tokens = flight.tokens + (1 if text else 0)
+        if not choices:  # the final usage-only event
+            flight.tokens = max(flight.tokens, tokens)
+            return None
+        flight.parts.append(text)
+        flight.tokens = max(flight.tokens, tokens)
+        if on_chunk is not None and (text or finish):
+            on_chunk(TokenChunk(flight.request.request_id, text, flight.tokens, finish))
+        return finish
+
+    async def _metrics(self) -> dict[str, list[tuple[dict[str, str], float]]]:
+        text = (await self._call("GET", "/metrics")).text
+        families: dict[str, list[tuple[dict[str, str], float]]] = {}
+        try:
+            for family in text_string_to_metric_families(text):
+                for sample in family.samples:
+                    families.setdefault(sample.name, []).append((sample.labels, sample.value))
+        except ValueError as exc:
+            raise self._fail("GET /metrics is not Prometheus text", exc) from exc
+        return families
+
+
+def _values(
+    families: dict[str, list[tuple[dict[str, str], float]]], name: str, models: Sequence[str]
+) -> list[float]:
+    """Sample values of ``name`` for our models (all engines of a data-parallel server)."""
+    return [
+        v
+        for labels, v in families.get(name, [])
+        if "model_name" not in labels or labels["model_name"] in models
+    ]
+
+
+def _cache_capacity_tokens(families: dict[str, list[tuple[dict[str, str], float]]]) -> int | None:
+    """KV capacity from ``vllm:cache_config_info`` (num_gpu_blocks x block_size), if known."""
+    total = 0
+    for labels, _ in families.get("vllm:cache_config_info", []):
+        try:
+            total += int(labels["num_gpu_blocks"]) * int(labels["block_size"])
+        except (KeyError, ValueError):
+            return None
+    return total or None
+
+
+def _message(resp: httpx.Response) -> str:
+    """The error message of a vLLM error body (either of its JSON shapes), else the raw text."""
+    try:
+        body = resp.json()
+    except ValueError:
+        return resp.text[:300] or resp.reason_phrase
+    if isinstance(body, dict):
+        err = body.get("error", body)
+        if isinstance(err, dict) and "message" in err:
+            return str(err["message"])
+        if "detail" in body:
+            return str(body["detail"])
+    return str(body)[:300]
+
+
+# --- launching vLLM ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class VllmCommand:
+    """A ``vllm serve`` command line and the environment it needs."""
+
+    argv: tuple[str, ...]
+    env: tuple[tuple[str, str], ...]
+
+    def shell(self) -> str:
+        import shlex
+
+        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in self.env)
+        return (env + " " if env else "") + shlex.join(self.argv)
+
+
+def vllm_serve_command(
+    model: str,
+    *,
+    port: int = 8000,
+    host: str | None = None,
+    served_model_name: str | None = None,
+    sleep_mode: bool = False,
+    kv_offload_gb: float | None = None,
+) -> VllmCommand:
+    """The ``vllm serve`` QLM needs: priority scheduling (the agents send ``priority``),
+    ``X-Request-Id`` echoed back, sleep mode for warm starts, CPU KV offloading if asked."""
+    argv = ["vllm", "serve", model, "--port", str(port)]
+    if host:
+        argv += ["--host", host]
+    if served_model_name:
+        argv += ["--served-model-name", served_model_name]
+    argv += ["--scheduling-policy", "priority", "--enable-request-id-headers"]
+    env: list[tuple[str, str]] = []
+    if sleep_mode:
+        # The /sleep, /wake_up and /is_sleeping endpoints exist only in dev mode.
+        argv.append("--enable-sleep-mode")
+        env.append(("VLLM_SERVER_DEV_MODE", "1"))
+    if kv_offload_gb is not None:
+        if kv_offload_gb <= 0:
+            raise EngineError(f"--kv-offload-gb must be > 0, got {kv_offload_gb}")
+        argv += ["--kv-offloading-size", f"{kv_offload_gb:g}", "--kv-offloading-backend", "native"]
+    return VllmCommand(tuple(argv), tuple(env))
+
+
+def vllm_installed() -> bool:
+    """True when the ``vllm`` package can be imported (without importing it: it is heavy)."""
+    import importlib.util
+
+    return importlib.util.find_spec("vllm") is not None and shutil.which("vllm") is not None

@@ -1,0 +1,181 @@
+"""End to end: ``VllmEngine`` against a real ``qlm sim-engine serve`` process over HTTP.
+
+The server is the simulated engine behind vLLM's API, so this needs no GPU and no external
+service and runs in the normal suite. No assertion depends on wall-clock timing: every wait polls
+with a generous deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from qlm.domain import ModelTier
+from qlm.engines.base import Engine, EngineRequest, TokenChunk
+from qlm.engines.vllm import VllmEngine
+from qlm.engines.wallclock import filler_text
+from qlm.errors import EngineError, UnknownRequest
+
+MODEL = "llama-3-8b"
+DEADLINE_S = 60.0
+# ~12 ms per decode step in simulated time; x10 keeps a 4000-token request running for seconds,
+# so an abort always lands mid-stream, while short requests finish in a few milliseconds.
+TIME_SCALE = "10"
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def qlm_executable() -> str:
+    exe = Path(sys.executable).with_name("qlm")
+    return str(exe) if exe.exists() else "qlm"
+
+
+@pytest.fixture(scope="module")
+def server_url() -> Iterator[str]:
+    port = free_port()
+    proc = subprocess.Popen(
+        [qlm_executable(), "sim-engine", "serve", "--model", MODEL, "--gpu", "A100",
+         "--port", str(port), "--time-scale", TIME_SCALE, "--dev-mode"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + DEADLINE_S
+        while True:
+            if proc.poll() is not None:
+                out = proc.stdout.read().decode() if proc.stdout else ""
+                pytest.fail(f"qlm sim-engine serve exited with {proc.returncode}:\n{out}")
+            try:
+                if httpx.get(f"{url}/health", timeout=1.0).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"qlm sim-engine serve did not become healthy at {url}")
+            time.sleep(0.1)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+async def eventually(check: Callable[[], Awaitable[bool]], what: str) -> None:
+    deadline = time.monotonic() + DEADLINE_S
+    while not await check():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out waiting until {what}")
+        await asyncio.sleep(0.02)
+
+
+def request(rid: str, tokens: int, **kw: object) -> EngineRequest:
+    args: dict[str, object] = {
+        "request_id": rid,
+        "model": MODEL,
+        "prompt_tokens": 32,
+        "max_tokens": tokens,
+        "output_tokens": tokens,
+    }
+    return EngineRequest(**(args | kw))  # type: ignore[arg-type]
+
+
+def test_vllm_client_streams_aborts_reads_metrics_and_sleeps(server_url: str) -> None:
+    async def scenario() -> None:
+        engine = VllmEngine("sim-0", server_url, MODEL)
+        assert isinstance(engine, Engine)
+        try:
+            assert await engine.health()
+            caps = await engine.capabilities()
+            assert caps.models == (MODEL,)
+            assert caps.kv_capacity_tokens and caps.kv_capacity_tokens > 10_000
+            assert caps.supports_sleep and not caps.supports_swap
+
+            # A replayed request streams exactly its recorded length (ignore_eos + max_tokens).
+            chunks: list[TokenChunk] = []
+            out = await engine.submit(request("r-1", 20, priority=1), chunks.append)
+            assert (out.tokens, out.finish_reason) == (20, "length")
+            assert out.text == filler_text(20)
+            assert "".join(c.text for c in chunks) == out.text
+            assert [c.tokens for c in chunks] == sorted(c.tokens for c in chunks)
+            assert chunks[-1].finish_reason == "length"
+
+            # Abort mid-stream: the partial output comes back and the server forgets the request.
+            seen: list[TokenChunk] = []
+            long_run = asyncio.create_task(engine.submit(request("r-long", 4000), seen.append))
+
+            async def streaming() -> bool:
+                return bool(seen) and seen[-1].tokens >= 5
+
+            await eventually(streaming, "the long request streams tokens")
+            stats = await engine.stats()
+            assert stats.running == 1
+            assert stats.kv_usage > 0
+            partial = await engine.abort("r-long")
+            assert partial.aborted
+            assert 5 <= partial.tokens < 4000
+            assert partial.text == filler_text(partial.tokens)
+            assert await long_run == partial
+
+            async def drained() -> bool:
+                s = await engine.stats()
+                return s.running == 0 and s.waiting == 0
+
+            await eventually(drained, "the server drops the aborted request")
+            stats = await engine.stats()
+            assert stats.preemptions_total == 0
+            assert stats.kv_usage == 0
+            with pytest.raises(UnknownRequest):
+                await engine.abort("r-long")
+
+            # Sleep (level 1), refuse work while asleep, wake up, serve again.
+            await engine.set_model_tier(MODEL, ModelTier.WARM)
+            assert await engine.is_sleeping()
+            assert (await engine.stats()).sleeping
+            with pytest.raises(EngineError, match="503"):
+                await engine.submit(request("r-asleep", 4))
+            await engine.set_model_tier(MODEL, ModelTier.ACTIVE)
+            assert not await engine.is_sleeping()
+            assert (await engine.submit(request("r-2", 3))).tokens == 3
+        finally:
+            await engine.close()
+
+    asyncio.run(scenario())
+
+
+def test_vllm_client_errors_name_the_instance_and_url(server_url: str) -> None:
+    async def scenario() -> None:
+        engine = VllmEngine("sim-0", server_url, MODEL)
+        try:
+            with pytest.raises(EngineError, match=r"sim-0 \(http://127\.0\.0\.1:\d+\).*404"):
+                await engine.submit(request("r-x", 4, model="no-such-model"))
+        finally:
+            await engine.close()
+        dead = VllmEngine("dead-1", "http://127.0.0.1:9", MODEL, timeout_s=2.0)
+        try:
+            assert not await dead.health()
+            with pytest.raises(EngineError, match=r"dead-1 \(http://127\.0\.0\.1:9\)"):
+                await dead.stats()
+        finally:
+            await dead.close()
+
+    asyncio.run(scenario())

@@ -1,0 +1,145 @@
+"""The vLLM HTTP client without a server: metrics parsing, tiers, errors, the launch command."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+import httpx
+import pytest
+from typer.testing import CliRunner
+
+from qlm.cli import app
+from qlm.domain import ModelTier
+from qlm.engines.base import Engine, UnsupportedOperation
+from qlm.engines.vllm import VllmEngine, vllm_serve_command
+from qlm.errors import EngineError
+
+METRICS = """\
+# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="llama"} 3.0
+vllm:num_requests_running{engine="1",model_name="llama"} 2.0
+vllm:num_requests_running{engine="0",model_name="other"} 9.0
+# HELP vllm:num_requests_waiting Number of requests waiting to be processed.
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="llama"} 4.0
+# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="llama"} 0.25
+# HELP vllm:num_preemptions_total Cumulative number of preemption from the engine.
+# TYPE vllm:num_preemptions_total counter
+vllm:num_preemptions_total{engine="0",model_name="llama"} 7.0
+# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig
+# TYPE vllm:cache_config_info gauge
+vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="1000"} 1.0
+"""
+
+
+def engine_with(handler: Callable[[httpx.Request], httpx.Response]) -> VllmEngine:
+    return VllmEngine(
+        "gpu-3", "http://vllm-3:8000/", "llama", transport=httpx.MockTransport(handler)
+    )
+
+
+def test_stats_are_read_from_vllm_metrics_for_this_model() -> None:
+    async def scenario() -> None:
+        engine = engine_with(lambda r: httpx.Response(200, text=METRICS))
+        assert isinstance(engine, Engine)
+        stats = await engine.stats()
+        await engine.close()
+        assert (stats.running, stats.waiting, stats.preemptions_total) == (5, 4, 7)
+        assert stats.kv_usage == 0.25
+        assert (stats.kv_capacity_tokens, stats.kv_used_tokens) == (16_000, 4_000)
+        assert stats.active_model == "llama" and not stats.sleeping
+
+    asyncio.run(scenario())
+
+
+def test_model_tiers_map_to_vllm_sleep_levels_and_wake_up() -> None:
+    calls: list[str] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        calls.append(f"{request.method} {request.url.path}?{request.url.query.decode()}")
+        return httpx.Response(200)
+
+    async def scenario() -> None:
+        engine = engine_with(handler)
+        await engine.set_model_tier("llama", ModelTier.WARM)
+        await engine.set_model_tier("llama", ModelTier.COLD)
+        await engine.set_model_tier("llama", ModelTier.ACTIVE)
+        await engine.close()
+
+    asyncio.run(scenario())
+    assert calls == ["POST /sleep?level=1", "POST /sleep?level=2", "POST /wake_up?"]
+
+
+def test_sleep_without_dev_mode_says_how_to_start_vllm() -> None:
+    async def scenario() -> None:
+        engine = engine_with(lambda r: httpx.Response(404, json={"detail": "Not Found"}))
+        with pytest.raises(EngineError, match=r"gpu-3 \(http://vllm-3:8000\).*VLLM_SERVER_DEV"):
+            await engine.set_model_tier("llama", ModelTier.WARM)
+        with pytest.raises(EngineError, match="unknown model"):
+            await engine.set_model_tier("mistral", ModelTier.WARM)
+        await engine.close()
+
+    asyncio.run(scenario())
+
+
+def test_kv_swap_is_unsupported_on_vllm() -> None:
+    async def scenario() -> None:
+        engine = engine_with(lambda r: httpx.Response(200))
+        with pytest.raises(UnsupportedOperation, match="no per-request KV swap"):
+            await engine.swap_out("r1")
+        with pytest.raises(UnsupportedOperation):
+            await engine.swap_in("r1")
+        await engine.close()
+
+    asyncio.run(scenario())
+
+
+def test_server_errors_carry_vllm_s_message() -> None:
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(400, json={"error": {"message": "prompt too long", "code": 400}})
+
+    async def scenario() -> None:
+        engine = engine_with(handler)
+        with pytest.raises(EngineError, match="GET /metrics answered 400: prompt too long"):
+            await engine.stats()
+        await engine.close()
+
+    asyncio.run(scenario())
+
+
+def test_the_launch_command_has_the_flags_qlm_needs() -> None:
+    cmd = vllm_serve_command(
+        "meta-llama/Llama-3.1-8B", port=8003, sleep_mode=True, kv_offload_gb=32
+    )
+    argv = " ".join(cmd.argv)
+    assert argv.startswith("vllm serve meta-llama/Llama-3.1-8B --port 8003")
+    for flag in (
+        "--scheduling-policy priority",
+        "--enable-request-id-headers",
+        "--enable-sleep-mode",
+        "--kv-offloading-size 32 --kv-offloading-backend native",
+    ):
+        assert flag in argv
+    assert dict(cmd.env) == {"VLLM_SERVER_DEV_MODE": "1"}
+    plain = vllm_serve_command("m")
+    assert "--enable-sleep-mode" not in plain.argv and plain.env == ()
+
+
+def test_instance_launch_prints_the_command_or_says_vllm_is_missing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    runner = CliRunner()
+    result = runner.invoke(
+        app, ["instance", "launch", "--model", "m", "--print-only", "--sleep-mode"]
+    )
+    assert result.exit_code == 0
+    assert result.stdout.startswith("VLLM_SERVER_DEV_MODE=1 vllm serve m ")
+    monkeypatch.setattr("qlm.engines.vllm.vllm_installed", lambda: False)
+    result = runner.invoke(app, ["instance", "launch", "--model", "m"])
+    assert result.exit_code == 1
+    assert "vLLM is not installed" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
