@@ -196,6 +196,10 @@ class SimEngine:
         self.steps_total = 0
         self.model_switches = 0
 
+    def swap_free_gb(self) -> float:
+        """CPU swap space left for KV caches."""
+        return self._swap_free_gb()
+
     def token_capacity(self, model: str | None = None) -> int:
         """KV cache capacity in tokens for ``model`` (default: the smallest over its models)."""
         if model is not None:

@@ -38,6 +38,8 @@ class InstanceLoad:
     gpu_count: int = 1
     active_model: str | None = None
     up: bool = True
+    host_link_gbs: float = 0.0  # GPU <-> CPU copy bandwidth, one way; 0: no KV swap
+    swap_free_gb: float = 0.0  # CPU swap space left for KV caches
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +69,7 @@ class DispatchContext:
     instances: tuple[InstanceLoad, ...]
     finished: tuple[Completion, ...] = ()
     generated: tuple[tuple[str, int], ...] = ()
+    started: tuple[str, ...] = ()  # requests an engine began running since the last call
 
     @property
     def pending(self) -> tuple[Request, ...]:

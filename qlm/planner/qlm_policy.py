@@ -22,7 +22,8 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from qlm.domain import Decision, Pull, Request, Tier
+from qlm.agents.decide import AgentConfig, HeadGroup, InstanceCosts, RunningRequest, make_room
+from qlm.domain import Decision, Evict, Pull, Request, SwapIn, SwapOut, Tier
 from qlm.groups import Grouper, GroupingConfig
 from qlm.planner.policy import DispatchContext, InstanceLoad, has_room, prompt_tokens
 from qlm.planner.program import FloatArray, PlanGroup, PlanInstance, PlanProblem, score_queue
@@ -58,6 +59,7 @@ class PlannerConfig:
     check_interval_s: float = 1.0
     keep_up: float = 2.0
     solver: str = "auto"
+    agent: AgentConfig = field(default_factory=AgentConfig)
     choose_concurrency: bool = True
     rate_window_s: float = 60.0
     max_utilisation: float = 0.95
@@ -236,6 +238,9 @@ class QlmPolicy:
         self._plans_made = 0
         self._batch: dict[str, int] = {}  # concurrency limit per instance, chosen by the planner
         self._arrivals: deque[tuple[float, Request]] = deque()  # the last rate_window_s
+        self._started: set[str] = set()  # in flight and running in the engine (KV allocated)
+        self._swapped: dict[str, dict[str, _Inflight]] = {}  # per instance, KV in CPU memory
+        self._preemptions: dict[str, int] = {}
         self._first_arrival_s = math.inf
 
     # --- the step --------------------------------------------------------------------------------
@@ -247,9 +252,13 @@ class QlmPolicy:
             if inst.name not in self._inflight:
                 self._inflight[inst.name] = {}
                 self.queues.add_instance(inst.name)
+        self._started.update(ctx.started)
         for done in ctx.finished:
             self._inflight.get(done.instance, {}).pop(done.request.id, None)
+            self._swapped.get(done.instance, {}).pop(done.request.id, None)
             self._generated.pop(done.request.id, None)
+            self._started.discard(done.request.id)
+            self._preemptions.pop(done.request.id, None)
             self.estimator.observe(
                 done.request,
                 output_tokens=done.output_tokens,
@@ -263,8 +272,9 @@ class QlmPolicy:
                 if not self._arrivals:
                     self._first_arrival_s = min(self._first_arrival_s, now)
                 self._arrivals.append((now, req))
-            for running in self._inflight.values():
-                running.pop(req.id, None)  # an evicted request comes back
+            for held in (*self._inflight.values(), *self._swapped.values()):
+                held.pop(req.id, None)  # an evicted request comes back
+            self._started.discard(req.id)
             if generated.get(req.id):
                 self._generated[req.id] = generated[req.id]
             gid = self.grouper.add(req, now)
@@ -512,13 +522,38 @@ class QlmPolicy:
     # --- pulling ---------------------------------------------------------------------------------
 
     def _pull(self, now: float) -> list[Decision]:
+        """Per instance: swap back in what waits in CPU memory when it is the most urgent, pull the
+        head group's requests while there is room, then make room for the head group if it is at
+        risk (``qlm.agents.make_room``)."""
         decisions: list[Decision] = []
         for load in self._instances:
+            if not load.up:
+                continue
+            swapped = self._swapped.setdefault(load.name, {})
+            parked = sum(prompt_tokens(x.request, x.generated) for x in swapped.values())
             limit = self._batch.get(load.name, load.max_running)
-            inst = replace(load, max_running=min(load.max_running, limit))
+            inst = replace(
+                load,
+                max_running=min(load.max_running, limit),
+                outstanding_requests=load.outstanding_requests - len(swapped),
+                outstanding_tokens=load.outstanding_tokens - parked,
+            )
             count = tokens = 0
             while True:
                 req = self.queues.next_request(inst.name)
+                back = min(swapped.values(), key=lambda x: x.request.deadline_s, default=None)
+                if back is not None and (req is None or back.request.deadline_s <= req.deadline_s):
+                    need = prompt_tokens(back.request, back.generated)
+                    if back.request.model != load.active_model or not has_room(
+                        inst, count, tokens, need
+                    ):
+                        break
+                    del swapped[back.request.id]
+                    self._inflight[inst.name][back.request.id] = back
+                    count += 1
+                    tokens += need
+                    decisions.append(SwapIn(back.request.id, inst.name))
+                    continue
                 if req is None:
                     break
                 need = prompt_tokens(req, self._generated.get(req.id, 0))
@@ -531,4 +566,56 @@ class QlmPolicy:
                     req, now, self._generated.get(req.id, 0)
                 )
                 decisions.append(Pull(req.id, inst.name))
+            free = max(0, inst.max_running - inst.outstanding_requests - count)
+            decisions.extend(self._make_room(now, load, free))
         return decisions
+
+    def _make_room(self, now: float, load: InstanceLoad, free: int) -> list[Decision]:
+        gid = self.queues.head_group(load.name)
+        running = self._inflight.get(load.name, {})
+        if gid is None or not running:
+            return []
+        group = self.grouper.group(gid)
+        nxt = group.requests[0]
+        hw = self.estimator.profile.hardware_for(nxt.model, load.gpu, load.gpu_count)
+        eps_f = self.estimator.calibration_factors(load.name)[1]
+        n_run = len(running)
+        mix_in = sum(x.request.input_tokens for x in running.values()) * hw.input_token_work_s
+        mix_out = sum(self.estimator.expected_output(x.request) for x in running.values())
+        per_token = (
+            hw.decode_s(n_run) * hw.inefficiency + n_run * mix_in / max(mix_out, 1.0)
+        ) * eps_f
+        head = HeadGroup(
+            gid,
+            group.earliest_deadline_s,
+            group.size,
+            hw.prefill_s(nxt.input_tokens) + self.estimator.expected_output(nxt) * per_token,
+        )
+        views = []
+        for item in running.values():
+            share = per_token
+            done = item.generated + int(max(0.0, now - item.pulled_s) / share)
+            done = min(done, item.request.max_tokens - 1)
+            mean, _ = self.estimator.output_moments(item.request, done)
+            views.append(
+                RunningRequest(
+                    item.request, done, mean * per_token, self._preemptions.get(item.request.id, 0)
+                )
+            )
+        costs = InstanceCosts(
+            kv_bytes_per_token=hw.kv_bytes_per_token,
+            host_link_gbs=load.host_link_gbs,
+            swap_free_gb=load.swap_free_gb,
+            prefill_base_s=hw.prefill_base_s,
+            prefill_per_token_s=hw.prefill_per_token_s,
+        )
+        out: list[Decision] = []
+        for d in make_room(now, load.name, head, free, views, costs, self.config.agent):
+            rid = d.request_id
+            self._preemptions[rid] = self._preemptions.get(rid, 0) + 1
+            if isinstance(d, SwapOut) and rid not in self._started:
+                d = Evict(rid, load.name)  # not running yet: no KV cache to swap
+            if isinstance(d, SwapOut):
+                self._swapped.setdefault(load.name, {})[rid] = running.pop(rid)
+            out.append(d)
+        return out

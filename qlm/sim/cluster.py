@@ -130,6 +130,8 @@ class ClusterSimulation:
         self.observer = observer
         self.engines = build_engines(instances, catalog=catalog, config_overrides=engine_config)
         self._index = {e.name: i for i, e in enumerate(self.engines)}
+        cat = catalog or default_catalog()
+        self._host_link_gbs = [cat.gpu(spec.gpu).host_link_gbs for spec in self.specs]
         self.clock = VirtualClock()
         self.memory = MemoryTimeline([e.name for e in self.engines], bin_s=memory_bin_s)
         self._heap: list[tuple[float, int, int, int]] = []
@@ -139,6 +141,7 @@ class ClusterSimulation:
         self._pending: dict[str, Request] = {}  # given to the policy, not pulled yet
         self._arrived: list[Request] = []  # to hand to the policy at the next step
         self._completions: list[Completion] = []
+        self._started: list[str] = []
         self._outstanding = [0] * len(self.engines)
         self._outstanding_tokens = [0] * len(self.engines)
         self._finished = 0
@@ -233,6 +236,7 @@ class ClusterSimulation:
             return False
         kind = ev.kind
         if kind is EventKind.SCHEDULED:
+            self._started.append(ev.request_id)
             if track.scheduled_s is None:
                 track.scheduled_s = ev.time
             track.status = RequestStatus.RUNNING
@@ -271,10 +275,12 @@ class ClusterSimulation:
     def _control(self, now: float) -> None:
         arrived, self._arrived = self._arrived, []
         finished, self._completions = self._completions, []
+        started, self._started = self._started, []
         ctx = DispatchContext(
             now=now,
             arrived=tuple(arrived),
             finished=tuple(finished),
+            started=tuple(started),
             generated=tuple(
                 (r.id, self._tracks[r.id].output_tokens)
                 for r in arrived
@@ -291,6 +297,8 @@ class ClusterSimulation:
                     gpu=spec.gpu,
                     gpu_count=spec.gpu_count,
                     active_model=self.engines[i].active_model,
+                    host_link_gbs=self._host_link_gbs[i],
+                    swap_free_gb=self.engines[i].swap_free_gb(),
                 )
                 for i, spec in enumerate(self.specs)
             ),
@@ -341,7 +349,11 @@ class ClusterSimulation:
             self._pending[track.request.id] = track.request
             self._arrived.append(track.request)
         elif isinstance(decision, SwapOut):
-            engine.swap_out(decision.request_id, now)
+            try:
+                engine.swap_out(decision.request_id, now)
+            except EngineError:  # not running (yet or any more), or no swap space: evict
+                self._apply(Evict(decision.request_id, decision.instance), now)
+                return
         elif isinstance(decision, SwapIn):
             engine.swap_in(decision.request_id, now)
         elif isinstance(decision, SetModelTier):

@@ -1,0 +1,19 @@
+"""Per-instance agents: pure decisions that turn a virtual queue into serving operations (§5)."""
+
+from qlm.agents.decide import (
+    AgentConfig,
+    HeadGroup,
+    InstanceCosts,
+    RunningRequest,
+    make_room,
+    prefers_swap,
+)
+
+__all__ = [
+    "AgentConfig",
+    "HeadGroup",
+    "InstanceCosts",
+    "RunningRequest",
+    "make_room",
+    "prefers_swap",
+]

@@ -1,0 +1,137 @@
+"""The agent's preemptive operations: when it makes room, whom it preempts, swap or evict."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from builders import make_catalog, make_profile, make_request
+
+from qlm.agents import (
+    AgentConfig,
+    HeadGroup,
+    InstanceCosts,
+    RunningRequest,
+    make_room,
+    prefers_swap,
+)
+from qlm.domain import SLO, Evict, InstanceSpec, RequestStatus, SwapOut, Tier
+from qlm.planner import PlannerConfig, QlmPolicy
+from qlm.rct.output_model import NIG
+from qlm.sim.cluster import ClusterSimulation
+
+ON = AgentConfig(evict=True, swap=True, min_victim_slack_s=1.0, resume_delay_s=1.0)
+COSTS = InstanceCosts(
+    kv_bytes_per_token=131072,
+    host_link_gbs=25.0,
+    swap_free_gb=64.0,
+    prefill_base_s=0.01,
+    prefill_per_token_s=6e-5,
+)
+
+
+def running(i: int, deadline_s: float, remaining_s: float = 30.0, **kw: object) -> RunningRequest:
+    req = make_request(i, arrival_s=0.0, slo=SLO(deadline_s), input_tokens=1000)
+    return RunningRequest(req, generated=100, remaining_s=remaining_s, **kw)  # type: ignore[arg-type]
+
+
+# Outputs of ~1,800 tokens expected (log-mean 7.5): the agent knows the batch will run long.
+LONG_OUTPUTS = dataclasses.replace(
+    make_profile(), output_priors={"default": NIG(mu=7.5, kappa=20.0, alpha=11.0, beta=5.0)}
+)
+HEAD = HeadGroup("g1", deadline_s=20.0, waiting=2, service_s=5.0)
+
+
+def test_no_preemption_when_there_is_room_or_a_slot_frees_in_time() -> None:
+    batch = [running(0, 300.0), running(1, 300.0)]
+    assert make_room(0.0, "i0", HEAD, 2, batch, COSTS, ON) == []
+    soon = [running(0, 300.0, remaining_s=3.0), running(1, 300.0)]
+    assert make_room(0.0, "i0", HEAD, 0, soon, COSTS, ON) == []
+
+
+def test_no_preemption_for_a_head_that_cannot_be_saved() -> None:
+    hopeless = dataclasses.replace(HEAD, deadline_s=4.0)
+    assert make_room(0.0, "i0", hopeless, 0, [running(0, 300.0)], COSTS, ON) == []
+
+
+def test_preempts_the_least_urgent_with_enough_slack_as_many_as_needed() -> None:
+    batch = [running(0, 300.0), running(1, 200.0), running(2, 15.0), running(3, 35.0)]
+    out = make_room(0.0, "i0", HEAD, 0, batch, COSTS, ON)
+    # r0002 is more urgent than the head, r0003 would miss after a resume: r0000, then r0001.
+    assert [d.request_id for d in out] == ["r0000", "r0001"]
+    assert all(d.instance == "i0" for d in out)
+
+
+def test_a_request_is_preempted_at_most_max_preemptions_times() -> None:
+    out = make_room(0.0, "i0", HEAD, 1, [running(0, 300.0, preemptions=1)], COSTS, ON)
+    assert out == []
+
+
+@pytest.mark.parametrize(
+    ("link_gbs", "swap"),
+    [(25.0, True), (0.5, False), (0.0, False)],  # 2 x 1100 x 128 KiB over 0.5 GB/s > recompute
+)
+def test_swap_is_chosen_exactly_when_it_is_cheaper_than_recompute(
+    link_gbs: float, swap: bool
+) -> None:
+    costs = dataclasses.replace(COSTS, host_link_gbs=link_gbs)
+    assert prefers_swap(costs, 1100) is swap
+    out = make_room(0.0, "i0", HEAD, 1, [running(0, 300.0)], costs, ON)
+    assert [type(d) for d in out] == [SwapOut if swap else Evict]
+
+
+def test_swap_falls_back_to_eviction_when_cpu_swap_space_is_full() -> None:
+    full = dataclasses.replace(COSTS, swap_free_gb=0.01)
+    out = make_room(0.0, "i0", HEAD, 1, [running(0, 300.0)], full, ON)
+    assert [type(d) for d in out] == [Evict]
+    assert make_room(0.0, "i0", HEAD, 1, [running(0, 300.0)], full, AgentConfig()) == []
+
+
+def test_preempted_requests_resume_and_finish_with_their_full_output() -> None:
+    """Long batch requests fill the instance; urgent ones arrive: the agent swaps or evicts
+    batch requests, which later resume (swap in, or re-prefill with their partial output)."""
+    reqs = [
+        make_request(
+            i,
+            arrival_s=0.0,
+            slo=SLO(600.0),
+            tier=Tier.BATCH,
+            replay_output_tokens=2000,
+            max_tokens=2500,
+        )
+        for i in range(4)
+    ] + [
+        make_request(
+            10 + i,
+            arrival_s=2.0,
+            slo=SLO(6.0),
+            tier=Tier.INTERACTIVE,
+            replay_output_tokens=20,
+            max_tokens=50,
+        )
+        for i in range(2)
+    ]
+    results = {}
+    variants = (
+        ("off", AgentConfig()),
+        ("swap", ON),
+        ("evict", dataclasses.replace(ON, swap=False)),
+    )
+    for name, agent in variants:
+        config = PlannerConfig.for_simulation(2000, agent=agent, choose_concurrency=False)
+        policy = QlmPolicy(LONG_OUTPUTS, config=config, measure_solve_time=False)
+        sim = ClusterSimulation(
+            [InstanceSpec("i0", "G", ("m",))],
+            policy,
+            catalog=make_catalog(),
+            engine_config={"max_num_seqs": 4},
+        )
+        results[name] = sim.run(reqs)
+    for name, result in results.items():
+        assert all(r.status is RequestStatus.FINISHED for r in result.records), name
+        assert all(r.output_tokens == r.request.replay_output_tokens for r in result.records), name
+        urgent = [r for r in result.records if r.request.tier is Tier.INTERACTIVE]
+        assert all(r.slo_met for r in urgent) is (name != "off"), name
+    assert sum(r.swaps for r in results["swap"].records) >= 1
+    assert sum(r.evictions for r in results["evict"].records) >= 1
+    assert sum(r.swaps for r in results["evict"].records) == 0
