@@ -6,6 +6,7 @@ from qlm.agents.decide import (
     InstanceCosts,
     RunningRequest,
     make_room,
+    plan_tiers,
     prefers_swap,
 )
 
@@ -15,5 +16,6 @@ __all__ = [
     "InstanceCosts",
     "RunningRequest",
     "make_room",
+    "plan_tiers",
     "prefers_swap",
 ]

@@ -18,17 +18,20 @@ clock, no engine; the controller gives the view and applies the decisions.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from qlm.domain import Evict, Request, SwapOut
+from qlm.domain import Evict, ModelTier, Request, SetModelTier, SwapOut
 
 GB = 1e9
 
 
 @dataclass(frozen=True, slots=True)
 class AgentConfig:
-    """Which preemptive operations the agent may use and how cautiously. Both are off by default
+    """Which operations the agent may use and how cautiously. ``warm_start``: choose model tiers
+    from the virtual queue (``plan_tiers``) and switch models only when told to (off: the engine
+    switches on its own, first come first served, as a multi-model vLLM host without QLM would).
+    Eviction and swap are off by default
     for now: on W_B at 1.8× the Azure-conv rate on one A100 (600 s) QLM attains 87.3 % without
     them, 85.9 % with swap and eviction and 80.2 % with eviction alone — interactive requests miss
     there because decoding in a full batch is slow, not because they wait for a slot, so preempting
@@ -37,6 +40,7 @@ class AgentConfig:
 
     evict: bool = False
     swap: bool = False
+    warm_start: bool = True
     max_preemptions: int = 1
     min_victim_slack_s: float = 10.0
     resume_delay_s: float = 10.0
@@ -128,3 +132,44 @@ def make_room(
         elif config.evict:
             decisions.append(Evict(victim.request.id, instance))
     return decisions
+
+
+def plan_tiers(
+    instance: str,
+    queue_models: Sequence[str],
+    tiers: Mapping[str, ModelTier],
+    weights_gb: Mapping[str, float],
+    cpu_budget_gb: float,
+) -> list[SetModelTier]:
+    """Model warm start (§5): the head group's model active; the models of the groups after it,
+    in virtual-queue order, warm in CPU memory while ``cpu_budget_gb`` lasts, then the models no
+    group needs now while memory is left; the rest cold.
+    ``queue_models``: the model of each group in queue order (repeats allowed). Returns only the
+    changes: demotions first (they free CPU memory), then warm-ups, then the head's activation.
+    The model active now is left to the engine, which offloads it when the head's model loads."""
+    if not queue_models:
+        return []
+    head = queue_models[0]
+    warm: set[str] = set()
+    left = cpu_budget_gb
+    # Queue order first; then, while memory is left, the other models (warm ones first: keeping
+    # them costs nothing, and the next arrival may need one).
+    others = sorted((m for m in tiers if m not in queue_models), key=lambda m: (tiers[m], m))
+    for m in (*dict.fromkeys(queue_models[1:]), *others):
+        fits = weights_gb.get(m, float("inf")) <= left
+        if fits and m != head and m in tiers and tiers[m] is not ModelTier.ACTIVE:
+            warm.add(m)
+            left -= weights_gb[m]
+    changes = [
+        SetModelTier(instance, m, ModelTier.COLD)
+        for m, t in sorted(tiers.items())
+        if t is ModelTier.WARM and m not in warm and m != head
+    ]
+    changes += [
+        SetModelTier(instance, m, ModelTier.WARM)
+        for m in sorted(warm)
+        if tiers[m] is ModelTier.COLD
+    ]
+    if tiers.get(head) is not ModelTier.ACTIVE:
+        changes.append(SetModelTier(instance, head, ModelTier.ACTIVE))
+    return changes

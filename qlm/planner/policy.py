@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from qlm.domain import Decision, Request
+from qlm.domain import Decision, ModelTier, Request
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +40,9 @@ class InstanceLoad:
     up: bool = True
     host_link_gbs: float = 0.0  # GPU <-> CPU copy bandwidth, one way; 0: no KV swap
     swap_free_gb: float = 0.0  # CPU swap space left for KV caches
+    model_tiers: tuple[tuple[str, ModelTier], ...] = ()  # where each model's weights are
+    model_weights_gb: tuple[tuple[str, float], ...] = ()
+    cpu_cache_gb: float = 0.0  # CPU memory for warm models' weights
 
 
 @dataclass(frozen=True, slots=True)

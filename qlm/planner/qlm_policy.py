@@ -22,8 +22,15 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from qlm.agents.decide import AgentConfig, HeadGroup, InstanceCosts, RunningRequest, make_room
-from qlm.domain import Decision, Evict, Pull, Request, SwapIn, SwapOut, Tier
+from qlm.agents.decide import (
+    AgentConfig,
+    HeadGroup,
+    InstanceCosts,
+    RunningRequest,
+    make_room,
+    plan_tiers,
+)
+from qlm.domain import Decision, Evict, ModelTier, Pull, Request, SwapIn, SwapOut, Tier
 from qlm.groups import Grouper, GroupingConfig
 from qlm.planner.policy import DispatchContext, InstanceLoad, has_room, prompt_tokens
 from qlm.planner.program import FloatArray, PlanGroup, PlanInstance, PlanProblem, score_queue
@@ -221,6 +228,8 @@ class QlmPolicy:
         measure_solve_time: bool = True,
     ) -> None:
         self.config = config or PlannerConfig()
+        # The agents switch models themselves (warm start), so engines must not switch on their own.
+        self.model_switching = "explicit" if self.config.agent.warm_start else "fcfs"
         self.estimator = RCTEstimator(profile or default_profile())
         self.grouper = Grouper(grouping or DEFAULT_GROUPING)
         self.queues = VirtualQueueSet(self.grouper)
@@ -241,6 +250,7 @@ class QlmPolicy:
         self._started: set[str] = set()  # in flight and running in the engine (KV allocated)
         self._swapped: dict[str, dict[str, _Inflight]] = {}  # per instance, KV in CPU memory
         self._preemptions: dict[str, int] = {}
+        self._asked_active: dict[str, str] = {}  # model each instance was told to activate
         self._first_arrival_s = math.inf
 
     # --- the step --------------------------------------------------------------------------------
@@ -568,7 +578,38 @@ class QlmPolicy:
                 decisions.append(Pull(req.id, inst.name))
             free = max(0, inst.max_running - inst.outstanding_requests - count)
             decisions.extend(self._make_room(now, load, free))
+            if self.config.agent.warm_start and len(load.models) > 1:
+                decisions.extend(self._tiers(load))
         return decisions
+
+    def _tiers(self, load: InstanceLoad) -> list[Decision]:
+        """Warm start: model tiers from the virtual queue's order, behind the requests already
+        sent that have not started (the oldest one's model first: a request waiting in the engine
+        for a model that is switched away would wait for its return)."""
+        models = [self.grouper.group(g).model for g in self.queues.queue(load.name)]
+        tiers = dict(load.model_tiers)
+        waiting = [  # sent, not started: they run before anything still in the queue
+            x
+            for x in self._inflight.get(load.name, {}).values()
+            if x.request.id not in self._started
+        ]
+        if waiting:
+            oldest = min(waiting, key=lambda x: (x.pulled_s, x.request.arrival_s, x.request.id))
+            models = [oldest.request.model, *models]
+        changes = plan_tiers(
+            load.name, models, tiers, dict(load.model_weights_gb), load.cpu_cache_gb
+        )
+        asked = self._asked_active.get(load.name)
+        out: list[Decision] = []
+        for c in changes:
+            if c.tier is ModelTier.ACTIVE:
+                if asked == c.model:
+                    continue  # already switching to it
+                self._asked_active[load.name] = c.model
+            out.append(c)
+        if tiers.get(asked or "") is ModelTier.ACTIVE:
+            self._asked_active.pop(load.name, None)
+        return out
 
     def _make_room(self, now: float, load: InstanceLoad, free: int) -> list[Decision]:
         gid = self.queues.head_group(load.name)

@@ -128,7 +128,11 @@ class ClusterSimulation:
         self.specs = tuple(instances)
         self.policy = policy
         self.observer = observer
-        self.engines = build_engines(instances, catalog=catalog, config_overrides=engine_config)
+        overrides = dict(engine_config or {})
+        switching = getattr(policy, "model_switching", None)  # a policy that switches models itself
+        if switching is not None:
+            overrides.setdefault("model_switching", switching)
+        self.engines = build_engines(instances, catalog=catalog, config_overrides=overrides)
         self._index = {e.name: i for i, e in enumerate(self.engines)}
         cat = catalog or default_catalog()
         self._host_link_gbs = [cat.gpu(spec.gpu).host_link_gbs for spec in self.specs]
@@ -299,6 +303,11 @@ class ClusterSimulation:
                     active_model=self.engines[i].active_model,
                     host_link_gbs=self._host_link_gbs[i],
                     swap_free_gb=self.engines[i].swap_free_gb(),
+                    model_tiers=tuple(self.engines[i].tiers.items()),
+                    model_weights_gb=tuple(
+                        (m, pm.model.weights_gb) for m, pm in self.engines[i].perf_models.items()
+                    ),
+                    cpu_cache_gb=self.engines[i].config.cpu_model_cache_gb,
                 )
                 for i, spec in enumerate(self.specs)
             ),

@@ -1,4 +1,4 @@
-"""The agent's preemptive operations: when it makes room, whom it preempts, swap or evict."""
+"""The agent's operations: when it makes room, whom it preempts, swap or evict, model tiers."""
 
 from __future__ import annotations
 
@@ -13,9 +13,19 @@ from qlm.agents import (
     InstanceCosts,
     RunningRequest,
     make_room,
+    plan_tiers,
     prefers_swap,
 )
-from qlm.domain import SLO, Evict, InstanceSpec, RequestStatus, SwapOut, Tier
+from qlm.domain import (
+    SLO,
+    Evict,
+    InstanceSpec,
+    ModelTier,
+    RequestStatus,
+    SetModelTier,
+    SwapOut,
+    Tier,
+)
 from qlm.planner import PlannerConfig, QlmPolicy
 from qlm.rct.output_model import NIG
 from qlm.sim.cluster import ClusterSimulation
@@ -135,3 +145,48 @@ def test_preempted_requests_resume_and_finish_with_their_full_output() -> None:
     assert sum(r.swaps for r in results["swap"].records) >= 1
     assert sum(r.evictions for r in results["evict"].records) >= 1
     assert sum(r.swaps for r in results["evict"].records) == 0
+
+
+def test_tiers_follow_the_virtual_queue_within_the_cpu_budget() -> None:
+    tiers = {"a": ModelTier.ACTIVE, "b": ModelTier.COLD, "c": ModelTier.WARM, "d": ModelTier.COLD}
+    sizes = {"a": 16.0, "b": 16.0, "c": 26.0, "d": 16.0}
+    # Queue: b, d, b, c — b becomes active; d warm (16 GB of the 20 GB budget); c no longer fits.
+    out = plan_tiers("i0", ["b", "d", "b", "c"], tiers, sizes, cpu_budget_gb=20.0)
+    assert out == [
+        SetModelTier("i0", "c", ModelTier.COLD),
+        SetModelTier("i0", "d", ModelTier.WARM),
+        SetModelTier("i0", "b", ModelTier.ACTIVE),
+    ]
+    settled = {"a": ModelTier.WARM, "b": ModelTier.ACTIVE, "c": ModelTier.COLD, "d": ModelTier.WARM}
+    assert plan_tiers("i0", ["b", "d"], settled, sizes, cpu_budget_gb=20.0) == [
+        SetModelTier("i0", "a", ModelTier.COLD)
+    ]
+    assert plan_tiers("i0", [], tiers, sizes, cpu_budget_gb=20.0) == []
+
+
+def test_warm_start_switches_models_itself_and_leaves_no_request_behind() -> None:
+    """Two models on one instance; the engine only switches when the agent says so (explicit),
+    so a request sent for a model that is then switched away must still be served."""
+    reqs = [
+        make_request(
+            i,
+            model="m" if i % 3 else "n",
+            arrival_s=0.2 * i,
+            slo=SLO(30.0 if i % 2 else 120.0),
+            replay_output_tokens=30 + 7 * (i % 5),
+        )
+        for i in range(60)
+    ]
+    config = PlannerConfig.for_simulation(2000, choose_concurrency=False)
+    policy = QlmPolicy(make_profile(), config=config, measure_solve_time=False)
+    assert policy.model_switching == "explicit"
+    sim = ClusterSimulation(
+        [InstanceSpec("i0", "G", ("m", "n"))],
+        policy,
+        catalog=make_catalog(),
+        engine_config={"max_num_seqs": 4},
+    )
+    result = sim.run(reqs)
+    assert all(r.status is RequestStatus.FINISHED for r in result.records)
+    assert sim.engines[0].config.model_switching == "explicit"
+    assert result.summary["model_switches"] >= 1
