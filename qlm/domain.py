@@ -216,6 +216,7 @@ class RequestRecord:
     evictions: int = 0
     swaps: int = 0
     status: RequestStatus = RequestStatus.QUEUED
+    failovers: int = 0  # times an instance running it failed (it resumed elsewhere or later)
 
     @property
     def e2e_s(self) -> float | None:

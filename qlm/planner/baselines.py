@@ -39,14 +39,17 @@ class FcfsDispatch:
         self.dispatch = dispatch
         self.name = "fcfs" if dispatch == "least-loaded" else "fcfs-rr"
         self._next: dict[str, int] = {}
+        self._held: list[Request] = []  # no instance up serves them yet
 
     def decide(self, ctx: DispatchContext) -> list[Decision]:
         decisions: list[Decision] = []
         added: dict[str, int] = {}
-        for req in ctx.arrived:
-            able = [i for i in ctx.instances if req.model in i.models]
+        waiting, self._held = [*self._held, *ctx.arrived], []
+        for req in waiting:
+            able = [i for i in ctx.instances if req.model in i.models and i.up]
             if not able:
-                continue  # nobody serves this model: it stays pending and the harness reports it
+                self._held.append(req)  # retried when an instance serving it is up
+                continue
             if self.dispatch == "round-robin":
                 k = self._next.get(req.model, 0)
                 target = able[k % len(able)]

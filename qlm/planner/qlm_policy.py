@@ -258,10 +258,16 @@ class QlmPolicy:
     def decide(self, ctx: DispatchContext) -> list[Decision]:
         now = ctx.now
         self._instances = ctx.instances
+        held = set(self.queues.instances())
         for inst in ctx.instances:
-            if inst.name not in self._inflight:
-                self._inflight[inst.name] = {}
+            self._inflight.setdefault(inst.name, {})
+            if inst.up and inst.name not in held:
                 self.queues.add_instance(inst.name)
+            elif not inst.up and inst.name in held:
+                # Fault isolation: its groups go back to the planner (the trigger "instances"
+                # re-plans them onto the others); its requests come back through ``arrived``.
+                self.queues.drop_instance(inst.name)
+                self._batch.pop(inst.name, None)
         self._started.update(ctx.started)
         for done in ctx.finished:
             self._inflight.get(done.instance, {}).pop(done.request.id, None)
@@ -308,13 +314,13 @@ class QlmPolicy:
         if not len(self.grouper):
             self._up = up
             return ""
+        if up != self._up:
+            return "instances"  # a failure or a join is acted on at once
         gap = self.config.min_interval_s
         if self._measure:
             gap = max(gap, self.config.keep_up * self._last_solve_s)
         if now - self._last_plan_s < gap:
             return ""
-        if up != self._up:
-            return "instances"
         if any(not self.queues.queue(i.name) for i in self._instances if i.up) and any(
             self.queues.queue(i.name) for i in self._instances
         ):

@@ -46,6 +46,19 @@ class SimObserver(Protocol):
     def on_finish(self, record: RequestRecord) -> None: ...
 
 
+@dataclass(frozen=True, slots=True)
+class Outage:
+    """Instance ``instance`` fails at ``fail_s`` and is healthy again at ``recover_s``."""
+
+    instance: str
+    fail_s: float
+    recover_s: float
+
+    def __post_init__(self) -> None:
+        if not self.recover_s > self.fail_s >= 0:
+            raise ConfigError(f"outage of {self.instance}: need 0 <= fail_s < recover_s")
+
+
 @dataclass(slots=True)
 class _Track:
     """Mutable measurements of one request during a run."""
@@ -60,6 +73,7 @@ class _Track:
     preemptions: int = 0
     evictions: int = 0
     swaps: int = 0
+    failovers: int = 0  # times the instance running it failed
     status: RequestStatus = RequestStatus.QUEUED
     error: str = ""
 
@@ -76,6 +90,7 @@ class _Track:
             evictions=self.evictions,
             swaps=self.swaps,
             status=self.status,
+            failovers=self.failovers,
         )
 
 
@@ -146,12 +161,20 @@ class ClusterSimulation:
         self._arrived: list[Request] = []  # to hand to the policy at the next step
         self._completions: list[Completion] = []
         self._started: list[str] = []
+        self._up = [True] * len(self.engines)
         self._outstanding = [0] * len(self.engines)
         self._outstanding_tokens = [0] * len(self.engines)
         self._finished = 0
 
-    def run(self, requests: Sequence[Request], progress: ProgressFn | None = None) -> SimResult:
-        """Replay ``requests`` (any order; sorted by arrival) until every one has finished."""
+    def run(
+        self,
+        requests: Sequence[Request],
+        progress: ProgressFn | None = None,
+        *,
+        outages: Sequence[Outage] = (),
+    ) -> SimResult:
+        """Replay ``requests`` (any order; sorted by arrival) until every one has finished.
+        ``outages``: instances that fail at a time and come back later (fault isolation)."""
         served = {m for spec in self.specs for m in spec.models}
         missing = sorted({r.model for r in requests} - served)
         if missing:
@@ -169,12 +192,24 @@ class ClusterSimulation:
                 ordered[0].arrival_s, [e.gpu_memory_used_fraction() for e in self.engines]
             )
         step_progress = max(1, total // 200)
-        while ai < total or self._heap:
+        events = sorted(
+            [(o.fail_s, o.instance, False) for o in outages]
+            + [(o.recover_s, o.instance, True) for o in outages]
+        )
+        for _, name, _ in events:
+            if name not in self._index:
+                raise ConfigError(f"outage of unknown instance {name!r}")
+        while ai < total or self._heap or events:
             t_engine, idx = self._peek_engine()
-            if idx < 0 and ai >= total:
+            if idx < 0 and ai >= total and not events:
                 break  # only stale wake-ups were left
             t_arrival = ordered[ai].arrival_s if ai < total else math.inf
-            if t_engine < t_arrival:  # on a tie, arrivals first: they join the next step
+            if events and events[0][0] <= min(t_engine, t_arrival):
+                t_event, name, recovers = events.pop(0)
+                self.clock.advance_to(t_event)
+                self._set_up(self._index[name], recovers, t_event)
+                self._control(t_event)
+            elif t_engine < t_arrival:  # on a tie, arrivals first: they join the next step
                 heapq.heappop(self._heap)
                 self.clock.advance_to(t_engine)
                 self._on_engine(idx, t_engine)
@@ -213,6 +248,24 @@ class ClusterSimulation:
                 return t, idx
             heapq.heappop(heap)
         return math.inf, -1
+
+    def _set_up(self, idx: int, up: bool, now: float) -> None:
+        """An instance fails (every request on it goes back to the policy with the output it had
+        streamed, as an agent holding the broken streams would) or comes back empty."""
+        engine = self.engines[idx]
+        if not up:
+            for rid, _, _ in engine.queue_view(now):
+                generated = engine.abort(rid, now)
+                track = self._tracks[rid]
+                self._outstanding[idx] -= 1
+                self._outstanding_tokens[idx] -= self._work_tokens(track.request)
+                track.output_tokens += generated
+                track.failovers += 1
+                track.status = RequestStatus.QUEUED
+                self._pending[rid] = track.request
+                self._arrived.append(track.request)
+        self._up[idx] = up
+        self._wake(idx)
 
     def _wake(self, idx: int) -> None:
         """(Re)schedule an engine's next wake-up; older entries become stale."""
@@ -308,6 +361,7 @@ class ClusterSimulation:
                         (m, pm.model.weights_gb) for m, pm in self.engines[i].perf_models.items()
                     ),
                     cpu_cache_gb=self.engines[i].config.cpu_model_cache_gb,
+                    up=self._up[i],
                 )
                 for i, spec in enumerate(self.specs)
             ),
@@ -321,6 +375,10 @@ class ClusterSimulation:
         if idx is None:
             raise ConfigError(f"policy {self.policy.name} named unknown instance {decision!r}")
         engine = self.engines[idx]
+        if not self._up[idx]:
+            raise ConfigError(
+                f"policy {self.policy.name} acted on {decision.instance}, which is down"
+            )
         if isinstance(decision, Pull):
             req = self._pending.pop(decision.request_id)
             track = self._tracks[req.id]

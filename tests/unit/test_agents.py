@@ -26,9 +26,9 @@ from qlm.domain import (
     SwapOut,
     Tier,
 )
-from qlm.planner import PlannerConfig, QlmPolicy
+from qlm.planner import PlannerConfig, QlmPolicy, create_policy
 from qlm.rct.output_model import NIG
-from qlm.sim.cluster import ClusterSimulation
+from qlm.sim.cluster import ClusterSimulation, Outage
 
 ON = AgentConfig(evict=True, swap=True, min_victim_slack_s=1.0, resume_delay_s=1.0)
 COSTS = InstanceCosts(
@@ -190,3 +190,27 @@ def test_warm_start_switches_models_itself_and_leaves_no_request_behind() -> Non
     assert all(r.status is RequestStatus.FINISHED for r in result.records)
     assert sim.engines[0].config.model_switching == "explicit"
     assert result.summary["model_switches"] >= 1
+
+
+@pytest.mark.parametrize("name", ["qlm", "fcfs", "edf", "priority", "proserve"])
+def test_a_failed_instance_loses_no_request(name: str) -> None:
+    """i0 fails mid-run and comes back later: its requests resume elsewhere (or on it) with the
+    output they had, nothing is sent to it while it is down, and every request finishes."""
+    reqs = [
+        make_request(i, arrival_s=0.1 * i, slo=SLO(60.0), replay_output_tokens=200, max_tokens=300)
+        for i in range(40)
+    ]
+    planner = PlannerConfig.for_simulation(2000)
+    policy = create_policy(name, profile=make_profile(), planner=planner)
+    sim = ClusterSimulation(
+        [InstanceSpec("i0", "G", ("m",)), InstanceSpec("i1", "G", ("m",))],
+        policy,
+        catalog=make_catalog(),
+        engine_config={"max_num_seqs": 4},
+    )
+    result = sim.run(reqs, outages=[Outage("i0", fail_s=1.0, recover_s=8.0)])
+    assert all(r.status is RequestStatus.FINISHED for r in result.records)
+    assert all(r.output_tokens == 200 for r in result.records)
+    moved = [r for r in result.records if r.failovers]
+    assert moved  # i0 was running something when it failed
+    assert all(r.finish_s is not None and r.finish_s > 1.0 for r in moved)
