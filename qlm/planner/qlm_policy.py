@@ -288,8 +288,8 @@ class QlmPolicy:
                 if not self._arrivals:
                     self._first_arrival_s = min(self._first_arrival_s, now)
                 self._arrivals.append((now, req))
-            for held in (*self._inflight.values(), *self._swapped.values()):
-                held.pop(req.id, None)  # an evicted request comes back
+            for sent in (*self._inflight.values(), *self._swapped.values()):
+                sent.pop(req.id, None)  # an evicted request comes back
             self._started.discard(req.id)
             if generated.get(req.id):
                 self._generated[req.id] = generated[req.id]
