@@ -659,10 +659,12 @@ class QlmPolicy:
         out: list[Decision] = []
         for d in make_room(now, load.name, head, free, views, costs, self.config.agent):
             rid = d.request_id
-            self._preemptions[rid] = self._preemptions.get(rid, 0) + 1
             if isinstance(d, SwapOut) and rid not in self._started:
+                if not self.config.agent.evict:
+                    continue  # not running yet: no KV cache to swap, and eviction is off
                 d = Evict(rid, load.name)  # not running yet: no KV cache to swap
             if isinstance(d, SwapOut):
                 self._swapped.setdefault(load.name, {})[rid] = running.pop(rid)
+            self._preemptions[rid] = self._preemptions.get(rid, 0) + 1
             out.append(d)
         return out
