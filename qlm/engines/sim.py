@@ -302,8 +302,15 @@ class SimEngine:
         self._kick(now)
 
     def swap_in(self, request_id: str, now: float) -> None:
-        """Bring a swapped-out request back; it resumes as soon as its blocks fit."""
+        """Bring a swapped-out request back; it resumes as soon as its blocks fit. A swap-out
+        still waiting for the iteration boundary is cancelled instead (it never left)."""
         seq = self._require(request_id)
+        if seq in self._swap_out_pending:
+            self._sync(now)
+            if seq in self._swap_out_pending:
+                self._swap_out_pending.remove(seq)
+                self._kick(now)
+                return
         if seq.rid not in self.swapped:
             raise EngineError(f"{self.name}: request {request_id!r} is not swapped out")
         if seq.model != self.active_model:

@@ -197,6 +197,29 @@ def test_swap_out_pauses_a_request_and_swap_in_resumes_it_without_recompute() ->
     assert fin[0].time == pytest.approx(expected)
 
 
+def test_swap_in_before_the_swap_out_happened_cancels_it() -> None:
+    engine = make_engine()
+    engine.submit(req("a", prompt=1000, out=50), now=0.0)
+    engine.advance(0.0)
+    t = engine.next_event_time()
+    assert t is not None
+    engine.advance(t)
+    engine.swap_out("a", now=t)
+    engine.swap_in("a", now=t)  # the agent changed its mind before the iteration boundary
+    events = run_to_end(engine)
+    kinds = [e.kind for e in events]
+    assert EventKind.SWAPPED_OUT not in kinds and EventKind.SWAPPED_IN not in kinds
+    assert [e.tokens for e in events if e.kind is EventKind.FINISHED] == [50]
+
+
+def test_swap_in_of_a_request_that_was_never_swapped_out_is_an_error() -> None:
+    engine = make_engine()
+    engine.submit(req("a", prompt=100, out=50), now=0.0)
+    engine.advance(0.0)
+    with pytest.raises(EngineError, match="not swapped out"):
+        engine.swap_in("a", now=0.0)
+
+
 def test_model_switch_costs_the_warm_or_cold_load_time() -> None:
     perf = {"a": make_perf("a"), "b": make_perf("b"), "c": make_perf("c")}
     tiers = {"a": ModelTier.ACTIVE, "b": ModelTier.WARM, "c": ModelTier.COLD}
