@@ -618,9 +618,11 @@ class QlmPolicy:
         return out
 
     def _make_room(self, now: float, load: InstanceLoad, free: int) -> list[Decision]:
+        if not (self.config.agent.evict or self.config.agent.swap):
+            return []
         gid = self.queues.head_group(load.name)
         running = self._inflight.get(load.name, {})
-        if gid is None or not running:
+        if gid is None or not running or self.grouper.group(gid).size <= free:
             return []
         group = self.grouper.group(gid)
         nxt = group.requests[0]
