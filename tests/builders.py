@@ -58,10 +58,10 @@ def make_request(i: int = 0, **overrides: Any) -> Request:
     return Request(**fields)
 
 
-def make_profile(**overrides: Any) -> RctProfile:
-    """An RCT profile for model ``m`` on GPU ``G`` (the test catalog), outputs of ~70 tokens."""
+def make_hardware(model: str = "m", **overrides: Any) -> HardwareProfile:
+    """A hand-made RCT profile of ``model`` on one GPU ``G``: round numbers, every term distinct."""
     fields: dict[str, Any] = {
-        "model": "m",
+        "model": model,
         "gpu": "G",
         "gpu_count": 1,
         "prefill_base_s": 0.02,
@@ -79,8 +79,13 @@ def make_profile(**overrides: Any) -> RctProfile:
         "cold_load_s": 12.0,
     }
     fields.update(overrides)
-    hw = HardwareProfile(**fields)
-    second = HardwareProfile(**(fields | {"model": "n"}))
+    return HardwareProfile(**fields)
+
+
+def make_profile(**overrides: Any) -> RctProfile:
+    """An RCT profile for models ``m`` and ``n`` on GPU ``G`` (the test catalog), outputs of ~70
+    tokens."""
+    hw, second = make_hardware("m", **overrides), make_hardware("n", **overrides)
     return RctProfile(
         hardware={hw.key: hw, second.key: second},
         output_priors={"default": NIG(mu=4.0, kappa=20.0, alpha=11.0, beta=5.0)},

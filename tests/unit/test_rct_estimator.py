@@ -18,34 +18,15 @@ from qlm.rct.estimator import Estimate, InstanceView, Queued, RCTEstimator
 from qlm.rct.output_model import NIG
 from qlm.rct.profile import HardwareProfile, RctProfile, dump_profile, parse_profile
 from qlm.rct.profiling import profile_sim_hardware
-from tests.builders import make_request
+from tests.builders import make_hardware, make_request
 
 NOW = 100.0
 PRIOR = NIG(mu=4.0, kappa=20.0, alpha=11.0, beta=5.0)  # outputs of ~70 tokens
 
 
 def hardware(model: str = "m", **overrides: Any) -> HardwareProfile:
-    """A hand-made profile of ``model`` on one GPU ``G``: round numbers, every term distinct."""
-    fields: dict[str, Any] = {
-        "model": model,
-        "gpu": "G",
-        "gpu_count": 1,
-        "prefill_base_s": 0.02,
-        "prefill_per_token_s": 1e-4,
-        "input_token_work_s": 5e-5,
-        "throughput_tps": 2000.0,
-        "decode_per_token_s": 0.03,
-        "decode_alone_s": 0.01,
-        "inefficiency": 1.2,
-        "saturation_batch": 8.0,
-        "max_num_seqs": 8,
-        "kv_bytes_per_token": 131072,
-        "kv_capacity_tokens": 100_000,
-        "warm_load_s": 1.5,
-        "cold_load_s": 12.0,
-    }
-    fields.update(overrides)
-    return HardwareProfile(**fields)
+    """The builders' hand-made profile with an inefficiency ε of 1.2 (so ε shows in results)."""
+    return make_hardware(model, **({"inefficiency": 1.2} | overrides))
 
 
 def estimator(**overrides: Any) -> RCTEstimator:
