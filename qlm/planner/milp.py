@@ -23,6 +23,7 @@ given plan, under a time limit.
 
 from __future__ import annotations
 
+import math
 import warnings
 from typing import Any, Literal
 
@@ -269,10 +270,15 @@ def solve_milp(
     if plan is None:
         return None
     optimal = pulp.LpStatus[status] == "Optimal" and lp.sol_status == pulp.LpSolutionOptimal
-    gap = None
-    if not optimal:
-        bound = getattr(lp, "bestBound", None)
-        value = pulp.value(lp.objective)
-        if bound is not None and value:
-            gap = abs(value - bound) / max(abs(value), 1e-9)
+    gap = 0.0 if optimal else _relative_gap(lp)
     return plan, "optimal" if optimal else "feasible", gap
+
+
+def _relative_gap(lp: pulp.LpProblem) -> float | None:
+    """The MIP gap the solver reached, where it reports one: HiGHS does (through its model);
+    PuLP's CBC interface reads only the solution file, which has no bound."""
+    model = getattr(lp, "solverModel", None)
+    if model is None or not hasattr(model, "getInfo"):
+        return None
+    gap = float(model.getInfo().mip_gap)
+    return gap if math.isfinite(gap) else None

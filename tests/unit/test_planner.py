@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import numpy as np
+import pulp
 import pytest
 
-from qlm.planner.milp import solve_milp
+from qlm.planner.milp import _relative_gap, solve_milp
 from qlm.planner.program import (
     PlanGroup,
     PlanInstance,
@@ -168,3 +169,24 @@ def test_flow_term_serves_more_value_per_second_first() -> None:
     flow = PlanProblem(pr.groups, pr.instances, pr.proc, pr.floor, flow_weight=0.01)
     assert score_queue(flow, 0, [1, 0]).cost < score_queue(flow, 0, [0, 1]).cost
     assert solve(flow, Budget(time_s=None, evaluations=1000, milp_max_groups=0)).plan == ((1, 0),)
+
+
+@pytest.mark.parametrize("solver", ["cbc", "highs"])
+def test_milp_gap_is_zero_when_proved_optimal(solver: str) -> None:
+    small = random_problem(2, 5, seed=1, scenarios=4)
+    result = solve_milp(small, solver=solver)
+    assert result is not None and result[1:] == ("optimal", 0.0)
+
+
+def test_milp_gap_is_read_from_a_solver_that_reports_one() -> None:
+    class Info:
+        mip_gap = 0.25
+
+    class Model:
+        def getInfo(self) -> Info:
+            return Info()
+
+    lp = pulp.LpProblem("p")
+    assert _relative_gap(lp) is None  # CBC through PuLP: no bound in the solution file
+    lp.solverModel = Model()
+    assert _relative_gap(lp) == 0.25
