@@ -31,6 +31,7 @@ from qlm.agents.decide import (
     plan_tiers,
 )
 from qlm.domain import Decision, Evict, ModelTier, Pull, Request, SwapIn, SwapOut, Tier
+from qlm.errors import check_setting
 from qlm.groups import Grouper, GroupingConfig
 from qlm.planner.policy import DispatchContext, InstanceLoad, has_room, prompt_tokens
 from qlm.planner.program import FloatArray, PlanGroup, PlanInstance, PlanProblem, score_queue
@@ -81,15 +82,15 @@ class PlannerConfig:
         return cls(budget=budget, **overrides)  # type: ignore[arg-type]
 
     def __post_init__(self) -> None:
-        if not 0 < self.delta < 1:
-            raise ValueError(f"planner.delta must be in (0, 1), got {self.delta}")
-        if self.scenarios < 1:
-            raise ValueError(f"planner.scenarios must be >= 1, got {self.scenarios}")
-        if self.solver not in ("auto", "cbc", "highs"):
-            raise ValueError(f"planner.solver must be auto, cbc or highs, got {self.solver!r}")
-        for name in ("period_s", "min_interval_s", "check_interval_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"planner.{name} must be > 0, got {getattr(self, name)}")
+        check_setting(0 < self.delta < 1, "planner.delta", "in (0, 1)", self.delta)
+        check_setting(self.scenarios >= 1, "planner.scenarios", ">= 1", self.scenarios)
+        ok = self.solver in ("auto", "cbc", "highs")
+        check_setting(ok, "planner.solver", "auto, cbc or highs", self.solver)
+        for name in ("period_s", "min_interval_s", "check_interval_s", "rate_window_s"):
+            value = getattr(self, name)
+            check_setting(value > 0, f"planner.{name}", "> 0", value)
+        ok = 0 < self.max_utilisation <= 1
+        check_setting(ok, "planner.max_utilisation", "in (0, 1]", self.max_utilisation)
 
 
 @dataclass(frozen=True, slots=True)

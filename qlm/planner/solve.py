@@ -31,6 +31,7 @@ from typing import Literal
 
 import numpy as np
 
+from qlm.errors import check_setting
 from qlm.planner.program import (
     IntArray,
     Plan,
@@ -55,10 +56,10 @@ class Budget:
     max_positions: int = 48
 
     def __post_init__(self) -> None:
-        if self.time_s is not None and not self.time_s > 0:
-            raise ValueError(f"time_s must be > 0, got {self.time_s}")
-        if self.evaluations is not None and self.evaluations < 1:
-            raise ValueError(f"evaluations must be >= 1, got {self.evaluations}")
+        ok = self.time_s is None or self.time_s > 0
+        check_setting(ok, "planner.budget.time_s", "> 0 or unset", self.time_s)
+        ok = self.evaluations is None or self.evaluations >= 1
+        check_setting(ok, "planner.budget.evaluations", ">= 1 or unset", self.evaluations)
 
 
 @dataclass(frozen=True, slots=True)

@@ -123,3 +123,24 @@ def test_decisions_do_not_depend_on_true_output_lengths() -> None:
 
 def test_create_policy_knows_qlm() -> None:
     assert create_policy("qlm", profile=PROFILE).name == "qlm"
+
+
+def test_bad_planner_settings_get_one_line_naming_the_setting() -> None:
+    import re
+
+    import pytest
+
+    from qlm.errors import ConfigError
+    from qlm.planner.solve import Budget
+
+    for kwargs, name in (
+        ({"delta": 1.0}, "planner.delta"),
+        ({"scenarios": 0}, "planner.scenarios"),
+        ({"solver": "gurobi"}, "planner.solver"),
+        ({"period_s": 0.0}, "planner.period_s"),
+        ({"max_utilisation": 1.5}, "planner.max_utilisation"),
+    ):
+        with pytest.raises(ConfigError, match=f"^{re.escape(name)} must be"):
+            PlannerConfig(**kwargs)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"^planner\.budget\.time_s must be"):
+        Budget(time_s=0.0)
