@@ -216,6 +216,10 @@ class PriorityPolicy(QueuedPolicy):
         tiers = self._tiers.get(completion.instance, {})
         tiers.get(int(completion.request.tier), {}).pop(completion.request.id, None)
 
+    def on_return(self, request: Request) -> None:
+        for tiers in self._tiers.values():  # its instance failed: it runs nowhere now
+            tiers.get(int(request.tier), {}).pop(request.id, None)
+
     def pull(self, ctx: DispatchContext, step: Step) -> None:
         super().pull(ctx, step)
         if not self.preempt:
@@ -428,7 +432,14 @@ class ProservePolicy(QueuedPolicy):
         held = self._held.pop(completion.request.id, None)
         if held is None:
             return
-        name = completion.instance
+        self._release(held, completion.instance)
+
+    def on_return(self, request: Request) -> None:
+        held = self._held.pop(request.id, None)  # routed afresh when it is queued again
+        if held is not None:
+            self._release(held, held.instance)
+
+    def _release(self, held: _Held, name: str) -> None:
         self._running_s[name] = self._running_s.get(name, 0.0) - held.exec_s
         if not self.inflight.get(name):
             self._running_s[name] = 0.0

@@ -95,6 +95,10 @@ class QueuedPolicy:
     def on_finish(self, completion: Completion) -> None:
         """Called for each completion, after the in-flight bookkeeping."""
 
+    def on_return(self, request: Request) -> None:
+        """Called for a request that came back from an instance (evicted, or its instance
+        failed), after the in-flight bookkeeping."""
+
     # --- the step --------------------------------------------------------------------------------
 
     def decide(self, ctx: DispatchContext) -> list[Decision]:
@@ -105,6 +109,9 @@ class QueuedPolicy:
             self.on_finish(c)
         generated = dict(ctx.generated)
         for req in ctx.arrived:
+            for sent in self.inflight.values():
+                if sent.pop(req.id, None) is not None:
+                    self.on_return(req)
             self.generated[req.id] = generated.get(req.id, 0)
             self.push(req, self.route(req, ctx), self.key(req, ctx))
         self.refresh(ctx)

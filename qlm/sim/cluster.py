@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from qlm.clock import VirtualClock
+from qlm.controller import Controller, InstanceView
 from qlm.domain import (
     Decision,
     Evict,
@@ -22,16 +24,14 @@ from qlm.domain import (
     Pull,
     Request,
     RequestRecord,
-    RequestStatus,
     SetModelTier,
     SwapIn,
     SwapOut,
 )
-from qlm.engines.base import EngineEvent, EngineRequest, EventKind
 from qlm.engines.perf_model import HardwareCatalog, default_catalog
 from qlm.engines.sim import SimEngine, SimEngineConfig
 from qlm.errors import ConfigError, EngineError
-from qlm.planner.policy import Completion, DispatchContext, InstanceLoad, Policy
+from qlm.planner.policy import Policy
 from qlm.sim.metrics import MemoryTimeline, summarize
 
 ProgressFn = Callable[[int, int], None]
@@ -57,41 +57,6 @@ class Outage:
     def __post_init__(self) -> None:
         if not self.recover_s > self.fail_s >= 0:
             raise ConfigError(f"outage of {self.instance}: need 0 <= fail_s < recover_s")
-
-
-@dataclass(slots=True)
-class _Track:
-    """Mutable measurements of one request during a run."""
-
-    request: Request
-    instance: str = ""
-    dispatch_s: float | None = None
-    scheduled_s: float | None = None
-    first_token_s: float | None = None
-    finish_s: float | None = None
-    output_tokens: int = 0  # generated before the current attempt (evictions keep their output)
-    preemptions: int = 0
-    evictions: int = 0
-    swaps: int = 0
-    failovers: int = 0  # times the instance running it failed
-    status: RequestStatus = RequestStatus.QUEUED
-    error: str = ""
-
-    def record(self) -> RequestRecord:
-        return RequestRecord(
-            request=self.request,
-            instance=self.instance,
-            dispatch_s=self.dispatch_s,
-            scheduled_s=self.scheduled_s,
-            first_token_s=self.first_token_s,
-            finish_s=self.finish_s,
-            output_tokens=self.output_tokens,
-            preemptions=self.preemptions,
-            evictions=self.evictions,
-            swaps=self.swaps,
-            status=self.status,
-            failovers=self.failovers,
-        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,15 +121,11 @@ class ClusterSimulation:
         self._heap: list[tuple[float, int, int, int]] = []
         self._version = [0] * len(self.engines)
         self._seq = 0
-        self._tracks: dict[str, _Track] = {}
-        self._pending: dict[str, Request] = {}  # given to the policy, not pulled yet
-        self._arrived: list[Request] = []  # to hand to the policy at the next step
-        self._completions: list[Completion] = []
-        self._started: list[str] = []
+        self.controller = Controller(policy, self.specs)
         self._up = [True] * len(self.engines)
-        self._outstanding = [0] * len(self.engines)
-        self._outstanding_tokens = [0] * len(self.engines)
-        self._finished = 0
+        self._weights = [
+            tuple((m, pm.model.weights_gb) for m, pm in e.perf_models.items()) for e in self.engines
+        ]
 
     def run(
         self,
@@ -180,10 +141,10 @@ class ClusterSimulation:
         if missing:
             raise ConfigError(f"no instance serves model(s) {', '.join(missing)}")
         ordered = sorted(requests, key=lambda r: (r.arrival_s, r.id))
-        for r in ordered:
-            if r.id in self._tracks:
-                raise ConfigError(f"duplicate request id {r.id!r}")
-            self._tracks[r.id] = _Track(r)
+        dup = [rid for rid, n in Counter(r.id for r in ordered).items() if n > 1]
+        if dup:
+            raise ConfigError(f"duplicate request id {dup[0]!r}")
+        controller = self.controller
         total = len(ordered)
         ai = 0
         if ordered:
@@ -217,18 +178,13 @@ class ClusterSimulation:
                 self.clock.advance_to(t_arrival)
                 req = ordered[ai]
                 ai += 1
-                self._pending[req.id] = req
-                self._arrived.append(req)
+                controller.arrive(req)
                 self._control(t_arrival)
-            if progress is not None and (self._finished % step_progress == 0 or ai == total):
-                progress(self._finished, total)
-        for req in self._pending.values():  # only possible if a policy never dispatches them
-            track = self._tracks[req.id]
-            track.status, track.error = RequestStatus.FAILED, "never dispatched"
-        for track in self._tracks.values():  # e.g. left swapped out by a policy: never silent
-            if track.status not in (RequestStatus.FINISHED, RequestStatus.FAILED):
-                track.status, track.error = RequestStatus.FAILED, "unfinished when the run ended"
-        records = tuple(self._tracks[r.id].record() for r in ordered)
+            done = controller.finished
+            if progress is not None and (done % step_progress == 0 or ai == total):
+                progress(done, total)
+        controller.close()  # a request a policy never dispatched, or left swapped out, fails
+        records = tuple(controller.track(r.id).record() for r in ordered)
         self.memory.close(self.clock.now())
         summary = summarize(
             records,
@@ -255,15 +211,7 @@ class ClusterSimulation:
         engine = self.engines[idx]
         if not up:
             for rid, _, _ in engine.queue_view(now):
-                generated = engine.abort(rid, now)
-                track = self._tracks[rid]
-                self._outstanding[idx] -= 1
-                self._outstanding_tokens[idx] -= self._work_tokens(track.request)
-                track.output_tokens += generated
-                track.failovers += 1
-                track.status = RequestStatus.QUEUED
-                self._pending[rid] = track.request
-                self._arrived.append(track.request)
+                self.controller.returned(rid, engine.abort(rid, now), evicted=False)
         self._up[idx] = up
         self._wake(idx)
 
@@ -281,92 +229,32 @@ class ClusterSimulation:
         events = engine.advance(now)
         finished_any = False
         for ev in events:
-            finished_any |= self._on_event(idx, ev)
+            finished = self.controller.on_event(engine.name, ev)
+            if finished and self.observer is not None:
+                self.observer.on_finish(self.controller.track(ev.request_id).record())
+            finished_any |= finished
         self.memory.observe(idx, now, engine.gpu_memory_used_fraction())
         self._wake(idx)
-        if self._arrived or finished_any:
+        if self.controller.has_arrivals or finished_any:
             self._control(now)
 
-    def _on_event(self, idx: int, ev: EngineEvent) -> bool:
-        track = self._tracks.get(ev.request_id)
-        if track is None:
-            return False
-        kind = ev.kind
-        if kind is EventKind.SCHEDULED:
-            self._started.append(ev.request_id)
-            if track.scheduled_s is None:
-                track.scheduled_s = ev.time
-            track.status = RequestStatus.RUNNING
-        elif kind is EventKind.FIRST_TOKEN:
-            if track.first_token_s is None:
-                track.first_token_s = ev.time
-        elif kind is EventKind.FINISHED:
-            track.finish_s = ev.time
-            track.output_tokens += ev.tokens
-            track.status = RequestStatus.FINISHED
-            self._outstanding[idx] -= 1
-            self._outstanding_tokens[idx] -= self._work_tokens(track.request)
-            self._finished += 1
-            self._completions.append(
-                Completion(
-                    track.request,
-                    self.engines[idx].name,
-                    track.output_tokens,
-                    track.scheduled_s,
-                    track.first_token_s,
-                    ev.time,
-                )
-            )
-            if self.observer is not None:
-                self.observer.on_finish(track.record())
-            return True
-        elif kind is EventKind.PREEMPTED:
-            track.preemptions += 1
-        elif kind is EventKind.SWAPPED_OUT:
-            track.swaps += 1
-        return False
-
-    def _work_tokens(self, req: Request) -> int:
-        return req.input_tokens + self._tracks[req.id].output_tokens
-
     def _control(self, now: float) -> None:
-        arrived, self._arrived = self._arrived, []
-        finished, self._completions = self._completions, []
-        started, self._started = self._started, []
-        ctx = DispatchContext(
-            now=now,
-            arrived=tuple(arrived),
-            finished=tuple(finished),
-            started=tuple(started),
-            generated=tuple(
-                (r.id, self._tracks[r.id].output_tokens)
-                for r in arrived
-                if self._tracks[r.id].output_tokens
-            ),
-            instances=tuple(
-                InstanceLoad(
-                    name=spec.name,
-                    models=spec.models,
-                    outstanding_requests=self._outstanding[i],
-                    outstanding_tokens=self._outstanding_tokens[i],
-                    max_running=self.engines[i].config.max_num_seqs,
-                    token_capacity=self.engines[i].token_capacity(),
-                    gpu=spec.gpu,
-                    gpu_count=spec.gpu_count,
-                    active_model=self.engines[i].active_model,
-                    host_link_gbs=self._host_link_gbs[i],
-                    swap_free_gb=self.engines[i].swap_free_gb(),
-                    model_tiers=tuple(self.engines[i].tiers.items()),
-                    model_weights_gb=tuple(
-                        (m, pm.model.weights_gb) for m, pm in self.engines[i].perf_models.items()
-                    ),
-                    cpu_cache_gb=self.engines[i].config.cpu_model_cache_gb,
-                    up=self._up[i],
-                )
-                for i, spec in enumerate(self.specs)
-            ),
-        )
-        for decision in self.policy.decide(ctx):
+        views = [
+            InstanceView(
+                spec=spec,
+                max_running=engine.config.max_num_seqs,
+                token_capacity=engine.token_capacity(),
+                active_model=engine.active_model,
+                up=self._up[i],
+                host_link_gbs=self._host_link_gbs[i],
+                swap_free_gb=engine.swap_free_gb(),
+                model_tiers=tuple(engine.tiers.items()),
+                model_weights_gb=self._weights[i],
+                cpu_cache_gb=engine.config.cpu_model_cache_gb,
+            )
+            for i, (spec, engine) in enumerate(zip(self.specs, self.engines, strict=True))
+        ]
+        for decision in self.controller.step(now, views):
             self._apply(decision, now)
 
     def _apply(self, decision: Decision, now: float) -> None:
@@ -380,41 +268,18 @@ class ClusterSimulation:
                 f"policy {self.policy.name} acted on {decision.instance}, which is down"
             )
         if isinstance(decision, Pull):
-            req = self._pending.pop(decision.request_id)
-            track = self._tracks[req.id]
-            done = track.output_tokens  # non-zero when an evicted request resumes
-            engine_req = EngineRequest(
-                request_id=req.id,
-                model=req.model,
-                prompt_tokens=req.input_tokens + done,
-                max_tokens=req.max_tokens - done,
-                priority=int(req.tier),
-                output_tokens=None
-                if req.replay_output_tokens is None
-                else req.replay_output_tokens - done,
-            )
             try:
-                engine.submit(engine_req, now)
+                engine.submit(self.controller.engine_request(decision.request_id), now)
             except EngineError as exc:
-                track.status, track.error = RequestStatus.FAILED, str(exc)
+                self.controller.failed(decision.request_id, str(exc))
                 return
-            track.instance = engine.name
-            if track.dispatch_s is None:
-                track.dispatch_s = now
-            self._outstanding[idx] += 1
-            self._outstanding_tokens[idx] += self._work_tokens(req)
             if self.observer is not None:
-                self.observer.on_dispatch(now, req, engine)
+                self.observer.on_dispatch(
+                    now, self.controller.track(decision.request_id).request, engine
+                )
         elif isinstance(decision, Evict):
             generated = engine.abort(decision.request_id, now)
-            track = self._tracks[decision.request_id]
-            self._outstanding[idx] -= 1
-            self._outstanding_tokens[idx] -= self._work_tokens(track.request)
-            track.output_tokens += generated
-            track.evictions += 1
-            track.status = RequestStatus.QUEUED
-            self._pending[track.request.id] = track.request
-            self._arrived.append(track.request)
+            self.controller.returned(decision.request_id, generated, evicted=True)
         elif isinstance(decision, SwapOut):
             try:
                 engine.swap_out(decision.request_id, now)

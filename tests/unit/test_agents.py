@@ -26,7 +26,7 @@ from qlm.domain import (
     SwapOut,
     Tier,
 )
-from qlm.planner import PlannerConfig, QlmPolicy, create_policy
+from qlm.planner import POLICIES, PlannerConfig, QlmPolicy, create_policy
 from qlm.rct.output_model import NIG
 from qlm.sim.cluster import ClusterSimulation, Outage
 
@@ -214,3 +214,31 @@ def test_a_failed_instance_loses_no_request(name: str) -> None:
     moved = [r for r in result.records if r.failovers]
     assert moved  # i0 was running something when it failed
     assert all(r.finish_s is not None and r.finish_s > 1.0 for r in moved)
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_every_policy_forgets_what_ran_on_a_failed_instance(name: str) -> None:
+    """Batch work fills both instances, i0 fails while urgent work keeps arriving and comes back:
+    no policy may act later on a request it still believes runs on i0 (e.g. evict it there)."""
+    reqs = [
+        make_request(
+            i,
+            arrival_s=0.05 * i,
+            slo=SLO(30.0 if i % 3 else 600.0),
+            tier=Tier.INTERACTIVE if i % 3 else Tier.BATCH,
+            replay_output_tokens=150,
+            max_tokens=300,
+        )
+        for i in range(60)
+    ]
+    planner = PlannerConfig.for_simulation(2000, agent=AgentConfig(evict=True, swap=True))
+    policy = create_policy(name, profile=make_profile(), planner=planner)
+    sim = ClusterSimulation(
+        [InstanceSpec("i0", "G", ("m",)), InstanceSpec("i1", "G", ("m",))],
+        policy,
+        catalog=make_catalog(),
+        engine_config={"max_num_seqs": 4},
+    )
+    result = sim.run(reqs, outages=[Outage("i0", fail_s=0.5, recover_s=3.0)])
+    assert all(r.status is RequestStatus.FINISHED for r in result.records)
+    assert all(r.output_tokens == 150 for r in result.records)

@@ -1,0 +1,326 @@
+"""One control step: observe -> group -> estimate -> plan -> act -> record.
+
+``Controller`` is the part of QLM that both the simulator and the service run, unchanged: it
+keeps what happened to every request it was given (``RequestTrack``), counts what each instance
+holds (the agents' own count: engines' gauges lag), hands the policy (``qlm.planner``: groups,
+estimator, planner, virtual queues and agent decisions for ``qlm``; a baseline otherwise) one
+``DispatchContext`` per step, and returns the decisions for an executor to apply.
+
+What differs between the two clocks lives outside: the driver that calls ``step`` (the
+discrete-event loop of ``qlm.sim.cluster`` or the asyncio loop of ``qlm.service``) and the
+executor that turns decisions into engine calls (``SimEngine`` calls, or ``Engine`` coroutines
+over HTTP). An executor reports back through ``on_event`` (what the engine did), ``returned``
+(a request came back from an engine with the output it had generated: evicted, or its instance
+failed) and ``failed`` (the engine refused it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from qlm.domain import (
+    Decision,
+    InstanceSpec,
+    ModelTier,
+    Pull,
+    Request,
+    RequestRecord,
+    RequestStatus,
+)
+from qlm.engines.base import EngineEvent, EngineRequest, EventKind
+from qlm.errors import ConfigError
+from qlm.planner.policy import Completion, DispatchContext, InstanceLoad, Policy
+
+
+@dataclass(slots=True)
+class RequestTrack:
+    """Mutable measurements of one request while the controller holds it."""
+
+    request: Request
+    instance: str = ""
+    dispatch_s: float | None = None
+    scheduled_s: float | None = None
+    first_token_s: float | None = None
+    finish_s: float | None = None
+    output_tokens: int = 0  # generated before the current attempt (evictions keep their output)
+    preemptions: int = 0
+    evictions: int = 0
+    swaps: int = 0
+    failovers: int = 0  # times the instance running it failed
+    status: RequestStatus = RequestStatus.QUEUED
+    error: str = ""
+
+    def record(self) -> RequestRecord:
+        return RequestRecord(
+            request=self.request,
+            instance=self.instance,
+            dispatch_s=self.dispatch_s,
+            scheduled_s=self.scheduled_s,
+            first_token_s=self.first_token_s,
+            finish_s=self.finish_s,
+            output_tokens=self.output_tokens,
+            preemptions=self.preemptions,
+            evictions=self.evictions,
+            swaps=self.swaps,
+            status=self.status,
+            failovers=self.failovers,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceView:
+    """What the driver reads off one instance's engine before a step; the controller adds what
+    it counts itself (requests and tokens it sent there)."""
+
+    spec: InstanceSpec
+    max_running: int
+    token_capacity: int
+    active_model: str | None
+    up: bool = True
+    host_link_gbs: float = 0.0
+    swap_free_gb: float = 0.0
+    model_tiers: tuple[tuple[str, ModelTier], ...] = ()
+    model_weights_gb: tuple[tuple[str, float], ...] = ()
+    cpu_cache_gb: float = 0.0
+
+
+class Controller:
+    """The control plane's state between steps, around one policy (module docstring)."""
+
+    def __init__(self, policy: Policy, instances: Sequence[InstanceSpec]) -> None:
+        names = [spec.name for spec in instances]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"instance names must be unique, got {names}")
+        self.policy = policy
+        self.specs = {spec.name: spec for spec in instances}
+        self._tracks: dict[str, RequestTrack] = {}
+        self._pending: dict[str, Request] = {}  # given to the policy, not pulled yet
+        self._arrived: list[Request] = []  # to hand to the policy at the next step
+        self._completions: list[Completion] = []
+        self._started: list[str] = []
+        self._outstanding = dict.fromkeys(names, 0)
+        self._outstanding_tokens = dict.fromkeys(names, 0)
+        self._on: dict[str, str] = {}  # request -> instance it was sent to, while there
+        self.finished = 0
+
+    # --- input ------------------------------------------------------------------------------------
+
+    def add_instance(self, spec: InstanceSpec) -> None:
+        """An instance joins the fleet (the policy sees it at the next step)."""
+        if spec.name in self.specs:
+            raise ConfigError(f"instance {spec.name!r} already exists")
+        self.specs[spec.name] = spec
+        self._outstanding[spec.name] = 0
+        self._outstanding_tokens[spec.name] = 0
+
+    def arrive(self, request: Request, *, generated: int = 0, failovers: int = 0) -> bool:
+        """Hand a request to the policy at the next step. ``generated``: output it already has
+        (a request recovered from an earlier controller resumes from it). Returns False, and
+        changes nothing, when the request is already held (a redelivered message)."""
+        if request.id in self._tracks:
+            return False
+        if request.model not in {m for spec in self.specs.values() for m in spec.models}:
+            raise ConfigError(f"request {request.id}: no instance serves model {request.model!r}")
+        track = RequestTrack(request, output_tokens=generated, failovers=failovers)
+        self._tracks[request.id] = track
+        self._pending[request.id] = request
+        self._arrived.append(request)
+        return True
+
+    def on_event(self, instance: str, event: EngineEvent) -> bool:
+        """What an engine did to a request; True when the request finished."""
+        track = self._tracks.get(event.request_id)
+        if track is None or self._on.get(event.request_id) != instance:
+            return False  # an event of an attempt that was already given up (evicted, failed)
+        kind = event.kind
+        if kind is EventKind.SCHEDULED:
+            self._started.append(event.request_id)
+            if track.scheduled_s is None:
+                track.scheduled_s = event.time
+            track.status = RequestStatus.RUNNING
+        elif kind is EventKind.FIRST_TOKEN:
+            if track.first_token_s is None:
+                track.first_token_s = event.time
+        elif kind is EventKind.FINISHED:
+            track.finish_s = event.time
+            track.output_tokens += event.tokens
+            track.status = RequestStatus.FINISHED
+            self._release(track)
+            self.finished += 1
+            self._completions.append(
+                Completion(
+                    track.request,
+                    instance,
+                    track.output_tokens,
+                    track.scheduled_s,
+                    track.first_token_s,
+                    event.time,
+                )
+            )
+            return True
+        elif kind is EventKind.PREEMPTED:
+            track.preemptions += 1
+        elif kind is EventKind.SWAPPED_OUT:
+            track.swaps += 1
+        return False
+
+    def returned(self, request_id: str, generated: int, *, evicted: bool) -> None:
+        """A request left its engine unfinished with ``generated`` new output tokens: evicted by
+        a decision (``evicted``) or lost with its instance. It goes back to the policy, which
+        resumes it as prompt + partial output (in its group, not at the tail)."""
+        track = self._tracks[request_id]
+        if self._on.get(request_id) is None:
+            return  # already back (an abort and a failure of the same attempt)
+        self._release(track)
+        track.output_tokens += generated
+        if evicted:
+            track.evictions += 1
+        else:
+            track.failovers += 1
+        track.status = RequestStatus.QUEUED
+        self._pending[request_id] = track.request
+        self._arrived.append(track.request)
+
+    def failed(self, request_id: str, error: str) -> None:
+        """The engine refused the request (or it cannot be served): it ends failed."""
+        track = self._tracks[request_id]
+        if self._on.get(request_id) is not None:
+            self._release(track)
+        self._pending.pop(request_id, None)
+        track.status, track.error = RequestStatus.FAILED, error
+
+    def cancel(self, request_id: str) -> str | None:
+        """Stop a request: a waiting one is dropped from the policy's hands at the next pull (it
+        is marked cancelled now); returns the instance to abort it on when it runs, else None."""
+        track = self._tracks.get(request_id)
+        if track is None or track.status in (RequestStatus.FINISHED, RequestStatus.FAILED):
+            return None
+        track.status = RequestStatus.CANCELLED
+        return self._on.get(request_id)
+
+    # --- the step ---------------------------------------------------------------------------------
+
+    @property
+    def has_arrivals(self) -> bool:
+        """Requests (new, or back from an engine) wait to be handed to the policy."""
+        return bool(self._arrived)
+
+    @property
+    def has_news(self) -> bool:
+        """Something arrived, started or finished since the last step."""
+        return bool(self._arrived or self._completions or self._started)
+
+    def step(self, now: float, views: Iterable[InstanceView]) -> list[Decision]:
+        """One control step: the policy's decisions given what changed. Pulls are counted against
+        their instance here, before the executor applies them."""
+        arrived, self._arrived = self._arrived, []
+        finished, self._completions = self._completions, []
+        started, self._started = self._started, []
+        ctx = DispatchContext(
+            now=now,
+            arrived=tuple(arrived),
+            finished=tuple(finished),
+            started=tuple(started),
+            generated=tuple(
+                (r.id, self._tracks[r.id].output_tokens)
+                for r in arrived
+                if self._tracks[r.id].output_tokens
+            ),
+            instances=tuple(self._load(v) for v in views),
+        )
+        decisions = self.policy.decide(ctx)
+        for d in decisions:
+            if d.instance not in self.specs:
+                raise ConfigError(f"policy {self.policy.name} named unknown instance {d!r}")
+            if isinstance(d, Pull):
+                self._dispatch(d, now)
+        return decisions
+
+    def engine_request(self, request_id: str) -> EngineRequest:
+        """What to submit for a pulled request: a resumed one carries its earlier output as
+        prompt and asks for the rest."""
+        track = self._tracks[request_id]
+        req, done = track.request, track.output_tokens
+        return EngineRequest(
+            request_id=req.id,
+            model=req.model,
+            prompt_tokens=req.input_tokens + done,
+            max_tokens=req.max_tokens - done,
+            priority=int(req.tier),
+            output_tokens=None
+            if req.replay_output_tokens is None
+            else req.replay_output_tokens - done,
+        )
+
+    # --- reading --------------------------------------------------------------------------------
+
+    def track(self, request_id: str) -> RequestTrack:
+        return self._tracks[request_id]
+
+    def tracks(self) -> Iterable[RequestTrack]:
+        return self._tracks.values()
+
+    def instance_of(self, request_id: str) -> str | None:
+        """The instance running (or holding) the request now."""
+        return self._on.get(request_id)
+
+    def on_instance(self, instance: str) -> list[str]:
+        """Requests sent to ``instance`` that have not come back."""
+        return [rid for rid, name in self._on.items() if name == instance]
+
+    def pending(self) -> list[Request]:
+        """Requests the policy holds and has not pulled."""
+        return list(self._pending.values())
+
+    def outstanding(self, instance: str) -> int:
+        return self._outstanding[instance]
+
+    def close(self) -> None:
+        """End of a run: anything still held ends failed with the reason, never silently."""
+        for track in self._tracks.values():
+            if track.request.id in self._pending and track.status is RequestStatus.QUEUED:
+                track.status, track.error = RequestStatus.FAILED, "never dispatched"
+            elif track.status not in (
+                RequestStatus.FINISHED,
+                RequestStatus.FAILED,
+                RequestStatus.CANCELLED,
+            ):
+                track.status, track.error = RequestStatus.FAILED, "unfinished when the run ended"
+
+    # --- internals --------------------------------------------------------------------------------
+
+    def _dispatch(self, pull: Pull, now: float) -> None:
+        req = self._pending.pop(pull.request_id)
+        track = self._tracks[req.id]
+        track.instance = pull.instance
+        if track.dispatch_s is None:
+            track.dispatch_s = now
+        self._on[req.id] = pull.instance
+        self._outstanding[pull.instance] += 1
+        self._outstanding_tokens[pull.instance] += req.input_tokens + track.output_tokens
+
+    def _release(self, track: RequestTrack) -> None:
+        name = self._on.pop(track.request.id)
+        self._outstanding[name] -= 1
+        self._outstanding_tokens[name] -= track.request.input_tokens + track.output_tokens
+
+    def _load(self, view: InstanceView) -> InstanceLoad:
+        spec = view.spec
+        return InstanceLoad(
+            name=spec.name,
+            models=spec.models,
+            outstanding_requests=self._outstanding[spec.name],
+            outstanding_tokens=self._outstanding_tokens[spec.name],
+            max_running=view.max_running,
+            token_capacity=view.token_capacity,
+            gpu=spec.gpu,
+            gpu_count=spec.gpu_count,
+            active_model=view.active_model,
+            host_link_gbs=view.host_link_gbs,
+            swap_free_gb=view.swap_free_gb,
+            model_tiers=view.model_tiers,
+            model_weights_gb=view.model_weights_gb,
+            cpu_cache_gb=view.cpu_cache_gb,
+            up=view.up,
+        )
