@@ -1,0 +1,34 @@
+"""The durable record of every request, instance, plan and API key: SQLAlchemy on SQLite (the
+embedded default) or PostgreSQL, with Alembic migrations shipped in the package.
+
+See ``qlm.store.store`` for the guarantees (thread-safe, idempotent outcomes) and
+``qlm.store.keys`` for how API keys are kept.
+"""
+
+from __future__ import annotations
+
+from qlm.store.rows import (
+    ApiKey,
+    InstanceRow,
+    InstanceState,
+    NewRequest,
+    PlanRow,
+    RequestRow,
+    SloSummaryRow,
+)
+from qlm.store.store import InvalidCursor, PlanLike, Store, StoreError, SummaryKey
+
+__all__ = [
+    "ApiKey",
+    "InstanceRow",
+    "InstanceState",
+    "InvalidCursor",
+    "NewRequest",
+    "PlanLike",
+    "PlanRow",
+    "RequestRow",
+    "SloSummaryRow",
+    "Store",
+    "StoreError",
+    "SummaryKey",
+]

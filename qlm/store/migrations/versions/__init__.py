@@ -1,0 +1,1 @@
+"""Alembic revisions of the store's schema, oldest first."""

@@ -1,0 +1,213 @@
+"""What the store takes and returns: frozen dataclasses, never ORM objects, so a caller on any
+thread can keep, compare and log them without a database session."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from qlm.domain import SLO, InstanceSpec, ModelTier, Request, RequestStatus, Tier
+
+
+class InstanceState(StrEnum):
+    """Whether an instance takes work: ``draining`` finishes what it runs and pulls nothing new."""
+
+    UP = "up"
+    DOWN = "down"
+    DRAINING = "draining"
+
+
+@dataclass(frozen=True, slots=True)
+class NewRequest:
+    """A request as the API accepted it, before anything happened to it.
+
+    ``prompt`` or ``messages`` (chat) holds the input; ``sampling`` the engine parameters the
+    control plane passes through untouched (temperature, stop, ...).
+    """
+
+    id: str
+    tenant: str
+    model: str
+    prompt_tokens: int
+    max_tokens: int
+    slo_e2e_s: float
+    submitted_at: float
+    slo_ttft_s: float | None = None
+    tier: Tier = Tier.STANDARD
+    slo_class: str = "default"
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    sampling: Mapping[str, Any] = field(default_factory=dict)
+    labels: tuple[tuple[str, str], ...] = ()
+    idempotency_key: str | None = None
+
+    @classmethod
+    def from_request(
+        cls,
+        request: Request,
+        *,
+        prompt: str | None = None,
+        messages: list[dict[str, Any]] | None = None,
+        sampling: Mapping[str, Any] | None = None,
+        idempotency_key: str | None = None,
+    ) -> NewRequest:
+        """The record of a domain ``Request`` (its arrival is the submission time)."""
+        return cls(
+            id=request.id,
+            tenant=request.tenant,
+            model=request.model,
+            prompt_tokens=request.input_tokens,
+            max_tokens=request.max_tokens,
+            slo_e2e_s=request.slo.e2e_s,
+            slo_ttft_s=request.slo.ttft_s,
+            submitted_at=request.arrival_s,
+            tier=request.tier,
+            slo_class=request.slo_class,
+            prompt=prompt,
+            messages=messages,
+            sampling=dict(sampling or {}),
+            labels=request.labels,
+            idempotency_key=idempotency_key,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class RequestRow:
+    """Everything recorded about one request. Timestamps are unix epoch seconds."""
+
+    id: str
+    tenant: str
+    model: str
+    slo_class: str
+    prompt: str | None
+    messages: list[dict[str, Any]] | None
+    prompt_tokens: int
+    max_tokens: int
+    sampling: Mapping[str, Any]
+    slo_e2e_s: float
+    slo_ttft_s: float | None
+    tier: Tier
+    labels: tuple[tuple[str, str], ...]
+    idempotency_key: str | None
+    status: RequestStatus
+    cancel_requested: bool
+    submitted_at: float
+    dispatched_at: float | None
+    first_token_at: float | None
+    finished_at: float | None
+    instance: str | None
+    output_text: str | None
+    output_tokens: int
+    partial_text: str  # output kept by an evicted or interrupted request, to resume from
+    partial_tokens: int
+    evictions: int
+    swaps: int
+    attempts: int  # times it was dispatched to an instance
+    slo_met: bool | None
+    ttft_met: bool | None
+    error: str | None
+    predicted_completion_at: float | None  # the estimator's latest prediction while it waits
+    at_risk: bool
+    updated_at: float
+
+    @property
+    def is_final(self) -> bool:
+        return self.status.is_final
+
+    @property
+    def deadline_at(self) -> float:
+        return self.submitted_at + self.slo_e2e_s
+
+    def to_request(self) -> Request:
+        """The domain request, e.g. for a controller rebuilding its queues from the store."""
+        return Request(
+            id=self.id,
+            model=self.model,
+            input_tokens=self.prompt_tokens,
+            max_tokens=self.max_tokens,
+            arrival_s=self.submitted_at,
+            slo=SLO(e2e_s=self.slo_e2e_s, ttft_s=self.slo_ttft_s),
+            tier=self.tier,
+            tenant=self.tenant,
+            slo_class=self.slo_class,
+            labels=self.labels,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceRow:
+    name: str
+    url: str
+    gpu: str
+    gpu_count: int
+    models: tuple[str, ...]
+    state: InstanceState
+    model_tiers: Mapping[str, ModelTier]
+    updated_at: float
+
+    @property
+    def spec(self) -> InstanceSpec:
+        return InstanceSpec(
+            name=self.name, gpu=self.gpu, models=self.models, gpu_count=self.gpu_count, url=self.url
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class PlanRow:
+    """A stored ``PlanRecord`` (same fields, ``at_s`` as ``at``) with its id and controller."""
+
+    id: int
+    controller: str
+    at: float
+    trigger: str
+    groups: int
+    status: str
+    method: str
+    objective: float
+    edf_objective: float
+    at_risk: tuple[str, ...]
+    capacity_needed: float | None
+    solve_s: float
+    evaluations: int
+    concurrency: Mapping[str, int]
+
+
+@dataclass(frozen=True, slots=True)
+class ApiKey:
+    """An API key without its secret: who it belongs to and what it may do."""
+
+    id: int
+    tenant: str
+    name: str
+    prefix: str
+    admin: bool
+    created_at: float
+    revoked_at: float | None
+
+    @property
+    def revoked(self) -> bool:
+        return self.revoked_at is not None
+
+
+@dataclass(frozen=True, slots=True)
+class SloSummaryRow:
+    """SLO attainment of the requests of one group (a tenant, model or tier) submitted in a window.
+
+    ``attainment`` counts a failed request as a miss and leaves out cancelled and unfinished
+    ones: it is ``slo_met / (finished + failed)``, None when nothing was decided yet.
+    """
+
+    group: str
+    requests: int
+    finished: int
+    failed: int
+    cancelled: int
+    pending: int
+    slo_met: int
+
+    @property
+    def attainment(self) -> float | None:
+        decided = self.finished + self.failed
+        return self.slo_met / decided if decided else None

@@ -1,0 +1,873 @@
+"""The durable record of every request, instance, plan and API key (ARCHITECTURE.md §2 step 6).
+
+``Store`` is synchronous and thread-safe: each call opens its own session on a shared engine and
+commits before it returns, so the asyncio service calls it through ``asyncio.to_thread`` and the
+controller from its own thread. Callers get frozen rows (``qlm.store.rows``), never ORM objects,
+and every database failure as a ``StoreError``.
+
+State changes are single conditional ``UPDATE`` statements (``... WHERE status IN ('queued',
+'running')``) rather than read-modify-write, so concurrent callers need no locks: the database
+decides which of two racing outcomes lands, on SQLite (one writer at a time) and on PostgreSQL
+(the second ``UPDATE`` waits for the first and re-checks its condition) alike.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Literal, Protocol
+
+from alembic import command
+from alembic.config import Config
+from sqlalchemy import (
+    ColumnElement,
+    and_,
+    bindparam,
+    case,
+    delete,
+    exists,
+    func,
+    insert,
+    or_,
+    select,
+    update,
+)
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.engine import CursorResult
+from sqlalchemy.exc import OperationalError, SQLAlchemyError
+from sqlalchemy.orm import Session, sessionmaker
+
+from qlm.domain import InstanceSpec, ModelTier, RequestStatus, Tier
+from qlm.errors import QLMError
+from qlm.store import keys
+from qlm.store.database import (
+    DEFAULT_PATH,
+    WRITE,
+    display,
+    is_memory,
+    make_engine,
+    parse_url,
+)
+from qlm.store.models import (
+    ACTIVE_STATUSES,
+    FINAL_STATUSES,
+    ApiKeyModel,
+    Base,
+    InstanceModel,
+    PlanModel,
+    RequestLabelModel,
+    RequestModel,
+)
+from qlm.store.rows import (
+    ApiKey,
+    InstanceRow,
+    InstanceState,
+    NewRequest,
+    PlanRow,
+    RequestRow,
+    SloSummaryRow,
+)
+
+MIGRATIONS = Path(__file__).parent / "migrations"
+SummaryKey = Literal["tenant", "model", "tier"]
+
+_R = RequestModel
+_NOT_FINAL = _R.status.in_(ACTIVE_STATUSES)
+_CHUNK = 500  # ids per IN (...) list: well under SQLite's bound-parameter limit
+_MIGRATION_LOCK = 0x514C4D  # PostgreSQL advisory lock: one migrating process at a time
+
+
+class StoreError(QLMError):
+    """The database refused or failed an operation; the message says which and why."""
+
+
+class InvalidCursor(StoreError):
+    """A pagination cursor that ``list_requests`` did not hand out (a client error)."""
+
+
+class PlanLike(Protocol):
+    """The fields of ``qlm.planner.qlm_policy.PlanRecord`` the store keeps. A protocol, so that
+    importing the store does not import the planner (numpy, scikit-learn, PuLP)."""
+
+    @property
+    def at_s(self) -> float: ...
+    @property
+    def trigger(self) -> str: ...
+    @property
+    def groups(self) -> int: ...
+    @property
+    def status(self) -> str: ...
+    @property
+    def method(self) -> str: ...
+    @property
+    def objective(self) -> float: ...
+    @property
+    def edf_objective(self) -> float: ...
+    @property
+    def at_risk(self) -> tuple[str, ...]: ...
+    @property
+    def capacity_needed(self) -> float | None: ...
+    @property
+    def solve_s(self) -> float: ...
+    @property
+    def evaluations(self) -> int: ...
+    @property
+    def concurrency(self) -> Mapping[str, int]: ...
+
+
+def alembic_config() -> Config:
+    """Alembic's configuration for the migrations shipped inside the package (no alembic.ini)."""
+    config = Config()
+    config.set_main_option("script_location", str(MIGRATIONS))
+    return config
+
+
+class Store:
+    """The store on one database URL. ``Store(url)`` connects lazily and does not migrate;
+    ``Store.open(url)`` migrates to the latest schema first, as a server does at start-up."""
+
+    def __init__(self, url: str, *, clock: Callable[[], float] = time.time) -> None:
+        self._url = parse_url(url)
+        self._engine = make_engine(self._url)
+        self._postgres = self._url.get_backend_name() == "postgresql"
+        self._clock = clock
+        self._read = sessionmaker(self._engine)
+        self._write = sessionmaker(self._engine.execution_options(**WRITE))
+        # A shared in-memory connection runs one transaction at a time (qlm.store.database).
+        self._lock: AbstractContextManager[Any] = (
+            threading.RLock() if is_memory(self._url) else nullcontext()
+        )
+
+    @classmethod
+    def open(
+        cls,
+        url: str | None = None,
+        *,
+        default_path: str | Path = DEFAULT_PATH,
+        clock: Callable[[], float] = time.time,
+    ) -> Store:
+        """The migrated store at ``url``, or at the SQLite file ``default_path`` when ``url`` is
+        None (the embedded default); the file's directory is created when missing."""
+        if url is None:
+            path = Path(default_path)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            url = f"sqlite:///{path}"
+        store = cls(url, clock=clock)
+        try:
+            store.migrate()
+        except BaseException:
+            store.close()
+            raise
+        return store
+
+    @property
+    def url(self) -> str:
+        """The database URL, password hidden."""
+        return display(self._url)
+
+    def migrate(self) -> None:
+        """Upgrade the schema to the latest Alembic revision; a no-op when it is there already.
+
+        Runs in one transaction (both backends have transactional DDL), under an advisory lock on
+        PostgreSQL so that an API and a controller starting together do not both create tables.
+        """
+        config = alembic_config()
+        with self._lock:
+            try:
+                with self._engine.execution_options(**WRITE).begin() as connection:
+                    if self._postgres:
+                        connection.exec_driver_sql(
+                            f"SELECT pg_advisory_xact_lock({_MIGRATION_LOCK})"
+                        )
+                    config.attributes["connection"] = connection
+                    command.upgrade(config, "head")
+            except SQLAlchemyError as exc:
+                raise StoreError(f"cannot migrate {self.url}: {_reason(exc)}") from exc
+
+    def close(self) -> None:
+        """Close every pooled connection (an in-memory database is gone afterwards)."""
+        self._engine.dispose()
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    # --- requests: recording ---------------------------------------------------------------
+
+    def add_request(self, new: NewRequest) -> tuple[RequestRow, bool]:
+        """Record an accepted request; ``(row, True)`` when it is new.
+
+        Idempotent: the same id again, or the same ``(tenant, idempotency_key)``, returns the row
+        already there with ``False`` and changes nothing, also when two calls race. An id already
+        taken by another tenant raises ``StoreError`` (ids are meant to be unique across tenants).
+        """
+        now = self._clock()
+        labels = dict(new.labels)
+        values: dict[str, Any] = {
+            "id": new.id,
+            "tenant": new.tenant,
+            "model": new.model,
+            "slo_class": new.slo_class,
+            "prompt": new.prompt,
+            "messages": new.messages,
+            "prompt_tokens": new.prompt_tokens,
+            "max_tokens": new.max_tokens,
+            "sampling": dict(new.sampling),
+            "slo_e2e_s": new.slo_e2e_s,
+            "slo_ttft_s": new.slo_ttft_s,
+            "tier": int(new.tier),
+            "labels": labels,
+            "idempotency_key": new.idempotency_key,
+            "status": _name(RequestStatus.QUEUED),
+            "cancel_requested": False,
+            "submitted_at": new.submitted_at,
+            "output_tokens": 0,
+            "partial_text": "",
+            "partial_tokens": 0,
+            "evictions": 0,
+            "swaps": 0,
+            "attempts": 0,
+            "at_risk": False,
+            "updated_at": now,
+        }
+        with self._tx(f"add request {new.id!r}", write=True) as session:
+            # ON CONFLICT DO NOTHING without a target covers both the id and the idempotency key.
+            stmt = self._insert(RequestModel).values(values).on_conflict_do_nothing()
+            created = session.execute(stmt.returning(_R.id)).scalar_one_or_none() is not None
+            if created and labels:
+                session.execute(
+                    insert(RequestLabelModel),
+                    [{"request_id": new.id, "key": k, "value": v} for k, v in labels.items()],
+                )
+            model = session.get(RequestModel, new.id, populate_existing=True)
+            if model is not None and model.tenant == new.tenant:
+                return _request_row(model), created
+            if new.idempotency_key is not None:
+                model = session.scalars(
+                    select(RequestModel).where(
+                        _R.tenant == new.tenant, _R.idempotency_key == new.idempotency_key
+                    )
+                ).one_or_none()
+                if model is not None:
+                    return _request_row(model), False
+        raise StoreError(f"request id {new.id!r} is already used by another tenant")
+
+    def mark_dispatched(self, id: str, *, instance: str, at: float) -> bool:
+        """The request was sent to ``instance``: it is running there. ``dispatched_at`` keeps the
+        first dispatch (the end of the wait); ``attempts`` counts them all. False when the request
+        is unknown or final (e.g. cancelled while queued: the caller must not run it)."""
+        return self._update(
+            id,
+            "mark dispatched",
+            status=_name(RequestStatus.RUNNING),
+            instance=instance,
+            dispatched_at=func.coalesce(_R.dispatched_at, at),
+            attempts=_R.attempts + 1,
+        )
+
+    def mark_first_token(self, id: str, *, at: float) -> bool:
+        """The first output token arrived; only the first ever counts (a resumed request does
+        not reset it). False when the request is unknown or final."""
+        return self._update(
+            id, "mark first token", first_token_at=func.coalesce(_R.first_token_at, at)
+        )
+
+    def record_partial(self, id: str, *, text: str, tokens: int) -> bool:
+        """Keep the output generated so far, to resume from if the run is interrupted.
+        Monotonic: a report with fewer tokens than already kept changes nothing (False)."""
+        return self._update(
+            id,
+            "record partial output",
+            _R.partial_tokens < tokens,
+            partial_text=text,
+            partial_tokens=tokens,
+        )
+
+    def record_eviction(self, id: str, *, partial_text: str, partial_tokens: int) -> bool:
+        """The request was evicted and is queued again, keeping its output to resume from (the
+        longer of ``partial_*`` and what was kept before). False when unknown or final."""
+        longer = _R.partial_tokens <= partial_tokens
+        return self._update(
+            id,
+            "record eviction",
+            status=_name(RequestStatus.QUEUED),
+            evictions=_R.evictions + 1,
+            partial_text=case((longer, partial_text), else_=_R.partial_text),
+            partial_tokens=case((longer, partial_tokens), else_=_R.partial_tokens),
+        )
+
+    def record_swap(self, id: str) -> bool:
+        """The request's KV cache was swapped out to CPU memory once more."""
+        return self._update(id, "record swap", swaps=_R.swaps + 1)
+
+    def record_prediction(self, id: str, *, predicted_at: float | None, at_risk: bool) -> bool:
+        """The estimator's latest predicted completion time of a waiting or running request."""
+        return self._update(
+            id, "record prediction", predicted_completion_at=predicted_at, at_risk=at_risk
+        )
+
+    def record_predictions(self, predictions: Mapping[str, tuple[float | None, bool]]) -> None:
+        """``record_prediction`` for many requests (``id -> (predicted_at, at_risk)``) in one
+        transaction and one batched statement; final and unknown ids are skipped."""
+        if not predictions:
+            return
+        table = Base.metadata.tables[RequestModel.__tablename__]
+        stmt = (
+            update(table)
+            # ``or`` of equalities: an ``IN`` list cannot be bound in an executemany.
+            .where(
+                table.c.id == bindparam("b_id"),
+                or_(*(table.c.status == status for status in ACTIVE_STATUSES)),
+            )
+            .values(
+                predicted_completion_at=bindparam("b_at"),
+                at_risk=bindparam("b_risk"),
+                updated_at=self._clock(),
+            )
+        )
+        params = [
+            {"b_id": id, "b_at": at, "b_risk": risk} for id, (at, risk) in predictions.items()
+        ]
+        with self._tx(f"record {len(params)} predictions", write=True) as session:
+            session.execute(stmt, params)
+
+    def record_outcome(
+        self,
+        id: str,
+        *,
+        status: RequestStatus,
+        at: float,
+        output_text: str | None = None,
+        output_tokens: int = 0,
+        slo_met: bool | None = None,
+        ttft_met: bool | None = None,
+        error: str | None = None,
+    ) -> bool:
+        """Record how a request ended (``status`` finished, failed or cancelled at ``at``).
+
+        Idempotent by request id: True when this call recorded it; False, changing nothing, when
+        the request was already final (a redelivery, a racing agent) or is unknown. Only after it
+        returns may the global-queue delivery be acked.
+        """
+        if not status.is_final:
+            raise ValueError(f"record_outcome needs a final status, got {status.name}")
+        return self._update(
+            id,
+            f"record outcome {status.name.lower()}",
+            status=_name(status),
+            finished_at=at,
+            output_text=output_text,
+            output_tokens=output_tokens,
+            slo_met=slo_met,
+            ttft_met=ttft_met,
+            error=error,
+            at_risk=False,
+        )
+
+    def cancel(
+        self, id: str, *, tenant: str | None = None, at: float | None = None
+    ) -> RequestStatus | None:
+        """Cancel a request for ``tenant`` (None: an admin, any tenant's). Returns its status
+        afterwards, None when there is no such request for that tenant:
+
+        - queued: cancelled at once (``CANCELLED``);
+        - running: ``cancel_requested`` is set and ``RUNNING`` returned; the controller aborts it
+          and records the outcome ``cancelled`` (``cancel_requested_ids``);
+        - final: unchanged.
+        """
+        now = self._clock()
+        with self._tx(f"cancel request {id!r}", write=True) as session:
+            # FOR UPDATE keeps a dispatch from slipping between the read and the write
+            # (PostgreSQL; SQLite writers are serialised anyway).
+            query = select(_R.status).where(_R.id == id).with_for_update()
+            if tenant is not None:
+                query = query.where(_R.tenant == tenant)
+            found = session.execute(query).scalar_one_or_none()
+            if found is None:
+                return None
+            status = _status(found)
+            if status is RequestStatus.QUEUED:
+                changes: dict[str, Any] = {
+                    "status": _name(RequestStatus.CANCELLED),
+                    "cancel_requested": True,
+                    "finished_at": now if at is None else at,
+                    "at_risk": False,
+                }
+                status = RequestStatus.CANCELLED
+            elif status is RequestStatus.RUNNING:
+                changes = {"cancel_requested": True}
+            else:
+                return status
+            session.execute(
+                update(RequestModel).where(_R.id == id).values(**changes, updated_at=now)
+            )
+            return status
+
+    # --- requests: reading ------------------------------------------------------------------
+
+    def get(self, id: str, *, tenant: str | None = None) -> RequestRow | None:
+        """The request ``id``; None when unknown or, with a ``tenant``, another tenant's."""
+        with self._tx(f"get request {id!r}") as session:
+            model = session.get(RequestModel, id)
+            if model is None or (tenant is not None and model.tenant != tenant):
+                return None
+            return _request_row(model)
+
+    def is_final(self, id: str) -> bool:
+        """Whether the request's outcome is recorded (False for an unknown id)."""
+        return bool(self.final_ids([id]))
+
+    def final_ids(self, ids: Iterable[str]) -> set[str]:
+        """Which of ``ids`` have a recorded outcome: a recovering controller acks those
+        redelivered messages without running them again."""
+        wanted = list(dict.fromkeys(ids))
+        final: set[str] = set()
+        with self._tx(f"check {len(wanted)} requests for outcomes") as session:
+            for start in range(0, len(wanted), _CHUNK):
+                chunk = wanted[start : start + _CHUNK]
+                final.update(
+                    session.scalars(
+                        select(_R.id).where(_R.id.in_(chunk), _R.status.in_(FINAL_STATUSES))
+                    )
+                )
+        return final
+
+    def list_requests(
+        self,
+        *,
+        tenant: str | None = None,
+        status: RequestStatus | None = None,
+        model: str | None = None,
+        label: tuple[str, str] | None = None,
+        since: float | None = None,
+        until: float | None = None,
+        limit: int = 100,
+        cursor: str | None = None,
+    ) -> tuple[list[RequestRow], str | None]:
+        """One page of requests, newest first, and the cursor of the next page (None at the end).
+
+        Keyset pagination on ``(submitted_at, id)``: a page starts strictly after the previous
+        one's last row, so rows submitted meanwhile never shift, repeat or hide older pages.
+        ``since <= submitted_at < until``; ``label`` is one ``(key, value)`` the request carries.
+        """
+        if limit < 1:
+            raise ValueError(f"limit must be >= 1, got {limit}")
+        query = select(RequestModel)
+        if tenant is not None:
+            query = query.where(_R.tenant == tenant)
+        if status is not None:
+            query = query.where(_R.status == _name(status))
+        if model is not None:
+            query = query.where(_R.model == model)
+        if label is not None:
+            query = query.where(_has_label(*label))
+        if since is not None:
+            query = query.where(_R.submitted_at >= since)
+        if until is not None:
+            query = query.where(_R.submitted_at < until)
+        if cursor is not None:
+            at, last = _decode_cursor(cursor)
+            query = query.where(
+                or_(_R.submitted_at < at, and_(_R.submitted_at == at, _R.id < last))
+            )
+        query = query.order_by(_R.submitted_at.desc(), _R.id.desc()).limit(limit + 1)
+        with self._tx("list requests") as session:
+            rows = [_request_row(m) for m in session.scalars(query)]
+        if len(rows) <= limit:
+            return rows, None
+        rows = rows[:limit]
+        return rows, _encode_cursor(rows[-1].submitted_at, rows[-1].id)
+
+    def counts(self, *, since: float | None = None) -> dict[tuple[str, RequestStatus], int]:
+        """Requests per ``(tenant, status)``, submitted at or after ``since`` (for metrics)."""
+        query = select(_R.tenant, _R.status, func.count()).group_by(_R.tenant, _R.status)
+        if since is not None:
+            query = query.where(_R.submitted_at >= since)
+        with self._tx("count requests") as session:
+            return {(t, _status(s)): int(n) for t, s, n in session.execute(query)}
+
+    def queued_count(self, tenant: str) -> int:
+        """How many of ``tenant``'s requests are queued (for its queued-requests limit)."""
+        query = select(func.count()).where(
+            _R.tenant == tenant, _R.status == _name(RequestStatus.QUEUED)
+        )
+        with self._tx(f"count queued requests of {tenant!r}") as session:
+            return int(session.execute(query).scalar_one())
+
+    def cancel_requested_ids(self) -> set[str]:
+        """Requests a client cancelled that still await the controller's abort."""
+        query = select(_R.id).where(_R.cancel_requested.is_(True), _NOT_FINAL)
+        with self._tx("list requests to cancel") as session:
+            return set(session.scalars(query))
+
+    def slo_summary(
+        self,
+        *,
+        since: float | None = None,
+        until: float | None = None,
+        group_by: SummaryKey = "tenant",
+    ) -> list[SloSummaryRow]:
+        """SLO attainment per tenant, model or tier of the requests submitted in
+        ``[since, until)``, ordered by group (see ``SloSummaryRow`` for what counts)."""
+        key = {"tenant": _R.tenant, "model": _R.model, "tier": _R.tier}[group_by]
+
+        def count_if(condition: ColumnElement[bool]) -> ColumnElement[int]:
+            return func.sum(case((condition, 1), else_=0))
+
+        query = select(
+            key,
+            func.count(),
+            count_if(_R.status == _name(RequestStatus.FINISHED)),
+            count_if(_R.status == _name(RequestStatus.FAILED)),
+            count_if(_R.status == _name(RequestStatus.CANCELLED)),
+            count_if(_NOT_FINAL),
+            count_if(_R.slo_met.is_(True)),
+        )
+        if since is not None:
+            query = query.where(_R.submitted_at >= since)
+        if until is not None:
+            query = query.where(_R.submitted_at < until)
+        query = query.group_by(key).order_by(key)
+        with self._tx("summarise SLO attainment") as session:
+            result = session.execute(query).all()
+        return [
+            SloSummaryRow(
+                group=Tier(group).name.lower() if isinstance(group, int) else str(group),
+                requests=int(n),
+                finished=int(finished),
+                failed=int(failed),
+                cancelled=int(cancelled),
+                pending=int(pending),
+                slo_met=int(met),
+            )
+            for group, n, finished, failed, cancelled, pending, met in result
+        ]
+
+    # --- instances ---------------------------------------------------------------------------
+
+    def upsert_instance(
+        self,
+        spec: InstanceSpec,
+        *,
+        state: InstanceState = InstanceState.UP,
+        model_tiers: Mapping[str, ModelTier] | None = None,
+    ) -> InstanceRow:
+        """Record an instance or update it in place; ``model_tiers`` None keeps the known tiers."""
+        now = self._clock()
+        values: dict[str, Any] = {
+            "url": spec.url,
+            "gpu": spec.gpu,
+            "gpu_count": spec.gpu_count,
+            "models": list(spec.models),
+            "state": state.value,
+            "updated_at": now,
+        }
+        if model_tiers is not None:
+            values["model_tiers"] = _tier_names(model_tiers)
+        stmt = (
+            self._insert(InstanceModel)
+            .values(name=spec.name, **{"model_tiers": {}, **values})
+            .on_conflict_do_update(index_elements=[InstanceModel.name], set_=values)
+        )
+        with self._tx(f"record instance {spec.name!r}", write=True) as session:
+            session.execute(stmt)
+            model = session.get(InstanceModel, spec.name, populate_existing=True)
+            assert model is not None  # just written in this transaction
+            return _instance_row(model)
+
+    def set_instance_state(self, name: str, state: InstanceState) -> bool:
+        """Mark an instance up, down or draining; False when it is unknown."""
+        return self._update_instance(name, state=state.value)
+
+    def set_model_tiers(self, name: str, model_tiers: Mapping[str, ModelTier]) -> bool:
+        """Where each model's weights are on the instance now; False when it is unknown."""
+        return self._update_instance(name, model_tiers=_tier_names(model_tiers))
+
+    def remove_instance(self, name: str) -> bool:
+        """Forget an instance (its requests keep its name); False when it was unknown."""
+        with self._tx(f"remove instance {name!r}", write=True) as session:
+            result = session.execute(delete(InstanceModel).where(InstanceModel.name == name))
+            return _rowcount(result) > 0
+
+    def instances(self) -> list[InstanceRow]:
+        """Every known instance, by name."""
+        with self._tx("list instances") as session:
+            models = session.scalars(select(InstanceModel).order_by(InstanceModel.name))
+            return [_instance_row(m) for m in models]
+
+    # --- plans -------------------------------------------------------------------------------
+
+    def record_plan(self, record: PlanLike, *, controller: str) -> int:
+        """Keep one planning event made by ``controller``; returns its id (increasing)."""
+        plan = PlanModel(
+            controller=controller,
+            at=record.at_s,
+            trigger=record.trigger,
+            groups=record.groups,
+            status=record.status,
+            method=record.method,
+            objective=record.objective,
+            edf_objective=record.edf_objective,
+            at_risk=list(record.at_risk),
+            capacity_needed=record.capacity_needed,
+            solve_s=record.solve_s,
+            evaluations=record.evaluations,
+            concurrency=dict(record.concurrency),
+        )
+        with self._tx("record plan", write=True) as session:
+            session.add(plan)
+            session.flush()
+            return plan.id
+
+    def latest_plan(self) -> PlanRow | None:
+        plans = self.plans(limit=1)
+        return plans[0] if plans else None
+
+    def plans(self, *, limit: int = 50) -> list[PlanRow]:
+        """The latest ``limit`` plans, newest first."""
+        query = select(PlanModel).order_by(PlanModel.id.desc()).limit(limit)
+        with self._tx("list plans") as session:
+            return [_plan_row(m) for m in session.scalars(query)]
+
+    def prune_plans(self, *, keep: int) -> int:
+        """Delete all but the latest ``keep`` plans; returns how many were deleted."""
+        if keep < 0:
+            raise ValueError(f"keep must be >= 0, got {keep}")
+        with self._tx("prune plans", write=True) as session:
+            oldest_kept = session.scalars(
+                select(PlanModel.id).order_by(PlanModel.id.desc()).offset(max(keep - 1, 0))
+            ).first()
+            if oldest_kept is None:
+                return 0
+            cut = PlanModel.id < oldest_kept if keep else PlanModel.id <= oldest_kept
+            return _rowcount(session.execute(delete(PlanModel).where(cut)))
+
+    # --- API keys ----------------------------------------------------------------------------
+
+    def create_api_key(self, tenant: str, *, admin: bool = False, name: str = "") -> str:
+        """A new key for ``tenant``, returned in clear this once; only its digest is stored."""
+        key = keys.new_key()
+        model = ApiKeyModel(
+            tenant=tenant,
+            name=name,
+            prefix=key[: keys.SHOWN_CHARS],
+            key_hash=keys.key_digest(key),
+            admin=admin,
+            created_at=self._clock(),
+            revoked_at=None,
+        )
+        with self._tx(f"create an API key for {tenant!r}", write=True) as session:
+            session.add(model)
+        return key
+
+    def lookup_api_key(self, key: str) -> ApiKey | None:
+        """Who ``key`` belongs to; None when it is unknown, malformed or revoked."""
+        if not keys.looks_like_key(key):
+            return None
+        query = select(ApiKeyModel).where(
+            ApiKeyModel.key_hash == keys.key_digest(key), ApiKeyModel.revoked_at.is_(None)
+        )
+        with self._tx("look up an API key") as session:
+            model = session.scalars(query).one_or_none()
+            return None if model is None else _api_key(model)
+
+    def revoke_api_key(self, key_id: int, *, at: float | None = None) -> bool:
+        """Revoke key ``key_id`` (see ``api_keys``); False when unknown or already revoked."""
+        stmt = (
+            update(ApiKeyModel)
+            .where(ApiKeyModel.id == key_id, ApiKeyModel.revoked_at.is_(None))
+            .values(revoked_at=self._clock() if at is None else at)
+        )
+        with self._tx(f"revoke API key {key_id}", write=True) as session:
+            return _rowcount(session.execute(stmt)) > 0
+
+    def api_keys(self, *, tenant: str | None = None) -> list[ApiKey]:
+        """Every key (revoked ones too), without secrets, oldest first."""
+        query = select(ApiKeyModel).order_by(ApiKeyModel.id)
+        if tenant is not None:
+            query = query.where(ApiKeyModel.tenant == tenant)
+        with self._tx("list API keys") as session:
+            return [_api_key(m) for m in session.scalars(query)]
+
+    # --- plumbing ----------------------------------------------------------------------------
+
+    @contextmanager
+    def _tx(self, what: str, *, write: bool = False) -> Iterator[Session]:
+        """One session and transaction, committed on exit; database errors become StoreError."""
+        with self._lock:
+            try:
+                with (self._write if write else self._read).begin() as session:
+                    yield session
+            except OperationalError as exc:
+                raise StoreError(f"cannot {what} ({self.url}): {_reason(exc)}") from exc
+            except SQLAlchemyError as exc:
+                raise StoreError(f"cannot {what}: {_reason(exc)}") from exc
+
+    def _update(self, id: str, what: str, *where: ColumnElement[bool], **values: Any) -> bool:
+        """One conditional UPDATE of a request that is not final; True when it matched."""
+        stmt = (
+            update(RequestModel)
+            .where(_R.id == id, _NOT_FINAL, *where)
+            .values(**values, updated_at=self._clock())
+        )
+        with self._tx(f"{what} of request {id!r}", write=True) as session:
+            return _rowcount(session.execute(stmt)) > 0
+
+    def _update_instance(self, name: str, **values: Any) -> bool:
+        stmt = (
+            update(InstanceModel)
+            .where(InstanceModel.name == name)
+            .values(**values, updated_at=self._clock())
+        )
+        with self._tx(f"update instance {name!r}", write=True) as session:
+            return _rowcount(session.execute(stmt)) > 0
+
+    def _insert(self, model: type[Any]) -> postgresql.Insert | sqlite.Insert:
+        """The dialect's INSERT, for its ON CONFLICT clauses (same syntax on both)."""
+        return postgresql.insert(model) if self._postgres else sqlite.insert(model)
+
+
+# --- conversions --------------------------------------------------------------------------
+
+
+def _name(status: RequestStatus) -> str:
+    return status.name.lower()
+
+
+def _status(name: str) -> RequestStatus:
+    return RequestStatus[name.upper()]
+
+
+def _has_label(key: str, value: str) -> ColumnElement[bool]:
+    label = RequestLabelModel
+    return exists().where(label.request_id == _R.id, label.key == key, label.value == value)
+
+
+def _tier_names(tiers: Mapping[str, ModelTier]) -> dict[str, str]:
+    return {model: tier.name.lower() for model, tier in tiers.items()}
+
+
+def _rowcount(result: Any) -> int:
+    # Session.execute is typed as returning Result; DML statements return a CursorResult.
+    assert isinstance(result, CursorResult)
+    return result.rowcount
+
+
+def _reason(exc: SQLAlchemyError) -> str:
+    orig = getattr(exc, "orig", None)
+    text = str(orig if orig is not None else exc).strip().splitlines()[0]
+    if "no such table" in text or ("relation" in text and "does not exist" in text):
+        text += " (is the database migrated? Store.migrate())"
+    return text
+
+
+def _encode_cursor(at: float, id: str) -> str:
+    raw = json.dumps([at, id], separators=(",", ":")).encode()
+    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+
+def _decode_cursor(cursor: str) -> tuple[float, str]:
+    try:
+        at, id = json.loads(base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)))
+        if isinstance(at, int | float) and not isinstance(at, bool) and isinstance(id, str):
+            return float(at), id
+    except (binascii.Error, ValueError, TypeError):
+        pass
+    raise InvalidCursor(f"invalid cursor {cursor!r}: pass back the one list_requests returned")
+
+
+def _request_row(m: RequestModel) -> RequestRow:
+    return RequestRow(
+        id=m.id,
+        tenant=m.tenant,
+        model=m.model,
+        slo_class=m.slo_class,
+        prompt=m.prompt,
+        messages=m.messages,
+        prompt_tokens=m.prompt_tokens,
+        max_tokens=m.max_tokens,
+        sampling=m.sampling,
+        slo_e2e_s=m.slo_e2e_s,
+        slo_ttft_s=m.slo_ttft_s,
+        tier=Tier(m.tier),
+        labels=tuple(m.labels.items()),
+        idempotency_key=m.idempotency_key,
+        status=_status(m.status),
+        cancel_requested=m.cancel_requested,
+        submitted_at=m.submitted_at,
+        dispatched_at=m.dispatched_at,
+        first_token_at=m.first_token_at,
+        finished_at=m.finished_at,
+        instance=m.instance,
+        output_text=m.output_text,
+        output_tokens=m.output_tokens,
+        partial_text=m.partial_text,
+        partial_tokens=m.partial_tokens,
+        evictions=m.evictions,
+        swaps=m.swaps,
+        attempts=m.attempts,
+        slo_met=m.slo_met,
+        ttft_met=m.ttft_met,
+        error=m.error,
+        predicted_completion_at=m.predicted_completion_at,
+        at_risk=m.at_risk,
+        updated_at=m.updated_at,
+    )
+
+
+def _instance_row(m: InstanceModel) -> InstanceRow:
+    return InstanceRow(
+        name=m.name,
+        url=m.url,
+        gpu=m.gpu,
+        gpu_count=m.gpu_count,
+        models=tuple(m.models),
+        state=InstanceState(m.state),
+        model_tiers={model: ModelTier[tier.upper()] for model, tier in m.model_tiers.items()},
+        updated_at=m.updated_at,
+    )
+
+
+def _plan_row(m: PlanModel) -> PlanRow:
+    return PlanRow(
+        id=m.id,
+        controller=m.controller,
+        at=m.at,
+        trigger=m.trigger,
+        groups=m.groups,
+        status=m.status,
+        method=m.method,
+        objective=m.objective,
+        edf_objective=m.edf_objective,
+        at_risk=tuple(m.at_risk),
+        capacity_needed=m.capacity_needed,
+        solve_s=m.solve_s,
+        evaluations=m.evaluations,
+        concurrency=m.concurrency,
+    )
+
+
+def _api_key(m: ApiKeyModel) -> ApiKey:
+    return ApiKey(
+        id=m.id,
+        tenant=m.tenant,
+        name=m.name,
+        prefix=m.prefix,
+        admin=m.admin,
+        created_at=m.created_at,
+        revoked_at=m.revoked_at,
+    )

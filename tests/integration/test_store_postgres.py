@@ -1,0 +1,86 @@
+"""The store's contract (``tests/unit/test_store.py``) on a real PostgreSQL server.
+
+The run gets a schema of its own, ``qlm_test_<hex>``, selected through the connection's
+``search_path`` and dropped at the end, so runs never see each other's tables or an old schema.
+Each test starts from empty tables.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+
+import pytest
+from sqlalchemy import create_engine, text
+from sqlalchemy.engine import make_url
+
+from qlm.domain import RequestStatus
+from qlm.store import Store
+from qlm.store.models import Base
+from tests.unit.test_store import FakeClock, StoreContract, new_request, run_together
+
+pytestmark = pytest.mark.postgres
+
+
+@pytest.fixture(scope="module")
+def schema_url(postgres_url: str) -> Iterator[str]:
+    """The URL of a fresh schema that ``Store.open`` migrated; dropped afterwards."""
+    schema = f"qlm_test_{uuid.uuid4().hex}"
+    admin = create_engine(postgres_url)
+    with admin.begin() as connection:
+        connection.execute(text(f'CREATE SCHEMA "{schema}"'))
+    url = make_url(postgres_url).update_query_dict({"options": f"-csearch_path={schema}"})
+    rendered = url.render_as_string(hide_password=False)
+    try:
+        Store.open(rendered).close()
+        yield rendered
+    finally:
+        with admin.begin() as connection:
+            connection.execute(text(f'DROP SCHEMA "{schema}" CASCADE'))
+        admin.dispose()
+
+
+class TestPostgresStore(StoreContract):
+    @pytest.fixture
+    def clock(self) -> FakeClock:
+        return FakeClock()
+
+    @pytest.fixture
+    def store(self, schema_url: str, clock: FakeClock) -> Iterator[Store]:
+        tables = ", ".join(table.name for table in Base.metadata.sorted_tables)
+        engine = create_engine(schema_url)
+        with engine.begin() as connection:
+            connection.execute(text(f"TRUNCATE {tables} RESTART IDENTITY CASCADE"))
+        engine.dispose()
+        with Store(schema_url, clock=clock) as store:
+            yield store
+
+    @pytest.fixture
+    def migrated_url(self, schema_url: str) -> str:
+        return schema_url
+
+    def test_the_run_has_its_own_schema(self, store: Store, schema_url: str) -> None:
+        engine = create_engine(schema_url)
+        with engine.connect() as connection:
+            schema = connection.execute(text("SELECT current_schema()")).scalar_one()
+            version = connection.execute(text("SELECT version_num FROM alembic_version"))
+            assert version.scalar_one() == "0001"
+        engine.dispose()
+        assert schema.startswith("qlm_test_")
+
+    def test_outcomes_race_across_many_requests_at_once(self, store: Store) -> None:
+        # Sixteen threads over four requests: each request gets exactly one outcome.
+        for i in range(4):
+            store.add_request(new_request(i))
+
+        def finish(i: int) -> bool:
+            return store.record_outcome(
+                f"r{i % 4:04d}", status=RequestStatus.FINISHED, at=1.0, output_text=str(i)
+            )
+
+        recorded = run_together(16, finish)
+        assert sum(recorded) == 4
+        for i in range(4):
+            row = store.get(f"r{i:04d}")
+            assert row is not None and row.output_text is not None
+            assert int(row.output_text) % 4 == i
