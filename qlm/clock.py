@@ -29,6 +29,14 @@ class VirtualClock:
         self._now = t
 
 
+class EpochClock:
+    """Unix time (seconds since 1970): the service's clock, so that a request's arrival is its
+    submission time as the API recorded it, whichever process plans it."""
+
+    def now(self) -> float:
+        return time.time()
+
+
 class WallClock:
     """Monotonic wall time, optionally sped up: with ``scale=10`` ten virtual seconds pass each
     real second (for demos of a simulated instance)."""

@@ -32,6 +32,8 @@ from qlm.engines.base import EngineEvent, EngineRequest, EventKind
 from qlm.errors import ConfigError
 from qlm.planner.policy import Completion, DispatchContext, InstanceLoad, Policy
 
+FINAL = frozenset({RequestStatus.FINISHED, RequestStatus.FAILED, RequestStatus.CANCELLED})
+
 
 @dataclass(slots=True)
 class RequestTrack:
@@ -99,6 +101,7 @@ class Controller:
         self._arrived: list[Request] = []  # to hand to the policy at the next step
         self._completions: list[Completion] = []
         self._started: list[str] = []
+        self._cancelled: list[str] = []
         self._outstanding = dict.fromkeys(names, 0)
         self._outstanding_tokens = dict.fromkeys(names, 0)
         self._on: dict[str, str] = {}  # request -> instance it was sent to, while there
@@ -191,13 +194,18 @@ class Controller:
         track.status, track.error = RequestStatus.FAILED, error
 
     def cancel(self, request_id: str) -> str | None:
-        """Stop a request: a waiting one is dropped from the policy's hands at the next pull (it
-        is marked cancelled now); returns the instance to abort it on when it runs, else None."""
+        """Stop a request wherever it is: the policy forgets it at the next step. Returns the
+        instance it was sent to (the executor aborts it there), else None."""
         track = self._tracks.get(request_id)
-        if track is None or track.status in (RequestStatus.FINISHED, RequestStatus.FAILED):
+        if track is None or track.status in FINAL:
             return None
         track.status = RequestStatus.CANCELLED
-        return self._on.get(request_id)
+        self._pending.pop(request_id, None)
+        self._cancelled.append(request_id)
+        instance = self._on.get(request_id)
+        if instance is not None:
+            self._release(track)
+        return instance
 
     # --- the step ---------------------------------------------------------------------------------
 
@@ -209,19 +217,22 @@ class Controller:
     @property
     def has_news(self) -> bool:
         """Something arrived, started or finished since the last step."""
-        return bool(self._arrived or self._completions or self._started)
+        return bool(self._arrived or self._completions or self._started or self._cancelled)
 
     def step(self, now: float, views: Iterable[InstanceView]) -> list[Decision]:
         """One control step: the policy's decisions given what changed. Pulls are counted against
         their instance here, before the executor applies them."""
-        arrived, self._arrived = self._arrived, []
+        arrived = [r for r in self._arrived if r.id in self._pending]  # not cancelled meanwhile
+        self._arrived = []
         finished, self._completions = self._completions, []
         started, self._started = self._started, []
+        cancelled, self._cancelled = self._cancelled, []
         ctx = DispatchContext(
             now=now,
             arrived=tuple(arrived),
             finished=tuple(finished),
             started=tuple(started),
+            cancelled=tuple(cancelled),
             generated=tuple(
                 (r.id, self._tracks[r.id].output_tokens)
                 for r in arrived
@@ -281,11 +292,7 @@ class Controller:
         for track in self._tracks.values():
             if track.request.id in self._pending and track.status is RequestStatus.QUEUED:
                 track.status, track.error = RequestStatus.FAILED, "never dispatched"
-            elif track.status not in (
-                RequestStatus.FINISHED,
-                RequestStatus.FAILED,
-                RequestStatus.CANCELLED,
-            ):
+            elif track.status not in FINAL:
                 track.status, track.error = RequestStatus.FAILED, "unfinished when the run ended"
 
     # --- internals --------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
-from typing import Literal, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 from qlm.domain import ModelTier
 from qlm.errors import EngineError
@@ -36,6 +36,9 @@ class EngineRequest:
     prompt: str | tuple[int, ...] | None = None
     """What an HTTP engine sends as the prompt. ``None``: ``prompt_tokens`` filler token ids, so a
     replayed request has exactly its recorded prompt length. The simulated engine ignores it."""
+    sampling: tuple[tuple[str, Any], ...] = ()
+    """Sampling parameters passed through to an HTTP engine (temperature, top_p, stop, seed, ...);
+    the fields the agent owns (model, prompt, max_tokens, priority, stream) are never overridden."""
 
     @property
     def tokens_to_generate(self) -> int:

@@ -247,7 +247,8 @@ class VllmEngine:
             if request.prompt is not None
             else [FILLER_TOKEN_ID] * request.prompt_tokens
         )
-        body: dict[str, Any] = {
+        body: dict[str, Any] = dict(request.sampling)
+        body |= {
             "model": request.model,
             "prompt": prompt,
             "max_tokens": request.max_tokens,

@@ -44,7 +44,8 @@ class FcfsDispatch:
     def decide(self, ctx: DispatchContext) -> list[Decision]:
         decisions: list[Decision] = []
         added: dict[str, int] = {}
-        waiting, self._held = [*self._held, *ctx.arrived], []
+        gone = set(ctx.cancelled)
+        waiting, self._held = [r for r in (*self._held, *ctx.arrived) if r.id not in gone], []
         for req in waiting:
             able = [i for i in ctx.instances if req.model in i.models and i.up]
             if not able:

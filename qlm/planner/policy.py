@@ -63,7 +63,7 @@ class DispatchContext:
 
     ``arrived``: requests handed to the policy since the last call — new arrivals and evicted
     requests coming back (``generated`` says how many output tokens they keep). Every request the
-    policy is given must eventually be pulled. ``pending`` is kept for dispatch-on-arrival policies
+    policy is given must eventually be pulled, unless it is ``cancelled`` first. ``pending`` is kept for dispatch-on-arrival policies
     and equals ``arrived``.
     """
 
@@ -73,6 +73,9 @@ class DispatchContext:
     finished: tuple[Completion, ...] = ()
     generated: tuple[tuple[str, int], ...] = ()
     started: tuple[str, ...] = ()  # requests an engine began running since the last call
+    cancelled: tuple[str, ...] = ()
+    """Requests to forget wherever the policy holds them (waiting in its queues, or sent to an
+    instance: the executor has aborted those). They never come back."""
 
     @property
     def pending(self) -> tuple[Request, ...]:

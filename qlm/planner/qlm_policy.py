@@ -283,6 +283,8 @@ class QlmPolicy:
                 first_token_s=done.first_token_s,
                 finish_s=done.finish_s,
             )
+        for rid in ctx.cancelled:
+            self._forget(rid)
         generated = dict(ctx.generated)
         for req in ctx.arrived:
             if req.id not in self._generated and not generated.get(req.id):
@@ -307,6 +309,17 @@ class QlmPolicy:
         if trigger:
             self.plan(now, trigger)
         return self._pull(now)
+
+    def _forget(self, request_id: str) -> None:
+        """A cancelled request: out of its group if it waits, out of the agents' books if sent."""
+        if self.grouper.group_of(request_id) is not None:
+            self.queues.remove_request(request_id)
+            self._changed = True
+        for sent in (*self._inflight.values(), *self._swapped.values()):
+            sent.pop(request_id, None)
+        self._generated.pop(request_id, None)
+        self._started.discard(request_id)
+        self._preemptions.pop(request_id, None)
 
     # --- planning --------------------------------------------------------------------------------
 

@@ -107,6 +107,13 @@ class QueuedPolicy:
             self.requests.pop(c.request.id, None)
             self.generated.pop(c.request.id, None)
             self.on_finish(c)
+        for rid in ctx.cancelled:
+            for sent in self.inflight.values():
+                if sent.pop(rid, None) is not None and rid in self.requests:
+                    self.on_return(self.requests[rid])
+            self._live.pop(rid, None)  # its queue entry goes stale
+            self.requests.pop(rid, None)
+            self.generated.pop(rid, None)
         generated = dict(ctx.generated)
         for req in ctx.arrived:
             for sent in self.inflight.values():

@@ -15,10 +15,21 @@ PURE = [
     "rct",
     "planner",
     "agents/decide.py",
+    "controller.py",
     "engines/sim.py",
     "sim",
 ]
-FORBIDDEN = {"pika", "httpx", "sqlalchemy", "fastapi", "uvicorn", "requests", "psycopg"}
+FORBIDDEN = {
+    "pika",
+    "aio_pika",
+    "httpx",
+    "sqlalchemy",
+    "alembic",
+    "fastapi",
+    "uvicorn",
+    "requests",
+    "psycopg",
+}
 
 
 def pure_files() -> list[Path]:

@@ -1,0 +1,471 @@
+"""The agents on the wall clock: apply the controller's decisions to ``Engine``s with asyncio.
+
+``AgentRuntime`` is the production driver of ``qlm.controller.Controller``, as
+``qlm.sim.cluster.ClusterSimulation`` is its virtual-time driver. A step runs whenever something
+changed (an arrival, a first token, a completion, an instance going up or down, a cancel) and at
+least every ``tick_s`` (the planner's period and violation triggers need the time to move), then
+each decision becomes engine calls:
+
+- ``Pull``: a task streams the request (``Engine.submit``); its first chunk marks it started, its
+  end finishes it. A resumed request is sent as prompt + partial output with ``max_tokens``
+  reduced (``Controller.engine_request``), so the client still receives one whole answer.
+- ``Evict``: ``Engine.abort``; the partial output is kept and the request goes back to the policy.
+- ``SwapOut`` / ``SwapIn``: the engine's KV swap; an engine that cannot swap gets an eviction.
+- ``SetModelTier``: sleep / wake-up, one change at a time per instance.
+
+**Fault isolation.** An engine that fails a call or its health check is marked down: every request
+sent to it returns to the policy with the output streamed so far (nothing is lost: the agent holds
+the streams), and the planner re-plans its groups onto the others. A health probe every
+``health_interval_s`` brings it back.
+
+What happens to requests is reported to a ``RuntimeListener`` (the controller service records it in
+the store and acks the broker delivery; tests collect it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from qlm.clock import Clock
+from qlm.controller import Controller, InstanceView
+from qlm.domain import (
+    Decision,
+    Evict,
+    InstanceSpec,
+    ModelTier,
+    Pull,
+    Request,
+    RequestRecord,
+    SetModelTier,
+    SwapIn,
+    SwapOut,
+)
+from qlm.engines.base import (
+    Engine,
+    EngineCapabilities,
+    EngineEvent,
+    EngineOutput,
+    EventKind,
+    TokenChunk,
+)
+from qlm.errors import EngineError, QLMError
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_RUNNING = 256
+"""vLLM's default ``max_num_seqs``, for a server that does not tell (its API does not export it)."""
+DEFAULT_TOKEN_CAPACITY = 1 << 30
+
+
+@dataclass(slots=True)
+class Job:
+    """What an engine needs to run a request besides what the controller plans with: the prompt
+    text (``None``: filler tokens, for replays), sampling parameters, and the output so far."""
+
+    prompt: str | None = None
+    sampling: Mapping[str, Any] = field(default_factory=dict)
+    partial_text: str = ""
+
+
+class RuntimeListener:
+    """Hooks for what happens to requests; every method is a no-op here. Called on the event
+    loop, in order for each request; they must not block."""
+
+    def dispatched(self, request_id: str, instance: str, at: float) -> None: ...
+
+    def first_token(self, request_id: str, at: float) -> None: ...
+
+    def chunk(self, request_id: str, chunk: TokenChunk) -> None: ...
+
+    def returned(self, request_id: str, partial_text: str, partial_tokens: int) -> None:
+        """Back from an engine unfinished (evicted, or its instance failed)."""
+
+    def finished(self, record: RequestRecord, text: str, finish_reason: str) -> None: ...
+
+    def failed(self, request_id: str, error: str) -> None: ...
+
+    def cancelled(self, request_id: str, partial_text: str, tokens: int) -> None: ...
+
+    def instance_changed(self, name: str, up: bool) -> None: ...
+
+
+@dataclass(slots=True)
+class _Instance:
+    spec: InstanceSpec
+    engine: Engine
+    up: bool = False
+    caps: EngineCapabilities | None = None
+    active_model: str | None = None
+    tiers: dict[str, ModelTier] = field(default_factory=dict)
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    host_link_gbs: float = 0.0
+    weights_gb: tuple[tuple[str, float], ...] = ()
+    cpu_cache_gb: float = 0.0
+    max_running: int | None = None  # configured; overrides what the engine says
+
+
+@dataclass(slots=True)
+class _Flight:
+    instance: str
+    task: asyncio.Task[None] | None = None
+    text: list[str] = field(default_factory=list)
+    tokens: int = 0
+    started: bool = False
+    leaving: bool = False  # evicted, cancelled or failed over: its end is not a completion
+
+
+class AgentRuntime:
+    """Runs ``controller`` against live engines on the wall clock (module docstring)."""
+
+    def __init__(
+        self,
+        controller: Controller,
+        engines: Sequence[Engine],
+        *,
+        clock: Clock,
+        listener: RuntimeListener | None = None,
+        tick_s: float = 0.25,
+        health_interval_s: float = 1.0,
+        max_running: Mapping[str, int] | None = None,
+        host_link_gbs: Mapping[str, float] | None = None,
+    ) -> None:
+        self.controller = controller
+        self.clock = clock
+        self.listener = listener or RuntimeListener()
+        self.tick_s = tick_s
+        self.health_interval_s = health_interval_s
+        by_name = {e.name: e for e in engines}
+        missing = sorted(set(controller.specs) - set(by_name))
+        if missing:
+            raise QLMError(f"no engine for instance(s) {', '.join(missing)}")
+        self._instances = {
+            name: _Instance(
+                spec,
+                by_name[name],
+                max_running=(max_running or {}).get(name),
+                host_link_gbs=(host_link_gbs or {}).get(name, 0.0),
+            )
+            for name, spec in controller.specs.items()
+        }
+        self._jobs: dict[str, Job] = {}
+        self._flights: dict[str, _Flight] = {}
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._kick = asyncio.Event()
+        self._loop_task: asyncio.Task[None] | None = None
+        self._health_task: asyncio.Task[None] | None = None
+        self._stopping = False
+        self.steps = 0
+
+    # --- life cycle -------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Attach to every engine (an engine that does not answer starts down) and run."""
+        await asyncio.gather(*(self._attach(i) for i in self._instances.values()))
+        self._loop_task = asyncio.create_task(self._loop(), name="qlm-control-loop")
+        self._health_task = asyncio.create_task(self._health(), name="qlm-health")
+
+    async def stop(self, *, abort: bool = True) -> None:
+        """Stop stepping. ``abort``: abort what runs, reporting each as ``returned`` with its
+        partial output (a standby controller resumes it from there)."""
+        self._stopping = True
+        for task in (self._loop_task, self._health_task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        if abort:
+            for rid in list(self._flights):
+                await self._take_back(rid, evicted=False)
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    # --- input ------------------------------------------------------------------------------------
+
+    def submit(
+        self, request: Request, job: Job | None = None, *, generated: int = 0, failovers: int = 0
+    ) -> bool:
+        """Hand a request to the controller (``generated`` output tokens already in
+        ``job.partial_text``, for one recovered from an earlier controller). False when it is
+        already held."""
+        if not self.controller.arrive(request, generated=generated, failovers=failovers):
+            return False
+        self._jobs[request.id] = job or Job()
+        self._kick.set()
+        return True
+
+    async def cancel(self, request_id: str) -> bool:
+        """Cancel a request: forgotten if it waits, aborted if it runs. False if unknown or over."""
+        flight = self._flights.get(request_id)
+        instance = self.controller.cancel(request_id)
+        if instance is None and request_id not in self._jobs:
+            return False
+        partial = self._jobs.get(request_id, Job()).partial_text
+        tokens = self.controller.track(request_id).output_tokens
+        if instance is not None and flight is not None:
+            flight.leaving = True
+            out = await self._abort(instance, request_id)
+            partial += out.text if out is not None else "".join(flight.text)
+            tokens += out.tokens if out is not None else flight.tokens
+            self._flights.pop(request_id, None)
+        self._jobs.pop(request_id, None)
+        self.listener.cancelled(request_id, partial, tokens)
+        self._kick.set()
+        return True
+
+    def holds(self, request_id: str) -> bool:
+        return request_id in self._jobs
+
+    @property
+    def idle(self) -> bool:
+        """Nothing held: every request given has finished, failed or been cancelled."""
+        return not self._jobs
+
+    def instances_up(self) -> dict[str, bool]:
+        return {name: inst.up for name, inst in self._instances.items()}
+
+    # --- the loop ---------------------------------------------------------------------------------
+
+    async def _loop(self) -> None:
+        while not self._stopping:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._kick.wait(), timeout=self.tick_s)
+            self._kick.clear()
+            try:
+                self.step()
+            except QLMError:
+                log.exception("control step failed; retrying at the next tick")
+
+    def step(self) -> None:
+        """One control step now, and its decisions set in motion."""
+        now = self.clock.now()
+        decisions = self.controller.step(now, [self._view(i) for i in self._instances.values()])
+        self.steps += 1
+        for decision in decisions:
+            self._apply(decision, now)
+
+    def _view(self, inst: _Instance) -> InstanceView:
+        caps = inst.caps
+        max_running = inst.max_running or (caps.max_num_seqs if caps else None)
+        capacity = caps.kv_capacity_tokens if caps else None
+        return InstanceView(
+            spec=inst.spec,
+            max_running=max_running or DEFAULT_MAX_RUNNING,
+            token_capacity=capacity or DEFAULT_TOKEN_CAPACITY,
+            active_model=inst.active_model,
+            up=inst.up,
+            host_link_gbs=inst.host_link_gbs if caps and caps.supports_swap else 0.0,
+            swap_free_gb=0.0,
+            model_tiers=tuple(inst.tiers.items()),
+            model_weights_gb=inst.weights_gb,
+            cpu_cache_gb=inst.cpu_cache_gb,
+        )
+
+    def _apply(self, decision: Decision, now: float) -> None:
+        if isinstance(decision, Pull):
+            self._spawn(self._run(decision.request_id, decision.instance, now))
+        elif isinstance(decision, Evict):
+            self._spawn(self._evict(decision.request_id))
+        elif isinstance(decision, SwapOut):
+            self._spawn(self._swap(decision.request_id, decision.instance, out=True))
+        elif isinstance(decision, SwapIn):
+            self._spawn(self._swap(decision.request_id, decision.instance, out=False))
+        elif isinstance(decision, SetModelTier):
+            self._spawn(self._set_tier(decision))
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("agent operation failed", exc_info=task.exception())
+
+    # --- operations -------------------------------------------------------------------------------
+
+    async def _run(self, rid: str, instance: str, now: float) -> None:
+        """Pull: stream the request on its instance until it ends."""
+        job = self._jobs.get(rid)
+        if job is None:
+            return  # cancelled between the decision and now
+        inst = self._instances[instance]
+        flight = _Flight(instance)
+        flight.task = asyncio.current_task()
+        self._flights[rid] = flight
+        request = self.controller.engine_request(rid)
+        prompt = None if job.prompt is None else job.prompt + job.partial_text
+        request = replace(request, prompt=prompt, sampling=tuple(job.sampling.items()))
+        self.listener.dispatched(rid, instance, now)
+
+        def on_chunk(chunk: TokenChunk) -> None:
+            if flight.leaving:
+                return
+            flight.text.append(chunk.text)
+            flight.tokens = chunk.tokens
+            if not flight.started:
+                flight.started = True
+                at = self.clock.now()
+                self.controller.on_event(instance, EngineEvent(EventKind.SCHEDULED, at, rid))
+                self.controller.on_event(instance, EngineEvent(EventKind.FIRST_TOKEN, at, rid))
+                self.listener.first_token(rid, at)
+                self._kick.set()
+            self.listener.chunk(rid, chunk)
+
+        try:
+            out = await inst.engine.submit(request, on_chunk)
+        except asyncio.CancelledError:
+            raise
+        except EngineError as exc:
+            if flight.leaving:
+                return
+            log.warning("%s failed %s: %s", instance, rid, exc)
+            self._mark_down(inst, str(exc))  # returns this request and the others there
+            return
+        if flight.leaving or self._flights.get(rid) is not flight:
+            return  # evicted or cancelled: handled where that was decided
+        if out.aborted:  # aborted by someone else (an operator, a restart of the server)
+            await self._take_back(rid, evicted=False)
+            return
+        self._finish(rid, flight, out)
+
+    def _finish(self, rid: str, flight: _Flight, out: EngineOutput) -> None:
+        at = self.clock.now()
+        if not flight.started:  # one chunk only, or an engine that does not stream
+            self.controller.on_event(flight.instance, EngineEvent(EventKind.SCHEDULED, at, rid))
+            self.controller.on_event(flight.instance, EngineEvent(EventKind.FIRST_TOKEN, at, rid))
+            self.listener.first_token(rid, at)
+        self.controller.on_event(
+            flight.instance, EngineEvent(EventKind.FINISHED, at, rid, tokens=out.tokens)
+        )
+        self._flights.pop(rid, None)
+        job = self._jobs.pop(rid, Job())
+        record = self.controller.track(rid).record()
+        self.listener.finished(record, job.partial_text + out.text, out.finish_reason)
+        self._kick.set()
+
+    async def _evict(self, rid: str) -> None:
+        await self._take_back(rid, evicted=True)
+
+    async def _take_back(self, rid: str, *, evicted: bool) -> None:
+        """Stop a request on its engine and give it back to the policy with its output so far."""
+        flight = self._flights.get(rid)
+        if flight is None or flight.leaving:
+            return
+        flight.leaving = True
+        out = await self._abort(flight.instance, rid)
+        text = out.text if out is not None else "".join(flight.text)
+        tokens = out.tokens if out is not None else flight.tokens
+        self._flights.pop(rid, None)
+        self._give_back(rid, text, tokens, evicted=evicted)
+
+    def _give_back(self, rid: str, text: str, tokens: int, *, evicted: bool) -> None:
+        job = self._jobs.get(rid)
+        if job is None:
+            return
+        job.partial_text += text
+        self.controller.returned(rid, tokens, evicted=evicted)
+        track = self.controller.track(rid)
+        self.listener.returned(rid, job.partial_text, track.output_tokens)
+        self._kick.set()
+
+    async def _abort(self, instance: str, rid: str) -> EngineOutput | None:
+        """The engine's partial output, or None when it cannot say (down, or already gone)."""
+        inst = self._instances[instance]
+        if not inst.up:
+            flight = self._flights.get(rid)
+            if flight is not None and flight.task is not None:
+                flight.task.cancel()
+            return None
+        try:
+            return await inst.engine.abort(rid)
+        except EngineError as exc:
+            log.info("abort of %s on %s: %s", rid, instance, exc)
+            return None
+
+    async def _swap(self, rid: str, instance: str, *, out: bool) -> None:
+        inst = self._instances[instance]
+        try:
+            if out:
+                await inst.engine.swap_out(rid)
+                self.controller.on_event(
+                    instance, EngineEvent(EventKind.SWAPPED_OUT, self.clock.now(), rid)
+                )
+            else:
+                await inst.engine.swap_in(rid)
+        except EngineError as exc:
+            log.info("swap of %s on %s refused (%s): evicting instead", rid, instance, exc)
+            await self._take_back(rid, evicted=True)
+
+    async def _set_tier(self, decision: SetModelTier) -> None:
+        inst = self._instances[decision.instance]
+        async with inst.lock:
+            try:
+                await inst.engine.set_model_tier(decision.model, decision.tier)
+            except EngineError as exc:
+                log.warning(
+                    "%s: %s -> %s failed: %s", inst.spec.name, decision.model, decision.tier, exc
+                )
+                return
+            if decision.tier is ModelTier.ACTIVE:
+                for model, tier in inst.tiers.items():
+                    if tier is ModelTier.ACTIVE and model != decision.model:
+                        inst.tiers[model] = ModelTier.WARM
+                inst.active_model = decision.model
+            elif inst.active_model == decision.model:
+                inst.active_model = None
+            inst.tiers[decision.model] = decision.tier
+        self._kick.set()
+
+    # --- health -----------------------------------------------------------------------------------
+
+    async def _attach(self, inst: _Instance) -> None:
+        try:
+            inst.caps = await inst.engine.capabilities()
+            stats = await inst.engine.stats()
+        except EngineError as exc:
+            log.warning("%s does not answer (%s): down until it does", inst.spec.name, exc)
+            return
+        inst.tiers = dict(stats.model_tiers) or {
+            m: ModelTier.ACTIVE if i == 0 else ModelTier.COLD
+            for i, m in enumerate(inst.spec.models)
+        }
+        inst.active_model = stats.active_model or next(
+            (m for m, t in inst.tiers.items() if t is ModelTier.ACTIVE), None
+        )
+        if not inst.up:
+            inst.up = True
+            self.listener.instance_changed(inst.spec.name, True)
+            self._kick.set()
+
+    async def _health(self) -> None:
+        while not self._stopping:
+            await asyncio.sleep(self.health_interval_s)
+            for inst in self._instances.values():
+                ok = await inst.engine.health()
+                if ok and not inst.up:
+                    await self._attach(inst)
+                elif not ok and inst.up:
+                    self._mark_down(inst, "health check failed")
+
+    def _mark_down(self, inst: _Instance, reason: str) -> None:
+        """Fault isolation: everything sent to ``inst`` returns to the policy with its output."""
+        if inst.up:
+            log.warning("%s is down: %s", inst.spec.name, reason)
+            inst.up = False
+            self.listener.instance_changed(inst.spec.name, False)
+        for rid, flight in list(self._flights.items()):
+            if flight.instance != inst.spec.name or flight.leaving:
+                continue
+            flight.leaving = True
+            if flight.task is not None and flight.task is not asyncio.current_task():
+                flight.task.cancel()
+            self._flights.pop(rid, None)
+            self._give_back(rid, "".join(flight.text), flight.tokens, evicted=False)
+        self._kick.set()

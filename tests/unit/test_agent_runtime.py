@@ -1,0 +1,253 @@
+"""The agents on the wall clock: ``AgentRuntime`` applies the controller's decisions to async
+engines (simulated instances at 50x real time). Waits poll with a generous deadline; nothing
+asserts on elapsed time."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import pytest
+from builders import make_catalog, make_profile, make_request
+
+from qlm.agents.executor import AgentRuntime, Job, RuntimeListener
+from qlm.clock import WallClock
+from qlm.controller import Controller
+from qlm.domain import SLO, Decision, Evict, InstanceSpec, Pull, RequestRecord, RequestStatus
+from qlm.engines.base import EngineOutput, EngineRequest
+from qlm.engines.wallclock import WallClockEngine, count_tokens
+from qlm.errors import EngineError
+from qlm.planner import PlannerConfig, create_policy
+from qlm.planner.policy import DispatchContext, Policy
+
+SCALE = 50.0
+
+
+class Recorder(RuntimeListener):
+    def __init__(self) -> None:
+        self.done: dict[str, tuple[RequestRecord, str]] = {}
+        self.back: list[tuple[str, int]] = []
+        self.dropped: dict[str, int] = {}
+        self.changes: list[tuple[str, bool]] = []
+        self.sent: list[tuple[str, str]] = []
+
+    def dispatched(self, request_id: str, instance: str, at: float) -> None:
+        self.sent.append((request_id, instance))
+
+    def finished(self, record: RequestRecord, text: str, finish_reason: str) -> None:
+        self.done[record.request.id] = (record, text)
+
+    def returned(self, request_id: str, partial_text: str, partial_tokens: int) -> None:
+        self.back.append((request_id, partial_tokens))
+
+    def cancelled(self, request_id: str, partial_text: str, tokens: int) -> None:
+        self.dropped[request_id] = tokens
+
+    def instance_changed(self, name: str, up: bool) -> None:
+        self.changes.append((name, up))
+
+
+def engine(name: str) -> WallClockEngine:
+    return WallClockEngine.from_catalog(name, "m", "G", 1, time_scale=SCALE, catalog=make_catalog())
+
+
+async def eventually(check: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + 30.0
+    while not check():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out waiting until {what}")
+        await asyncio.sleep(0.005)
+
+
+def run(scenario: Callable[[], Awaitable[None]]) -> None:
+    asyncio.run(scenario())
+
+
+class Flaky:
+    """An engine that can break like a server whose process died: calls fail, streams cut."""
+
+    def __init__(self, inner: WallClockEngine) -> None:
+        self.inner = inner
+        self.name = inner.name
+        self.broken = False
+
+    def break_(self) -> None:
+        self.broken = True
+        for rid in list(self.inner._flights):
+            self.inner.abort_nowait(rid)
+
+    def __getattr__(self, item: str) -> Any:
+        return getattr(self.inner, item)
+
+    async def capabilities(self) -> Any:
+        if self.broken:
+            raise EngineError(f"{self.name}: connection refused")
+        return await self.inner.capabilities()
+
+    async def submit(self, request: EngineRequest, on_chunk: Any = None) -> EngineOutput:
+        if self.broken:
+            raise EngineError(f"{self.name}: connection refused")
+        out = await self.inner.submit(request, on_chunk)
+        if self.broken:
+            raise EngineError(f"{self.name}: stream cut")
+        return out
+
+    async def abort(self, request_id: str) -> EngineOutput:
+        if self.broken:
+            raise EngineError(f"{self.name}: connection refused")
+        return await self.inner.abort(request_id)
+
+    async def health(self) -> bool:
+        return not self.broken and await self.inner.health()
+
+
+def start(policy: Policy, engines: list[Any], recorder: Recorder, **kw: Any) -> AgentRuntime:
+    specs = [InstanceSpec(e.name, "G", ("m",)) for e in engines]
+    return AgentRuntime(
+        Controller(policy, specs),
+        engines,
+        clock=WallClock(SCALE),
+        listener=recorder,
+        tick_s=0.02,
+        health_interval_s=0.02,
+        **kw,
+    )
+
+
+def test_requests_run_to_the_end_on_live_engines_under_qlm() -> None:
+    async def scenario() -> None:
+        rec = Recorder()
+        engines = [engine("i0"), engine("i1")]
+        policy = create_policy(
+            "qlm", profile=make_profile(), planner=PlannerConfig.for_simulation(500)
+        )
+        rt = start(policy, engines, rec)
+        await rt.start()
+        now = rt.clock.now()
+        for i in range(24):
+            rt.submit(make_request(i, arrival_s=now, replay_output_tokens=20 + i, slo=SLO(60.0)))
+        await eventually(lambda: rt.idle, "every request finished")
+        await rt.stop()
+        for e in engines:
+            await e.close()
+        assert len(rec.done) == 24
+        for i in range(24):
+            record, text = rec.done[f"r{i:04d}"]
+            assert record.status is RequestStatus.FINISHED
+            assert record.output_tokens == 20 + i == count_tokens(text)
+            assert record.first_token_s is not None and record.finish_s is not None
+        assert policy.plans  # the planner ran on the wall clock (typed as Policy: any)
+
+    run(scenario)
+
+
+class EvictOnce:
+    """Pulls everything onto i0 and evicts ``victim`` once it has started."""
+
+    name = "evict-once"
+
+    def __init__(self, victim: str) -> None:
+        self.victim = victim
+        self.done = False
+
+    def decide(self, ctx: DispatchContext) -> list[Decision]:
+        out: list[Decision] = [Pull(r.id, "i0") for r in ctx.arrived]
+        if not self.done and self.victim in ctx.started:
+            self.done = True
+            out.append(Evict(self.victim, "i0"))
+        return out
+
+
+def test_an_evicted_request_resumes_with_its_partial_output_and_the_right_token_count() -> None:
+    async def scenario() -> None:
+        rec = Recorder()
+        e = engine("i0")
+        rt = start(EvictOnce("r0000"), [e], rec)
+        await rt.start()
+        rt.submit(make_request(0, arrival_s=rt.clock.now(), replay_output_tokens=300))
+        await eventually(lambda: rt.idle, "the evicted request finished")
+        await rt.stop()
+        await e.close()
+        record, text = rec.done["r0000"]
+        assert record.evictions == 1
+        assert len(rec.back) == 1 and 0 < rec.back[0][1] < 300
+        assert record.output_tokens == 300 == count_tokens(text)  # partial + the rest, once
+
+    run(scenario)
+
+
+def test_a_failed_engine_loses_nothing_and_rejoins_when_healthy() -> None:
+    async def scenario() -> None:
+        rec = Recorder()
+        flaky, other = Flaky(engine("i0")), engine("i1")
+        rt = start(create_policy("fcfs-rr"), [flaky, other], rec)
+        await rt.start()
+        now = rt.clock.now()
+        for i in range(12):
+            rt.submit(make_request(i, arrival_s=now, replay_output_tokens=400, max_tokens=500))
+        await eventually(
+            lambda: any(
+                rt.controller.track(r).first_token_s for r in rt.controller.on_instance("i0")
+            ),
+            "i0 streams",
+        )
+        flaky.break_()
+        await eventually(lambda: ("i0", False) in rec.changes, "i0 is marked down")
+        flaky.broken = False
+        await eventually(lambda: ("i0", True) in rec.changes[1:], "i0 rejoins")
+        await eventually(lambda: rt.idle, "every request finished")
+        await rt.stop()
+        await flaky.inner.close()
+        await other.close()
+        records = {rid: r for rid, (r, _) in rec.done.items()}
+        assert len(records) == 12
+        moved = [r for r in records.values() if r.failovers]
+        assert moved
+        for rid, (record, text) in rec.done.items():
+            assert record.output_tokens == 400 == count_tokens(text), rid
+
+    run(scenario)
+
+
+def test_cancel_forgets_a_waiting_request_and_aborts_a_running_one() -> None:
+    async def scenario() -> None:
+        rec = Recorder()
+        e = engine("i0")
+        rt = start(create_policy("edf"), [e], rec, max_running={"i0": 1})
+        await rt.start()
+        now = rt.clock.now()
+        for i in range(3):
+            rt.submit(make_request(i, arrival_s=now + i * 1e-3, replay_output_tokens=200))
+        await eventually(lambda: rt.controller.track("r0000").first_token_s is not None, "r0 runs")
+        assert await rt.cancel("r0002")  # still waiting
+        assert await rt.cancel("r0000")  # running
+        assert not await rt.cancel("r0002")  # already over
+        await eventually(lambda: rt.idle, "r1 finished")
+        await rt.stop()
+        await e.close()
+        assert set(rec.done) == {"r0001"}
+        assert rec.dropped["r0002"] == 0 and 0 < rec.dropped["r0000"] < 200
+        assert rt.controller.track("r0000").status is RequestStatus.CANCELLED
+        assert rt.controller.outstanding("i0") == 0
+
+    run(scenario)
+
+
+def test_an_engine_that_never_answers_starts_down_and_gets_nothing() -> None:
+    async def scenario() -> None:
+        rec = Recorder()
+        dead, live = Flaky(engine("i0")), engine("i1")
+        dead.broken = True
+        rt = start(create_policy("fcfs"), [dead, live], rec)
+        await rt.start()
+        assert rt.instances_up() == {"i0": False, "i1": True}
+        rt.submit(make_request(0, arrival_s=rt.clock.now()), Job(sampling={"temperature": 0}))
+        await eventually(lambda: rt.idle, "the request finished")
+        await rt.stop()
+        await dead.inner.close()
+        await live.close()
+        assert rec.sent == [("r0000", "i1")]
+
+    run(scenario)
