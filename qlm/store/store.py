@@ -18,7 +18,7 @@ import binascii
 import json
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 from types import TracebackType
@@ -215,35 +215,8 @@ class Store:
         already there with ``False`` and changes nothing, also when two calls race. An id already
         taken by another tenant raises ``StoreError`` (ids are meant to be unique across tenants).
         """
-        now = self._clock()
         labels = dict(new.labels)
-        values: dict[str, Any] = {
-            "id": new.id,
-            "tenant": new.tenant,
-            "model": new.model,
-            "slo_class": new.slo_class,
-            "prompt": new.prompt,
-            "messages": new.messages,
-            "prompt_tokens": new.prompt_tokens,
-            "max_tokens": new.max_tokens,
-            "sampling": dict(new.sampling),
-            "slo_e2e_s": new.slo_e2e_s,
-            "slo_ttft_s": new.slo_ttft_s,
-            "tier": int(new.tier),
-            "labels": labels,
-            "idempotency_key": new.idempotency_key,
-            "status": _name(RequestStatus.QUEUED),
-            "cancel_requested": False,
-            "submitted_at": new.submitted_at,
-            "output_tokens": 0,
-            "partial_text": "",
-            "partial_tokens": 0,
-            "evictions": 0,
-            "swaps": 0,
-            "attempts": 0,
-            "at_risk": False,
-            "updated_at": now,
-        }
+        values = _request_values(new, self._clock())
         with self._tx(f"add request {new.id!r}", write=True) as session:
             # ON CONFLICT DO NOTHING without a target covers both the id and the idempotency key.
             stmt = self._insert(RequestModel).values(values).on_conflict_do_nothing()
@@ -265,6 +238,30 @@ class Store:
                 if model is not None:
                     return _request_row(model), False
         raise StoreError(f"request id {new.id!r} is already used by another tenant")
+
+    def ensure_requests(self, news: Sequence[NewRequest]) -> dict[str, RequestRow]:
+        """Record every request not recorded yet, in one transaction, and return the row of each
+        id (existing rows unchanged): what a controller does with a batch of deliveries, most of
+        them already stored by the API, some published directly (replays) or redelivered."""
+        now = self._clock()
+        rows: dict[str, RequestRow] = {}
+        with self._tx(f"record {len(news)} requests", write=True) as session:
+            for start in range(0, len(news), _CHUNK):
+                chunk = news[start : start + _CHUNK]
+                stmt = self._insert(RequestModel).values([_request_values(n, now) for n in chunk])
+                created = set(session.scalars(stmt.on_conflict_do_nothing().returning(_R.id)))
+                labels = [
+                    {"request_id": n.id, "key": k, "value": v}
+                    for n in chunk
+                    if n.id in created
+                    for k, v in n.labels
+                ]
+                if labels:
+                    session.execute(insert(RequestLabelModel), labels)
+                ids = [n.id for n in chunk]
+                for model in session.scalars(select(RequestModel).where(_R.id.in_(ids))):
+                    rows[model.id] = _request_row(model)
+        return rows
 
     def mark_dispatched(self, id: str, *, instance: str, at: float) -> bool:
         """The request was sent to ``instance``: it is running there. ``dispatched_at`` keeps the
@@ -512,6 +509,14 @@ class Store:
         """Requests a client cancelled that still await the controller's abort."""
         query = select(_R.id).where(_R.cancel_requested.is_(True), _NOT_FINAL)
         with self._tx("list requests to cancel") as session:
+            return set(session.scalars(query))
+
+    def cancellations_since(self, since: float) -> set[str]:
+        """Requests a client asked to cancel whose row changed at or after ``since``: what a
+        controller polls to learn of cancels made through another process (queued ones are
+        already ``cancelled`` in the store; running ones await its abort)."""
+        query = select(_R.id).where(_R.cancel_requested.is_(True), _R.updated_at >= since)
+        with self._tx("list recent cancellations") as session:
             return set(session.scalars(query))
 
     def slo_summary(
@@ -871,3 +876,34 @@ def _api_key(m: ApiKeyModel) -> ApiKey:
         created_at=m.created_at,
         revoked_at=m.revoked_at,
     )
+
+
+def _request_values(new: NewRequest, now: float) -> dict[str, Any]:
+    """The column values of a new request's row."""
+    return {
+        "id": new.id,
+        "tenant": new.tenant,
+        "model": new.model,
+        "slo_class": new.slo_class,
+        "prompt": new.prompt,
+        "messages": new.messages,
+        "prompt_tokens": new.prompt_tokens,
+        "max_tokens": new.max_tokens,
+        "sampling": dict(new.sampling),
+        "slo_e2e_s": new.slo_e2e_s,
+        "slo_ttft_s": new.slo_ttft_s,
+        "tier": int(new.tier),
+        "labels": dict(new.labels),
+        "idempotency_key": new.idempotency_key,
+        "status": _name(RequestStatus.QUEUED),
+        "cancel_requested": False,
+        "submitted_at": new.submitted_at,
+        "output_tokens": 0,
+        "partial_text": "",
+        "partial_tokens": 0,
+        "evictions": 0,
+        "swaps": 0,
+        "attempts": 0,
+        "at_risk": False,
+        "updated_at": now,
+    }

@@ -295,6 +295,30 @@ class StoreContract:
         assert store.cancel_requested_ids() == set()
         assert store.cancel("r0001") is RequestStatus.CANCELLED
 
+    def test_ensure_requests_records_the_new_and_returns_every_row(self, store: Store) -> None:
+        store.add_request(new_request(1))
+        store.mark_dispatched("r0001", instance="i0", at=101.0)
+        rows = store.ensure_requests([new_request(i) for i in (1, 2, 3)])
+        assert set(rows) == {"r0001", "r0002", "r0003"}
+        assert rows["r0001"].status is RequestStatus.RUNNING  # existing row unchanged
+        assert rows["r0002"].status is RequestStatus.QUEUED
+        assert store.ensure_requests([]) == {}
+        many = store.ensure_requests([new_request(i) for i in range(10, 1210)])
+        assert len(many) == 1200 and store.get("r1209") is not None
+
+    def test_a_controller_learns_of_recent_cancels_queued_or_running(
+        self, store: Store, clock: FakeClock
+    ) -> None:
+        for i in (1, 2, 3):
+            store.add_request(new_request(i))
+        store.mark_dispatched("r0002", instance="i0", at=101.0)
+        store.cancel("r0003")  # at 1000: before the poll below
+        clock.now = 1_010.0
+        store.cancel("r0001")
+        store.cancel("r0002")
+        assert store.cancellations_since(1_005.0) == {"r0001", "r0002"}
+        assert store.cancellations_since(2_000.0) == set()
+
     def test_cancel_leaves_final_and_foreign_requests_alone(self, store: Store) -> None:
         store.add_request(new_request(1))
         record_finished(store, "r0001")
