@@ -4,6 +4,8 @@ import, so tests construct their own."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from pydantic import BaseModel, Field, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -22,12 +24,31 @@ class DemoSettings(BaseModel):
     seed: int = 0
 
 
+class ControllerSettings(BaseModel):
+    """The controller service (``qlm controller``, ``qlm serve``)."""
+
+    policy: str = "qlm"
+    name: str | None = None  # default: host-pid
+    sim_instances: str = "2xA100:llama-3-8b"  # in-process simulated instances without a file
+    sim_time_scale: float = Field(default=1.0, gt=0)
+    tick_s: float = Field(default=0.25, gt=0)
+    health_interval_s: float = Field(default=1.0, gt=0)
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix="QLM_", env_nested_delimiter="__", extra="ignore", frozen=True
     )
 
     log_level: str = "INFO"
+    broker_url: str | None = None
+    """``QLM_BROKER_URL``: ``amqp://user:password@host:5672/vhost``; unset: the in-process queue."""
+    database_url: str | None = None
+    """``QLM_DATABASE_URL``: ``postgresql+psycopg://...`` or ``sqlite:///path``; unset:
+    ``sqlite:///qlm.db`` in the working directory."""
+    instances_file: Path | None = None
+    """``QLM_INSTANCES_FILE``: the serving instances (TOML); unset: simulated in-process."""
+    controller: ControllerSettings = ControllerSettings()
     demo: DemoSettings = DemoSettings()
 
 

@@ -1,0 +1,98 @@
+"""The control plane as a long-running service: ``qlm controller`` and ``qlm serve``.
+
+``build_controller(settings)`` wires the parts the settings name — the global queue
+(``QLM_BROKER_URL``; in-process without it), the store (``QLM_DATABASE_URL``; SQLite without it),
+the instances (``QLM_INSTANCES_FILE``; simulated in-process without it) and the policy — into a
+``ControllerService``. With no settings at all it runs on embedded defaults.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+
+from qlm.agents.executor import AgentRuntime
+from qlm.clock import EpochClock
+from qlm.controller import Controller
+from qlm.global_queue import GlobalQueue, open_global_queue
+from qlm.planner import create_policy
+from qlm.service.controller import ControllerService
+from qlm.service.instances import (
+    InstanceConfig,
+    build_engines,
+    default_instances,
+    host_links,
+    load_instances,
+)
+from qlm.settings import Settings
+from qlm.store import Store
+
+__all__ = ["ControllerService", "build_controller", "instance_configs", "run_controller"]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_DATABASE_URL = "sqlite:///qlm.db"
+
+
+def instance_configs(settings: Settings) -> list[InstanceConfig]:
+    if settings.instances_file is not None:
+        return load_instances(settings.instances_file)
+    return default_instances(settings.controller.sim_instances)
+
+
+def open_store(settings: Settings) -> Store:
+    return Store.open(settings.database_url or DEFAULT_DATABASE_URL)
+
+
+def open_queue(settings: Settings) -> GlobalQueue:
+    if settings.broker_url:
+        return open_global_queue(settings.broker_url, prefetch=0)
+    return open_global_queue(None)
+
+
+def build_controller(
+    settings: Settings,
+    *,
+    queue: GlobalQueue | None = None,
+    store: Store | None = None,
+    configs: list[InstanceConfig] | None = None,
+) -> ControllerService:
+    """A controller service from the settings (``queue``/``store``/``configs`` override them:
+    ``qlm serve`` shares one in-process queue between the API and the controller)."""
+    cs = settings.controller
+    configs = configs if configs is not None else instance_configs(settings)
+    specs = [c.spec for c in configs]
+    policy = create_policy(cs.policy)
+    runtime = AgentRuntime(
+        Controller(policy, specs),
+        build_engines(configs, time_scale=cs.sim_time_scale),
+        clock=EpochClock(),
+        tick_s=cs.tick_s,
+        health_interval_s=cs.health_interval_s,
+        max_running={c.spec.name: c.max_num_seqs for c in configs if c.max_num_seqs},
+        host_link_gbs=host_links(configs),
+    )
+    return ControllerService(
+        queue if queue is not None else open_queue(settings),
+        store if store is not None else open_store(settings),
+        runtime,
+        name=cs.name,
+    )
+
+
+async def run_controller(settings: Settings) -> None:
+    """``qlm controller``: run until SIGINT/SIGTERM, then stop gracefully."""
+    service = build_controller(settings)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, stop.set)
+    log.info("controller %s starting (standby until the queue makes it active)", service.name)
+    await service.start()
+    log.info("controller %s consuming", service.name)
+    await stop.wait()
+    await service.stop()
+    await asyncio.to_thread(service.store.close)

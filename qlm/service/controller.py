@@ -1,0 +1,343 @@
+"""The controller service: global queue in, agents on live engines, outcomes in the store.
+
+``ControllerService`` consumes the global queue and holds each delivery un-acked while its request
+waits (the broker keeps the one replica, ARCHITECTURE.md §4 rule 5). Every delivery is recorded in
+the store (idempotently: the API usually did already) and handed to the ``AgentRuntime``, which
+runs the one ``Controller`` — groups, estimator, planner, virtual queues, agents — on the wall
+clock. What happens to each request is written to the store in order by one writer task; a
+delivery is acked only after its outcome (finished, failed, cancelled) is committed.
+
+**Failover.** A standby controller's consumer waits (single active consumer). When the active
+one dies, the broker redelivers every message it held; the standby records nothing twice: a
+request already final in the store is acked at once, the others resume from the partial output
+the store holds (kept at each eviction or instance failure) or restart.
+
+**Poison.** A message the controller can never serve (no instance serves its model) is recorded
+failed with the reason and dead-lettered; the queue dead-letters undecodable bodies itself, and
+the broker's delivery limit ends any loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import os
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from qlm.agents.executor import AgentRuntime, Job, RuntimeListener
+from qlm.domain import RequestRecord, RequestStatus
+from qlm.engines.base import TokenChunk
+from qlm.global_queue import Delivery, GlobalQueue, QueuedRequest
+from qlm.store import NewRequest, RequestRow, Store
+from qlm.store.rows import InstanceState
+
+log = logging.getLogger(__name__)
+
+
+def default_controller_name() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+@dataclass(slots=True)
+class _Held:
+    delivery: Delivery
+    message: QueuedRequest
+
+
+@dataclass(slots=True)
+class _Writes:
+    """Store operations queued by the runtime's callbacks, applied in order by the writer."""
+
+    ops: list[Callable[[], Any]] = field(default_factory=list)
+    settle: list[tuple[str, str]] = field(default_factory=list)  # (request id, "ack" | reason)
+
+
+class ControllerService(RuntimeListener):
+    """Runs one controller (module docstring)."""
+
+    def __init__(
+        self,
+        queue: GlobalQueue,
+        store: Store,
+        runtime: AgentRuntime,
+        *,
+        name: str | None = None,
+        flush_s: float = 0.05,
+        poll_s: float = 0.5,
+    ) -> None:
+        self.queue = queue
+        self.store = store
+        self.runtime = runtime
+        self.name = name or default_controller_name()
+        self.flush_s = flush_s
+        self.poll_s = poll_s
+        runtime.listener = self
+        self._held: dict[str, _Held] = {}
+        self._inbox: list[Delivery] = []
+        self._writes = _Writes()
+        self._wake = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._plans_written = 0
+        self._last_poll = 0.0
+        self._stopping = False
+        self.received = 0
+        self.settled = 0
+
+    # --- life cycle -------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Attach to the engines, then start consuming (a standby waits here for its turn)."""
+        for spec in self.runtime.controller.specs.values():
+            await asyncio.to_thread(self.store.upsert_instance, spec, state=InstanceState.DOWN)
+        await self.runtime.start()
+        self._last_poll = self.runtime.clock.now()
+        self._tasks = [
+            asyncio.create_task(self._intake(), name="qlm-intake"),
+            asyncio.create_task(self._writer(), name="qlm-writer"),
+            asyncio.create_task(self._poll(), name="qlm-poll"),
+        ]
+        await self.queue.consume(self._on_delivery)
+
+    async def stop(self) -> None:
+        """Graceful stop: abort what runs (partial outputs are recorded), flush the store, then
+        leave the queue, which hands every un-acked message to the next controller."""
+        self._stopping = True
+        await self.runtime.stop(abort=True)
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await self._flush()
+        await self.queue.close()
+
+    async def wait_idle(self, poll_s: float = 0.05) -> None:
+        """Until every request received has been settled (tests, replays)."""
+        while self._inbox or self._held or self._writes.ops or self._writes.settle:
+            await asyncio.sleep(poll_s)
+
+    # --- intake -----------------------------------------------------------------------------------
+
+    async def _on_delivery(self, delivery: Delivery) -> None:
+        self._inbox.append(delivery)
+        self._wake.set()
+
+    async def _intake(self) -> None:
+        """Batches of deliveries: recorded in one store transaction, then planned."""
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while self._inbox:
+                batch, self._inbox = self._inbox[:2000], self._inbox[2000:]
+                try:
+                    await self._take(batch)
+                except Exception:
+                    log.exception("could not take %d deliveries; requeueing them", len(batch))
+                    for d in batch:
+                        await self.queue.requeue(d)
+                    await asyncio.sleep(self.poll_s)
+
+    async def _take(self, batch: list[Delivery]) -> None:
+        fresh: list[Delivery] = []
+        for d in batch:
+            msg = d.message
+            if msg is None:
+                continue
+            held = self._held.get(msg.id)
+            if held is not None:  # redelivered after a reconnect: settle the new delivery later
+                held.delivery = d
+                continue
+            fresh.append(d)
+        if not fresh:
+            return
+        news = [_new_request(d.message) for d in fresh if d.message is not None]
+        rows = await asyncio.to_thread(self.store.ensure_requests, news)
+        served = {m for spec in self.runtime.controller.specs.values() for m in spec.models}
+        for d in fresh:
+            msg = d.message
+            assert msg is not None
+            self.received += 1
+            row = rows.get(msg.id)
+            if row is None:
+                continue  # not recordable (an id of another tenant): left for the delivery limit
+            if row.is_final:
+                await self.queue.ack(d)  # a previous controller finished it
+                self.settled += 1
+                continue
+            if row.tenant != msg.tenant:
+                await self._poison(d, f"request id {msg.id!r} belongs to another tenant")
+                continue
+            if msg.model not in served:
+                reason = f"no instance serves model {msg.model!r}"
+                self._queue_op(
+                    self.store.record_outcome,
+                    msg.id,
+                    status=RequestStatus.FAILED,
+                    at=self.runtime.clock.now(),
+                    error=reason,
+                )
+                self._writes.settle.append((msg.id, reason))
+                self._held[msg.id] = _Held(d, msg)
+                continue
+            self._held[msg.id] = _Held(d, msg)
+            self._submit(msg, row)
+
+    def _submit(self, msg: QueuedRequest, row: RequestRow) -> None:
+        partial_text, partial_tokens = msg.partial_text, msg.partial_tokens
+        if row.partial_tokens > partial_tokens:
+            partial_text, partial_tokens = row.partial_text, row.partial_tokens
+        partial_tokens = min(partial_tokens, msg.max_tokens - 1)
+        request = msg.to_request(arrival_s=msg.submitted_at)
+        job = Job(prompt=msg.prompt, sampling=dict(msg.sampling), partial_text=partial_text)
+        failovers = 1 if row.status is RequestStatus.RUNNING else 0  # a controller died
+        self.runtime.submit(request, job, generated=partial_tokens, failovers=failovers)
+
+    async def _poison(self, delivery: Delivery, reason: str) -> None:
+        log.warning("dead-lettering %s: %s", delivery.message and delivery.message.id, reason)
+        await self.queue.dead_letter(delivery, reason)
+        self.settled += 1
+
+    # --- what the runtime reports (the event loop; never blocks) ----------------------------------
+
+    def _queue_op(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+        self._writes.ops.append(lambda: fn(*args, **kwargs))
+
+    def dispatched(self, request_id: str, instance: str, at: float) -> None:
+        self._queue_op(self.store.mark_dispatched, request_id, instance=instance, at=at)
+
+    def first_token(self, request_id: str, at: float) -> None:
+        self._queue_op(self.store.mark_first_token, request_id, at=at)
+
+    def chunk(self, request_id: str, chunk: TokenChunk) -> None:
+        pass  # streamed to API waiters by the in-process API (issue 7), not stored per token
+
+    def returned(self, request_id: str, partial_text: str, partial_tokens: int) -> None:
+        track = self.runtime.controller.track(request_id)
+        if track.evictions:
+            self._queue_op(
+                self.store.record_eviction,
+                request_id,
+                partial_text=partial_text,
+                partial_tokens=partial_tokens,
+            )
+        else:
+            self._queue_op(
+                self.store.record_partial, request_id, text=partial_text, tokens=partial_tokens
+            )
+
+    def finished(self, record: RequestRecord, text: str, finish_reason: str) -> None:
+        rid = record.request.id
+        ttft = record.request.slo.ttft_s
+        self._queue_op(
+            self.store.record_outcome,
+            rid,
+            status=RequestStatus.FINISHED,
+            at=record.finish_s if record.finish_s is not None else self.runtime.clock.now(),
+            output_text=text,
+            output_tokens=record.output_tokens,
+            slo_met=record.slo_met,
+            ttft_met=None if ttft is None else record.ttft_s is not None and record.ttft_s <= ttft,
+        )
+        self._writes.settle.append((rid, "ack"))
+
+    def failed(self, request_id: str, error: str) -> None:
+        self._queue_op(
+            self.store.record_outcome,
+            request_id,
+            status=RequestStatus.FAILED,
+            at=self.runtime.clock.now(),
+            error=error,
+        )
+        self._writes.settle.append((request_id, "ack"))
+
+    def cancelled(self, request_id: str, partial_text: str, tokens: int) -> None:
+        self._queue_op(
+            self.store.record_outcome,
+            request_id,
+            status=RequestStatus.CANCELLED,
+            at=self.runtime.clock.now(),
+            output_text=partial_text or None,
+            output_tokens=tokens,
+        )
+        self._writes.settle.append((request_id, "ack"))
+
+    def instance_changed(self, name: str, up: bool) -> None:
+        state = InstanceState.UP if up else InstanceState.DOWN
+        self._queue_op(self.store.set_instance_state, name, state)
+
+    # --- the writer -------------------------------------------------------------------------------
+
+    async def _writer(self) -> None:
+        while True:
+            await asyncio.sleep(self.flush_s)
+            await self._flush()
+
+    async def _flush(self) -> None:
+        """Apply the queued store operations in order, then settle the deliveries whose outcome
+        they committed. A failed write is retried at the next flush (nothing is acked before)."""
+        writes, self._writes = self._writes, _Writes()
+        self._record_plans(writes)
+        if writes.ops:
+            try:
+                await asyncio.to_thread(_run_all, writes.ops)
+            except Exception:
+                log.exception("store write failed; retrying")
+                self._writes.ops[:0] = writes.ops
+                self._writes.settle[:0] = writes.settle
+                return
+        for rid, how in writes.settle:
+            held = self._held.pop(rid, None)
+            if held is None:
+                continue
+            if how == "ack":
+                await self.queue.ack(held.delivery)
+            else:
+                await self.queue.dead_letter(held.delivery, how)
+            self.settled += 1
+
+    def _record_plans(self, writes: _Writes) -> None:
+        plans = getattr(self.runtime.controller.policy, "plans", None)
+        if not isinstance(plans, list):
+            return
+        for record in plans[self._plans_written :]:
+            writes.ops.append(
+                functools.partial(self.store.record_plan, record, controller=self.name)
+            )
+        self._plans_written = len(plans)
+        if len(plans) > 1000:  # the store keeps the history; the policy need not
+            del plans[:-100]
+            self._plans_written = len(plans)
+
+    # --- cancels made elsewhere -----------------------------------------------------------------
+
+    async def _poll(self) -> None:
+        while True:
+            await asyncio.sleep(self.poll_s)
+            since, self._last_poll = self._last_poll - 1.0, self.runtime.clock.now()
+            try:
+                ids = await asyncio.to_thread(self.store.cancellations_since, since)
+            except Exception:
+                log.exception("could not poll the store for cancels")
+                continue
+            for rid in ids:
+                if self.runtime.holds(rid):
+                    await self.runtime.cancel(rid)
+
+
+def _new_request(msg: QueuedRequest) -> NewRequest:
+    return NewRequest.from_request(
+        msg.to_request(arrival_s=msg.submitted_at),
+        prompt=msg.prompt,
+        messages=msg.messages,
+        sampling=dict(msg.sampling),
+    )
+
+
+def _run_all(ops: list[Callable[[], Any]]) -> None:
+    for op in ops:
+        op()

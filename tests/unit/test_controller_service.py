@@ -1,0 +1,198 @@
+"""The controller service end to end in one process: in-memory global queue, SQLite store,
+simulated instances on the wall clock at 50x. Waits poll with a deadline; no timing asserts."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import pytest
+from builders import make_catalog, make_profile
+
+from qlm.agents.executor import AgentRuntime
+from qlm.clock import WallClock
+from qlm.controller import Controller
+from qlm.domain import InstanceSpec, RequestStatus
+from qlm.engines.wallclock import WallClockEngine, count_tokens
+from qlm.global_queue import MemoryBroker, MemoryGlobalQueue, QueuedRequest
+from qlm.planner import PlannerConfig, create_policy
+from qlm.service import ControllerService
+from qlm.store import NewRequest, Store
+
+SCALE = 50.0
+
+
+def make_service(
+    store: Store, broker: MemoryBroker, policy: str = "qlm", name: str = "c0"
+) -> ControllerService:
+    engines = [
+        WallClockEngine.from_catalog(n, "m", "G", 1, time_scale=SCALE, catalog=make_catalog())
+        for n in ("i0", "i1")
+    ]
+    pol = create_policy(policy, profile=make_profile(), planner=PlannerConfig.for_simulation(500))
+    runtime = AgentRuntime(
+        Controller(pol, [InstanceSpec(e.name, "G", ("m",)) for e in engines]),
+        engines,
+        clock=WallClock(SCALE),
+        tick_s=0.02,
+        health_interval_s=0.05,
+    )
+    return ControllerService(
+        MemoryGlobalQueue(broker=broker), store, runtime, name=name, flush_s=0.01, poll_s=0.02
+    )
+
+
+def message(i: int, at: float, **kw: Any) -> QueuedRequest:
+    fields: dict[str, Any] = {
+        "id": f"q{i:04d}",
+        "model": "m",
+        "prompt_tokens": 8,
+        "max_tokens": 400,
+        "slo_e2e_s": 120.0,
+        "submitted_at": at,
+        "tenant": "acme",
+        "prompt": "say something long",
+        "replay_output_tokens": 40 + i,
+    }
+    return QueuedRequest(**(fields | kw))
+
+
+async def eventually(check: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + 60.0
+    while not check():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out waiting until {what}")
+        await asyncio.sleep(0.01)
+
+
+def run(scenario: Callable[[Store], Awaitable[None]]) -> None:
+    store = Store.open("sqlite://")
+    try:
+        asyncio.run(scenario(store))
+    finally:
+        store.close()
+
+
+def final(store: Store, ids: list[str]) -> bool:
+    return store.final_ids(ids) == set(ids)
+
+
+def test_published_requests_finish_are_recorded_and_acked() -> None:
+    async def scenario(store: Store) -> None:
+        broker = MemoryBroker()
+        service = make_service(store, broker)
+        await service.start()
+        producer = MemoryGlobalQueue(broker=broker)
+        now = service.runtime.clock.now()
+        ids = [f"q{i:04d}" for i in range(30)]
+        for i in range(30):
+            await producer.publish(message(i, now))
+        await eventually(lambda: final(store, ids), "every request is final")
+        await service.wait_idle()
+        await service.stop()
+        for i, rid in enumerate(ids):
+            row = store.get(rid, tenant="acme")
+            assert row is not None and row.status is RequestStatus.FINISHED, rid
+            assert row.output_tokens == 40 + i == count_tokens(row.output_text or "")
+            assert row.slo_met is True and row.instance in ("i0", "i1")
+            assert row.dispatched_at is not None and row.first_token_at is not None
+        assert service.settled == 30 and broker.ready == 0 and not broker.dead
+        assert store.latest_plan() is not None  # the planner's history is in the store
+        assert {r.state for r in store.instances()} == {"up"}
+
+    run(scenario)
+
+
+def test_a_request_already_final_is_acked_without_running_and_poison_is_dead_lettered() -> None:
+    async def scenario(store: Store) -> None:
+        broker = MemoryBroker()
+        service = make_service(store, broker, policy="fcfs")
+        now = service.runtime.clock.now()
+        done = message(1, now)
+        store.add_request(NewRequest.from_request(done.to_request(now)))
+        store.record_outcome(done.id, status=RequestStatus.FINISHED, at=now, output_tokens=3)
+        producer = MemoryGlobalQueue(broker=broker)
+        await producer.publish(done)
+        await producer.publish(message(2, now, model="unknown-model"))
+        await service.start()
+        await eventually(lambda: service.settled == 2, "both settled")
+        await service.stop()
+        assert store.get(done.id) is not None and store.get(done.id).output_tokens == 3  # type: ignore[union-attr]
+        poison = store.get("q0002")
+        assert poison is not None and poison.status is RequestStatus.FAILED
+        assert "no instance serves model 'unknown-model'" in (poison.error or "")
+        assert [d.reason for d in broker.dead] == ["no instance serves model 'unknown-model'"]
+        assert not service.runtime.controller.tracks() or all(
+            t.request.id != done.id for t in service.runtime.controller.tracks()
+        )
+
+    run(scenario)
+
+
+def test_a_standby_controller_takes_over_and_each_request_ends_once() -> None:
+    async def scenario(store: Store) -> None:
+        broker = MemoryBroker(delivery_limit=10)
+        first, standby = (
+            make_service(store, broker, name="c0"),
+            make_service(store, broker, name="c1"),
+        )
+        await first.start()
+        await standby.start()  # waits: single active consumer
+        producer = MemoryGlobalQueue(broker=broker)
+        now = first.runtime.clock.now()
+        ids = [f"q{i:04d}" for i in range(40)]
+        for i in range(40):
+            await producer.publish(message(i, now, replay_output_tokens=150))
+        await eventually(
+            lambda: len(store.final_ids(ids)) >= 5, "the first controller finished some"
+        )
+        # The first controller dies: no graceful stop, nothing flushed, its deliveries return.
+        for task in first._tasks:
+            task.cancel()
+        await first.runtime.stop(abort=False)
+        await first.queue.close()
+        left = 40 - len(store.final_ids(ids))
+        assert left > 0
+        await eventually(lambda: final(store, ids), "the standby finished the rest")
+        await standby.wait_idle()
+        await standby.stop()
+        rows = [store.get(rid) for rid in ids]
+        assert all(r is not None and r.status is RequestStatus.FINISHED for r in rows)
+        assert all(r is not None and r.output_tokens == 150 for r in rows)
+        assert broker.ready == 0 and not broker.dead
+        assert standby.received >= left  # everything not final came back to it
+
+    run(scenario)
+
+
+def test_cancels_made_in_the_store_reach_the_controller() -> None:
+    async def scenario(store: Store) -> None:
+        broker = MemoryBroker()
+        service = make_service(store, broker, policy="edf")
+        for inst in service.runtime._instances.values():
+            inst.max_running = 1
+        await service.start()
+        producer = MemoryGlobalQueue(broker=broker)
+        now = service.runtime.clock.now()
+        for i in range(4):
+            await producer.publish(message(i, now + i * 1e-3, replay_output_tokens=300))
+        await eventually(
+            lambda: (r := store.get("q0000")) is not None and r.first_token_at is not None,
+            "q0 runs",
+        )
+        assert store.cancel("q0000") is RequestStatus.RUNNING
+        assert store.cancel("q0003") is RequestStatus.CANCELLED  # still queued
+        ids = [f"q{i:04d}" for i in range(4)]
+        await eventually(lambda: final(store, ids), "all settled")
+        await service.wait_idle()
+        await service.stop()
+        got = {rid: store.get(rid) for rid in ids}
+        assert got["q0000"].status is RequestStatus.CANCELLED  # type: ignore[union-attr]
+        assert 0 < got["q0000"].output_tokens < 300  # type: ignore[union-attr]
+        assert got["q0003"].status is RequestStatus.CANCELLED  # type: ignore[union-attr]
+        assert got["q0001"].status is RequestStatus.FINISHED  # type: ignore[union-attr]
+        assert broker.ready == 0
+
+    run(scenario)
