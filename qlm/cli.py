@@ -317,6 +317,56 @@ def demo_cmd(
     _emit(result, ctx, as_json=as_json, out=None)
 
 
+def _logging() -> None:
+    import logging
+
+    logging.basicConfig(
+        level=get_settings().log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+
+
+@app.command("controller")
+def controller_cmd() -> None:
+    """Run the controller service: consume the global queue, plan, drive the instances, record
+    outcomes. Configured by QLM_BROKER_URL, QLM_DATABASE_URL, QLM_INSTANCES_FILE and
+    QLM_CONTROLLER__* (docs/operations.md); with none set it runs on embedded defaults. A second
+    controller on the same broker waits as standby and takes over when the active one stops."""
+    import asyncio
+
+    from qlm.service import run_controller
+
+    _logging()
+    _guard(lambda: asyncio.run(run_controller(get_settings())))
+
+
+@app.command("serve")
+def serve_cmd(
+    replay: Annotated[
+        float | None,
+        typer.Option(
+            help="Replay this many seconds of the demo trace (QLM_DEMO__*) through the service, print SLO attainment and exit."
+        ),
+    ] = None,
+) -> None:
+    """The all-in-one process: controller and agents (and the API once it lands) on one queue.
+    With no settings: in-process queue, SQLite (./qlm.db) and simulated instances."""
+    import asyncio
+
+    from qlm.service.serve import serve
+
+    _logging()
+    result = _guard(lambda: asyncio.run(serve(get_settings(), replay_s=replay)))
+    if result is not None:
+        console.print(
+            f"replayed {result.requests} requests in {result.wall_s:.1f} s: "
+            f"{result.finished} finished, {result.failed} failed, "
+            f"SLO attainment {100 * result.attainment:.1f} %",
+            highlight=False,
+        )
+        console.print(f"reproduce: qlm serve --replay {replay:g}", highlight=False)
+
+
 profile_app = typer.Typer(
     help="Profile hardware and workloads for the completion-time estimator.",
     no_args_is_help=True,

@@ -48,7 +48,7 @@ def open_store(settings: Settings) -> Store:
 
 def open_queue(settings: Settings) -> GlobalQueue:
     if settings.broker_url:
-        return open_global_queue(settings.broker_url, prefetch=0)
+        return open_global_queue(settings.broker_url)
     return open_global_queue(None)
 
 
@@ -68,7 +68,7 @@ def build_controller(
     runtime = AgentRuntime(
         Controller(policy, specs),
         build_engines(configs, time_scale=cs.sim_time_scale),
-        clock=EpochClock(),
+        clock=EpochClock(cs.sim_time_scale),
         tick_s=cs.tick_s,
         health_interval_s=cs.health_interval_s,
         max_running={c.spec.name: c.max_num_seqs for c in configs if c.max_num_seqs},

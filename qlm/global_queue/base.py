@@ -1,0 +1,113 @@
+"""The global-queue seam: the ``GlobalQueue`` protocol the API publishes to and the controller
+consumes from, and the ``Delivery`` it hands over.
+
+The broker holds the one replica of every accepted request (ARCHITECTURE.md §4 rule 5):
+
+* ``publish`` returns only once the broker has the message (publisher confirm, persistent), so the
+  API answers 202 only for requests that cannot be lost;
+* the controller holds each delivery un-acked while its request waits in a virtual queue and acks
+  it only once the outcome is durable. If the controller dies, the broker redelivers everything it
+  held (``redelivered=True``) to the standby controller, which the queue's single active consumer
+  made wait until then;
+* every redelivery counts: past the delivery limit the broker dead-letters the message, so a
+  request that crashes every controller cannot loop forever. A body that does not decode is
+  dead-lettered with its reason at once and never reaches the handler.
+
+Delivery is at least once. A publish that timed out or lost its connection mid-flight may still
+have been stored, and a controller may die after recording an outcome but before its ack: the
+request id is the key that makes both harmless.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from qlm.errors import QLMError
+from qlm.global_queue.message import QueuedRequest
+
+QUEUE = "qlm.requests"
+DEAD_LETTER_EXCHANGE = "qlm.dlx"
+DEAD_LETTER_QUEUE = "qlm.dead"
+DELIVERY_LIMIT = 5
+"""Redeliveries a message gets before the broker dead-letters it. Every return counts: a requeue,
+and, on RabbitMQ 3.10, the death of the consumer that held it (a controller failover)."""
+
+REASON_HEADER = "x-qlm-reason"
+"""Header naming why QLM dead-lettered a message (the broker's own reasons are in ``x-death``)."""
+
+
+class QueueUnavailable(QLMError):
+    """The global queue did not take the message (broker down, refused, no confirm in time) or
+    cannot be reached; the API answers 503 and the client may retry with the same request id."""
+
+
+@dataclass(frozen=True, slots=True)
+class Delivery:
+    """One delivery of a queued request to the active consumer.
+
+    ``delivery_count`` is how many earlier deliveries of this message were returned (0 the first
+    time; RabbitMQ's ``x-delivery-count``). ``epoch`` numbers the consumer's connection: after a
+    reconnect the broker has already requeued older deliveries, so settling one is a no-op.
+    The handler only ever sees deliveries whose body decoded (``message`` set, ``error`` empty);
+    the queue dead-letters the others itself, with ``error`` as the reason.
+    """
+
+    message: QueuedRequest | None
+    delivery_tag: int
+    redelivered: bool
+    delivery_count: int
+    raw: bytes
+    error: str = ""
+    epoch: int = 0
+
+
+Handler = Callable[[Delivery], Awaitable[None]]
+"""Called once per delivery, one at a time, in delivery order. It should return quickly (put the
+request into a virtual queue) and settle the delivery later. If it raises, the error is logged and
+the delivery is requeued, so a handler that always fails ends in the dead-letter queue."""
+
+
+class GlobalQueue(Protocol):
+    """The durable queue in front of the controller (RabbitMQ, or in-process by default).
+
+    Settling a delivery the queue no longer holds (already settled, or from before a reconnect,
+    when the broker has requeued it) is a logged no-op, never an error: the broker redelivers it.
+    So after a reconnect a consumer may be handed a request it still holds or runs (now
+    ``redelivered=True``): key requests by ``message.id`` and settle the newest delivery.
+    """
+
+    async def publish(self, message: QueuedRequest) -> None:
+        """Store ``message`` durably; return once stored, else raise ``QueueUnavailable``.
+
+        Safe to call from many tasks at once: confirms are pipelined."""
+        ...
+
+    async def consume(self, handler: Handler) -> None:
+        """Become a consumer: return once subscribed (raise ``QueueUnavailable`` if the queue
+        cannot be reached at all), then call ``handler`` for each delivery in the background,
+        reconnecting by itself. With single active consumer only one consumer in the cluster
+        receives; the others wait, and take over with every un-acked message when it goes."""
+        ...
+
+    async def ack(self, delivery: Delivery) -> None:
+        """The request's outcome is durable: remove the message for good."""
+        ...
+
+    async def requeue(self, delivery: Delivery) -> None:
+        """Give the message back for redelivery (counts towards the delivery limit)."""
+        ...
+
+    async def dead_letter(self, delivery: Delivery, reason: str) -> None:
+        """The message can never be processed (e.g. unknown model): park it in the dead-letter
+        queue with ``reason`` and remove it from the queue."""
+        ...
+
+    async def healthy(self) -> bool:
+        """Whether the queue can take messages now (``/readyz``); never raises."""
+        ...
+
+    async def close(self) -> None:
+        """Stop consuming and disconnect. Un-acked deliveries go back to the queue."""
+        ...

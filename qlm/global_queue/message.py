@@ -1,0 +1,213 @@
+"""What travels through the global queue: one ``QueuedRequest`` per accepted request, as JSON.
+
+The broker holds the one replica of each queued request (ARCHITECTURE.md §4 rule 5), so the
+message carries everything needed to rebuild the request after a controller failover: the prompt,
+the planning figures, the SLO, and, for a request resumed after an eviction, the output so far.
+
+The body is versioned (``schema``). A reader accepts only the versions it knows and ignores fields it
+does not know, so a producer may add an optional field without bumping the version (rolling
+upgrades); a change of meaning bumps it. ``decode`` never lets a ``KeyError`` or ``TypeError``
+escape: every defect is a ``MessageError`` naming the field, which the queue puts on the message
+when it dead-letters it.
+
+No I/O here: this module imports neither pika nor aio-pika, so the API and tests use it freely.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field, fields
+from typing import Any, ClassVar
+
+from qlm.domain import SLO, Request, Tier
+from qlm.errors import QLMError
+
+SCHEMA_VERSION = 1
+"""The body version this code writes and the only one it reads."""
+
+JsonScalar = str | int | float | bool | None
+SamplingValue = JsonScalar | list[JsonScalar]
+"""A sampling parameter: a JSON scalar (``temperature``) or a list of them (``stop``)."""
+
+
+class MessageError(QLMError):
+    """A queue message body cannot be decoded; the text names the offending field."""
+
+
+@dataclass(frozen=True, slots=True)
+class QueuedRequest:
+    """One accepted request as the global queue carries it (schema 1).
+
+    ``prompt_tokens`` is the prompt length the controller plans with (counted by the API).
+    ``partial_text`` / ``partial_tokens`` are the output generated before an eviction: a resumed
+    request is served as prompt + partial output. ``attempt`` counts those resumptions.
+    ``replay_output_tokens`` is only for trace replays against simulated engines
+    (``qlm.domain.Request`` says who may read it). Not hashable (dict fields): key it by ``id``.
+    """
+
+    id: str
+    model: str
+    prompt_tokens: int
+    max_tokens: int
+    slo_e2e_s: float
+    submitted_at: float
+    tenant: str = "default"
+    prompt: str | None = None
+    sampling: dict[str, SamplingValue] = field(default_factory=dict)
+    slo_ttft_s: float | None = None
+    tier: int = int(Tier.STANDARD)
+    labels: dict[str, str] = field(default_factory=dict)
+    attempt: int = 0
+    partial_text: str = ""
+    partial_tokens: int = 0
+    replay_output_tokens: int | None = None
+    messages: list[dict[str, Any]] | None = None
+    schema: int = SCHEMA_VERSION
+
+    REQUIRED: ClassVar[tuple[str, ...]] = (
+        "id",
+        "model",
+        "prompt_tokens",
+        "max_tokens",
+        "slo_e2e_s",
+        "submitted_at",
+    )
+
+    def __post_init__(self) -> None:
+        # Values are checked on construction too, so that nothing invalid is ever published.
+        _check_schema(self.schema)
+        for name in ("id", "model", "tenant"):
+            _check(name, isinstance(getattr(self, name), str), "a string")
+            _check(name, getattr(self, name) != "", "non-empty")
+        _check("prompt", self.prompt is None or isinstance(self.prompt, str), "a string or null")
+        for name in ("prompt_tokens", "max_tokens"):
+            _check_int(name, getattr(self, name), minimum=1)
+        for name in ("attempt", "partial_tokens"):
+            _check_int(name, getattr(self, name), minimum=0)
+        if self.replay_output_tokens is not None:
+            _check_int("replay_output_tokens", self.replay_output_tokens, minimum=1)
+        _check_float("slo_e2e_s", self.slo_e2e_s)
+        _check("slo_e2e_s", self.slo_e2e_s > 0, "> 0", self.slo_e2e_s)
+        if self.slo_ttft_s is not None:
+            _check_float("slo_ttft_s", self.slo_ttft_s)
+            ok = 0 < self.slo_ttft_s <= self.slo_e2e_s
+            _check("slo_ttft_s", ok, f"in (0, slo_e2e_s={self.slo_e2e_s}]", self.slo_ttft_s)
+        _check_float("submitted_at", self.submitted_at)
+        _check("submitted_at", self.submitted_at >= 0, ">= 0 (unix seconds)", self.submitted_at)
+        _check_int("tier", self.tier, minimum=None)
+        tiers = sorted(int(t) for t in Tier)
+        _check("tier", self.tier in tiers, f"one of {tiers}", self.tier)
+        object.__setattr__(self, "tier", int(self.tier))  # a plain int, as decode gives it
+        _check("partial_text", isinstance(self.partial_text, str), "a string")
+        _check_sampling(self.sampling)
+        _check("labels", isinstance(self.labels, dict), "an object")
+        for key, value in self.labels.items():
+            _check(f"labels.{key}", isinstance(key, str) and isinstance(value, str), "a string")
+        if self.messages is not None:
+            _check("messages", isinstance(self.messages, list), "a list or null")
+            for i, item in enumerate(self.messages):
+                ok = isinstance(item, dict) and all(isinstance(k, str) for k in item)
+                _check(f"messages[{i}]", ok, "an object")
+
+    def encode(self) -> bytes:
+        """Compact UTF-8 JSON with every field, ``schema`` included."""
+        body = {f.name: getattr(self, f.name) for f in fields(self)}
+        return json.dumps(body, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
+
+    @classmethod
+    def decode(cls, body: bytes) -> QueuedRequest:
+        """Parse a body written by ``encode`` (of this schema version); raise ``MessageError``."""
+        try:
+            data = json.loads(body.decode("utf-8"))  # bytes alone would let json guess UTF-16
+        except UnicodeDecodeError as exc:
+            raise MessageError(f"body is not UTF-8: {exc.reason} at byte {exc.start}") from None
+        except (ValueError, RecursionError) as exc:
+            raise MessageError(f"body is not JSON: {exc}") from None
+        if not isinstance(data, dict):
+            raise MessageError(f"body must be a JSON object, got {type(data).__name__}")
+        if "schema" not in data:
+            raise MessageError("missing field 'schema'")
+        _check_schema(data["schema"])
+        for name in cls.REQUIRED:
+            if name not in data:
+                raise MessageError(f"missing field {name!r}")
+        known = {f.name for f in fields(cls)}
+        kwargs = {k: v for k, v in data.items() if k in known}
+        # JSON has no int/float distinction for whole numbers: 30 is a valid slo_e2e_s.
+        for name in ("slo_e2e_s", "slo_ttft_s", "submitted_at"):
+            value = kwargs.get(name)
+            if isinstance(value, int) and not isinstance(value, bool):
+                kwargs[name] = float(value)
+        return cls(**kwargs)
+
+    def to_request(self, arrival_s: float) -> Request:
+        """The domain ``Request`` the controller plans with, arrived at ``arrival_s``.
+
+        The caller gives the arrival on its own clock (the controller's clock need not be the
+        API's). Fields map one to one: ``partial_*`` is not folded in here, because only the code
+        that resumes a request knows how it re-tokenised the partial output.
+        """
+        return Request(
+            id=self.id,
+            model=self.model,
+            input_tokens=self.prompt_tokens,
+            max_tokens=self.max_tokens,
+            arrival_s=arrival_s,
+            slo=SLO(e2e_s=self.slo_e2e_s, ttft_s=self.slo_ttft_s),
+            tier=Tier(self.tier),
+            tenant=self.tenant,
+            replay_output_tokens=self.replay_output_tokens,
+            labels=tuple(sorted(self.labels.items())),
+        )
+
+
+def _shown(value: object) -> str:
+    """``repr`` cut short: the message goes into logs and a dead-letter header."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _fail(name: str, rule: str, value: object) -> MessageError:
+    return MessageError(f"field {name!r} must be {rule}, got {_shown(value)}")
+
+
+def _check(name: str, ok: bool, rule: str, value: object = ...) -> None:
+    if not ok:
+        got = "" if value is ... else f", got {_shown(value)}"
+        raise MessageError(f"field {name!r} must be {rule}{got}")
+
+
+def _check_schema(value: object) -> None:
+    if type(value) is not int or value != SCHEMA_VERSION:
+        raise MessageError(
+            f"field 'schema': unknown version {_shown(value)} (this reader knows {SCHEMA_VERSION})"
+        )
+
+
+def _check_int(name: str, value: object, *, minimum: int | None) -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise _fail(name, "an integer", value)
+    if minimum is not None and value < minimum:
+        raise _fail(name, f">= {minimum}", value)
+
+
+def _check_float(name: str, value: object) -> None:
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        raise _fail(name, "a number", value)
+    if not math.isfinite(value):
+        raise _fail(name, "finite", value)
+
+
+def _is_scalar(value: object) -> bool:
+    if isinstance(value, float):
+        return math.isfinite(value)
+    return value is None or isinstance(value, str | int | bool)
+
+
+def _check_sampling(sampling: object) -> None:
+    if not isinstance(sampling, dict):
+        raise _fail("sampling", "an object", sampling)
+    for key, value in sampling.items():
+        ok = _is_scalar(value) or (isinstance(value, list) and all(map(_is_scalar, value)))
+        _check(f"sampling.{key}", ok, "a JSON scalar or a list of them", value)

@@ -1,0 +1,419 @@
+"""The RabbitMQ global queue against a real broker: confirms, manual acks, single-active-consumer
+failover, reconnection (after a killed connection and a broker restart), dead letters with reasons,
+and the delivery limit.
+
+Every test declares its own ``qlm.test.<uuid>`` queue, dead-letter exchange and queue, and deletes
+them afterwards. Waits are bounded polls, never timing assertions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import aio_pika
+import pytest
+from services import in_ci
+
+from qlm.global_queue import Delivery, QueuedRequest, QueueUnavailable
+from qlm.global_queue.rabbitmq import (
+    DEAD_QUEUE_ARGUMENTS,
+    RabbitGlobalQueue,
+    dead_letter_reason,
+    queue_arguments,
+)
+
+DEFINITIONS = Path(__file__).resolve().parents[2] / "broker" / "definitions.json"
+
+
+def make_message(i: int = 0, **overrides: Any) -> QueuedRequest:
+    fields: dict[str, Any] = {
+        "id": f"r{i}",
+        "model": "m",
+        "prompt": "hello",
+        "prompt_tokens": 10,
+        "max_tokens": 20,
+        "slo_e2e_s": 30.0,
+        "submitted_at": 1_700_000_000.0 + i,
+    }
+    fields.update(overrides)
+    return QueuedRequest(**fields)
+
+
+class Inbox:
+    """A handler that keeps what it is given, and a bounded wait for it."""
+
+    def __init__(self) -> None:
+        self.deliveries: list[Delivery] = []
+
+    async def __call__(self, delivery: Delivery) -> None:
+        self.deliveries.append(delivery)
+
+    async def wait_for(self, count: int, timeout_s: float = 10.0) -> list[Delivery]:
+        await poll(lambda: len(self.deliveries) >= count, timeout_s, f"{count} deliveries")
+        return list(self.deliveries)
+
+    def ids(self) -> list[str]:
+        return [d.message.id for d in self.deliveries if d.message is not None]
+
+
+async def poll(done: Callable[[], bool], timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.02)
+
+
+def run(scenario: Callable[[], Awaitable[None]], timeout_s: float = 30.0) -> None:
+    asyncio.run(asyncio.wait_for(scenario(), timeout_s))
+
+
+def rabbitmqctl() -> list[str]:
+    """The command that manages the test broker: ``QLM_TEST_RABBITMQCTL`` (e.g. with ``-n node``
+    for a private node), else ``rabbitmqctl``. Skip without it (fail under CI=true)."""
+    command = shlex.split(os.environ.get("QLM_TEST_RABBITMQCTL", "rabbitmqctl"))
+    if not command or shutil.which(command[0]) is None:
+        if in_ci():
+            pytest.fail(f"{command[:1]} not found (CI=true: broker tests must run)")
+        pytest.skip(f"{command[:1]} not found")
+    return command
+
+
+Names = dict[str, str]
+
+
+@pytest.fixture
+def names(amqp_url: str) -> Iterator[Names]:
+    """Unique queue and exchange names for one test; deleted afterwards."""
+    base = f"qlm.test.{uuid.uuid4().hex[:12]}"
+    names = {
+        "queue": base,
+        "dead_letter_exchange": f"{base}.dlx",
+        "dead_letter_queue": f"{base}.dead",
+    }
+    yield names
+
+    async def delete() -> None:
+        connection = await aio_pika.connect(amqp_url)
+        async with connection:
+            channel = await connection.channel()
+            await channel.queue_delete(names["queue"])
+            await channel.queue_delete(names["dead_letter_queue"])
+            await channel.exchange_delete(names["dead_letter_exchange"])
+
+    asyncio.run(delete())
+
+
+def open_queue(url: str, names: Names, **options: Any) -> RabbitGlobalQueue:
+    return RabbitGlobalQueue(url, reconnect_max_s=1.0, **names, **options)
+
+
+async def assert_drained(url: str, names: Names) -> None:
+    """Nothing is left in the queue: a fresh consumer gets only a sentinel published now (a
+    message left behind would come first: it is older)."""
+    queue = open_queue(url, names)
+    inbox = Inbox()
+    await queue.consume(inbox)
+    await queue.publish(make_message(id="sentinel"))
+    await poll(lambda: "sentinel" in inbox.ids(), 10.0, "the sentinel")
+    for delivery in inbox.deliveries:
+        await queue.ack(delivery)
+    await queue.close()
+    assert inbox.ids() == ["sentinel"]
+
+
+async def read_dead(url: str, names: Names, count: int) -> list[aio_pika.abc.AbstractMessage]:
+    """Wait for ``count`` messages in the dead-letter queue and return them (acked)."""
+    connection = await aio_pika.connect(url)
+    async with connection:
+        channel = await connection.channel()
+        queue = await channel.get_queue(names["dead_letter_queue"])
+        got: list[aio_pika.abc.AbstractMessage] = []
+
+        async def keep(message: aio_pika.abc.AbstractIncomingMessage) -> None:
+            got.append(message)
+            await message.ack()
+
+        await queue.consume(keep)
+        await poll(lambda: len(got) >= count, 10.0, f"{count} dead letters")
+        return got
+
+
+# --- no broker needed -------------------------------------------------------------------------
+
+
+def test_definitions_file_declares_the_arguments_the_code_declares() -> None:
+    definitions = json.loads(DEFINITIONS.read_text(encoding="utf-8"))
+    queues = {q["name"]: q for q in definitions["queues"]}
+    assert queues["qlm.requests"]["durable"] is True
+    assert queues["qlm.requests"]["arguments"] == queue_arguments("qlm.dlx", 5)
+    assert queues["qlm.dead"]["arguments"] == DEAD_QUEUE_ARGUMENTS
+    (exchange,) = definitions["exchanges"]
+    assert (exchange["name"], exchange["type"], exchange["durable"]) == ("qlm.dlx", "fanout", True)
+    (binding,) = definitions["bindings"]
+    assert (binding["source"], binding["destination"]) == ("qlm.dlx", "qlm.dead")
+
+
+def test_publishing_without_a_broker_raises_queue_unavailable() -> None:
+    async def scenario() -> None:
+        queue = RabbitGlobalQueue("amqp://guest:guest@127.0.0.1:1/", connect_timeout_s=2.0)
+        with pytest.raises(QueueUnavailable, match=r"127\.0\.0\.1:1/"):
+            await queue.publish(make_message())
+        with pytest.raises(QueueUnavailable, match="next connection attempt"):
+            await queue.publish(make_message())  # waits out its back-off instead of retrying
+        assert not await queue.healthy()
+        await queue.close()
+
+    run(scenario)
+
+
+# --- against the broker -----------------------------------------------------------------------
+
+
+@pytest.mark.rabbitmq
+def test_a_confirmed_message_is_delivered_and_gone_once_acked(amqp_url: str, names: Names) -> None:
+    async def scenario() -> None:
+        queue = open_queue(amqp_url, names)
+        inbox = Inbox()
+        await queue.publish(make_message(0))
+        await queue.consume(inbox)
+        await asyncio.gather(*(queue.publish(make_message(i)) for i in range(1, 20)))
+        await inbox.wait_for(20)
+        assert inbox.ids() == [f"r{i}" for i in range(20)]  # one publisher, one queue: in order
+        first = inbox.deliveries[0]
+        assert first.message == make_message(0)
+        assert (first.redelivered, first.delivery_count, first.error) == (False, 0, "")
+        assert await queue.healthy()
+        for delivery in inbox.deliveries:
+            await queue.ack(delivery)
+        await queue.close()
+        await assert_drained(amqp_url, names)
+
+    run(scenario)
+
+
+@pytest.mark.rabbitmq
+def test_the_standby_consumer_gets_every_unacked_message_when_the_active_one_closes(
+    amqp_url: str, names: Names
+) -> None:
+    async def scenario() -> None:
+        active, standby = open_queue(amqp_url, names), open_queue(amqp_url, names)
+        first, second = Inbox(), Inbox()
+        await active.consume(first)
+        await standby.consume(second)
+        for i in range(3):
+            await active.publish(make_message(i))
+        await first.wait_for(3)
+        await active.ack(first.deliveries[1])
+        assert second.deliveries == []  # single active consumer: the standby waits
+        await active.close()
+        await second.wait_for(2)
+        assert second.ids() == ["r0", "r2"]
+        assert all(d.redelivered and d.delivery_count == 1 for d in second.deliveries)
+        for delivery in second.deliveries:
+            await standby.ack(delivery)
+        await standby.close()
+        await assert_drained(amqp_url, names)
+
+    run(scenario)
+
+
+@pytest.mark.rabbitmq
+def test_the_consumer_reconnects_after_the_broker_closes_its_connection(
+    amqp_url: str, names: Names
+) -> None:
+    ctl = rabbitmqctl()
+
+    async def scenario() -> None:
+        queue = open_queue(amqp_url, names)
+        inbox = Inbox()
+        await queue.consume(inbox)
+        await queue.publish(make_message(0))
+        (before,) = await inbox.wait_for(1)
+        consumer_name = f"qlm-consumer {names['queue']}"
+        listed = subprocess.run(
+            [*ctl, "-q", "list_connections", "pid", "client_properties"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        pids = [line.split("\t")[0] for line in listed.splitlines() if consumer_name in line]
+        assert len(pids) == 1, listed
+        subprocess.run([*ctl, "-q", "close_connection", pids[0], "test"], check=True)
+        (_, after) = await inbox.wait_for(2)
+        assert after.message == before.message
+        assert after.redelivered and after.delivery_count == 1
+        await queue.ack(before)  # its channel is gone: a logged no-op, not a crash
+        await queue.ack(after)
+        await queue.close()
+        await assert_drained(amqp_url, names)
+
+    run(scenario)
+
+
+@pytest.mark.rabbitmq
+def test_a_malformed_body_is_dead_lettered_with_its_reason(amqp_url: str, names: Names) -> None:
+    async def scenario() -> None:
+        queue = open_queue(amqp_url, names)
+        inbox = Inbox()
+        await queue.consume(inbox)
+        connection = await aio_pika.connect(amqp_url)
+        async with connection:
+            channel = await connection.channel()
+            bad = b'{"schema": 1, "id": "x", "model": "m"}'
+            await channel.default_exchange.publish(aio_pika.Message(bad), names["queue"])
+        await queue.publish(make_message(1))
+        await inbox.wait_for(1)
+        (dead,) = await read_dead(amqp_url, names, 1)
+        assert dead.body == bad
+        reason = dead_letter_reason(dead.headers)
+        assert "malformed" in reason and "'prompt_tokens'" in reason
+        assert inbox.ids() == ["r1"]  # the handler never saw the bad one
+        await queue.close()
+
+    run(scenario)
+
+
+@pytest.mark.rabbitmq
+def test_dead_letter_parks_a_message_with_the_callers_reason(amqp_url: str, names: Names) -> None:
+    async def scenario() -> None:
+        queue = open_queue(amqp_url, names)
+        inbox = Inbox()
+        await queue.consume(inbox)
+        await queue.publish(make_message(0, model="no-such-model"))
+        (delivery,) = await inbox.wait_for(1)
+        await queue.dead_letter(delivery, "unknown model 'no-such-model'")
+        (dead,) = await read_dead(amqp_url, names, 1)
+        assert QueuedRequest.decode(dead.body) == delivery.message
+        assert dead_letter_reason(dead.headers) == "unknown model 'no-such-model'"
+        await queue.close()
+        await assert_drained(amqp_url, names)
+
+    run(scenario)
+
+
+@pytest.mark.rabbitmq
+def test_a_message_requeued_past_the_delivery_limit_is_dead_lettered(
+    amqp_url: str, names: Names
+) -> None:
+    async def scenario() -> None:
+        queue = open_queue(amqp_url, names, delivery_limit=2)
+        counts: list[int] = []
+
+        async def give_back(delivery: Delivery) -> None:
+            counts.append(delivery.delivery_count)
+            await queue.requeue(delivery)
+
+        await queue.consume(give_back)
+        await queue.publish(make_message(0))
+        (dead,) = await read_dead(amqp_url, names, 1)
+        assert counts == [0, 1, 2]
+        assert dead_letter_reason(dead.headers) == "delivery_limit"
+        assert QueuedRequest.decode(dead.body) == make_message(0)
+        await queue.close()
+
+    run(scenario)
+
+
+@pytest.mark.rabbitmq
+def test_a_deleted_queue_is_declared_again_and_consumed(amqp_url: str, names: Names) -> None:
+    async def scenario() -> None:
+        queue = open_queue(amqp_url, names)
+        inbox = Inbox()
+        await queue.consume(inbox)
+        await queue.publish(make_message(0))
+        await inbox.wait_for(1)
+        connection = await aio_pika.connect(amqp_url)
+        async with connection:
+            channel = await connection.channel()
+            await channel.queue_delete(names["queue"])
+
+        async def publish_until_taken() -> None:
+            while True:
+                try:
+                    await queue.publish(make_message(1))
+                    return
+                except QueueUnavailable:  # unroutable until a client has declared it again
+                    await asyncio.sleep(0.05)
+
+        await asyncio.wait_for(publish_until_taken(), 10.0)
+        await poll(lambda: "r1" in inbox.ids(), 10.0, "r1 from the new queue")
+        for delivery in inbox.deliveries:
+            await queue.ack(delivery)
+        await queue.close()
+
+    run(scenario)
+
+
+@pytest.mark.rabbitmq
+def test_a_queue_declared_with_other_arguments_is_refused_naming_the_argument(
+    amqp_url: str, names: Names
+) -> None:
+    async def scenario() -> None:
+        first = open_queue(amqp_url, names, delivery_limit=5)
+        assert await first.healthy()
+        second = open_queue(amqp_url, names, delivery_limit=7)
+        with pytest.raises(QueueUnavailable, match="x-delivery-limit"):
+            await second.consume(Inbox())
+        await first.close()
+        await second.close()
+
+    run(scenario)
+
+
+@pytest.mark.rabbitmq
+@pytest.mark.slow
+def test_messages_survive_a_broker_restart_and_the_clients_reconnect_by_themselves(
+    amqp_url: str, names: Names
+) -> None:
+    ctl = rabbitmqctl()
+
+    async def scenario() -> None:
+        publisher, consumer = open_queue(amqp_url, names), open_queue(amqp_url, names)
+        inbox = Inbox()
+        await consumer.consume(inbox)
+        for i in range(3):
+            await publisher.publish(make_message(i))
+        before = await inbox.wait_for(3)
+        try:
+            await asyncio.to_thread(subprocess.run, [*ctl, "-q", "stop_app"], check=True)
+            with pytest.raises(QueueUnavailable):
+                await publisher.publish(make_message(99))
+            assert not await publisher.healthy()
+        finally:
+            await asyncio.to_thread(subprocess.run, [*ctl, "-q", "start_app"], check=True)
+        await inbox.wait_for(6, timeout_s=60.0)
+        again = inbox.deliveries[3:]
+        assert sorted(inbox.ids()[3:]) == ["r0", "r1", "r2"]
+        assert all(d.redelivered and d.delivery_count == 1 for d in again)
+        for delivery in before:
+            await consumer.ack(delivery)  # from before the restart: a logged no-op
+
+        async def publish_when_back() -> None:
+            while True:
+                try:
+                    await publisher.publish(make_message(3))
+                    return
+                except QueueUnavailable:
+                    await asyncio.sleep(0.2)
+
+        await asyncio.wait_for(publish_when_back(), 30.0)
+        await inbox.wait_for(7)
+        assert inbox.ids()[6] == "r3"
+        for delivery in inbox.deliveries[3:]:
+            await consumer.ack(delivery)
+        await consumer.close()
+        await publisher.close()
+        await assert_drained(amqp_url, names)
+
+    run(scenario, timeout_s=150.0)
