@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from qlm.store.rows import (
     ApiKey,
+    ControllerStateRow,
     InstanceRow,
     InstanceState,
     NewRequest,
@@ -20,6 +21,7 @@ from qlm.store.store import InvalidCursor, PlanLike, Store, StoreError, SummaryK
 
 __all__ = [
     "ApiKey",
+    "ControllerStateRow",
     "InstanceRow",
     "InstanceState",
     "InvalidCursor",

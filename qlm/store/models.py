@@ -160,6 +160,18 @@ class PlanModel(Base):
     concurrency: Mapped[dict[str, int]] = mapped_column(JSON)  # instance -> concurrency limit
 
 
+class ControllerStateModel(Base):
+    """What a controller last published of its state (virtual queues, groups, instances,
+    counters), so that stateless API replicas and the CLI can show it."""
+
+    __tablename__ = "controller_state"
+
+    name: Mapped[str] = mapped_column(primary_key=True)
+    active: Mapped[bool]
+    updated_at: Mapped[float]
+    snapshot: Mapped[dict[str, Any]] = mapped_column(JSON)
+
+
 class ApiKeyModel(Base):
     """An API key's SHA-256 digest, never the key: see ``qlm.store.keys`` for why that suffices."""
 

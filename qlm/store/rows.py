@@ -192,6 +192,17 @@ class ApiKey:
 
 
 @dataclass(frozen=True, slots=True)
+class ControllerStateRow:
+    """A controller's published state: ``snapshot`` is the JSON document of
+    ``qlm.service.controller.ControllerService.snapshot`` (docs/operations.md)."""
+
+    name: str
+    active: bool
+    updated_at: float
+    snapshot: Mapping[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
 class SloSummaryRow:
     """SLO attainment of the requests of one group (a tenant, model or tier) submitted in a window.
 

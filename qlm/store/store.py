@@ -60,6 +60,7 @@ from qlm.store.models import (
     FINAL_STATUSES,
     ApiKeyModel,
     Base,
+    ControllerStateModel,
     InstanceModel,
     PlanModel,
     RequestLabelModel,
@@ -67,6 +68,7 @@ from qlm.store.models import (
 )
 from qlm.store.rows import (
     ApiKey,
+    ControllerStateRow,
     InstanceRow,
     InstanceState,
     NewRequest,
@@ -615,6 +617,26 @@ class Store:
             return [_instance_row(m) for m in models]
 
     # --- plans -------------------------------------------------------------------------------
+
+    def put_controller_state(self, name: str, *, active: bool, snapshot: Mapping[str, Any]) -> None:
+        """Publish controller ``name``'s state (replacing what it published before)."""
+        values = {"active": active, "updated_at": self._clock(), "snapshot": dict(snapshot)}
+        stmt = (
+            self._insert(ControllerStateModel)
+            .values(name=name, **values)
+            .on_conflict_do_update(index_elements=[ControllerStateModel.name], set_=values)
+        )
+        with self._tx(f"publish the state of controller {name!r}", write=True) as session:
+            session.execute(stmt)
+
+    def controller_states(self) -> list[ControllerStateRow]:
+        """Every controller's last published state, the most recent first."""
+        query = select(ControllerStateModel).order_by(ControllerStateModel.updated_at.desc())
+        with self._tx("read controller states") as session:
+            return [
+                ControllerStateRow(m.name, m.active, m.updated_at, dict(m.snapshot))
+                for m in session.scalars(query)
+            ]
 
     def record_plan(self, record: PlanLike, *, controller: str) -> int:
         """Keep one planning event made by ``controller``; returns its id (increasing)."""

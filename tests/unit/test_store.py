@@ -306,6 +306,21 @@ class StoreContract:
         many = store.ensure_requests([new_request(i) for i in range(10, 1210)])
         assert len(many) == 1200 and store.get("r1209") is not None
 
+    def test_controllers_publish_their_state_for_the_api(
+        self, store: Store, clock: FakeClock
+    ) -> None:
+        store.put_controller_state("c0", active=True, snapshot={"queues": [{"instance": "i0"}]})
+        clock.now = 1_001.0
+        store.put_controller_state("c1", active=False, snapshot={"queues": []})
+        clock.now = 1_002.0
+        store.put_controller_state("c0", active=False, snapshot={"queues": []})
+        states = store.controller_states()
+        assert [(s.name, s.active, s.updated_at) for s in states] == [
+            ("c0", False, 1_002.0),
+            ("c1", False, 1_001.0),
+        ]
+        assert states[0].snapshot == {"queues": []}
+
     def test_a_controller_learns_of_recent_cancels_queued_or_running(
         self, store: Store, clock: FakeClock
     ) -> None:
