@@ -159,7 +159,11 @@ class AgentRuntime:
         self._loop_task: asyncio.Task[None] | None = None
         self._health_task: asyncio.Task[None] | None = None
         self._stopping = False
+        self._draining: set[str] = set()
         self.steps = 0
+        self.evictions = 0
+        self.swaps = 0
+        self.model_switches = 0
 
     # --- life cycle -------------------------------------------------------------------------------
 
@@ -229,6 +233,36 @@ class AgentRuntime:
     def instances_up(self) -> dict[str, bool]:
         return {name: inst.up for name, inst in self._instances.items()}
 
+    def set_draining(self, name: str, draining: bool) -> None:
+        """Drain an instance (the policy sees it as unavailable: nothing new is pulled onto it,
+        its groups are planned elsewhere, what runs there finishes) or take it back."""
+        if name not in self._instances:
+            raise QLMError(f"unknown instance {name!r}")
+        if draining != (name in self._draining):
+            self._draining.symmetric_difference_update({name})
+            self._kick.set()
+
+    def instance_states(self) -> list[dict[str, Any]]:
+        """Each instance as operators see it (the controller's snapshot)."""
+        out = []
+        for name, inst in self._instances.items():
+            view = self._view(inst)
+            out.append(
+                {
+                    "name": name,
+                    "url": inst.spec.url,
+                    "gpu": inst.spec.gpu,
+                    "models": list(inst.spec.models),
+                    "up": inst.up,
+                    "draining": name in self._draining,
+                    "active_model": inst.active_model,
+                    "tiers": {m: t.name.lower() for m, t in inst.tiers.items()},
+                    "outstanding": self.controller.outstanding(name),
+                    "max_running": view.max_running,
+                }
+            )
+        return out
+
     # --- the loop ---------------------------------------------------------------------------------
 
     async def _loop(self) -> None:
@@ -258,7 +292,7 @@ class AgentRuntime:
             max_running=max_running or DEFAULT_MAX_RUNNING,
             token_capacity=capacity or DEFAULT_TOKEN_CAPACITY,
             active_model=inst.active_model,
-            up=inst.up,
+            up=inst.up and inst.spec.name not in self._draining,
             host_link_gbs=inst.host_link_gbs if caps and caps.supports_swap else 0.0,
             swap_free_gb=0.0,
             model_tiers=tuple(inst.tiers.items()),
@@ -351,6 +385,7 @@ class AgentRuntime:
         self._kick.set()
 
     async def _evict(self, rid: str) -> None:
+        self.evictions += 1
         await self._take_back(rid, evicted=True)
 
     async def _take_back(self, rid: str, *, evicted: bool) -> None:
@@ -394,6 +429,7 @@ class AgentRuntime:
         try:
             if out:
                 await inst.engine.swap_out(rid)
+                self.swaps += 1
                 self.controller.on_event(
                     instance, EngineEvent(EventKind.SWAPPED_OUT, self.clock.now(), rid)
                 )
@@ -401,7 +437,7 @@ class AgentRuntime:
                 await inst.engine.swap_in(rid)
         except EngineError as exc:
             log.info("swap of %s on %s refused (%s): evicting instead", rid, instance, exc)
-            await self._take_back(rid, evicted=True)
+            await self._evict(rid)
 
     async def _set_tier(self, decision: SetModelTier) -> None:
         inst = self._instances[decision.instance]
@@ -414,6 +450,7 @@ class AgentRuntime:
                 )
                 return
             if decision.tier is ModelTier.ACTIVE:
+                self.model_switches += decision.model != inst.active_model
                 for model, tier in inst.tiers.items():
                     if tier is ModelTier.ACTIVE and model != decision.model:
                         inst.tiers[model] = ModelTier.WARM

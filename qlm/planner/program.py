@@ -168,6 +168,7 @@ class QueueScore:
     p_meet: FloatArray  # fraction of scenarios meeting the deadline, per group
     missed: npt.NDArray[np.bool_]  # chance constraint unmet, per group
     penalty: float = 0.0  # the cost without the flow tie-breaker: violation and risk
+    completion: FloatArray | None = None  # (groups, scenarios) completion times, in order
 
 
 def score_orders(problem: PlanProblem, g: int, orders: IntArray) -> FloatArray:
@@ -208,7 +209,7 @@ def score_queue(problem: PlanProblem, g: int, order: Sequence[int]) -> QueueScor
     """The cost of one queue with the per-group details (expected violation, P(meet), missed)."""
     if not order:
         empty = np.zeros(0)
-        return QueueScore(0.0, empty, empty, np.zeros(0, bool), 0.0)
+        return QueueScore(0.0, empty, empty, np.zeros(0, bool), 0.0, np.zeros((0, 1)))
     idx = np.asarray(order, np.int64)
     p = problem.proc[idx, g, :]
     models = problem.model_idx[idx]
@@ -227,7 +228,7 @@ def score_queue(problem: PlanProblem, g: int, order: Sequence[int]) -> QueueScor
         (w * late).sum() + problem.risk_weight * (w * short).sum() + problem.flow_weight * flow
     )
     penalty = cost - problem.flow_weight * flow
-    return QueueScore(cost, late, ok / problem.scenarios, missed, penalty)
+    return QueueScore(cost, late, ok / problem.scenarios, missed, penalty, done)
 
 
 def score_plan(problem: PlanProblem, plan: Plan) -> float:

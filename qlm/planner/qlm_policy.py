@@ -38,7 +38,7 @@ from qlm.planner.program import FloatArray, PlanGroup, PlanInstance, PlanProblem
 from qlm.planner.solve import Budget, Solution, capacity_needed, solve
 from qlm.rct.estimator import RCTEstimator
 from qlm.rct.profile import RctProfile, default_profile
-from qlm.virtual_queues import VirtualQueueSet
+from qlm.virtual_queues import Estimate, VirtualQueueSet
 
 DEFAULT_TIER_WEIGHTS: Mapping[Tier, float] = {
     Tier.INTERACTIVE: 2.0,
@@ -460,6 +460,31 @@ class QlmPolicy:
             return True  # some group has no queue
         problem = family.problem(self._choice(family))
         return any(score_queue(problem, g, o).missed.any() for g, o in enumerate(current))
+
+    def estimates(self, now: float) -> tuple[dict[str, Estimate], dict[str, float]]:
+        """What the planner's model predicts of the current virtual queues: per group
+        ``(mean, std, P(meet SLO))`` of its completion (its last request's) over the scenarios,
+        and per instance when its queue drains. For operators and clients, not for decisions."""
+        if not len(self.grouper):
+            return {}, {i.name: now for i in self._instances if i.up}
+        family, current = self._family(now)
+        problem = family.problem(self._choice(family))
+        groups: dict[str, Estimate] = {}
+        drain: dict[str, float] = {}
+        for g, order in enumerate(current):
+            score = score_queue(problem, g, order)
+            done = score.completion if score.completion is not None else np.zeros((0, 1))
+            for k, i in enumerate(order):
+                row = done[k]
+                groups[problem.groups[i].id] = (
+                    float(row.mean()),
+                    float(row.std()),
+                    float(score.p_meet[k]),
+                )
+            drain[problem.instances[g].name] = (
+                float(done[-1].mean()) if len(order) else problem.instances[g].ready_s
+            )
+        return groups, drain
 
     def plan(self, now: float, trigger: str = "manual") -> PlanRecord:
         """Re-plan every waiting group now and apply the plan to the virtual queues: order and

@@ -33,8 +33,10 @@ from qlm.agents.executor import AgentRuntime, Job, RuntimeListener
 from qlm.domain import RequestRecord, RequestStatus
 from qlm.engines.base import TokenChunk
 from qlm.global_queue import Delivery, GlobalQueue, QueuedRequest
+from qlm.service.hub import ResultEvent, ResultHub
 from qlm.store import NewRequest, RequestRow, Store
 from qlm.store.rows import InstanceState
+from qlm.virtual_queues import VirtualQueueSet
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +56,8 @@ class _Writes:
     """Store operations queued by the runtime's callbacks, applied in order by the writer."""
 
     ops: list[Callable[[], Any]] = field(default_factory=list)
-    settle: list[tuple[str, str]] = field(default_factory=list)  # (request id, "ack" | reason)
+    settle: list[tuple[str, str, RequestStatus]] = field(default_factory=list)
+    """(request id, "ack" or the reason to dead-letter it, its final status)"""
 
 
 class ControllerService(RuntimeListener):
@@ -69,6 +72,7 @@ class ControllerService(RuntimeListener):
         name: str | None = None,
         flush_s: float = 0.05,
         poll_s: float = 0.5,
+        publish_s: float = 1.0,
     ) -> None:
         self.queue = queue
         self.store = store
@@ -76,6 +80,8 @@ class ControllerService(RuntimeListener):
         self.name = name or default_controller_name()
         self.flush_s = flush_s
         self.poll_s = poll_s
+        self.publish_s = publish_s
+        self.hub = ResultHub()
         runtime.listener = self
         self._held: dict[str, _Held] = {}
         self._inbox: list[Delivery] = []
@@ -83,6 +89,7 @@ class ControllerService(RuntimeListener):
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._plans_written = 0
+        self._plans_seen = 0
         self._last_poll = 0.0
         self._stopping = False
         self.received = 0
@@ -92,14 +99,21 @@ class ControllerService(RuntimeListener):
 
     async def start(self) -> None:
         """Attach to the engines, then start consuming (a standby waits here for its turn)."""
+        known = {row.name: row.state for row in await asyncio.to_thread(self.store.instances)}
         for spec in self.runtime.controller.specs.values():
-            await asyncio.to_thread(self.store.upsert_instance, spec, state=InstanceState.DOWN)
+            state = known.get(spec.name, InstanceState.DOWN)
+            if state is not InstanceState.DRAINING:  # an operator's drain outlives restarts
+                state = InstanceState.DOWN  # up once the runtime reaches it
+            else:
+                self.runtime.set_draining(spec.name, True)
+            await asyncio.to_thread(self.store.upsert_instance, spec, state=state)
         await self.runtime.start()
-        self._last_poll = self.runtime.clock.now()
+        self._last_poll = self.store.now()
         self._tasks = [
             asyncio.create_task(self._intake(), name="qlm-intake"),
             asyncio.create_task(self._writer(), name="qlm-writer"),
             asyncio.create_task(self._poll(), name="qlm-poll"),
+            asyncio.create_task(self._publish(), name="qlm-publish"),
         ]
         await self.queue.consume(self._on_delivery)
 
@@ -114,6 +128,10 @@ class ControllerService(RuntimeListener):
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         await self._flush()
+        with contextlib.suppress(Exception):
+            await asyncio.to_thread(
+                self.store.put_controller_state, self.name, active=False, snapshot=self.snapshot()
+            )
         await self.queue.close()
 
     async def wait_idle(self, poll_s: float = 0.05) -> None:
@@ -181,7 +199,7 @@ class ControllerService(RuntimeListener):
                     at=self.runtime.clock.now(),
                     error=reason,
                 )
-                self._writes.settle.append((msg.id, reason))
+                self._writes.settle.append((msg.id, reason, RequestStatus.FAILED))
                 self._held[msg.id] = _Held(d, msg)
                 continue
             self._held[msg.id] = _Held(d, msg)
@@ -214,7 +232,8 @@ class ControllerService(RuntimeListener):
         self._queue_op(self.store.mark_first_token, request_id, at=at)
 
     def chunk(self, request_id: str, chunk: TokenChunk) -> None:
-        pass  # streamed to API waiters by the in-process API (issue 7), not stored per token
+        if chunk.text and self.hub.watched(request_id):
+            self.hub.publish(ResultEvent(request_id, chunk.text, chunk.tokens))
 
     def returned(self, request_id: str, partial_text: str, partial_tokens: int) -> None:
         track = self.runtime.controller.track(request_id)
@@ -243,7 +262,7 @@ class ControllerService(RuntimeListener):
             slo_met=record.slo_met,
             ttft_met=None if ttft is None else record.ttft_s is not None and record.ttft_s <= ttft,
         )
-        self._writes.settle.append((rid, "ack"))
+        self._writes.settle.append((rid, "ack", RequestStatus.FINISHED))
 
     def failed(self, request_id: str, error: str) -> None:
         self._queue_op(
@@ -253,7 +272,7 @@ class ControllerService(RuntimeListener):
             at=self.runtime.clock.now(),
             error=error,
         )
-        self._writes.settle.append((request_id, "ack"))
+        self._writes.settle.append((request_id, "ack", RequestStatus.FAILED))
 
     def cancelled(self, request_id: str, partial_text: str, tokens: int) -> None:
         self._queue_op(
@@ -264,11 +283,17 @@ class ControllerService(RuntimeListener):
             output_text=partial_text or None,
             output_tokens=tokens,
         )
-        self._writes.settle.append((request_id, "ack"))
+        self._writes.settle.append((request_id, "ack", RequestStatus.CANCELLED))
 
     def instance_changed(self, name: str, up: bool) -> None:
-        state = InstanceState.UP if up else InstanceState.DOWN
-        self._queue_op(self.store.set_instance_state, name, state)
+        self._queue_op(self._instance_changed, name, up)
+
+    def _instance_changed(self, name: str, up: bool) -> None:
+        """Record up/down, keeping an operator's drain (a drained instance may go down and up)."""
+        row = next((r for r in self.store.instances() if r.name == name), None)
+        if row is not None and row.state is InstanceState.DRAINING:
+            return
+        self.store.set_instance_state(name, InstanceState.UP if up else InstanceState.DOWN)
 
     # --- the writer -------------------------------------------------------------------------------
 
@@ -290,7 +315,8 @@ class ControllerService(RuntimeListener):
                 self._writes.ops[:0] = writes.ops
                 self._writes.settle[:0] = writes.settle
                 return
-        for rid, how in writes.settle:
+        for rid, how, status in writes.settle:
+            self.hub.publish(ResultEvent(rid, "", 0, done=True, status=status))
             held = self._held.pop(rid, None)
             if held is None:
                 continue
@@ -304,6 +330,7 @@ class ControllerService(RuntimeListener):
         plans = getattr(self.runtime.controller.policy, "plans", None)
         if not isinstance(plans, list):
             return
+        self._plans_seen += len(plans) - self._plans_written
         for record in plans[self._plans_written :]:
             writes.ops.append(
                 functools.partial(self.store.record_plan, record, controller=self.name)
@@ -313,20 +340,128 @@ class ControllerService(RuntimeListener):
             del plans[:-100]
             self._plans_written = len(plans)
 
-    # --- cancels made elsewhere -----------------------------------------------------------------
+    # --- what operators and clients do through the store ------------------------------------
+
+    async def cancel(self, request_id: str) -> bool:
+        """Cancel a request this controller holds (the API's in-process fast path; otherwise
+        the store's cancel reaches it at the next poll). False if it does not hold it."""
+        if not self.runtime.holds(request_id):
+            return False
+        return await self.runtime.cancel(request_id)
 
     async def _poll(self) -> None:
+        """Cancels and drains made through the store by the API or the CLI of any process."""
         while True:
             await asyncio.sleep(self.poll_s)
-            since, self._last_poll = self._last_poll - 1.0, self.runtime.clock.now()
+            since, self._last_poll = self._last_poll - 1.0, self.store.now()
             try:
                 ids = await asyncio.to_thread(self.store.cancellations_since, since)
+                rows = await asyncio.to_thread(self.store.instances)
             except Exception:
-                log.exception("could not poll the store for cancels")
+                log.exception("could not poll the store for cancels and drains")
                 continue
             for rid in ids:
                 if self.runtime.holds(rid):
                     await self.runtime.cancel(rid)
+            for row in rows:
+                if row.name in self.runtime.controller.specs:
+                    self.runtime.set_draining(row.name, row.state is InstanceState.DRAINING)
+
+    # --- what this controller shows of itself -------------------------------------------------
+
+    def snapshot(self) -> dict[str, Any]:
+        """Virtual queues (groups, sizes, models, predicted completion, SLO risk), instances and
+        counters, as JSON-ready data (published to the store for the API and the CLI)."""
+        now = self.runtime.clock.now()
+        policy = self.runtime.controller.policy
+        queues: list[dict[str, Any]] = []
+        estimates = getattr(policy, "estimates", None)
+        vqs = getattr(policy, "queues", None)
+        if callable(estimates) and isinstance(vqs, VirtualQueueSet):
+            groups, drain = estimates(now)
+            delta = policy.config.delta  # type: ignore[attr-defined]
+            for q in vqs.snapshot(groups):
+                queues.append(
+                    {
+                        "instance": q.instance,
+                        "predicted_drain_at": drain.get(q.instance),
+                        "groups": [
+                            {
+                                "id": g.id,
+                                "model": g.model,
+                                "size": g.size,
+                                "tier": g.tier.name.lower(),
+                                "earliest_deadline_at": g.earliest_deadline_s,
+                                "predicted_completion_at": g.predicted_completion_s,
+                                "p_meet_slo": g.p_meet_slo,
+                                "at_risk": g.p_meet_slo is not None and g.p_meet_slo < delta,
+                            }
+                            for g in q.groups
+                        ],
+                    }
+                )
+        plans = getattr(policy, "plans", None)
+        latest = plans[-1] if isinstance(plans, list) and plans else None
+        return {
+            "controller": self.name,
+            "at": now,
+            "policy": policy.name,
+            "queues": queues,
+            "instances": self.runtime.instance_states(),
+            "counters": {
+                "received": self.received,
+                "settled": self.settled,
+                "held": len(self._held),
+                "evictions": self.runtime.evictions,
+                "swaps": self.runtime.swaps,
+                "model_switches": self.runtime.model_switches,
+                "plans": self._plans_seen,
+            },
+            "plan": None if latest is None else _plan_dict(latest),
+        }
+
+    async def _publish(self) -> None:
+        """Every ``publish_s``: the snapshot, and each waiting request's predicted completion
+        (its group's, from the planner's model) and risk, for ``GET /v1/requests/{id}``."""
+        while True:
+            await asyncio.sleep(self.publish_s)
+            try:
+                snap = self.snapshot()
+            except Exception:
+                log.exception("could not take a snapshot")
+                continue
+            predictions: dict[str, tuple[float | None, bool]] = {}
+            grouper = getattr(self.runtime.controller.policy, "grouper", None)
+            for q in snap["queues"]:
+                for g in q["groups"]:
+                    if grouper is None or not grouper.has_group(g["id"]):
+                        continue
+                    for req in grouper.group(g["id"]).requests:
+                        predictions[req.id] = (g["predicted_completion_at"], g["at_risk"])
+            try:
+                await asyncio.to_thread(
+                    self.store.put_controller_state, self.name, active=True, snapshot=snap
+                )
+                if predictions:
+                    await asyncio.to_thread(self.store.record_predictions, predictions)
+            except Exception:
+                log.exception("could not publish the controller state")
+
+
+def _plan_dict(record: Any) -> dict[str, Any]:
+    return {
+        "at": record.at_s,
+        "trigger": record.trigger,
+        "groups": record.groups,
+        "status": record.status,
+        "method": record.method,
+        "objective": record.objective,
+        "edf_objective": record.edf_objective,
+        "at_risk": list(record.at_risk),
+        "capacity_needed": record.capacity_needed,
+        "solve_s": record.solve_s,
+        "concurrency": dict(record.concurrency),
+    }
 
 
 def _new_request(msg: QueuedRequest) -> NewRequest:

@@ -174,6 +174,11 @@ class Store:
         """The database URL, password hidden."""
         return display(self._url)
 
+    def now(self) -> float:
+        """The store's clock (unix time unless a test gave another): what ``updated_at`` and
+        the other bookkeeping times are on."""
+        return self._clock()
+
     def migrate(self) -> None:
         """Upgrade the schema to the latest Alembic revision; a no-op when it is there already.
 

@@ -20,6 +20,7 @@ from qlm.global_queue import MemoryBroker, MemoryGlobalQueue, QueuedRequest
 from qlm.planner import PlannerConfig, create_policy
 from qlm.service import ControllerService
 from qlm.store import NewRequest, Store
+from qlm.store.rows import InstanceState
 
 SCALE = 50.0
 
@@ -177,7 +178,9 @@ def test_cancels_made_in_the_store_reach_the_controller() -> None:
         producer = MemoryGlobalQueue(broker=broker)
         now = service.runtime.clock.now()
         for i in range(4):
-            await producer.publish(message(i, now + i * 1e-3, replay_output_tokens=300))
+            await producer.publish(
+                message(i, now + i * 1e-3, replay_output_tokens=3000, max_tokens=4000)
+            )
         await eventually(
             lambda: (r := store.get("q0000")) is not None and r.first_token_at is not None,
             "q0 runs",
@@ -190,9 +193,57 @@ def test_cancels_made_in_the_store_reach_the_controller() -> None:
         await service.stop()
         got = {rid: store.get(rid) for rid in ids}
         assert got["q0000"].status is RequestStatus.CANCELLED  # type: ignore[union-attr]
-        assert 0 < got["q0000"].output_tokens < 300  # type: ignore[union-attr]
+        assert 0 < got["q0000"].output_tokens < 3000  # type: ignore[union-attr]
         assert got["q0003"].status is RequestStatus.CANCELLED  # type: ignore[union-attr]
         assert got["q0001"].status is RequestStatus.FINISHED  # type: ignore[union-attr]
         assert broker.ready == 0
+
+    run(scenario)
+
+
+def test_snapshots_predictions_drain_and_streamed_results() -> None:
+    async def scenario(store: Store) -> None:
+        broker = MemoryBroker()
+        service = make_service(store, broker)
+        service.publish_s = 0.02
+        for inst in service.runtime._instances.values():
+            inst.max_running = 1
+        store.upsert_instance(InstanceSpec("i1", "G", ("m",)), state=InstanceState.DRAINING)
+        await service.start()
+        producer = MemoryGlobalQueue(broker=broker)
+        now = service.runtime.clock.now()
+        watched = service.hub.subscribe("q0000")
+        ids = [f"q{i:04d}" for i in range(12)]
+        for i in range(12):
+            await producer.publish(message(i, now, replay_output_tokens=200))
+
+        def waiting_predicted() -> bool:
+            rows = [store.get(rid) for rid in ids]
+            return any(
+                r is not None
+                and r.status is RequestStatus.QUEUED
+                and r.predicted_completion_at is not None
+                for r in rows
+            )
+
+        await eventually(waiting_predicted, "a waiting request has a predicted completion")
+        states = store.controller_states()
+        assert states and states[0].name == "c0" and states[0].active
+        snap = states[0].snapshot
+        queued = [g for q in snap["queues"] for g in q["groups"]]
+        assert queued and all(q["instance"] == "i0" for q in snap["queues"] if q["groups"])
+        assert {i["name"]: i["draining"] for i in snap["instances"]} == {"i0": False, "i1": True}
+        await eventually(lambda: final(store, ids), "all finished")
+        await service.wait_idle()
+        events = []
+        while not watched.empty():
+            events.append(watched.get_nowait())
+        await service.stop()
+        assert {store.get(rid).instance for rid in ids} == {"i0"}  # type: ignore[union-attr]
+        assert events[-1].done and events[-1].status is RequestStatus.FINISHED
+        text = "".join(e.text for e in events)
+        assert text == store.get("q0000").output_text  # type: ignore[union-attr]
+        assert [r.state for r in store.instances() if r.name == "i1"] == [InstanceState.DRAINING]
+        assert store.controller_states()[0].active is False
 
     run(scenario)
