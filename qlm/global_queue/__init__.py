@@ -16,12 +16,13 @@ from qlm.global_queue.base import (
     DELIVERY_LIMIT,
     QUEUE,
     REASON_HEADER,
+    DeadLetter,
     Delivery,
     GlobalQueue,
     Handler,
     QueueUnavailable,
 )
-from qlm.global_queue.memory import DeadLetter, MemoryBroker, MemoryGlobalQueue
+from qlm.global_queue.memory import MemoryBroker, MemoryGlobalQueue
 from qlm.global_queue.message import SCHEMA_VERSION, MessageError, QueuedRequest
 
 __all__ = [

@@ -63,6 +63,15 @@ class Delivery:
     epoch: int = 0
 
 
+@dataclass(frozen=True, slots=True)
+class DeadLetter:
+    """A message the queue gave up on, with why (``delivery_limit``, ``rejected``, or QLM's
+    reason)."""
+
+    raw: bytes
+    reason: str
+
+
 Handler = Callable[[Delivery], Awaitable[None]]
 """Called once per delivery, one at a time, in delivery order. It should return quickly (put the
 request into a virtual queue) and settle the delivery later. If it raises, the error is logged and
@@ -102,6 +111,12 @@ class GlobalQueue(Protocol):
     async def dead_letter(self, delivery: Delivery, reason: str) -> None:
         """The message can never be processed (e.g. unknown model): park it in the dead-letter
         queue with ``reason`` and remove it from the queue."""
+        ...
+
+    async def take_dead(self, limit: int = 1000) -> list[DeadLetter]:
+        """Remove up to ``limit`` messages from the dead-letter queue and return them with their
+        reasons: the controller records each as a failed request (the store is the audit
+        trail), so that a message the broker gave up on is never silently dropped."""
         ...
 
     async def healthy(self) -> bool:

@@ -25,18 +25,10 @@ import logging
 from collections import deque
 from dataclasses import dataclass, field
 
-from qlm.global_queue.base import DELIVERY_LIMIT, Delivery, Handler, QueueUnavailable
+from qlm.global_queue.base import DELIVERY_LIMIT, DeadLetter, Delivery, Handler, QueueUnavailable
 from qlm.global_queue.message import MessageError, QueuedRequest
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class DeadLetter:
-    """A message the queue gave up on, with why (``delivery_limit`` or QLM's reason)."""
-
-    raw: bytes
-    reason: str
 
 
 @dataclass(order=True, slots=True)
@@ -178,6 +170,12 @@ class MemoryGlobalQueue:
         stored = self._settle(delivery, "dead-letter")
         if stored is not None:
             self.broker.dead.append(DeadLetter(stored.raw, reason))
+
+    async def take_dead(self, limit: int = 1000) -> list[DeadLetter]:
+        taken: list[DeadLetter] = []
+        while self.broker.dead and len(taken) < limit:
+            taken.append(self.broker.dead.popleft())
+        return taken
 
     async def healthy(self) -> bool:
         return not self._closed

@@ -52,6 +52,7 @@ from qlm.global_queue.base import (
     DELIVERY_LIMIT,
     QUEUE,
     REASON_HEADER,
+    DeadLetter,
     Delivery,
     Handler,
     QueueUnavailable,
@@ -462,6 +463,30 @@ class RabbitGlobalQueue:
             return
         await _settle_quietly(incoming.ack(), "ack", delivery)
 
+    async def take_dead(self, limit: int = 1000) -> list[DeadLetter]:
+        """``basic.get`` from the dead-letter queue on a short-lived connection, acking each
+        message once read (the caller records it before asking for more)."""
+        taken: list[DeadLetter] = []
+        try:
+            connection = await self._connect("dead-letters")
+        except BROKER_ERRORS as exc:
+            raise self._unavailable("cannot read the dead-letter queue", exc) from exc
+        try:
+            channel = await connection.channel(publisher_confirms=False)
+            await self._declare(channel)
+            dead = await channel.get_queue(self.dead_letter_queue, ensure=False)
+            while len(taken) < limit:
+                incoming = await dead.get(no_ack=False, fail=False)
+                if incoming is None:
+                    break
+                taken.append(DeadLetter(incoming.body, _dead_reason(incoming.headers)))
+                await incoming.ack()
+        except BROKER_ERRORS as exc:
+            raise self._unavailable("cannot read the dead-letter queue", exc) from exc
+        finally:
+            await _close_quietly(connection)
+        return taken
+
     # --- health and shutdown ------------------------------------------------------------------
 
     async def healthy(self) -> bool:
@@ -509,3 +534,16 @@ async def _settle_quietly(settle: Awaitable[None], what: str, delivery: Delivery
             delivery.delivery_tag,
             exc,
         )
+
+
+def _dead_reason(headers: Mapping[str, Any]) -> str:
+    """QLM's own reason if it dead-lettered the message, else the broker's (``x-death``)."""
+    reason = headers.get(REASON_HEADER)
+    if isinstance(reason, (str, bytes)):
+        return reason.decode() if isinstance(reason, bytes) else reason
+    deaths = headers.get("x-death")
+    if isinstance(deaths, list) and deaths and isinstance(deaths[0], Mapping):
+        why = deaths[0].get("reason")
+        if isinstance(why, (str, bytes)):
+            return why.decode() if isinstance(why, bytes) else why
+    return "dead-lettered"

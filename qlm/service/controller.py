@@ -32,7 +32,7 @@ from typing import Any
 from qlm.agents.executor import AgentRuntime, Job, RuntimeListener
 from qlm.domain import RequestRecord, RequestStatus
 from qlm.engines.base import TokenChunk
-from qlm.global_queue import Delivery, GlobalQueue, QueuedRequest
+from qlm.global_queue import Delivery, GlobalQueue, MessageError, QueuedRequest
 from qlm.service.hub import ResultEvent, ResultHub
 from qlm.store import NewRequest, RequestRow, Store
 from qlm.store.rows import InstanceState
@@ -73,6 +73,7 @@ class ControllerService(RuntimeListener):
         flush_s: float = 0.05,
         poll_s: float = 0.5,
         publish_s: float = 1.0,
+        reap_s: float = 5.0,
     ) -> None:
         self.queue = queue
         self.store = store
@@ -81,6 +82,7 @@ class ControllerService(RuntimeListener):
         self.flush_s = flush_s
         self.poll_s = poll_s
         self.publish_s = publish_s
+        self.reap_s = reap_s
         self.hub = ResultHub()
         runtime.listener = self
         self._held: dict[str, _Held] = {}
@@ -114,6 +116,7 @@ class ControllerService(RuntimeListener):
             asyncio.create_task(self._writer(), name="qlm-writer"),
             asyncio.create_task(self._poll(), name="qlm-poll"),
             asyncio.create_task(self._publish(), name="qlm-publish"),
+            asyncio.create_task(self._reap(), name="qlm-reap"),
         ]
         await self.queue.consume(self._on_delivery)
 
@@ -339,6 +342,43 @@ class ControllerService(RuntimeListener):
         if len(plans) > 1000:  # the store keeps the history; the policy need not
             del plans[:-100]
             self._plans_written = len(plans)
+
+    # --- messages the broker gave up on ---------------------------------------------------------
+
+    async def _reap(self) -> None:
+        """Every ``reap_s``: take the dead-letter queue's messages and record each request as
+        failed with the reason (a delivery limit reached after repeated controller deaths, or
+        QLM's own reason): nothing accepted is dropped without an outcome."""
+        while True:
+            await asyncio.sleep(self.reap_s)
+            try:
+                await self.reap_once()
+            except Exception:
+                log.exception("could not reap the dead-letter queue")
+
+    async def reap_once(self) -> int:
+        dead = await self.queue.take_dead()
+        failures: list[tuple[NewRequest, str]] = []
+        for letter in dead:
+            try:
+                msg = QueuedRequest.decode(letter.raw)
+            except MessageError as exc:
+                log.warning("dead letter that is no request (%s): %s", letter.reason, exc)
+                continue
+            failures.append((_new_request(msg), letter.reason))
+        if failures:
+            await asyncio.to_thread(self._record_dead, failures)
+        return len(failures)
+
+    def _record_dead(self, failures: list[tuple[NewRequest, str]]) -> None:
+        self.store.ensure_requests([new for new, _ in failures])
+        now = self.store.now()
+        for new, reason in failures:
+            recorded = self.store.record_outcome(
+                new.id, status=RequestStatus.FAILED, at=now, error=f"dead-lettered: {reason}"
+            )
+            if recorded:
+                log.warning("request %s failed: dead-lettered (%s)", new.id, reason)
 
     # --- what operators and clients do through the store ------------------------------------
 

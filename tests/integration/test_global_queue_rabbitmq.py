@@ -24,7 +24,7 @@ import aio_pika
 import pytest
 from services import in_ci
 
-from qlm.global_queue import Delivery, QueuedRequest, QueueUnavailable
+from qlm.global_queue import DeadLetter, Delivery, QueuedRequest, QueueUnavailable
 from qlm.global_queue.rabbitmq import (
     DEAD_QUEUE_ARGUMENTS,
     RabbitGlobalQueue,
@@ -320,6 +320,38 @@ def test_a_message_requeued_past_the_delivery_limit_is_dead_lettered(
         assert counts == [0, 1, 2]
         assert dead_letter_reason(dead.headers) == "delivery_limit"
         assert QueuedRequest.decode(dead.body) == make_message(0)
+        await queue.close()
+
+    run(scenario)
+
+
+@pytest.mark.rabbitmq
+def test_take_dead_returns_dead_letters_with_their_reasons_and_removes_them(
+    amqp_url: str, names: Names
+) -> None:
+    async def scenario() -> None:
+        queue = open_queue(amqp_url, names, delivery_limit=1)
+        assert await queue.take_dead() == []
+        returned: list[int] = []
+
+        async def handle(delivery: Delivery) -> None:
+            if delivery.message is not None and delivery.message.id == "r0":
+                await queue.dead_letter(delivery, "no instance serves it")
+            else:
+                returned.append(delivery.delivery_count)
+                await queue.requeue(delivery)  # until the broker's delivery limit
+
+        await queue.consume(handle)
+        await queue.publish(make_message(0))
+        await queue.publish(make_message(1))
+        dead: list[DeadLetter] = []
+        deadline = time.monotonic() + 10.0
+        while len(dead) < 2 and time.monotonic() < deadline:
+            dead += await queue.take_dead()
+            await asyncio.sleep(0.05)
+        reasons = {QueuedRequest.decode(d.raw).id: d.reason for d in dead}
+        assert reasons == {"r0": "no instance serves it", "r1": "delivery_limit"}
+        assert await queue.take_dead() == []  # taken means gone
         await queue.close()
 
     run(scenario)

@@ -16,7 +16,7 @@ from qlm.clock import WallClock
 from qlm.controller import Controller
 from qlm.domain import InstanceSpec, RequestStatus
 from qlm.engines.wallclock import WallClockEngine, count_tokens
-from qlm.global_queue import MemoryBroker, MemoryGlobalQueue, QueuedRequest
+from qlm.global_queue import DeadLetter, MemoryBroker, MemoryGlobalQueue, QueuedRequest
 from qlm.planner import PlannerConfig, create_policy
 from qlm.service import ControllerService
 from qlm.store import NewRequest, Store
@@ -245,5 +245,21 @@ def test_snapshots_predictions_drain_and_streamed_results() -> None:
         assert text == store.get("q0000").output_text  # type: ignore[union-attr]
         assert [r.state for r in store.instances() if r.name == "i1"] == [InstanceState.DRAINING]
         assert store.controller_states()[0].active is False
+
+    run(scenario)
+
+
+def test_a_message_the_broker_gave_up_on_is_recorded_failed_with_the_reason() -> None:
+    async def scenario(store: Store) -> None:
+        broker = MemoryBroker()
+        service = make_service(store, broker)
+        now = service.runtime.clock.now()
+        broker.dead.append(DeadLetter(message(7, now).encode(), "delivery_limit"))
+        broker.dead.append(DeadLetter(b"not json", "malformed message"))
+        assert await service.reap_once() == 1
+        row = store.get("q0007", tenant="acme")
+        assert row is not None and row.status is RequestStatus.FAILED
+        assert row.error == "dead-lettered: delivery_limit"
+        assert not broker.dead and await service.reap_once() == 0
 
     run(scenario)
