@@ -5,8 +5,9 @@ import, so tests construct their own."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import BaseModel, Field, ValidationError, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from qlm.errors import ConfigError
@@ -24,6 +25,16 @@ class DemoSettings(BaseModel):
     seed: int = 0
 
 
+class BrokerSettings(BaseModel):
+    """Names on the broker (``QLM_BROKER__*``): the defaults match ``broker/definitions.json``;
+    tests and side-by-side deployments use their own."""
+
+    queue: str = "qlm.requests"
+    dead_letter_exchange: str = "qlm.dlx"
+    dead_letter_queue: str = "qlm.dead"
+    delivery_limit: int = Field(default=5, ge=1)
+
+
 class ControllerSettings(BaseModel):
     """The controller service (``qlm controller``, ``qlm serve``)."""
 
@@ -35,6 +46,68 @@ class ControllerSettings(BaseModel):
     health_interval_s: float = Field(default=1.0, gt=0)
 
 
+class ApiSettings(BaseModel):
+    """The REST API (``qlm api``, ``qlm serve``): where it listens, who may call it, and the limits
+    it enforces (docs/api.md). Rates and limits are per tenant; the token bucket is per replica."""
+
+    host: str = "127.0.0.1"
+    port: int = Field(default=8080, ge=0, le=65535)
+    require_keys: bool = True
+    """Without keys every call acts as ``default_tenant`` with admin rights: trusted networks only."""
+    default_tenant: str = Field(default="default", min_length=1)
+    key_cache_s: float = Field(default=5.0, ge=0)
+    """How long a looked-up key is trusted without asking the store (so a revocation takes
+    effect within this time)."""
+    max_body_bytes: int = Field(default=1_048_576, ge=1024)
+    max_tokens_limit: int = Field(default=32_768, ge=1)
+    """The largest ``max_tokens`` a request may ask for (422 above it)."""
+    max_prompt_tokens: int = Field(default=131_072, ge=1)
+    """The largest estimated prompt (422 above it)."""
+    default_max_tokens: int = Field(default=256, ge=1)
+    """``max_tokens`` of an OpenAI-style request that gives none."""
+    max_labels: int = Field(default=16, ge=0)
+    rate_per_s: float = Field(default=200.0, gt=0)
+    """Sustained submissions per second per tenant (per API replica), 429 beyond."""
+    rate_burst: int = Field(default=400, ge=1)
+    max_queued_per_tenant: int = Field(default=10_000, ge=1)
+    """Requests a tenant may have queued (429 beyond, from the store's count)."""
+    queued_count_ttl_s: float = Field(default=0.5, ge=0)
+    """How stale the store's queued count may be; submissions since are added locally."""
+    interactive_slo_s: float = Field(default=30.0, gt=0)
+    standard_slo_s: float = Field(default=300.0, gt=0)
+    batch_slo_s: float = Field(default=3600.0, gt=0)
+    """End-to-end SLO of a request that gives none, by its tier."""
+    default_tier: Literal["interactive", "standard", "batch"] = "standard"
+    admission: Literal["accept", "reject"] = "accept"
+    """When the plan says a new request cannot meet its SLO: ``accept`` it flagged at risk, or
+    ``reject`` it with 503 and the reason."""
+    wait_timeout_s: float = Field(default=600.0, gt=0)
+    """The longest an OpenAI-style call waits for its result behind the queue (504 after)."""
+    max_long_poll_s: float = Field(default=60.0, gt=0)
+    """The largest ``wait`` of ``GET /v1/requests/{id}``."""
+    poll_interval_s: float = Field(default=0.25, gt=0)
+    """How often an API without a controller in process asks the store for finished results."""
+    controller_stale_s: float = Field(default=10.0, gt=0)
+    """``/readyz`` fails when no controller published its state for this long."""
+    snapshot_ttl_s: float = Field(default=1.0, ge=0)
+    metrics_public: bool = False
+    """Serve ``/metrics`` without a key (else admin keys only)."""
+    metrics_window_s: float = Field(default=3600.0, gt=0)
+    """SLO attainment, per-tenant counts and estimate error cover requests of this window."""
+    commit_max_batch: int = Field(default=512, ge=1)
+    """Most submissions recorded in one store transaction (group commit)."""
+
+    @model_validator(mode="after")
+    def _slos_ordered(self) -> ApiSettings:
+        if not self.interactive_slo_s <= self.standard_slo_s <= self.batch_slo_s:
+            raise ValueError(
+                "default SLOs must not decrease with the tier: interactive_slo_s="
+                f"{self.interactive_slo_s} <= standard_slo_s={self.standard_slo_s} <= "
+                f"batch_slo_s={self.batch_slo_s}"
+            )
+        return self
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix="QLM_", env_nested_delimiter="__", extra="ignore", frozen=True
@@ -43,12 +116,14 @@ class Settings(BaseSettings):
     log_level: str = "INFO"
     broker_url: str | None = None
     """``QLM_BROKER_URL``: ``amqp://user:password@host:5672/vhost``; unset: the in-process queue."""
+    broker: BrokerSettings = BrokerSettings()
     database_url: str | None = None
     """``QLM_DATABASE_URL``: ``postgresql+psycopg://...`` or ``sqlite:///path``; unset:
     ``sqlite:///qlm.db`` in the working directory."""
     instances_file: Path | None = None
     """``QLM_INSTANCES_FILE``: the serving instances (TOML); unset: simulated in-process."""
     controller: ControllerSettings = ControllerSettings()
+    api: ApiSettings = ApiSettings()
     demo: DemoSettings = DemoSettings()
 
 

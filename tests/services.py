@@ -9,8 +9,14 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
 from urllib.parse import urlsplit
 
+import httpx
 import pytest
 
 AMQP_URL = os.environ.get("QLM_TEST_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/%2F")
@@ -42,3 +48,68 @@ def require(url: str, default_port: int, what: str) -> str:
     if in_ci():
         pytest.fail(f"{message} (CI=true: integration tests must run)")
     pytest.skip(message)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def qlm_executable() -> str:
+    exe = Path(sys.executable).with_name("qlm")
+    return str(exe) if exe.exists() else "qlm"
+
+
+def start_process(args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    """A ``qlm`` subprocess with its output in a temporary file (read it on failure)."""
+    log = tempfile.TemporaryFile()  # noqa: SIM115 - the process owns it; read by ``output``
+    proc = subprocess.Popen(
+        [qlm_executable(), *args],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+    )
+    proc.qlm_log = log  # type: ignore[attr-defined]
+    return proc
+
+
+def output(proc: subprocess.Popen[bytes]) -> str:
+    log = getattr(proc, "qlm_log", None)
+    if log is None:
+        return ""
+    log.seek(0)
+    return log.read().decode(errors="replace")[-4000:]
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def start_sim_engine(
+    model: str = "llama-3-8b", gpu: str = "A100", time_scale: float = 10.0
+) -> tuple[subprocess.Popen[bytes], str]:
+    """A ``qlm sim-engine serve`` process on a free port, healthy; returns it and its URL."""
+    port = free_port()
+    args = ["sim-engine", "serve", "--model", model, "--gpu", gpu, "--port", str(port)]
+    proc = start_process([*args, "--time-scale", str(time_scale), "--dev-mode"])
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60.0
+    while True:
+        if proc.poll() is not None:
+            pytest.fail(f"qlm sim-engine serve exited with {proc.returncode}:\n{output(proc)}")
+        try:
+            if httpx.get(f"{url}/health", timeout=1.0).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            stop(proc)
+            pytest.fail(f"qlm sim-engine serve did not become healthy at {url}")
+        time.sleep(0.1)

@@ -1,0 +1,200 @@
+"""Kill the active controller, then an engine, in the middle of a run: nothing accepted is lost
+and nothing ends twice (issue 6, ARCHITECTURE.md §4 rule 5).
+
+Two ``qlm controller`` processes share a RabbitMQ quorum queue (single active consumer) and a
+PostgreSQL schema; three ``qlm sim-engine serve`` processes serve over vLLM's HTTP API. The test
+publishes 2,000 requests, ``kill -9``s the active controller once some have finished, then a
+serving engine once more have, and checks that every request ends exactly once in the store as
+finished with its full output. Waits poll with deadlines; nothing asserts on timing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import aio_pika
+import pytest
+from services import output, start_process, start_sim_engine, stop
+from sqlalchemy import create_engine, text
+from sqlalchemy.engine import make_url
+
+from qlm.domain import RequestStatus
+from qlm.global_queue import QueuedRequest
+from qlm.global_queue.rabbitmq import RabbitGlobalQueue
+from qlm.store import Store
+
+pytestmark = [pytest.mark.slow, pytest.mark.rabbitmq, pytest.mark.postgres]
+
+REQUESTS = 2000
+OUTPUT_TOKENS = 24
+DEADLINE_S = 600.0
+
+
+@pytest.fixture
+def schema_url(postgres_url: str) -> Iterator[str]:
+    schema = f"qlm_test_{uuid.uuid4().hex}"
+    admin = create_engine(postgres_url)
+    with admin.begin() as connection:
+        connection.execute(text(f'CREATE SCHEMA "{schema}"'))
+    url = make_url(postgres_url).update_query_dict({"options": f"-csearch_path={schema}"})
+    try:
+        yield url.render_as_string(hide_password=False)
+    finally:
+        with admin.begin() as connection:
+            connection.execute(text(f'DROP SCHEMA "{schema}" CASCADE'))
+        admin.dispose()
+
+
+@pytest.fixture
+def broker_names(amqp_url: str) -> Iterator[dict[str, str]]:
+    base = f"qlm.test.{uuid.uuid4().hex[:12]}"
+    names = {
+        "queue": base,
+        "dead_letter_exchange": f"{base}.dlx",
+        "dead_letter_queue": f"{base}.dead",
+    }
+    yield names
+
+    async def delete() -> None:
+        connection = await aio_pika.connect(amqp_url)
+        async with connection:
+            channel = await connection.channel()
+            await channel.queue_delete(names["queue"])
+            await channel.queue_delete(names["dead_letter_queue"])
+            await channel.exchange_delete(names["dead_letter_exchange"])
+
+    asyncio.run(delete())
+
+
+def wait_until(check: Callable[[], bool], what: str, procs: list[subprocess.Popen[bytes]]) -> None:
+    deadline = time.monotonic() + DEADLINE_S
+    while not check():
+        if time.monotonic() > deadline:
+            logs = "\n---\n".join(output(p) for p in procs)
+            pytest.fail(f"timed out waiting until {what}\n{logs}")
+        time.sleep(0.2)
+
+
+def test_killing_the_active_controller_and_an_engine_loses_and_duplicates_nothing(
+    amqp_url: str, schema_url: str, broker_names: dict[str, str], tmp_path: Path
+) -> None:
+    engines = [start_sim_engine(time_scale=10.0) for _ in range(3)]
+    procs = [p for p, _ in engines]
+    controllers: list[subprocess.Popen[bytes]] = []
+    try:
+        instances = tmp_path / "instances.toml"
+        instances.write_text(
+            "".join(
+                f'[[instances]]\nname = "e{i}"\nurl = "{url}"\ngpu = "A100"\n'
+                f'models = ["llama-3-8b"]\n\n'
+                for i, (_, url) in enumerate(engines)
+            )
+        )
+        env = {
+            "QLM_BROKER_URL": amqp_url,
+            "QLM_BROKER__QUEUE": broker_names["queue"],
+            "QLM_BROKER__DEAD_LETTER_EXCHANGE": broker_names["dead_letter_exchange"],
+            "QLM_BROKER__DEAD_LETTER_QUEUE": broker_names["dead_letter_queue"],
+            "QLM_BROKER__DELIVERY_LIMIT": "20",
+            "QLM_DATABASE_URL": schema_url,
+            "QLM_INSTANCES_FILE": str(instances),
+        }
+        store = Store.open(schema_url)
+
+        def controller(name: str) -> subprocess.Popen[bytes]:
+            proc = start_process(["controller"], {**env, "QLM_CONTROLLER__NAME": name})
+            controllers.append(proc)
+            procs.append(proc)
+            wait_until(
+                lambda: any(s.name == name for s in store.controller_states()),
+                f"controller {name} publishes its state",
+                procs,
+            )
+            return proc
+
+        active = controller("first")  # the first consumer is the active one
+        controller("standby")
+
+        ids = [f"f{i:05d}" for i in range(REQUESTS)]
+
+        async def publish() -> None:
+            queue = RabbitGlobalQueue(amqp_url, **broker_names, delivery_limit=20)
+            now = time.time()
+            for start in range(0, REQUESTS, 100):
+                await asyncio.gather(
+                    *(
+                        queue.publish(
+                            QueuedRequest(
+                                id=rid,
+                                model="llama-3-8b",
+                                prompt_tokens=64,
+                                max_tokens=OUTPUT_TOKENS,
+                                slo_e2e_s=600.0,
+                                submitted_at=now,
+                                prompt=" ".join(["word"] * 64),
+                                tier=i % 3,
+                                replay_output_tokens=OUTPUT_TOKENS,
+                            )
+                        )
+                        for i, rid in enumerate(ids[start : start + 100], start=start)
+                    )
+                )
+            await queue.close()
+
+        asyncio.run(publish())
+
+        def finished() -> int:
+            return len(store.final_ids(ids))
+
+        wait_until(lambda: finished() >= REQUESTS // 5, "a fifth has finished", procs)
+        os.kill(active.pid, signal.SIGKILL)
+        active.wait()
+        before_engine_kill = finished()
+        wait_until(
+            lambda: finished() >= before_engine_kill + REQUESTS // 5,
+            "the standby has finished another fifth",
+            procs,
+        )
+        victim = engines[0][0]
+        os.kill(victim.pid, signal.SIGKILL)
+        victim.wait()
+        wait_until(lambda: finished() == REQUESTS, "every request is final", procs)
+
+        rows = [store.get(rid) for rid in ids]
+        assert all(r is not None for r in rows)
+        statuses = {r.status for r in rows if r is not None}
+        assert statuses == {RequestStatus.FINISHED}, [r for r in rows if r and r.error][:3]
+        assert all(r is not None and r.output_tokens == OUTPUT_TOKENS for r in rows)
+        assert len(store.list_requests(limit=REQUESTS + 10)[0]) == REQUESTS  # nothing extra
+        moved = [r for r in rows if r is not None and r.attempts > 1]
+        assert moved  # some were running on the killed controller or engine and ran again
+        states = {s.name: s.snapshot["counters"] for s in store.controller_states()}
+        assert states["standby"]["received"] > 0
+
+        async def leftovers() -> tuple[int, int]:
+            connection = await aio_pika.connect(amqp_url)
+            async with connection:
+                channel = await connection.channel()
+                q = await channel.get_queue(broker_names["queue"])
+                d = await channel.get_queue(broker_names["dead_letter_queue"])
+                return q.declaration_result.message_count or 0, (
+                    d.declaration_result.message_count or 0
+                )
+
+        # The standby acks each delivery once its outcome is committed: give it a moment.
+        deadline = time.monotonic() + 30.0
+        while asyncio.run(leftovers()) != (0, 0) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        ready, dead = asyncio.run(leftovers())
+        assert (ready, dead) == (0, 0)
+        store.close()
+    finally:
+        for proc in controllers + [p for p, _ in engines]:
+            stop(proc)
