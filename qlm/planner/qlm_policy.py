@@ -118,6 +118,9 @@ class _Inflight:
     generated: int  # output tokens it had when pulled (resumed after an eviction)
 
 
+CLASS_SAMPLE = 256
+"""Recent arrivals of a request class whose lengths give the class's means (``_concurrency``)."""
+
 BATCH_CHOICES = (16, 32, 64, 96, 128, 192, 256, 384, 512)
 """Concurrency limits the planner considers for an instance (capped by its ``max_num_seqs``)."""
 
@@ -407,6 +410,13 @@ class QlmPolicy:
         classes: dict[tuple[str, Tier, float], list[Request]] = {}
         for _, req in self._arrivals:
             classes.setdefault((req.model, req.tier, req.slo.e2e_s), []).append(req)
+        means: dict[tuple[str, Tier, float], tuple[float, float]] = {}
+        for key, reqs in classes.items():
+            recent = reqs[-CLASS_SAMPLE:]  # enough for a mean; bounded under a backlog
+            means[key] = (
+                sum(r.input_tokens for r in recent) / len(recent),
+                sum(self.estimator.expected_output(r) for r in recent) / len(recent),
+            )
         out: list[int] = []
         for inst, limits in zip(family.instances, family.batches, strict=True):
             ld = next(i for i in self._instances if i.name == inst.name)
@@ -423,8 +433,7 @@ class QlmPolicy:
             for (model, tier, slo), reqs in mine.items():
                 hw = self.estimator.profile.hardware_for(model, ld.gpu, ld.gpu_count)
                 rate = len(reqs) / span / serving[model]
-                tokens_in = sum(r.input_tokens for r in reqs) / len(reqs)
-                tokens_out = sum(self.estimator.expected_output(r) for r in reqs) / len(reqs)
+                tokens_in, tokens_out = means[model, tier, slo]
                 stats.append((hw, rate, tokens_in, tokens_out, slo, tier, reqs[-1]))
             prompt_work = sum(st[1] * st[2] * st[0].input_token_work_s for st in stats)
             output_rate = sum(st[1] * st[3] for st in stats)

@@ -185,13 +185,25 @@ def _best_insertion(
     return float(scores[k]), int(gs[k]), int(pos[k, 0])
 
 
-def _removal_costs(problem: PlanProblem, meter: _Meter, order: list[int], g: int) -> np.ndarray:
-    """Cost of queue ``g`` without each of its groups (row ``k``: without ``order[k]``)."""
+REMOVAL_BLOCK = 64
+"""Positions whose removal costs are scored at once: a long queue is scored block by block, so
+that the time budget is checked between blocks (one block of a 1,000-group queue is ~10 ms)."""
+
+
+def _removal_costs(
+    problem: PlanProblem, meter: _Meter, order: list[int], g: int, start: int = 0, stop: int = -1
+) -> np.ndarray:
+    """Cost of queue ``g`` without each of its groups at positions ``start:stop`` (row ``j``:
+    without ``order[start + j]``)."""
     k = len(order)
+    stop = k if stop < 0 else min(stop, k)
     base = np.asarray(order, np.int64)
-    keep = ~np.eye(k, dtype=bool)
-    rows = np.broadcast_to(base, (k, k))[keep].reshape(k, k - 1)
-    return meter.score_many(problem, np.full(k, g, np.int64), rows)
+    positions = np.arange(start, stop)
+    cols = np.arange(k - 1)
+    # row j skips position p = positions[j]: columns before p map to themselves, after to +1
+    index = cols[None, :] + (cols[None, :] >= positions[:, None])
+    rows = base[index]
+    return meter.score_many(problem, np.full(len(positions), g, np.int64), rows)
 
 
 def warm_plan(problem: PlanProblem, previous: Sequence[Sequence[int]], meter: _Meter) -> Plan:
@@ -234,10 +246,14 @@ def local_search(problem: PlanProblem, start: Plan, meter: _Meter) -> Plan:
             if penalties[g] <= 1e-9:
                 break
             order = list(queues[g])
-            removal = _removal_costs(problem, meter, order, g)
+            removal, block = np.empty(0), -1
             for k, x in enumerate(order):
                 if meter.spent():
                     break
+                if queues[g] == order and block != k // REMOVAL_BLOCK:
+                    block = k // REMOVAL_BLOCK
+                    first = block * REMOVAL_BLOCK
+                    removal = _removal_costs(problem, meter, order, g, first, first + REMOVAL_BLOCK)
                 if queues[g] != order:  # the queue changed: refresh what removal costs
                     if x not in queues[g]:
                         continue
@@ -246,7 +262,7 @@ def local_search(problem: PlanProblem, start: Plan, meter: _Meter) -> Plan:
                     meter.count += 1
                 else:
                     rest = order[:k] + order[k + 1 :]
-                    removed = float(removal[k])
+                    removed = float(removal[k % REMOVAL_BLOCK])
                 trial_costs = list(costs)
                 trial_costs[g] = removed
                 trial = [rest if h == g else o for h, o in enumerate(queues)]
