@@ -312,11 +312,12 @@ class ControllerService(RuntimeListener):
         self._record_plans(writes)
         if writes.ops:
             try:
-                await asyncio.to_thread(_run_all, writes.ops)
+                await asyncio.to_thread(self._run_all, writes.ops)
             except Exception:
                 log.exception("store write failed; retrying")
                 self._writes.ops[:0] = writes.ops
                 self._writes.settle[:0] = writes.settle
+                await asyncio.sleep(self.poll_s)  # the store may be down: do not spin
                 return
         for rid, how, status in writes.settle:
             self.hub.publish(ResultEvent(rid, "", 0, done=True, status=status))
@@ -328,6 +329,12 @@ class ControllerService(RuntimeListener):
             else:
                 await self.queue.dead_letter(held.delivery, how)
             self.settled += 1
+
+    def _run_all(self, ops: list[Callable[[], Any]]) -> None:
+        """In order, in one transaction (one commit for a whole flush)."""
+        with self.store.batch():
+            for op in ops:
+                op()
 
     def _record_plans(self, writes: _Writes) -> None:
         plans = getattr(self.runtime.controller.policy, "plans", None)
@@ -511,8 +518,3 @@ def _new_request(msg: QueuedRequest) -> NewRequest:
         messages=msg.messages,
         sampling=dict(msg.sampling),
     )
-
-
-def _run_all(ops: list[Callable[[], Any]]) -> None:
-    for op in ops:
-        op()
