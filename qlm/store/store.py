@@ -143,6 +143,7 @@ class Store:
         self._read = sessionmaker(self._engine)
         self._write = sessionmaker(self._engine.execution_options(**WRITE))
         # A shared in-memory connection runs one transaction at a time (qlm.store.database).
+        self._batch = threading.local()
         self._lock: AbstractContextManager[Any] = (
             threading.RLock() if is_memory(self._url) else nullcontext()
         )
@@ -255,8 +256,12 @@ class Store:
         with self._tx(f"record {len(news)} requests", write=True) as session:
             for start in range(0, len(news), _CHUNK):
                 chunk = news[start : start + _CHUNK]
-                stmt = self._insert(RequestModel).values([_request_values(n, now) for n in chunk])
-                created = set(session.scalars(stmt.on_conflict_do_nothing().returning(_R.id)))
+                # executemany ("insertmanyvalues"): one cached statement, batched by the driver;
+                # a multi-row VALUES clause would be compiled afresh for every chunk.
+                stmt = self._insert(RequestModel).on_conflict_do_nothing().returning(_R.id)
+                connection = session.connection()
+                params = [_request_values(n, now) for n in chunk]
+                created = set(connection.execute(stmt, params).scalars())
                 labels = [
                     {"request_id": n.id, "key": k, "value": v}
                     for n in chunk
@@ -269,6 +274,62 @@ class Store:
                 for model in session.scalars(select(RequestModel).where(_R.id.in_(ids))):
                     rows[model.id] = _request_row(model)
         return rows
+
+    def add_requests(self, news: Sequence[NewRequest]) -> set[str]:
+        """Record freshly accepted requests in one transaction, as cheaply as the database
+        allows: the API's group commit, thousands per second. One batched ``INSERT ... ON
+        CONFLICT DO NOTHING`` (an executemany, nothing read back but the ids of the requests
+        that carry an idempotency key). Returns the ids recorded: all of them except those
+        whose ``(tenant, idempotency_key)`` was taken (``add_request`` finds that request).
+        The ids must be new (the API makes them at random); unlike ``ensure_requests`` this
+        does not check them against existing rows."""
+        if not news:
+            return set()
+        now = self._clock()
+        table = Base.metadata.tables[RequestModel.__tablename__]
+        labels = Base.metadata.tables[RequestLabelModel.__tablename__]
+        keyed = [n.id for n in news if n.idempotency_key is not None]
+        with self._tx(f"record {len(news)} requests", write=True) as session:
+            connection = session.connection()
+            stmt = postgresql.insert(table) if self._postgres else sqlite.insert(table)
+            connection.execute(
+                stmt.on_conflict_do_nothing(),
+                [_request_values(n, now) for n in news],
+            )
+            lost: set[str] = set()
+            if keyed:
+                present = set(
+                    connection.execute(select(table.c.id).where(table.c.id.in_(keyed))).scalars()
+                )
+                lost = set(keyed) - present
+            rows = [
+                {"request_id": n.id, "key": k, "value": v}
+                for n in news
+                if n.id not in lost
+                for k, v in n.labels
+            ]
+            if rows:
+                connection.execute(insert(labels), rows)
+        return {n.id for n in news} - lost
+
+    def delete_requests(self, ids: Sequence[str]) -> int:
+        """Remove requests the API recorded but could not hand to the global queue (the publish
+        failed, so the client is told nothing was accepted). Only rows still queued and never
+        dispatched go, with their labels: nothing a controller touched is lost. Returns how many
+        were removed."""
+        removed = 0
+        with self._tx(f"delete {len(ids)} unpublished requests", write=True) as session:
+            for start in range(0, len(ids), _CHUNK):
+                chunk = list(ids[start : start + _CHUNK])
+                doomed = select(_R.id).where(
+                    _R.id.in_(chunk), _R.status == _name(RequestStatus.QUEUED), _R.attempts == 0
+                )
+                session.execute(
+                    delete(RequestLabelModel).where(RequestLabelModel.request_id.in_(doomed))
+                )
+                result = session.execute(delete(RequestModel).where(_R.id.in_(doomed)))
+                removed += _rowcount(result)
+        return removed
 
     def mark_dispatched(self, id: str, *, instance: str, at: float) -> bool:
         """The request was sent to ``instance``: it is running there. ``dispatched_at`` keeps the
@@ -739,7 +800,12 @@ class Store:
 
     @contextmanager
     def _tx(self, what: str, *, write: bool = False) -> Iterator[Session]:
-        """One session and transaction, committed on exit; database errors become StoreError."""
+        """One session and transaction, committed on exit; database errors become StoreError.
+        Inside ``batch()`` on the same thread, the batch's transaction is used instead."""
+        shared = getattr(self._batch, "session", None)
+        if shared is not None:
+            yield shared
+            return
         with self._lock:
             try:
                 with (self._write if write else self._read).begin() as session:
@@ -748,6 +814,21 @@ class Store:
                 raise StoreError(f"cannot {what} ({self.url}): {_reason(exc)}") from exc
             except SQLAlchemyError as exc:
                 raise StoreError(f"cannot {what}: {_reason(exc)}") from exc
+
+    @contextmanager
+    def batch(self) -> Iterator[None]:
+        """Run the store calls made inside, on this thread, in one write transaction: one commit
+        for many small updates (the controller's writer). All or nothing: on an error nothing
+        of the batch is kept."""
+        if getattr(self._batch, "session", None) is not None:
+            yield  # already in a batch
+            return
+        with self._tx("write a batch", write=True) as session:
+            self._batch.session = session
+            try:
+                yield
+            finally:
+                self._batch.session = None
 
     def _update(self, id: str, what: str, *where: ColumnElement[bool], **values: Any) -> bool:
         """One conditional UPDATE of a request that is not final; True when it matched."""
