@@ -96,6 +96,8 @@ class ApiSettings(BaseModel):
     """SLO attainment, per-tenant counts and estimate error cover requests of this window."""
     commit_max_batch: int = Field(default=512, ge=1)
     """Most submissions recorded in one store transaction (group commit)."""
+    access_log: bool = False
+    """Log every HTTP call (costs throughput at thousands of calls per second)."""
 
     @model_validator(mode="after")
     def _slos_ordered(self) -> ApiSettings:

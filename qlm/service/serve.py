@@ -1,13 +1,16 @@
 """``qlm serve``: the all-in-one process — one global queue shared in process (or RabbitMQ), the
-controller service with its agents, and (with ``replay_s``) a replay of the demo trace through it."""
+controller service with its agents, and the REST API (uvicorn on ``QLM_API__HOST``:
+``QLM_API__PORT``, default 127.0.0.1:8080) sharing the queue, the store and the controller, so
+results stream from the controller's hub and cancels reach it at once. With ``replay_s`` it
+replays the demo trace through the service instead of serving the API, and exits."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import signal
 
+from qlm.api.app import create_app
+from qlm.api.server import ApiServer, until_signalled
 from qlm.service import build_controller, open_queue, open_store
 from qlm.service.replay import ReplayResult, replay
 from qlm.settings import Settings
@@ -38,12 +41,21 @@ async def serve(settings: Settings, *, replay_s: float | None = None) -> ReplayR
                 service.runtime.clock,
                 time_scale=settings.controller.sim_time_scale,
             )
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            with contextlib.suppress(NotImplementedError):
-                loop.add_signal_handler(sig, stop.set)
-        await stop.wait()
+        app = create_app(
+            settings, queue=queue, store=store, controller=service, clock=service.runtime.clock.now
+        )
+        api = ApiServer(
+            app,
+            host=settings.api.host,
+            port=settings.api.port,
+            log_level=settings.log_level,
+            access_log=settings.api.access_log,
+        )
+        await api.start()
+        try:
+            await until_signalled(also=lambda: api.done)
+        finally:
+            await api.stop()
         return None
     finally:
         await service.stop()

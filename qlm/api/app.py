@@ -1,0 +1,209 @@
+"""The API app: ``create_app(settings)`` (docs/api.md).
+
+Given only settings, the app opens its own store (``QLM_DATABASE_URL``, SQLite ``./qlm.db``
+without it) and global-queue client (``QLM_BROKER_URL``; the in-process queue without it — only
+useful with a controller in the same process) when it starts, and closes them when it stops.
+``qlm serve`` passes the queue and store it shares with the in-process controller, and the
+controller itself (results then stream from its hub, cancels reach it at once); the app leaves
+whatever it was given open.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from qlm.api import errors
+from qlm.api.context import ApiContext
+from qlm.api.errors import TOO_LARGE, ApiError
+from qlm.api.ports import LocalController
+from qlm.api.routes import admin, health, openai, requests
+from qlm.global_queue import GlobalQueue, open_global_queue
+from qlm.settings import Settings
+from qlm.store import Store
+
+DESCRIPTION = """\
+Queue-management control plane for LLM serving: submit requests with SLOs, and QLM decides which
+instance serves each and when. Every call needs `Authorization: Bearer <key>` (`qlm keys create`)
+except the probes. Errors are `{"error": {"message", "type", "param", "code"}}`, naming the field
+or limit at fault.
+"""
+
+
+class BodyLimit:
+    """Refuse bodies over ``max_bytes`` with 413 naming the limit: from Content-Length up front,
+    and by counting when the body is streamed without one."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    def _too_large(self, size: str) -> ApiError:
+        return ApiError(
+            413,
+            f"request body of {size} is over the limit of {self.max_bytes} bytes "
+            "(QLM_API__MAX_BODY_BYTES)",
+            type=TOO_LARGE,
+            param="body",
+            code="max_body_bytes",
+        )
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = next((v for k, v in scope["headers"] if k == b"content-length"), None)
+        if declared is None:
+            # Only Content-Length lets the app read straight from the socket; a body of
+            # unknown length is read here first (the app reads it whole anyway).
+            if scope.get("method") in ("POST", "PUT", "PATCH"):
+                await self._buffered(scope, receive, send)
+            else:
+                await self.app(scope, receive, send)
+            return
+        try:
+            length = int(declared)
+        except ValueError:
+            length = -1
+        if length < 0:
+            response = errors.error_response(
+                400, "invalid Content-Length header", errors.INVALID, "Content-Length"
+            )
+            await response(scope, receive, send)
+        elif length > self.max_bytes:
+            await self._too_large(f"{length} bytes").response()(scope, receive, send)
+        else:
+            await self.app(scope, receive, send)
+
+    async def _buffered(self, scope: Scope, receive: Receive, send: Send) -> None:
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # the client went away
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_bytes:
+                await self._too_large(f"more than {self.max_bytes} bytes").response()(
+                    scope, receive, send
+                )
+                return
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        sent = False
+
+        async def replay() -> Message:
+            nonlocal sent
+            if not sent:
+                sent = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+
+def _open_store(settings: Settings) -> Store:
+    return Store.open(settings.database_url)
+
+
+def _open_queue(settings: Settings) -> GlobalQueue:
+    """The publishing side of the global queue; the API never consumes."""
+    broker = settings.broker
+    if not settings.broker_url:
+        return open_global_queue(None)
+    return open_global_queue(
+        settings.broker_url,
+        queue=broker.queue,
+        dead_letter_exchange=broker.dead_letter_exchange,
+        dead_letter_queue=broker.dead_letter_queue,
+        delivery_limit=broker.delivery_limit,
+    )
+
+
+def create_app(
+    settings: Settings | None = None,
+    *,
+    queue: GlobalQueue | None = None,
+    store: Store | None = None,
+    controller: LocalController | None = None,
+    clock: Callable[[], float] = time.time,
+) -> FastAPI:
+    """The API for ``settings`` (module docstring). ``clock`` stamps submissions: pass the
+    controller's clock when it runs sped up over simulated instances."""
+    settings = settings if settings is not None else Settings()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        own_store = store is None
+        own_queue = queue is None
+        the_store: Store = (
+            store if store is not None else await asyncio.to_thread(_open_store, settings)
+        )
+        the_queue = queue if queue is not None else _open_queue(settings)
+        ctx = ApiContext.build(
+            settings.api, the_store, the_queue, controller=controller, clock=clock
+        )
+        app.state.ctx = ctx
+        ctx.start()
+        try:
+            yield
+        finally:
+            await ctx.close()
+            if own_queue:
+                await the_queue.close()
+            if own_store:
+                await asyncio.to_thread(the_store.close)
+
+    app = FastAPI(
+        title="QLM",
+        version="1",
+        description=DESCRIPTION,
+        lifespan=lifespan,
+        openapi_tags=[
+            {"name": "requests", "description": "The native API: queue requests with SLOs."},
+            {"name": "openai", "description": "OpenAI-compatible endpoints."},
+            {"name": "admin", "description": "Operators (admin keys only)."},
+            {"name": "health", "description": "Probes and metrics."},
+        ],
+    )
+    errors.install(app)
+    app.include_router(requests.router)
+    app.include_router(openai.router)
+    app.include_router(admin.router)
+    app.include_router(health.router)
+    app.add_middleware(BodyLimit, max_bytes=settings.api.max_body_bytes)
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = get_openapi(
+                title=app.title,
+                version=app.version,
+                description=app.description,
+                routes=app.routes,
+                tags=app.openapi_tags,
+            )
+            schema.setdefault("components", {}).setdefault("schemas", {}).update(
+                errors.error_schemas()
+            )
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+    return app
+
+
+def app_factory() -> Any:
+    """For ``uvicorn --factory qlm.api.app:app_factory``: the settings from the environment."""
+    from qlm.settings import get_settings
+
+    return create_app(get_settings())

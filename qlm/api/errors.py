@@ -1,0 +1,220 @@
+"""Every error the API answers, in one shape (OpenAI's, so both APIs read alike):
+
+    {"error": {"message": "...", "type": "...", "param": "max_tokens", "code": "..."}}
+
+``param`` names the offending field, header or query parameter, and ``code`` the limit or rule
+(e.g. ``max_tokens_limit``), so a client can tell what to change without parsing the message.
+Route code raises ``ApiError``; the handlers here translate FastAPI's validation errors, Starlette's
+404/405, and the store's and queue's errors (``StoreError``, ``QueueUnavailable``: 503) into it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from qlm.global_queue import QueueUnavailable
+from qlm.store import InvalidCursor, StoreError
+
+log = logging.getLogger(__name__)
+
+# ``type`` values, as OpenAI names them where it has a name.
+INVALID = "invalid_request_error"
+AUTHENTICATION = "authentication_error"
+PERMISSION = "permission_error"
+NOT_FOUND = "not_found_error"
+CONFLICT = "conflict_error"
+RATE_LIMIT = "rate_limit_error"
+TOO_LARGE = "request_too_large"
+UNAVAILABLE = "service_unavailable"
+TIMEOUT = "timeout_error"
+UPSTREAM = "upstream_error"
+INTERNAL = "internal_error"
+
+
+class ErrorDetail(BaseModel):
+    message: str = Field(description="What went wrong, naming the field or limit.")
+    type: str = Field(description="Error class, e.g. invalid_request_error, rate_limit_error.")
+    param: str | None = Field(
+        default=None, description="The body field, header or query parameter at fault."
+    )
+    code: str | None = Field(
+        default=None, description="The limit or rule that was broken, e.g. max_tokens_limit."
+    )
+
+
+class ErrorBody(BaseModel):
+    """The body of every 4xx and 5xx answer."""
+
+    error: ErrorDetail
+
+
+class ApiError(Exception):
+    """An answer other than success: raised anywhere in a route, rendered by ``install``."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str,
+        param: str | None = None,
+        code: str | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = dict(headers or {})
+
+    def response(self) -> JSONResponse:
+        return error_response(
+            self.status, self.message, self.type, self.param, self.code, self.headers
+        )
+
+
+def error_response(
+    status: int,
+    message: str,
+    type: str,
+    param: str | None = None,
+    code: str | None = None,
+    headers: Mapping[str, str] | None = None,
+) -> JSONResponse:
+    body = {"error": {"message": message, "type": type, "param": param, "code": code}}
+    return JSONResponse(body, status_code=status, headers=dict(headers or {}))
+
+
+def invalid(param: str, message: str, *, code: str | None = None) -> ApiError:
+    """A 422 naming ``param``."""
+    return ApiError(422, message, type=INVALID, param=param, code=code)
+
+
+def not_found(what: str, param: str | None = None) -> ApiError:
+    return ApiError(404, f"{what} not found", type=NOT_FOUND, param=param)
+
+
+def unavailable(message: str, *, code: str, retry_after_s: int | None = None) -> ApiError:
+    headers = {"Retry-After": str(retry_after_s)} if retry_after_s is not None else None
+    return ApiError(503, message, type=UNAVAILABLE, code=code, headers=headers)
+
+
+# Which responses each kind of route documents (OpenAPI): the schema must hold for errors too.
+def documented(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    descriptions = {
+        400: "Malformed request",
+        401: "Missing, unknown or revoked API key",
+        403: "The key may not do this (admin keys only)",
+        404: "No such resource for this tenant",
+        409: "Conflicts with the resource's state",
+        413: "Body larger than the limit",
+        422: "A field, header or query parameter is invalid; `param` names it",
+        429: "Rate or queued-request limit reached; see Retry-After",
+        502: "The request failed on the serving instance",
+        503: "Broker, store or controller unavailable, or the SLO cannot be met",
+        504: "The result did not come in time",
+    }
+    # The schema is referenced rather than given as ``model``: FastAPI would file it under the
+    # route's media type, which is text/event-stream for the streaming routes.
+    content = {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorBody"}}}
+    return {s: {"description": descriptions[s], "content": content} for s in statuses}
+
+
+def error_schemas() -> dict[str, Any]:
+    """``ErrorBody`` and ``ErrorDetail`` as OpenAPI components (``documented`` refers to them)."""
+    schema = ErrorBody.model_json_schema(ref_template="#/components/schemas/{model}")
+    definitions: dict[str, Any] = schema.pop("$defs", {})
+    return {"ErrorBody": schema, **definitions}
+
+
+def _param(loc: Sequence[int | str]) -> str:
+    """``("body", "messages", 0, "role")`` -> ``messages[0].role``; a header keeps its name."""
+    parts = list(loc)
+    if parts and parts[0] in ("body", "query", "header", "path", "cookie"):
+        parts = parts[1:]
+    if not parts:
+        return "body"
+    out = ""
+    for part in parts:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += f".{part}" if out else str(part)
+    return out
+
+
+async def _on_api_error(_request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, ApiError)
+    return exc.response()
+
+
+async def _on_validation(_request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RequestValidationError)
+    errors = exc.errors()
+    first: dict[str, Any] = (
+        dict(errors[0]) if errors else {"loc": ("body",), "msg": "invalid", "type": ""}
+    )
+    param = _param(first.get("loc", ()))
+    message = f"{param}: {first.get('msg', 'invalid')}"
+    if first.get("type") == "json_invalid":
+        param, message = "body", f"body is not valid JSON: {first.get('ctx', {}).get('error', '')}"
+    if len(errors) > 1:
+        message += f" (and {len(errors) - 1} more error{'s' if len(errors) > 2 else ''})"
+    return error_response(422, message, INVALID, param, str(first.get("type") or "") or None)
+
+
+async def _on_http(_request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, StarletteHTTPException)
+    types = {401: AUTHENTICATION, 403: PERMISSION, 404: NOT_FOUND, 405: INVALID}
+    message = str(exc.detail) if exc.detail else "error"
+    param = None
+    if exc.status_code == 404 and message == "Not Found":
+        message = "no such endpoint"
+    if exc.status_code == 400:  # FastAPI could not read the body (not UTF-8, not a form, ...)
+        message, param = f"body: {message.lower()}", "body"
+    return error_response(
+        exc.status_code, message, types.get(exc.status_code, INVALID), param, headers=exc.headers
+    )
+
+
+async def _on_store(_request: Request, exc: Exception) -> JSONResponse:
+    if isinstance(exc, InvalidCursor):
+        return error_response(422, str(exc), INVALID, "cursor", "invalid_cursor")
+    log.warning("store unavailable: %s", exc)
+    return error_response(503, f"store unavailable: {exc}", UNAVAILABLE, code="store_unavailable")
+
+
+async def _on_queue(_request: Request, exc: Exception) -> JSONResponse:
+    log.warning("global queue unavailable: %s", exc)
+    return error_response(
+        503,
+        f"global queue unavailable, nothing was accepted: {exc}",
+        UNAVAILABLE,
+        code="broker_unavailable",
+        headers={"Retry-After": "1"},
+    )
+
+
+async def _on_unexpected(_request: Request, exc: Exception) -> JSONResponse:
+    log.error("unhandled error", exc_info=exc)
+    return error_response(500, "internal error (logged by the server)", INTERNAL)
+
+
+def install(app: FastAPI) -> None:
+    """Register the handlers that give every error the one shape."""
+    app.add_exception_handler(ApiError, _on_api_error)
+    app.add_exception_handler(RequestValidationError, _on_validation)
+    app.add_exception_handler(StarletteHTTPException, _on_http)
+    app.add_exception_handler(StoreError, _on_store)
+    app.add_exception_handler(QueueUnavailable, _on_queue)
+    app.add_exception_handler(Exception, _on_unexpected)

@@ -1,0 +1,114 @@
+"""Per-tenant limits on submissions: a rate (token bucket) and a ceiling on queued requests.
+
+Both are kept **per API replica**: the bucket lives in this process, so N replicas behind a load
+balancer admit up to N times ``QLM_API__RATE_PER_S`` in all (divide the setting by the replica
+count). The queued count comes from the store (shared by all replicas), refreshed at most every
+``QLM_API__QUEUED_COUNT_TTL_S`` seconds; submissions this replica made since are added locally,
+so a burst cannot overshoot by more than what other replicas admit within that time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from qlm.store import Store
+
+
+@dataclass(slots=True)
+class _Bucket:
+    tokens: float
+    at: float
+
+
+class RateLimiter:
+    """A token bucket per tenant: ``rate`` tokens per second, at most ``burst`` saved up."""
+
+    def __init__(
+        self, rate: float, burst: int, *, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.rate = rate
+        self.burst = burst
+        self._clock = clock
+        self._buckets: dict[str, _Bucket] = {}
+
+    def take(self, tenant: str) -> float:
+        """Take one token: 0.0 when allowed, else the seconds until one is available."""
+        now = self._clock()
+        bucket = self._buckets.get(tenant)
+        if bucket is None:
+            bucket = self._buckets[tenant] = _Bucket(float(self.burst), now)
+        else:
+            bucket.tokens = min(self.burst, bucket.tokens + (now - bucket.at) * self.rate)
+            bucket.at = now
+        if bucket.tokens >= 1.0:
+            bucket.tokens -= 1.0
+            return 0.0
+        return (1.0 - bucket.tokens) / self.rate
+
+
+def retry_after(seconds: float) -> str:
+    """A ``Retry-After`` value: whole seconds, at least 1."""
+    return str(max(1, math.ceil(seconds)))
+
+
+@dataclass(slots=True)
+class _Count:
+    queued: int
+    fetched_at: float
+    added: int = 0
+
+
+class QueuedCounter:
+    """How many requests each tenant has queued, for its limit (module docstring)."""
+
+    def __init__(
+        self, store: Store, ttl_s: float, *, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self._store = store
+        self._ttl_s = ttl_s
+        self._clock = clock
+        self._counts: dict[str, _Count] = {}
+        self._refreshing: dict[str, asyncio.Future[_Count]] = {}
+
+    async def reserve(self, tenant: str, limit: int) -> bool:
+        """Count one more queued request for ``tenant`` unless that passes ``limit``."""
+        count = self._counts.get(tenant)
+        if count is None or self._clock() - count.fetched_at > self._ttl_s:
+            count = await self._refresh(tenant)
+        if count.queued + count.added >= limit:
+            return False
+        count.added += 1
+        return True
+
+    def release(self, tenant: str) -> None:
+        """A reserved request was not queued after all (refused, or a replay)."""
+        count = self._counts.get(tenant)
+        if count is not None and count.added > 0:
+            count.added -= 1
+
+    async def _refresh(self, tenant: str) -> _Count:
+        pending = self._refreshing.get(tenant)
+        if pending is not None:
+            return await asyncio.shield(pending)
+        future: asyncio.Future[_Count] = asyncio.get_running_loop().create_future()
+        self._refreshing[tenant] = future
+        try:
+            at = self._clock()
+            queued = await asyncio.to_thread(self._store.queued_count, tenant)
+            count = _Count(queued, at)
+            self._counts[tenant] = count
+            future.set_result(count)
+            return count
+        except asyncio.CancelledError:
+            future.cancel()
+            raise
+        except Exception as exc:
+            future.set_exception(exc)
+            future.exception()  # retrieved: waiters re-raise it, nobody else must log it
+            raise
+        finally:
+            del self._refreshing[tenant]

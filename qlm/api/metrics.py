@@ -1,0 +1,225 @@
+"""``GET /metrics``: the control plane in Prometheus's text format.
+
+Everything is read at scrape time — the active controller's published state, the store, and this
+API replica's own counters — into metric families that one collector hands to a registry made
+for that scrape, so no ``prometheus_client`` global state is touched and two apps in one process
+never share a metric. Store figures cover the requests submitted in the last
+``QLM_API__METRICS_WINDOW_S`` (gauges, not counters: they describe the window).
+
+Metrics (labels in braces):
+
+- ``qlm_queue_depth{instance}``, ``qlm_queue_groups{instance}``,
+  ``qlm_queue_at_risk_requests{instance}``, ``qlm_queue_predicted_drain_seconds{instance}``
+- ``qlm_instance_up{instance}``, ``qlm_instance_draining{instance}``,
+  ``qlm_instance_outstanding{instance}``, ``qlm_instance_max_running{instance}``
+- ``qlm_controller_{received,settled,evictions,swaps,model_switches,plans}_total{controller}``
+- ``qlm_plan_solve_seconds``, ``qlm_plan_objective``, ``qlm_plan_edf_objective``,
+  ``qlm_plan_groups_at_risk``, ``qlm_plan_capacity_needed``, ``qlm_plan_info{status,method,trigger}``
+- ``qlm_slo_attainment{tier}``, ``qlm_slo_attainment_by_tenant{tenant}`` (0..1)
+- ``qlm_requests{tenant,status}`` (window), ``qlm_api_submissions_total{tenant,outcome}`` (replica)
+- ``qlm_completion_estimate_error_seconds{quantile}``: finished_at minus the last predicted
+  completion of recently finished requests (positive: later than predicted), and
+  ``qlm_completion_estimate_abs_error_seconds_mean``
+- ``qlm_controller_state_age_seconds{controller}``
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from qlm.api.context import ApiContext
+from qlm.domain import RequestStatus
+from qlm.store import ControllerStateRow, PlanRow, SloSummaryRow, Store
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+_ERROR_SAMPLE = 500
+_COUNTERS = ("received", "settled", "evictions", "swaps", "model_switches", "plans")
+
+
+@dataclass(frozen=True, slots=True)
+class StoreFigures:
+    counts: dict[tuple[str, RequestStatus], int]
+    by_tier: list[SloSummaryRow]
+    by_tenant: list[SloSummaryRow]
+    errors: list[float]
+    plan: PlanRow | None
+    controllers: list[ControllerStateRow]
+
+
+def read_store(store: Store, since: float) -> StoreFigures:
+    """Everything the store contributes, in one worker-thread call."""
+    finished, _ = store.list_requests(
+        status=RequestStatus.FINISHED, since=since, limit=_ERROR_SAMPLE
+    )
+    errors = [
+        r.finished_at - r.predicted_completion_at
+        for r in finished
+        if r.finished_at is not None and r.predicted_completion_at is not None
+    ]
+    return StoreFigures(
+        counts=store.counts(since=since),
+        by_tier=store.slo_summary(since=since, group_by="tier"),
+        by_tenant=store.slo_summary(since=since, group_by="tenant"),
+        errors=errors,
+        plan=store.latest_plan(),
+        controllers=store.controller_states(),
+    )
+
+
+class _Families:
+    """A collector over families built beforehand (one per scrape)."""
+
+    def __init__(self, families: list[Metric]) -> None:
+        self._families = families
+
+    def collect(self) -> Iterator[Metric]:
+        return iter(self._families)
+
+
+def _quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    index = min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))
+    return ordered[index]
+
+
+def families(
+    doc: Mapping[str, Any] | None, figures: StoreFigures, submissions: Mapping[tuple[str, str], int]
+) -> list[Metric]:
+    """The metric families of one scrape (pure: the inputs are read already)."""
+    out: list[Metric] = []
+
+    def gauge(name: str, doc_: str, labels: Iterable[str] = ()) -> GaugeMetricFamily:
+        family = GaugeMetricFamily(name, doc_, labels=list(labels))
+        out.append(family)
+        return family
+
+    doc = doc or {}
+    depth = gauge("qlm_queue_depth", "Requests in each virtual queue.", ["instance"])
+    ngroups = gauge("qlm_queue_groups", "Request groups in each virtual queue.", ["instance"])
+    risk = gauge(
+        "qlm_queue_at_risk_requests", "Requests of groups predicted to miss.", ["instance"]
+    )
+    drain = gauge(
+        "qlm_queue_predicted_drain_seconds",
+        "Seconds until each virtual queue is predicted empty.",
+        ["instance"],
+    )
+    at = doc.get("at")
+    for queue in doc.get("queues") or []:
+        name = str(queue.get("instance"))
+        groups = queue.get("groups") or []
+        depth.add_metric([name], sum(int(g.get("size", 0)) for g in groups))
+        ngroups.add_metric([name], len(groups))
+        risk.add_metric([name], sum(int(g.get("size", 0)) for g in groups if g.get("at_risk")))
+        drain_at = queue.get("predicted_drain_at")
+        if isinstance(drain_at, int | float) and isinstance(at, int | float):
+            drain.add_metric([name], max(0.0, float(drain_at) - float(at)))
+
+    up = gauge("qlm_instance_up", "1 when the controller's health check passes.", ["instance"])
+    draining = gauge("qlm_instance_draining", "1 while draining.", ["instance"])
+    outstanding = gauge("qlm_instance_outstanding", "Requests running.", ["instance"])
+    max_running = gauge("qlm_instance_max_running", "Concurrency limit.", ["instance"])
+    for inst in doc.get("instances") or []:
+        name = str(inst.get("name"))
+        up.add_metric([name], 1.0 if inst.get("up") else 0.0)
+        draining.add_metric([name], 1.0 if inst.get("draining") else 0.0)
+        if isinstance(inst.get("outstanding"), int | float):
+            outstanding.add_metric([name], float(inst["outstanding"]))
+        if isinstance(inst.get("max_running"), int | float):
+            max_running.add_metric([name], float(inst["max_running"]))
+
+    counters = doc.get("counters") or {}
+    controller = str(doc.get("controller", ""))
+    for key in _COUNTERS:
+        family = CounterMetricFamily(
+            f"qlm_controller_{key}", f"Controller counter {key!r}.", labels=["controller"]
+        )
+        if isinstance(counters.get(key), int | float):
+            family.add_metric([controller], float(counters[key]))
+        out.append(family)
+
+    plan = figures.plan
+    solve = gauge("qlm_plan_solve_seconds", "Solve time of the latest plan.")
+    objective = gauge("qlm_plan_objective", "Expected weighted SLO violation of the latest plan.")
+    edf = gauge("qlm_plan_edf_objective", "The same for EDF, on the latest plan's input.")
+    at_risk = gauge("qlm_plan_groups_at_risk", "Groups the latest plan leaves at risk.")
+    capacity = gauge(
+        "qlm_plan_capacity_needed", "Fleet multiple every SLO needs (absent: beyond 64x)."
+    )
+    info = gauge(
+        "qlm_plan_info",
+        "The latest plan's status, method and trigger.",
+        ["status", "method", "trigger"],
+    )
+    if plan is not None:
+        solve.add_metric([], plan.solve_s)
+        objective.add_metric([], plan.objective)
+        edf.add_metric([], plan.edf_objective)
+        at_risk.add_metric([], len(plan.at_risk))
+        if plan.capacity_needed is not None:
+            capacity.add_metric([], plan.capacity_needed)
+        info.add_metric([plan.status, plan.method, plan.trigger], 1.0)
+
+    by_tier = gauge("qlm_slo_attainment", "SLO attainment (0..1) in the window.", ["tier"])
+    for row in figures.by_tier:
+        if row.attainment is not None:
+            by_tier.add_metric([row.group], row.attainment)
+    by_tenant = gauge(
+        "qlm_slo_attainment_by_tenant", "SLO attainment (0..1) in the window.", ["tenant"]
+    )
+    for row in figures.by_tenant:
+        if row.attainment is not None:
+            by_tenant.add_metric([row.group], row.attainment)
+
+    requests = gauge("qlm_requests", "Requests in the window.", ["tenant", "status"])
+    for (tenant, status), n in sorted(figures.counts.items()):
+        requests.add_metric([tenant, status.name.lower()], n)
+    api = CounterMetricFamily(
+        "qlm_api_submissions", "Submissions to this API replica.", labels=["tenant", "outcome"]
+    )
+    for (tenant, outcome), n in sorted(submissions.items()):
+        api.add_metric([tenant, outcome], n)
+    out.append(api)
+
+    error = gauge(
+        "qlm_completion_estimate_error_seconds",
+        "Finish time minus the last predicted completion, recent finished requests.",
+        ["quantile"],
+    )
+    mean_abs = gauge(
+        "qlm_completion_estimate_abs_error_seconds_mean",
+        "Mean absolute completion-time estimate error, recent finished requests.",
+    )
+    if figures.errors:
+        for q in (0.5, 0.9, 0.99):
+            error.add_metric([str(q)], _quantile(figures.errors, q))
+        mean_abs.add_metric([], sum(abs(e) for e in figures.errors) / len(figures.errors))
+
+    age = gauge(
+        "qlm_controller_state_age_seconds",
+        "Seconds since each controller published.",
+        ["controller"],
+    )
+    now = time.time()
+    for state in figures.controllers:
+        age.add_metric([state.name], max(0.0, now - state.updated_at))
+    return out
+
+
+async def render(ctx: ApiContext) -> bytes:
+    """One scrape."""
+    doc = await ctx.control.snapshot()
+    since = ctx.clock() - ctx.settings.metrics_window_s
+    figures = await asyncio.to_thread(read_store, ctx.store, since)
+    registry = CollectorRegistry(auto_describe=False)
+    collector: Collector = _Families(families(doc, figures, dict(ctx.submissions)))
+    registry.register(collector)
+    return generate_latest(registry)

@@ -1,0 +1,57 @@
+"""What the API knows of prompts without a tokenizer: a token estimate and the chat template.
+
+**Tokens.** No tokenizer ships with QLM (they are per model and need downloads), yet the planner
+needs each prompt's length. ``estimate_tokens`` uses the common rule of about four characters of
+English text per token (OpenAI's published rule of thumb), rounded up, at least one. It is an
+estimate for planning, not billing: code and non-Latin scripts run denser, which the estimator's
+Bayesian correction absorbs only for outputs, so a deployment that cares should put a tokenizer
+here.
+
+**Chat.** The engine seam speaks ``/v1/completions``, so chat messages are rendered to one prompt
+with the ChatML layout (one block per message, then the assistant's turn opened)::
+
+    <|im_start|>system
+    You are terse.<|im_end|>
+    <|im_start|>user
+    Hi<|im_end|>
+    <|im_start|>assistant
+
+The messages themselves are kept as sent, in the store and the queue message.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+CHARS_PER_TOKEN = 4
+
+
+def estimate_tokens(text: str) -> int:
+    """About how many tokens ``text`` is: ``ceil(len / 4)``, at least 1."""
+    return max(1, math.ceil(len(text) / CHARS_PER_TOKEN))
+
+
+def message_text(content: Any) -> str:
+    """The text of a message's ``content``: a string, or OpenAI's list of ``{"type": "text"}``
+    parts joined (other parts carry no text)."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    texts = []
+    for part in content:
+        if isinstance(part, Mapping) and part.get("type") == "text":
+            texts.append(str(part.get("text", "")))
+    return "".join(texts)
+
+
+def render_chat(messages: Iterable[Mapping[str, Any]]) -> str:
+    """The prompt for a chat (module docstring: ChatML)."""
+    blocks = [
+        f"<|im_start|>{message.get('role', 'user')}\n{message_text(message.get('content'))}"
+        "<|im_end|>\n"
+        for message in messages
+    ]
+    return "".join(blocks) + "<|im_start|>assistant\n"

@@ -1,0 +1,2 @@
+"""One router per resource: requests (native API), openai (compatible endpoints), admin
+(operators), health (probes and metrics)."""

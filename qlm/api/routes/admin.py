@@ -1,0 +1,213 @@
+"""Operator endpoints (admin keys only): the controller's virtual queues and groups, instances
+with their model tiers and load, plans and why they were made, drain/undrain, controllers."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Mapping
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Query
+
+from qlm.api.context import ApiContext
+from qlm.api.control import SnapshotDoc
+from qlm.api.deps import AdminDep, ContextDep
+from qlm.api.errors import documented, not_found
+from qlm.api.schemas import (
+    ControllerOut,
+    ControllersOut,
+    GroupOut,
+    GroupsOut,
+    InstanceOut,
+    InstancesOut,
+    PlanOut,
+    PlansOut,
+    QueuesOut,
+    VirtualQueueOut,
+)
+from qlm.store import InstanceState, PlanRow
+
+router = APIRouter(prefix="/v1/admin", tags=["admin"])
+
+_ERRORS = documented(401, 403, 503)
+
+
+def _groups(queue: Mapping[str, Any]) -> list[GroupOut]:
+    out = []
+    for position, group in enumerate(queue.get("groups") or []):
+        fields = {k: v for k, v in group.items() if k not in ("instance", "position")}
+        out.append(
+            GroupOut.model_validate(
+                {**fields, "instance": queue.get("instance"), "position": position}
+            )
+        )
+    return out
+
+
+def _queues(doc: SnapshotDoc | None) -> list[VirtualQueueOut]:
+    queues = []
+    for queue in (doc or {}).get("queues") or []:
+        groups = _groups(queue)
+        queues.append(
+            VirtualQueueOut(
+                instance=str(queue.get("instance")),
+                predicted_drain_at=queue.get("predicted_drain_at"),
+                size=sum(g.size for g in groups),
+                at_risk_requests=sum(g.size for g in groups if g.at_risk),
+                groups=groups,
+            )
+        )
+    return queues
+
+
+@router.get("/queues", response_model=QueuesOut, responses=_ERRORS, summary="Virtual queues")
+async def virtual_queues(ctx: ContextDep, _admin: AdminDep) -> QueuesOut:
+    """Each instance's virtual queue in plan order: its groups with model, size, tier, earliest
+    deadline, predicted completion, probability of meeting the SLO and risk."""
+    doc = await ctx.control.snapshot()
+    return QueuesOut(
+        controller=(doc or {}).get("controller"),
+        at=(doc or {}).get("at"),
+        policy=(doc or {}).get("policy"),
+        queues=_queues(doc),
+    )
+
+
+@router.get("/groups", response_model=GroupsOut, responses=_ERRORS, summary="Request groups")
+async def groups(
+    ctx: ContextDep,
+    _admin: AdminDep,
+    at_risk: Annotated[bool | None, Query(description="Only groups at risk (or not).")] = None,
+) -> GroupsOut:
+    """Every request group across the virtual queues, most urgent deadline first."""
+    doc = await ctx.control.snapshot()
+    data = [g for q in _queues(doc) for g in q.groups]
+    if at_risk is not None:
+        data = [g for g in data if g.at_risk is at_risk]
+    data.sort(key=lambda g: (g.earliest_deadline_at is None, g.earliest_deadline_at or 0.0))
+    return GroupsOut(controller=(doc or {}).get("controller"), at=(doc or {}).get("at"), data=data)
+
+
+@router.get("/instances", response_model=InstancesOut, responses=_ERRORS, summary="Instances")
+async def instances(ctx: ContextDep, _admin: AdminDep) -> InstancesOut:
+    """Every known instance: its state (up, down, draining), where each model's weights are
+    (active, warm, cold) and its load, as the controller last saw them."""
+    return InstancesOut(data=await _instances(ctx))
+
+
+async def _instances(ctx: ApiContext) -> list[InstanceOut]:
+    rows = await asyncio.to_thread(ctx.store.instances)
+    doc = await ctx.control.snapshot()
+    live = {i.get("name"): i for i in (doc or {}).get("instances") or []}
+    data = []
+    for row in rows:
+        seen = live.get(row.name, {})
+        tiers = seen.get("tiers") or {m: t.name.lower() for m, t in row.model_tiers.items()}
+        data.append(
+            InstanceOut(
+                name=row.name,
+                url=row.url,
+                gpu=row.gpu,
+                gpu_count=row.gpu_count,
+                models=list(row.models),
+                state=row.state.value,
+                tiers=tiers,
+                active_model=seen.get("active_model"),
+                outstanding=seen.get("outstanding"),
+                max_running=seen.get("max_running"),
+                up=seen.get("up"),
+                updated_at=row.updated_at,
+            )
+        )
+    return data
+
+
+async def _set_state(ctx: ApiContext, name: str, state: InstanceState) -> InstanceOut:
+    if not await asyncio.to_thread(ctx.store.set_instance_state, name, state):
+        raise not_found(f"instance {name!r}", "name")
+    found = [i for i in await _instances(ctx) if i.name == name]
+    if not found:
+        raise not_found(f"instance {name!r}", "name")
+    return found[0]
+
+
+@router.post(
+    "/instances/{name}/drain",
+    response_model=InstanceOut,
+    responses=documented(401, 403, 404, 503),
+    summary="Drain an instance",
+)
+async def drain(name: str, ctx: ContextDep, _admin: AdminDep) -> InstanceOut:
+    """Stop pulling new work onto ``name``; what it runs finishes. The controller polls it."""
+    return await _set_state(ctx, name, InstanceState.DRAINING)
+
+
+@router.post(
+    "/instances/{name}/undrain",
+    response_model=InstanceOut,
+    responses=documented(401, 403, 404, 503),
+    summary="Undrain an instance",
+)
+async def undrain(name: str, ctx: ContextDep, _admin: AdminDep) -> InstanceOut:
+    """Let ``name`` take work again."""
+    return await _set_state(ctx, name, InstanceState.UP)
+
+
+def _plan(row: PlanRow) -> PlanOut:
+    return PlanOut(
+        id=row.id,
+        controller=row.controller,
+        at=row.at,
+        trigger=row.trigger,
+        groups=row.groups,
+        status=row.status,
+        method=row.method,
+        objective=row.objective,
+        edf_objective=row.edf_objective,
+        at_risk=list(row.at_risk),
+        capacity_needed=row.capacity_needed,
+        solve_s=row.solve_s,
+        evaluations=row.evaluations,
+        concurrency=dict(row.concurrency),
+    )
+
+
+@router.get(
+    "/plans/latest",
+    response_model=PlanOut,
+    responses=documented(401, 403, 404, 503),
+    summary="The latest plan and why",
+)
+async def latest_plan(ctx: ContextDep, _admin: AdminDep) -> PlanOut:
+    """What triggered it, how it was solved, its expected violation against EDF's, the groups
+    left at risk and the capacity every SLO would need."""
+    row = await asyncio.to_thread(ctx.store.latest_plan)
+    if row is None:
+        raise not_found("plan")
+    return _plan(row)
+
+
+@router.get("/plans", response_model=PlansOut, responses=_ERRORS, summary="Plan history")
+async def plans(
+    ctx: ContextDep,
+    _admin: AdminDep,
+    limit: Annotated[int, Query(ge=1, le=1000, description="How many, newest first.")] = 50,
+) -> PlansOut:
+    rows = await asyncio.to_thread(ctx.store.plans, limit=limit)
+    return PlansOut(data=[_plan(r) for r in rows])
+
+
+@router.get("/controllers", response_model=ControllersOut, responses=_ERRORS, summary="Controllers")
+async def controllers(ctx: ContextDep, _admin: AdminDep) -> ControllersOut:
+    """Each controller's last published state: which one is active, and how fresh."""
+    rows = await asyncio.to_thread(ctx.store.controller_states)
+    now = time.time()
+    return ControllersOut(
+        data=[
+            ControllerOut(
+                name=r.name, active=r.active, updated_at=r.updated_at, age_s=now - r.updated_at
+            )
+            for r in rows
+        ]
+    )

@@ -1,0 +1,437 @@
+"""OpenAI-compatible endpoints, so that existing clients work unchanged: ``/v1/completions``,
+``/v1/chat/completions`` (streaming and not) and ``/v1/models``.
+
+A call is queued like any other request and answered when its result is in (or streamed as it is
+generated when the controller runs in this process; otherwise the text comes in one piece when
+final). QLM's SLO metadata rides in extra body fields (``slo_seconds``, ``ttft_slo_seconds``,
+``tier``, ``labels``) or headers (``x-qlm-slo-seconds``, ``x-qlm-ttft-slo-seconds``,
+``x-qlm-tier``, llm-d's ``x-llm-d-slo-ttft-ms``); a body field wins over its header.
+
+A client that disconnects before its result cancels the request (as vLLM aborts one), since no
+one will read it. A wait longer than ``QLM_API__WAIT_TIMEOUT_S`` answers 504 naming the request
+id (it keeps running; ``GET /v1/requests/{id}`` has it) with ``x-should-retry: false`` so that
+OpenAI's clients do not submit it again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Header, Request, Response
+from fastapi.responses import JSONResponse
+
+from qlm.api import sse
+from qlm.api.context import ApiContext
+from qlm.api.deps import ContextDep, PrincipalDep
+from qlm.api.errors import (
+    CONFLICT,
+    TIMEOUT,
+    UPSTREAM,
+    ApiError,
+    documented,
+    invalid,
+    not_found,
+)
+from qlm.api.intake import Submission, admit
+from qlm.api.results import Chunk, Final
+from qlm.api.routes.requests import EventStream, IdempotencyKey, cancel
+from qlm.api.schemas import (
+    MAX_SLO_S,
+    ChatCompletionIn,
+    ChatCompletionOut,
+    CompletionIn,
+    CompletionOut,
+    ModelListOut,
+    ModelOut,
+    TierName,
+    tier_of,
+)
+from qlm.domain import RequestStatus
+from qlm.store import RequestRow
+
+router = APIRouter(prefix="/v1", tags=["openai"])
+
+NO_RETRY = {"x-should-retry": "false"}
+
+
+@dataclass(frozen=True, slots=True)
+class SloHeaders:
+    slo_s: float | None
+    ttft_s: float | None
+    ttft_param: str
+    tier: TierName | None
+
+
+async def slo_headers(
+    slo_seconds: Annotated[
+        float | None,
+        Header(alias="x-qlm-slo-seconds", gt=0, le=MAX_SLO_S, description="End-to-end SLO (s)."),
+    ] = None,
+    ttft_slo_seconds: Annotated[
+        float | None,
+        Header(alias="x-qlm-ttft-slo-seconds", gt=0, le=MAX_SLO_S, description="TTFT SLO (s)."),
+    ] = None,
+    tier: Annotated[
+        TierName | None, Header(alias="x-qlm-tier", description="interactive, standard, batch.")
+    ] = None,
+    llmd_ttft_ms: Annotated[
+        float | None,
+        Header(
+            alias="x-llm-d-slo-ttft-ms",
+            gt=0,
+            le=MAX_SLO_S * 1000,
+            description="llm-d's TTFT SLO in milliseconds (x-qlm-ttft-slo-seconds wins).",
+        ),
+    ] = None,
+) -> SloHeaders:
+    if ttft_slo_seconds is not None:
+        return SloHeaders(slo_seconds, ttft_slo_seconds, "x-qlm-ttft-slo-seconds", tier)
+    if llmd_ttft_ms is not None:
+        return SloHeaders(slo_seconds, llmd_ttft_ms / 1000.0, "x-llm-d-slo-ttft-ms", tier)
+    return SloHeaders(slo_seconds, None, "x-qlm-ttft-slo-seconds", tier)
+
+
+SloHeadersDep = Annotated[SloHeaders, Depends(slo_headers)]
+
+
+def _submission(
+    ctx: ApiContext,
+    body: CompletionIn | ChatCompletionIn,
+    headers: SloHeaders,
+    *,
+    prompt: str | None = None,
+    messages: list[dict[str, Any]] | None = None,
+    max_tokens: int | None = None,
+) -> Submission:
+    if body.n not in (None, 1):
+        raise invalid("n", "only n=1 is supported", code="unsupported")
+    tier = body.tier if body.tier is not None else headers.tier
+    return Submission(
+        model=body.model,
+        max_tokens=max_tokens or ctx.settings.default_max_tokens,
+        prompt=prompt,
+        messages=messages,
+        sampling=body.sampling(),
+        slo_s=body.slo_seconds if body.slo_seconds is not None else headers.slo_s,
+        ttft_slo_s=body.ttft_slo_seconds if body.ttft_slo_seconds is not None else headers.ttft_s,
+        tier=tier_of(tier) if tier is not None else None,
+        labels=body.labels or {},
+        slo_param="slo_seconds" if body.slo_seconds is not None else "x-qlm-slo-seconds",
+        ttft_param="ttft_slo_seconds" if body.ttft_slo_seconds is not None else headers.ttft_param,
+    )
+
+
+def finish_reason(row: RequestRow) -> str:
+    return "length" if row.output_tokens >= row.max_tokens else "stop"
+
+
+def usage(row: RequestRow) -> dict[str, int]:
+    return {
+        "prompt_tokens": row.prompt_tokens,
+        "completion_tokens": row.output_tokens,
+        "total_tokens": row.prompt_tokens + row.output_tokens,
+    }
+
+
+def outcome_error(row: RequestRow, waited_s: float, timed_out: bool) -> ApiError | None:
+    """The error a final row that is not a result turns into (None: it is a result)."""
+    if timed_out:
+        return ApiError(
+            504,
+            f"request {row.id} is still {row.status.name.lower()} after {waited_s:g} s "
+            f"(QLM_API__WAIT_TIMEOUT_S); it goes on: GET /v1/requests/{row.id}",
+            type=TIMEOUT,
+            param=None,
+            code="wait_timeout",
+            headers={**NO_RETRY, "x-qlm-request-id": row.id},
+        )
+    if row.status is RequestStatus.FAILED:
+        return ApiError(
+            502,
+            f"request {row.id} failed: {row.error or 'unknown error'}",
+            type=UPSTREAM,
+            code="request_failed",
+            headers={**NO_RETRY, "x-qlm-request-id": row.id},
+        )
+    if row.status is RequestStatus.CANCELLED:
+        return ApiError(
+            409,
+            f"request {row.id} was cancelled",
+            type=CONFLICT,
+            code="cancelled",
+            headers={**NO_RETRY, "x-qlm-request-id": row.id},
+        )
+    return None
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client goes away (the body was read already, so only that comes)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def wait_result(ctx: ApiContext, request: Request, row: RequestRow) -> Final | None:
+    """The final row, or None when the client left first (the request is then cancelled)."""
+    waiter = asyncio.ensure_future(ctx.results.wait(row, ctx.settings.wait_timeout_s))
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        done, _ = await asyncio.wait({waiter, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if waiter in done:
+            return waiter.result()
+        ctx.spawn(cancel(ctx, row.id), name="qlm-api-cancel-abandoned")
+        return None
+    finally:
+        for task in (waiter, watcher):
+            if not task.done():
+                task.cancel()
+
+
+async def _stream(
+    ctx: ApiContext, row: RequestRow, *, chat: bool, include_usage: bool, model: str
+) -> AsyncIterator[bytes]:
+    """OpenAI's streaming format: ``data: {chunk}`` events, then ``data: [DONE]``."""
+    ident = ("chatcmpl-" if chat else "cmpl-") + row.id
+    obj = "chat.completion.chunk" if chat else "text_completion"
+    created = int(time.time())
+
+    def chunk(text: str | None, reason: str | None = None, *, role: bool = False) -> bytes:
+        if chat:
+            delta: dict[str, Any] = {}
+            if role:
+                delta["role"] = "assistant"
+            if text is not None:
+                delta["content"] = text
+            choice: dict[str, Any] = {
+                "index": 0,
+                "delta": delta,
+                "logprobs": None,
+                "finish_reason": reason,
+            }
+        else:
+            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
+        body: dict[str, Any] = {
+            "id": ident,
+            "object": obj,
+            "created": created,
+            "model": model,
+            "choices": [choice],
+        }
+        if include_usage:
+            body["usage"] = None
+        return sse.event(body)
+
+    completed = False
+    sent = ""
+    try:
+        if chat:
+            yield chunk("", role=True)
+        events = ctx.results.events(row, ctx.settings.wait_timeout_s)
+        async for event in sse.with_keepalive(events):
+            if event is None:
+                yield sse.KEEPALIVE
+            elif isinstance(event, Chunk):
+                sent += event.text
+                yield chunk(event.text)
+            elif isinstance(event, Final):
+                final = event.row
+                error = outcome_error(final, ctx.settings.wait_timeout_s, event.timed_out)
+                if error is not None:
+                    yield sse.event(
+                        {
+                            "error": {
+                                "message": error.message,
+                                "type": error.type,
+                                "code": error.code,
+                            }
+                        }
+                    )
+                else:
+                    text = final.output_text or ""
+                    rest = text[len(sent) :] if text.startswith(sent) else ""
+                    if rest:
+                        yield chunk(rest)
+                    yield chunk(None if chat else "", finish_reason(final))
+                    if include_usage:
+                        yield sse.event(
+                            {
+                                "id": ident,
+                                "object": obj,
+                                "created": created,
+                                "model": model,
+                                "choices": [],
+                                "usage": usage(final),
+                            }
+                        )
+                break
+        yield b"data: [DONE]\n\n"
+        completed = True
+    finally:
+        if not completed:  # the client went away mid-stream: nobody will read the rest
+            ctx.spawn(cancel(ctx, row.id), name="qlm-api-cancel-abandoned")
+
+
+_RESPONSES = {
+    200: {
+        "description": "The result; with `stream: true`, server-sent events in OpenAI's "
+        "streaming format ending with `data: [DONE]`.",
+        "content": {"text/event-stream": {}},
+    },
+    **documented(400, 401, 404, 409, 413, 422, 429, 502, 503, 504),
+}
+
+
+@router.post(
+    "/completions",
+    response_model=CompletionOut,
+    responses=_RESPONSES,
+    summary="Create a completion (OpenAI-compatible)",
+)
+async def create_completion(
+    body: CompletionIn,
+    request: Request,
+    ctx: ContextDep,
+    principal: PrincipalDep,
+    headers: SloHeadersDep,
+    idempotency_key: IdempotencyKey = None,
+) -> Response:
+    """OpenAI's completions, behind QLM's queue. Deviations: one prompt and n=1 only; no
+    logprobs, echo, suffix or best_of > 1; usage counts prompt tokens by estimate."""
+    prompt = body.prompt
+    if isinstance(prompt, list):
+        if len(prompt) != 1:
+            raise invalid("prompt", "exactly one prompt per request", code="unsupported")
+        prompt = prompt[0]
+    if not prompt:
+        raise invalid("prompt", "prompt must not be empty", code="empty_prompt")
+    for name, value in (("echo", body.echo), ("logprobs", body.logprobs), ("suffix", body.suffix)):
+        if value not in (None, False):
+            raise invalid(name, f"{name} is not supported", code="unsupported")
+    if body.best_of not in (None, 1):
+        raise invalid("best_of", "only best_of=1 is supported", code="unsupported")
+    submission = _submission(ctx, body, headers, prompt=prompt, max_tokens=body.max_tokens)
+    admitted = await admit(ctx, principal, submission, idempotency_key)
+    row = admitted.accepted.row
+    extra = {"x-qlm-request-id": row.id}
+    if body.stream:
+        include = bool(body.stream_options and body.stream_options.include_usage)
+        return EventStream(
+            _stream(ctx, row, chat=False, include_usage=include, model=body.model),
+            headers={**sse.HEADERS, **extra},
+        )
+    final = await wait_result(ctx, request, row)
+    if final is None:
+        return Response(status_code=499)
+    error = outcome_error(final.row, ctx.settings.wait_timeout_s, final.timed_out)
+    if error is not None:
+        raise error
+    done = final.row
+    out = {
+        "id": "cmpl-" + done.id,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": body.model,
+        "choices": [
+            {
+                "index": 0,
+                "text": done.output_text or "",
+                "logprobs": None,
+                "finish_reason": finish_reason(done),
+            }
+        ],
+        "usage": usage(done),
+    }
+    return JSONResponse(out, headers=extra)
+
+
+@router.post(
+    "/chat/completions",
+    response_model=ChatCompletionOut,
+    responses=_RESPONSES,
+    summary="Create a chat completion (OpenAI-compatible)",
+)
+async def create_chat_completion(
+    body: ChatCompletionIn,
+    request: Request,
+    ctx: ContextDep,
+    principal: PrincipalDep,
+    headers: SloHeadersDep,
+    idempotency_key: IdempotencyKey = None,
+) -> Response:
+    """OpenAI's chat completions, behind QLM's queue; messages are rendered with the ChatML
+    template (docs/api.md). Deviations: n=1 only; no tools, logprobs or structured output."""
+    if body.logprobs:
+        raise invalid("logprobs", "logprobs is not supported", code="unsupported")
+    if body.tools:
+        raise invalid("tools", "tools are not supported", code="unsupported")
+    if body.response_format not in (None, {"type": "text"}):
+        raise invalid("response_format", "only {'type': 'text'} is supported", code="unsupported")
+    messages = [m.model_dump(exclude_none=True) for m in body.messages]
+    submission = _submission(
+        ctx,
+        body,
+        headers,
+        messages=messages,
+        max_tokens=body.max_completion_tokens or body.max_tokens,
+    )
+    admitted = await admit(ctx, principal, submission, idempotency_key)
+    row = admitted.accepted.row
+    extra = {"x-qlm-request-id": row.id}
+    if body.stream:
+        include = bool(body.stream_options and body.stream_options.include_usage)
+        return EventStream(
+            _stream(ctx, row, chat=True, include_usage=include, model=body.model),
+            headers={**sse.HEADERS, **extra},
+        )
+    final = await wait_result(ctx, request, row)
+    if final is None:
+        return Response(status_code=499)
+    error = outcome_error(final.row, ctx.settings.wait_timeout_s, final.timed_out)
+    if error is not None:
+        raise error
+    done = final.row
+    out = {
+        "id": "chatcmpl-" + done.id,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": body.model,
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": done.output_text or ""},
+                "logprobs": None,
+                "finish_reason": finish_reason(done),
+            }
+        ],
+        "usage": usage(done),
+    }
+    return JSONResponse(out, headers=extra)
+
+
+@router.get(
+    "/models",
+    response_model=ModelListOut,
+    responses=documented(401, 503),
+    summary="List served models (OpenAI-compatible)",
+)
+async def list_models(ctx: ContextDep, principal: PrincipalDep) -> ModelListOut:
+    """Every model some known instance serves."""
+    models = await ctx.control.models()
+    return ModelListOut(data=[ModelOut(id=m) for m in sorted(models)])
+
+
+@router.get(
+    "/models/{model:path}",
+    response_model=ModelOut,
+    responses=documented(401, 404, 503),
+    summary="Describe a served model (OpenAI-compatible)",
+)
+async def get_model(model: str, ctx: ContextDep, principal: PrincipalDep) -> ModelOut:
+    if model not in await ctx.control.models():
+        raise not_found(f"model {model!r}", "model")
+    return ModelOut(id=model)

@@ -1,0 +1,269 @@
+"""The native API: submit, read, list, cancel, and wait for or stream a request's result."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import Annotated
+
+from fastapi import APIRouter, Header, Query, Response
+from fastapi.responses import StreamingResponse
+
+from qlm.api import sse
+from qlm.api.auth import Principal
+from qlm.api.context import ApiContext
+from qlm.api.deps import ContextDep, PrincipalDep
+from qlm.api.errors import CONFLICT, PERMISSION, ApiError, documented, invalid, not_found
+from qlm.api.intake import Submission, admit
+from qlm.api.results import Chunk, Final
+from qlm.api.schemas import (
+    RequestListOut,
+    RequestOut,
+    StatusName,
+    SubmitIn,
+    SubmitOut,
+    status_name,
+    tier_of,
+)
+from qlm.domain import RequestStatus
+from qlm.store import RequestRow
+
+router = APIRouter(prefix="/v1/requests", tags=["requests"])
+
+IdempotencyKey = Annotated[
+    str | None,
+    Header(
+        alias="Idempotency-Key",
+        min_length=1,
+        max_length=255,
+        pattern=r"^[\x21-\x7e]+$",
+        description="Retrying with the same key returns the first request instead of a new one "
+        "(per tenant).",
+    ),
+]
+
+
+class EventStream(StreamingResponse):
+    media_type = "text/event-stream"
+
+
+async def own_row(ctx: ApiContext, principal: Principal, request_id: str) -> RequestRow:
+    """The caller's request ``request_id``; 404 for another tenant's (admins see every one)."""
+    tenant = None if principal.admin else principal.tenant
+    row = await asyncio.to_thread(ctx.store.get, request_id, tenant=tenant)
+    if row is None:
+        raise not_found(f"request {request_id!r}", "id")
+    return row
+
+
+@router.post(
+    "",
+    status_code=202,
+    response_model=SubmitOut,
+    responses=documented(400, 401, 404, 409, 413, 422, 429, 503),
+    summary="Queue a request",
+)
+async def submit_request(
+    body: SubmitIn, ctx: ContextDep, principal: PrincipalDep, idempotency_key: IdempotencyKey = None
+) -> Response:
+    """Queue a completion (``prompt``) or a chat (``messages``) with its SLO. Answers 202 only
+    once the store recorded it and the broker confirmed it; any error means nothing was kept."""
+    submission = Submission(
+        model=body.model,
+        max_tokens=body.max_tokens,
+        prompt=body.prompt,
+        messages=[m.model_dump(exclude_none=True) for m in body.messages]
+        if body.messages is not None
+        else None,
+        sampling=body.sampling(),
+        slo_s=body.slo_seconds,
+        ttft_slo_s=body.ttft_slo_seconds,
+        tier=tier_of(body.tier) if body.tier is not None else None,
+        labels=body.labels or {},
+    )
+    admitted = await admit(ctx, principal, submission, idempotency_key)
+    row = admitted.accepted.row
+    # Built by hand: this is the hot path, and the response model only documents it.
+    out = {
+        "id": row.id,
+        "object": "request",
+        "status": status_name(row.status),
+        "model": row.model,
+        "submitted_at": row.submitted_at,
+        "deadline_at": row.deadline_at,
+        "at_risk": row.at_risk or not admitted.verdict.feasible,
+        "replayed": admitted.accepted.replayed,
+    }
+    headers = {"Location": f"/v1/requests/{row.id}"}
+    if admitted.accepted.replayed:
+        headers["Idempotent-Replayed"] = "true"
+    return Response(
+        json.dumps(out, separators=(",", ":")),
+        status_code=202,
+        media_type="application/json",
+        headers=headers,
+    )
+
+
+@router.get(
+    "/{request_id}",
+    response_model=RequestOut,
+    responses=documented(401, 404, 422, 503),
+    summary="Read a request (optionally wait for its result)",
+)
+async def get_request(
+    request_id: str,
+    ctx: ContextDep,
+    principal: PrincipalDep,
+    wait: Annotated[
+        float,
+        Query(
+            ge=0,
+            le=3600,
+            description="Long-poll: wait up to this many seconds (capped by "
+            "QLM_API__MAX_LONG_POLL_S) for the request to be final.",
+        ),
+    ] = 0.0,
+) -> RequestOut:
+    """Status, timestamps, the predicted completion while it waits, and the output once final."""
+    row = await own_row(ctx, principal, request_id)
+    if wait > 0 and not row.is_final:
+        final = await ctx.results.wait(row, min(wait, ctx.settings.max_long_poll_s))
+        row = final.row
+    return RequestOut.of(row)
+
+
+@router.get(
+    "/{request_id}/events",
+    response_class=EventStream,
+    responses={
+        200: {
+            "description": "Server-sent events: `token` (new text, when the controller runs in "
+            "the API's process), then one `done` whose data is the request (GET /v1/requests/{id})."
+        },
+        **documented(401, 404, 422, 503),
+    },
+    summary="Stream a request's progress and result (server-sent events)",
+)
+async def stream_request(
+    request_id: str, ctx: ContextDep, principal: PrincipalDep
+) -> StreamingResponse:
+    row = await own_row(ctx, principal, request_id)
+    return EventStream(_events(ctx, row), headers=sse.HEADERS)
+
+
+async def _events(ctx: ApiContext, row: RequestRow) -> AsyncIterator[bytes]:
+    events = ctx.results.events(row, ctx.settings.wait_timeout_s)
+    async for event in sse.with_keepalive(events):
+        if event is None:
+            yield sse.KEEPALIVE
+        elif isinstance(event, Chunk):
+            yield sse.event({"text": event.text, "tokens": event.tokens}, "token")
+        elif isinstance(event, Final):
+            body = RequestOut.of(event.row).model_dump(mode="json")
+            yield sse.event(body, "timeout" if event.timed_out else "done")
+            return
+
+
+@router.get(
+    "",
+    response_model=RequestListOut,
+    responses=documented(401, 403, 422, 503),
+    summary="List requests",
+)
+async def list_requests(
+    ctx: ContextDep,
+    principal: PrincipalDep,
+    status: Annotated[StatusName | None, Query(description="Only this status.")] = None,
+    model: Annotated[str | None, Query(max_length=256, description="Only this model.")] = None,
+    label: Annotated[
+        str | None,
+        Query(max_length=322, description="Only requests carrying this label, as key=value."),
+    ] = None,
+    since: Annotated[
+        float | None, Query(ge=0, le=1e11, description="Submitted at or after (unix seconds).")
+    ] = None,
+    until: Annotated[
+        float | None, Query(ge=0, le=1e11, description="Submitted before (unix seconds).")
+    ] = None,
+    tenant: Annotated[
+        str | None, Query(max_length=256, description="Admins: only this tenant's.")
+    ] = None,
+    limit: Annotated[int, Query(ge=1, le=1000, description="Page size.")] = 100,
+    cursor: Annotated[
+        str | None, Query(max_length=512, description="`next_cursor` of the previous page.")
+    ] = None,
+) -> RequestListOut:
+    """Newest first, a page at a time; a tenant sees only its own requests."""
+    if tenant is not None and not principal.admin and tenant != principal.tenant:
+        raise ApiError(
+            403,
+            "only admin keys may list another tenant's requests",
+            type=PERMISSION,
+            param="tenant",
+            code="admin_required",
+        )
+    scope = tenant if principal.admin else principal.tenant
+    pair: tuple[str, str] | None = None
+    if label is not None:
+        key, sep, value = label.partition("=")
+        if not sep or not key:
+            raise invalid("label", "label must be key=value", code="label_format")
+        pair = (key, value)
+    for name, text in (("model", model), ("label", label), ("tenant", tenant), ("cursor", cursor)):
+        if text is not None and "\x00" in text:
+            raise invalid(name, f"{name} must not contain the NUL character")
+    rows, next_cursor = await asyncio.to_thread(
+        ctx.store.list_requests,
+        tenant=scope,
+        status=RequestStatus[status.upper()] if status is not None else None,
+        model=model,
+        label=pair,
+        since=since,
+        until=until,
+        limit=limit,
+        cursor=cursor,
+    )
+    return RequestListOut(data=[RequestOut.of(r) for r in rows], next_cursor=next_cursor)
+
+
+@router.delete(
+    "/{request_id}",
+    response_model=RequestOut,
+    responses={
+        202: {"model": RequestOut, "description": "Running: the abort was requested."},
+        **documented(401, 404, 409, 503),
+    },
+    summary="Cancel a request",
+)
+async def cancel_request(
+    request_id: str, ctx: ContextDep, principal: PrincipalDep, response: Response
+) -> RequestOut:
+    """A queued request is removed at once (200, `cancelled`); a running one is aborted (202,
+    `running` with `cancel_requested`; it ends `cancelled`, keeping the text generated so far).
+    A request already final answers 409."""
+    row = await own_row(ctx, principal, request_id)
+    status = await cancel(ctx, row.id)
+    row = await own_row(ctx, principal, request_id)
+    if status is not None and status.is_final and status is not RequestStatus.CANCELLED:
+        raise ApiError(
+            409,
+            f"request {request_id!r} is already {status_name(status)}",
+            type=CONFLICT,
+            param="id",
+            code="already_final",
+        )
+    if row.status is RequestStatus.CANCELLED:
+        return RequestOut.of(row)
+    response.status_code = 202
+    return RequestOut.of(row)
+
+
+async def cancel(ctx: ApiContext, request_id: str) -> RequestStatus | None:
+    """Cancel in the store (durable; a controller elsewhere polls it), then tell a controller in
+    this process at once."""
+    status = await asyncio.to_thread(ctx.store.cancel, request_id, at=ctx.clock())
+    if ctx.controller is not None and status in (RequestStatus.CANCELLED, RequestStatus.RUNNING):
+        await ctx.controller.cancel(request_id)
+    return status

@@ -1,0 +1,479 @@
+"""HTTP bodies: what clients send (``*In``), what the API answers (``*Out``). Stored rows
+(``qlm.store.RequestRow``) never leave the process as they are; ``RequestOut.of`` shapes them.
+
+Native bodies forbid unknown fields (a typo gets a 422 naming it). OpenAI-compatible bodies ignore
+the fields QLM does not use, as OpenAI-compatible servers do, but refuse the ones whose meaning it
+cannot honour (``n`` > 1, ``logprobs``, ``tools``, ...), naming them.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    field_validator,
+)
+
+from qlm.domain import RequestStatus, Tier
+from qlm.store import RequestRow
+
+TierName = Literal["interactive", "standard", "batch"]
+StatusName = Literal["queued", "running", "finished", "failed", "cancelled"]
+MAX_SLO_S = 7 * 24 * 3600.0
+"""The longest SLO accepted: a week (longer is no objective a queue can plan for)."""
+
+
+def clean_text(value: str) -> str:
+    """Text the store can keep on every backend: no NUL character, valid Unicode."""
+    if "\x00" in value:
+        raise ValueError("must not contain the NUL character (\\u0000)")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("must be valid Unicode (no lone surrogates)") from None
+    return value
+
+
+Text = Annotated[str, AfterValidator(clean_text)]
+Name = Annotated[str, Field(min_length=1, max_length=256), AfterValidator(clean_text)]
+LabelKey = Annotated[str, Field(min_length=1, max_length=64), AfterValidator(clean_text)]
+LabelValue = Annotated[str, Field(max_length=256), AfterValidator(clean_text)]
+Stop = Annotated[str, Field(min_length=1, max_length=256), AfterValidator(clean_text)]
+Seconds = Annotated[float, Field(gt=0, le=MAX_SLO_S)]
+
+
+def tier_of(name: TierName) -> Tier:
+    return Tier.parse(name)
+
+
+def tier_name(tier: Tier) -> TierName:
+    names: dict[Tier, TierName] = {
+        Tier.INTERACTIVE: "interactive",
+        Tier.STANDARD: "standard",
+        Tier.BATCH: "batch",
+    }
+    return names[tier]
+
+
+def status_name(status: RequestStatus) -> StatusName:
+    names: dict[RequestStatus, StatusName] = {
+        RequestStatus.QUEUED: "queued",
+        RequestStatus.RUNNING: "running",
+        RequestStatus.FINISHED: "finished",
+        RequestStatus.FAILED: "failed",
+        RequestStatus.CANCELLED: "cancelled",
+    }
+    return names[status]
+
+
+# --- shared pieces ----------------------------------------------------------------------------
+
+
+class TextPart(BaseModel):
+    """One part of a message's content; only text parts are supported."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["text"] = Field(description="Only `text` parts are supported.")
+    text: Text = Field(max_length=4_194_304)
+
+
+class ChatMessage(BaseModel):
+    """One message of a conversation."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"] = Field(
+        description="Who wrote it."
+    )
+    content: Annotated[str, AfterValidator(clean_text)] | list[TextPart] = Field(
+        description="The text, or a list of text parts."
+    )
+    name: Name | None = Field(default=None, description="Optional author name.")
+
+
+class SamplingIn(BaseModel):
+    """Sampling parameters, passed through to the serving engine untouched."""
+
+    model_config = ConfigDict(allow_inf_nan=False)
+
+    temperature: float | None = Field(default=None, ge=0, le=2, description="0 = greedy.")
+    top_p: float | None = Field(default=None, gt=0, le=1, description="Nucleus sampling mass.")
+    top_k: int | None = Field(default=None, ge=-1, le=1_000_000, description="-1 = off (vLLM).")
+    seed: int | None = Field(default=None, ge=-(2**63), lt=2**63)
+    stop: Stop | list[Stop] | None = Field(
+        default=None, description="Up to 4 sequences that end the output."
+    )
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(default=None, gt=0, le=10, description="vLLM.")
+
+    @field_validator("stop")
+    @classmethod
+    def _at_most_four(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        if isinstance(stop, list) and len(stop) > 4:
+            raise ValueError("at most 4 stop sequences")
+        return stop
+
+    def sampling(self) -> dict[str, Any]:
+        """The parameters that were given, for the queue message and the store."""
+        return self.model_dump(include=set(SamplingIn.model_fields), exclude_none=True)
+
+
+class SloIn(BaseModel):
+    """QLM's SLO metadata. OpenAI-style calls may instead send the ``x-qlm-*`` headers; a body
+    field wins over its header."""
+
+    slo_seconds: Seconds | None = Field(
+        default=None,
+        description="End-to-end deadline in seconds from submission; default: by tier "
+        "(QLM_API__INTERACTIVE_SLO_S, STANDARD_SLO_S, BATCH_SLO_S).",
+    )
+    ttft_slo_seconds: Seconds | None = Field(
+        default=None, description="Time-to-first-token deadline in seconds (<= slo_seconds)."
+    )
+    tier: TierName | None = Field(
+        default=None,
+        description="Priority tier: interactive, standard (default) or batch.",
+    )
+    labels: dict[LabelKey, LabelValue] | None = Field(
+        default=None,
+        description="Free-form key=value labels (at most QLM_API__MAX_LABELS); "
+        "GET /v1/requests filters by one.",
+    )
+
+
+# --- native API --------------------------------------------------------------------------------
+
+
+class SubmitIn(SamplingIn, SloIn):
+    """A request to queue: a prompt or chat messages, the output cap, sampling and SLO."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    model: Name = Field(description="A model some instance serves (GET /v1/models).")
+    prompt: Text | None = Field(
+        default=None, min_length=1, description="The prompt (or give `messages`)."
+    )
+    messages: list[ChatMessage] | None = Field(
+        default=None, min_length=1, max_length=4096, description="Chat messages (or `prompt`)."
+    )
+    max_tokens: int = Field(
+        ge=1, le=2**31 - 1, description="Most output tokens (<= QLM_API__MAX_TOKENS_LIMIT)."
+    )
+
+
+class SubmitOut(BaseModel):
+    """A request the broker confirmed and the store recorded."""
+
+    id: str = Field(description="The request's id; GET /v1/requests/{id} follows it.")
+    object: Literal["request"] = "request"
+    status: StatusName = Field(description="`queued` when new.")
+    model: str
+    submitted_at: float = Field(description="Unix seconds on the control plane's clock.")
+    deadline_at: float = Field(description="submitted_at + slo_seconds.")
+    at_risk: bool = Field(description="The plan expects the deadline to be missed.")
+    replayed: bool = Field(
+        description="True when an earlier call with the same Idempotency-Key made it."
+    )
+
+
+class OutputOut(BaseModel):
+    text: str = Field(description="The generated text (so far, for a cancelled request).")
+    tokens: int = Field(description="Output tokens generated.")
+
+
+class RequestOut(BaseModel):
+    """Everything QLM knows of a request (its prompt excepted)."""
+
+    id: str
+    object: Literal["request"] = "request"
+    tenant: str
+    model: str
+    status: StatusName
+    tier: TierName
+    labels: dict[str, str]
+    prompt_tokens: int = Field(description="Estimated prompt length the planner used.")
+    max_tokens: int
+    slo_seconds: float
+    ttft_slo_seconds: float | None
+    submitted_at: float = Field(description="Unix seconds.")
+    deadline_at: float
+    dispatched_at: float | None = Field(description="First sent to an instance.")
+    first_token_at: float | None
+    finished_at: float | None
+    predicted_completion_at: float | None = Field(
+        description="The estimator's latest prediction while the request waits or runs."
+    )
+    at_risk: bool = Field(description="Predicted to miss its deadline.")
+    instance: str | None
+    cancel_requested: bool
+    evictions: int
+    swaps: int
+    attempts: int
+    output: OutputOut | None = Field(description="Set once the request is final.")
+    slo_met: bool | None = Field(description="Finished within every deadline; null until final.")
+    ttft_met: bool | None
+    error: str | None = Field(description="Why it failed.")
+
+    @classmethod
+    def of(cls, row: RequestRow) -> RequestOut:
+        output = None
+        if row.is_final:
+            output = OutputOut(text=row.output_text or "", tokens=row.output_tokens)
+        return cls(
+            id=row.id,
+            tenant=row.tenant,
+            model=row.model,
+            status=status_name(row.status),
+            tier=tier_name(row.tier),
+            labels=dict(row.labels),
+            prompt_tokens=row.prompt_tokens,
+            max_tokens=row.max_tokens,
+            slo_seconds=row.slo_e2e_s,
+            ttft_slo_seconds=row.slo_ttft_s,
+            submitted_at=row.submitted_at,
+            deadline_at=row.deadline_at,
+            dispatched_at=row.dispatched_at,
+            first_token_at=row.first_token_at,
+            finished_at=row.finished_at,
+            predicted_completion_at=row.predicted_completion_at,
+            at_risk=row.at_risk,
+            instance=row.instance,
+            cancel_requested=row.cancel_requested,
+            evictions=row.evictions,
+            swaps=row.swaps,
+            attempts=row.attempts,
+            output=output,
+            slo_met=row.slo_met,
+            ttft_met=row.ttft_met,
+            error=row.error,
+        )
+
+
+class RequestListOut(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[RequestOut]
+    next_cursor: str | None = Field(description="Pass as `cursor` for the next page; null: last.")
+
+
+# --- OpenAI-compatible API --------------------------------------------------------------------
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    include_usage: bool = False
+
+
+class _OpenAiIn(SamplingIn, SloIn):
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+    model: Name
+    max_tokens: int | None = Field(
+        default=None, ge=1, le=2**31 - 1, description="Default: QLM_API__DEFAULT_MAX_TOKENS."
+    )
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int | None = Field(default=None, description="Only 1 is supported.")
+    user: str | None = Field(default=None, max_length=256, description="Ignored.")
+
+
+class CompletionIn(_OpenAiIn):
+    """OpenAI's ``POST /v1/completions`` body, plus QLM's SLO fields."""
+
+    prompt: Text | list[Text] = Field(description="One prompt (a list of exactly one string).")
+    echo: bool | None = Field(default=None, description="Not supported (422 when true).")
+    logprobs: int | None = Field(default=None, description="Not supported (422 when set).")
+    best_of: int | None = Field(default=None, description="Only 1 is supported.")
+    suffix: str | None = Field(default=None, description="Not supported (422 when set).")
+
+
+class ChatCompletionIn(_OpenAiIn):
+    """OpenAI's ``POST /v1/chat/completions`` body, plus QLM's SLO fields."""
+
+    messages: list[ChatMessage] = Field(min_length=1, max_length=4096)
+    max_completion_tokens: int | None = Field(
+        default=None, ge=1, le=2**31 - 1, description="Same as max_tokens (newer name)."
+    )
+    logprobs: bool | None = Field(default=None, description="Not supported (422 when true).")
+    tools: list[Any] | None = Field(default=None, description="Not supported (422 when set).")
+    response_format: dict[str, Any] | None = Field(
+        default=None, description="Only {'type': 'text'} is supported."
+    )
+
+
+class Usage(BaseModel):
+    prompt_tokens: int = Field(description="Estimated (about 4 characters per token).")
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: None = None
+    finish_reason: Literal["stop", "length"] | None
+
+
+class CompletionOut(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: None = None
+    finish_reason: Literal["stop", "length"] | None
+
+
+class ChatCompletionOut(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ModelOut(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = 0
+    owned_by: str = "qlm"
+
+
+class ModelListOut(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelOut]
+
+
+# --- operator API -----------------------------------------------------------------------------
+
+
+class GroupOut(BaseModel):
+    """One request group in a virtual queue."""
+
+    model_config = ConfigDict(extra="allow")
+
+    id: str
+    model: str
+    size: int = Field(description="Requests in the group.")
+    tier: str
+    earliest_deadline_at: float | None = None
+    predicted_completion_at: float | None = None
+    p_meet_slo: float | None = Field(default=None, description="P(group meets its SLO).")
+    at_risk: bool = False
+    instance: str | None = Field(default=None, description="The virtual queue holding it.")
+    position: int | None = Field(default=None, description="0 = the head of its queue.")
+
+
+class VirtualQueueOut(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    instance: str
+    predicted_drain_at: float | None = None
+    size: int = Field(description="Requests in the queue (the sum of its groups).")
+    at_risk_requests: int
+    groups: list[GroupOut]
+
+
+class QueuesOut(BaseModel):
+    controller: str | None = Field(description="The controller that published this state.")
+    at: float | None = Field(description="When it was published (unix seconds).")
+    policy: str | None = None
+    queues: list[VirtualQueueOut]
+
+
+class GroupsOut(BaseModel):
+    controller: str | None
+    at: float | None
+    data: list[GroupOut]
+
+
+class InstanceOut(BaseModel):
+    name: str
+    url: str
+    gpu: str
+    gpu_count: int
+    models: list[str]
+    state: Literal["up", "down", "draining"] = Field(description="As recorded in the store.")
+    tiers: dict[str, Literal["active", "warm", "cold"]] = Field(
+        description="Where each model's weights are."
+    )
+    active_model: str | None = None
+    outstanding: int | None = Field(default=None, description="Requests it runs now.")
+    max_running: int | None = None
+    up: bool | None = Field(default=None, description="The controller's latest health check.")
+    updated_at: float
+
+
+class InstancesOut(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[InstanceOut]
+
+
+class PlanOut(BaseModel):
+    """One planning event and why it happened."""
+
+    id: int
+    controller: str
+    at: float
+    trigger: str = Field(description="Why the planner ran (violation, instance change, ...).")
+    groups: int
+    status: str = Field(description="Solver status (optimal, timeout, infeasible, ...).")
+    method: str = Field(description="milp, or the heuristic it fell back to.")
+    objective: float = Field(description="Expected weighted SLO violation of the plan.")
+    edf_objective: float = Field(description="The same for plain EDF: what planning gained.")
+    at_risk: list[str] = Field(description="Groups expected to miss their SLO anyway.")
+    capacity_needed: float | None = Field(
+        description="Fleet multiple needed to meet every SLO (null: beyond what was searched)."
+    )
+    solve_s: float
+    evaluations: int
+    concurrency: dict[str, int]
+
+
+class PlansOut(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[PlanOut]
+
+
+class ControllerOut(BaseModel):
+    name: str
+    active: bool
+    updated_at: float
+    age_s: float = Field(description="Seconds since it last published its state.")
+
+
+class ControllersOut(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ControllerOut]
+
+
+class CheckOut(BaseModel):
+    ok: bool
+    detail: str
+
+
+class ReadyOut(BaseModel):
+    status: Literal["ready", "unavailable"]
+    checks: dict[str, CheckOut] = Field(description="broker, store, controller")
+
+
+class HealthOut(BaseModel):
+    status: Literal["ok"] = "ok"

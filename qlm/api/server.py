@@ -1,0 +1,139 @@
+"""Serving the app with uvicorn inside an event loop QLM owns: ``qlm api`` (the API alone) and
+``qlm serve`` (next to the controller, sharing its queue and store).
+
+uvicorn runs as a task of the caller's loop rather than owning the process: the socket is bound
+first (so a taken port is one clear error, not uvicorn's ``sys.exit``), and uvicorn's own signal
+handling is off, so the caller decides how to stop (``qlm serve`` stops the API first, then the
+controller). ``qlm api`` runs on uvloop when it is installed (``pip install uvloop httptools``:
+the ingest figures in docs/api.md were measured with both).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import socket
+from collections.abc import Callable, Coroutine, Generator
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI
+
+from qlm.errors import ConfigError
+from qlm.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+class _Server(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        yield  # the owner of the loop handles signals
+
+
+class ApiServer:
+    """``app`` served by uvicorn on ``host:port`` (0: any free port; see ``port`` once started)."""
+
+    def __init__(
+        self,
+        app: FastAPI,
+        *,
+        host: str,
+        port: int,
+        log_level: str = "info",
+        access_log: bool = False,
+    ) -> None:
+        self.host = host
+        self.port = port
+        self._config = uvicorn.Config(
+            app,
+            host=host,
+            port=port,
+            log_level=log_level.lower(),
+            access_log=access_log,
+            lifespan="on",
+            timeout_graceful_shutdown=5,
+        )
+        self._server = _Server(self._config)
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    async def start(self) -> None:
+        """Bind, start serving, and return once the app's lifespan started."""
+        try:
+            sock = socket.socket(socket.AF_INET6 if ":" in self.host else socket.AF_INET)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((self.host, self.port))
+        except OSError as exc:
+            raise ConfigError(
+                f"QLM_API__HOST/QLM_API__PORT: cannot listen on {self.host}:{self.port}: "
+                f"{exc.strerror or exc}"
+            ) from None
+        self.port = sock.getsockname()[1]
+        self._task = asyncio.create_task(self._server.serve(sockets=[sock]), name="qlm-api")
+        while not self._server.started:
+            if self._task.done():
+                await self._task  # raises what stopped it
+                raise ConfigError(f"the API on {self.url} stopped during start-up (see the log)")
+            await asyncio.sleep(0.02)
+        log.info("API listening on %s", self.url)
+
+    @property
+    def done(self) -> bool:
+        return self._task is not None and self._task.done()
+
+    async def stop(self) -> None:
+        """Stop taking connections, finish the requests in flight (5 s at most), stop the app."""
+        if self._task is None:
+            return
+        self._server.should_exit = True
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+        self._task = None
+
+
+async def until_signalled(*, also: Callable[[], bool] = lambda: False) -> None:
+    """Return on SIGINT or SIGTERM (or once ``also()`` is true, checked every half second)."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, stop.set)
+    while not stop.is_set() and not also():
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), 0.5)
+
+
+async def run_api(settings: Settings) -> None:
+    """``qlm api``: the API alone (a controller runs elsewhere), until SIGINT/SIGTERM."""
+    from qlm.api.app import create_app
+
+    api = settings.api
+    server = ApiServer(
+        create_app(settings),
+        host=api.host,
+        port=api.port,
+        log_level=settings.log_level,
+        access_log=api.access_log,
+    )
+    await server.start()
+    try:
+        await until_signalled(also=lambda: server.done)
+    finally:
+        await server.stop()
+
+
+def run(main: Coroutine[Any, Any, None]) -> None:
+    """Run ``main`` on uvloop when installed, else asyncio's loop."""
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(main)
+        return
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        runner.run(main)

@@ -1,0 +1,312 @@
+"""Accepting a request: record it in the store, publish it with a confirm, and only then say 202.
+
+**Order.** The row goes in first (idempotently: by id and by ``(tenant, Idempotency-Key)``), the
+message second. A publish that fails removes the row again (``Store.delete_requests``) and the
+client gets 503: a request is either both stored and confirmed by the broker, or neither.
+
+**Group commit.** One store transaction per request would cap ingest at what the database does in
+single-row commits from a thread pool (a few hundred per second with fsync). Instead one writer
+task takes every submission waiting when it becomes free — at most ``max_batch`` — and records
+them in one transaction (``Store.add_requests``), then publishes each of the batch concurrently
+(aio-pika pipelines the confirms) while it records the next batch. There is no timer: an idle
+server records a lone request at once, a busy one in batches as large as the load makes them.
+Each caller still gets its answer only after its own row is committed and its own message
+confirmed.
+
+**What can still go wrong** (docs/api.md, "Guarantees"): if the process dies between the commit
+and the confirm, the row stays ``queued`` without a message. A client that retries with the same
+``Idempotency-Key`` repairs it: a replay of a request that is still queued and was never
+dispatched is published again (the controller keys requests by id, so a duplicate message is
+harmless). A publish that timed out may still have reached the broker; the row is removed and the
+client told 503, but the controller then records the request from the message and serves it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from qlm.api.prompts import render_chat
+from qlm.domain import RequestStatus
+from qlm.global_queue import GlobalQueue, QueuedRequest, QueueUnavailable
+from qlm.store import NewRequest, RequestRow, Store, StoreError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Accepted:
+    """A stored, broker-confirmed request; ``replayed``: made by an earlier call with the same
+    Idempotency-Key (``row`` is that request)."""
+
+    row: RequestRow
+    replayed: bool
+
+
+class IdempotencyConflict(Exception):
+    """The Idempotency-Key was used before for a different request (``existing``)."""
+
+    def __init__(self, existing: RequestRow) -> None:
+        super().__init__(existing.id)
+        self.existing = existing
+
+
+@dataclass(slots=True)
+class _Pending:
+    new: NewRequest
+    message: QueuedRequest
+    future: asyncio.Future[Accepted]
+
+
+def message_of(row: RequestRow) -> QueuedRequest:
+    """The queue message of a stored request (to publish a replay again)."""
+    return QueuedRequest(
+        id=row.id,
+        model=row.model,
+        prompt_tokens=row.prompt_tokens,
+        max_tokens=row.max_tokens,
+        slo_e2e_s=row.slo_e2e_s,
+        slo_ttft_s=row.slo_ttft_s,
+        submitted_at=row.submitted_at,
+        tenant=row.tenant,
+        prompt=row.prompt if row.messages is None else render_chat(row.messages),
+        messages=row.messages,
+        sampling=dict(row.sampling),
+        tier=int(row.tier),
+        labels=dict(row.labels),
+    )
+
+
+def row_of(new: NewRequest) -> RequestRow:
+    """The stored row of a request just recorded (what ``Store.get`` would return now), built
+    without reading it back."""
+    return RequestRow(
+        id=new.id,
+        tenant=new.tenant,
+        model=new.model,
+        slo_class=new.slo_class,
+        prompt=new.prompt,
+        messages=new.messages,
+        prompt_tokens=new.prompt_tokens,
+        max_tokens=new.max_tokens,
+        sampling=new.sampling,
+        slo_e2e_s=new.slo_e2e_s,
+        slo_ttft_s=new.slo_ttft_s,
+        tier=new.tier,
+        labels=new.labels,
+        idempotency_key=new.idempotency_key,
+        status=RequestStatus.QUEUED,
+        cancel_requested=False,
+        submitted_at=new.submitted_at,
+        dispatched_at=None,
+        first_token_at=None,
+        finished_at=None,
+        instance=None,
+        output_text=None,
+        output_tokens=0,
+        partial_text="",
+        partial_tokens=0,
+        evictions=0,
+        swaps=0,
+        attempts=0,
+        slo_met=None,
+        ttft_met=None,
+        error=None,
+        predicted_completion_at=None,
+        at_risk=False,
+        updated_at=new.submitted_at,
+    )
+
+
+def same_request(row: RequestRow, new: NewRequest) -> bool:
+    """Whether a replayed Idempotency-Key names the same request (what it asks for, not when)."""
+    return (
+        row.model == new.model
+        and row.prompt == new.prompt
+        and row.messages == new.messages
+        and row.max_tokens == new.max_tokens
+    )
+
+
+class Submitter:
+    """The group-committing writer (module docstring). ``start`` before use, ``close`` after."""
+
+    def __init__(self, store: Store, queue: GlobalQueue, *, max_batch: int = 512) -> None:
+        self._store = store
+        self._queue = queue
+        self._max_batch = max_batch
+        self._pending: list[_Pending] = []
+        self._wake = asyncio.Event()
+        self._inflight: dict[str, asyncio.Future[Accepted]] = {}
+        self._writer: asyncio.Task[None] | None = None
+        self._publishes: set[asyncio.Task[None]] = set()
+        self._closed = False
+        self.batches = 0
+        self.recorded = 0
+
+    def start(self) -> None:
+        self._writer = asyncio.create_task(self._write_forever(), name="qlm-api-submitter")
+
+    async def close(self) -> None:
+        """Finish the batches in flight, refuse what still waits."""
+        self._closed = True
+        if self._writer is not None:
+            self._writer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._writer
+        if self._publishes:
+            await asyncio.gather(*self._publishes, return_exceptions=True)
+        for pending in self._pending:
+            if not pending.future.done():
+                pending.future.set_exception(QueueUnavailable("the API is shutting down"))
+        self._pending.clear()
+
+    async def submit(self, new: NewRequest, message: QueuedRequest) -> Accepted:
+        """Record and publish one request; raise ``QueueUnavailable`` or ``StoreError`` (nothing
+        accepted) or ``IdempotencyConflict``."""
+        if self._closed or self._writer is None:
+            raise QueueUnavailable("the API is not accepting requests (shutting down)")
+        future: asyncio.Future[Accepted] = asyncio.get_running_loop().create_future()
+        future.add_done_callback(_retrieve)  # a caller that went away leaves no loose error
+        self._pending.append(_Pending(new, message, future))
+        self._inflight[new.id] = future
+        self._wake.set()
+        try:
+            return await asyncio.shield(future)
+        finally:
+            self._inflight.pop(new.id, None)
+
+    # --- the writer ---------------------------------------------------------------------------
+
+    async def _write_forever(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while self._pending:
+                batch = self._pending[: self._max_batch]
+                del self._pending[: self._max_batch]
+                try:
+                    await self._write(batch)
+                except Exception as exc:  # one batch failing must not stop the writer
+                    log.exception("recording %d submissions failed", len(batch))
+                    _fail(batch, exc)
+
+    async def _write(self, batch: list[_Pending]) -> None:
+        try:
+            recorded = await asyncio.to_thread(self._record, [p.new for p in batch])
+        except StoreError as exc:
+            _fail(batch, exc)
+            return
+        self.batches += 1
+        created: list[tuple[_Pending, RequestRow]] = []
+        for pending, (row, is_new) in zip(batch, recorded, strict=True):
+            if is_new:
+                created.append((pending, row))
+            else:
+                self._replay(pending, row)
+        if created:
+            self.recorded += len(created)
+            task = asyncio.create_task(self._publish(created), name="qlm-api-publish")
+            self._publishes.add(task)
+            task.add_done_callback(self._publishes.discard)
+
+    def _record(self, news: Sequence[NewRequest]) -> list[tuple[RequestRow, bool]]:
+        """In a worker thread: one transaction for the batch (``Store.add_requests``); then
+        ``(row, created)`` per request. A request whose Idempotency-Key was taken already is
+        looked up (``add_request`` returns the request that holds the key)."""
+        created = self._store.add_requests(news)
+        out: list[tuple[RequestRow, bool]] = []
+        for new in news:
+            if new.id in created:
+                out.append((row_of(new), True))
+            else:
+                out.append(self._store.add_request(new))
+        return out
+
+    def _replay(self, pending: _Pending, row: RequestRow) -> None:
+        """An earlier request holds the Idempotency-Key: answer with it once it is confirmed."""
+        if not same_request(row, pending.new):
+            _settle(pending.future, exc=IdempotencyConflict(row))
+            return
+        earlier = self._inflight.get(row.id)
+        if earlier is not None and earlier is not pending.future:
+            # Still being published by a call in this process: share its outcome.
+            def follow(done: asyncio.Future[Accepted]) -> None:
+                if done.cancelled() or done.exception() is not None:
+                    _settle(pending.future, exc=done.exception() or QueueUnavailable("cancelled"))
+                else:
+                    _settle(pending.future, Accepted(done.result().row, replayed=True))
+
+            earlier.add_done_callback(follow)
+            return
+        if row.status is RequestStatus.QUEUED and row.attempts == 0:
+            # Maybe never published (its API died between commit and confirm): publish again.
+            task = asyncio.create_task(self._republish(pending, row), name="qlm-api-republish")
+            self._publishes.add(task)
+            task.add_done_callback(self._publishes.discard)
+            return
+        _settle(pending.future, Accepted(row, replayed=True))
+
+    async def _republish(self, pending: _Pending, row: RequestRow) -> None:
+        try:
+            await self._queue.publish(message_of(row))
+        except QueueUnavailable as exc:
+            _settle(pending.future, exc=exc)
+        else:
+            _settle(pending.future, Accepted(row, replayed=True))
+
+    async def _publish(self, created: list[tuple[_Pending, RequestRow]]) -> None:
+        results = await asyncio.gather(
+            *(self._queue.publish(p.message) for p, _ in created), return_exceptions=True
+        )
+        failed: list[tuple[_Pending, BaseException]] = []
+        for (pending, _row), result in zip(created, results, strict=True):
+            if isinstance(result, BaseException):
+                failed.append((pending, result))
+            else:
+                _settle(pending.future, Accepted(_row, replayed=False))
+        if not failed:
+            return
+        # Remove the rows before answering, so that a retry cannot find one that is going away.
+        ids = [pending.new.id for pending, _ in failed]
+        try:
+            await asyncio.to_thread(self._store.delete_requests, ids)
+        except StoreError:
+            log.exception(
+                "could not remove %d requests whose publish failed; they stay queued without "
+                "a message until retried with their Idempotency-Key: %s",
+                len(ids),
+                ", ".join(ids[:20]),
+            )
+        for pending, error in failed:
+            if not isinstance(error, QueueUnavailable):
+                error = QueueUnavailable(f"publish failed: {error!r}")
+            _settle(pending.future, exc=error)
+
+
+def _settle(
+    future: asyncio.Future[Accepted],
+    result: Accepted | None = None,
+    *,
+    exc: BaseException | None = None,
+) -> None:
+    if future.done():
+        return
+    if exc is not None:
+        future.set_exception(exc)
+    else:
+        assert result is not None
+        future.set_result(result)
+
+
+def _retrieve(future: asyncio.Future[Accepted]) -> None:
+    if not future.cancelled():
+        future.exception()
+
+
+def _fail(batch: list[_Pending], exc: BaseException) -> None:
+    for pending in batch:
+        _settle(pending.future, exc=exc)

@@ -1,0 +1,104 @@
+"""The API's pure parts and its store additions: token estimate, chat template, admission from
+the plan, the token bucket, and ``Store.add_requests`` / ``delete_requests``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from typer.testing import CliRunner
+
+from qlm.api.control import assess
+from qlm.api.limits import RateLimiter, retry_after
+from qlm.api.prompts import estimate_tokens, render_chat
+from qlm.cli import app
+from qlm.domain import RequestStatus
+from qlm.store import NewRequest, Store
+from tests.unit.test_api import busy_snapshot
+
+
+def new(i: int, **kw: Any) -> NewRequest:
+    fields: dict[str, Any] = {
+        "id": f"req_{i}",
+        "tenant": "acme",
+        "model": "m",
+        "prompt_tokens": 3,
+        "max_tokens": 8,
+        "slo_e2e_s": 30.0,
+        "submitted_at": 100.0 + i,
+        "labels": (("k", str(i)),),
+    }
+    return NewRequest(**(fields | kw))
+
+
+def test_tokens_are_estimated_at_four_characters_each() -> None:
+    assert [estimate_tokens(t) for t in ("", "a", "abcd", "abcde")] == [1, 1, 1, 2]
+
+
+def test_chat_is_rendered_with_chatml_and_text_parts_are_joined() -> None:
+    messages = [
+        {"role": "system", "content": "S"},
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+    ]
+    assert render_chat(messages) == (
+        "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nab<|im_end|>\n<|im_start|>assistant\n"
+    )
+
+
+def test_admission_compares_the_work_due_earlier_with_the_deadline() -> None:
+    now = 1000.0
+    snap = busy_snapshot(now)  # work due at now+5 completes at now+100 on i0
+    assert not assess(snap, model="m", deadline_at=now + 30, now=now).feasible
+    late = assess(snap, model="m", deadline_at=now + 300, now=now)
+    assert late.feasible and late.predicted_start_at == now + 100
+    assert assess(None, model="m", deadline_at=now + 1, now=now).feasible
+    assert assess(snap, model="other", deadline_at=now + 1, now=now).feasible
+    snap["instances"][0]["draining"] = True
+    verdict = assess(snap, model="m", deadline_at=now + 300, now=now)
+    assert not verdict.feasible and "draining" in verdict.reason
+
+
+def test_the_token_bucket_refills_at_its_rate() -> None:
+    t = [0.0]
+    bucket = RateLimiter(2.0, 2, clock=lambda: t[0])
+    assert [bucket.take("a"), bucket.take("a")] == [0.0, 0.0]
+    assert bucket.take("a") == 0.5 and bucket.take("b") == 0.0
+    t[0] = 0.5
+    assert bucket.take("a") == 0.0
+    assert retry_after(0.01) == "1" and retry_after(2.2) == "3"
+
+
+def test_add_requests_records_a_batch_and_reports_taken_idempotency_keys() -> None:
+    with Store.open("sqlite://") as store:
+        store.add_request(new(0, idempotency_key="k"))
+        created = store.add_requests([new(1), new(2, idempotency_key="k"), new(3)])
+        assert created == {"req_1", "req_3"}
+        assert store.get("req_2") is None
+        row = store.get("req_1")
+        assert (
+            row is not None and row.status is RequestStatus.QUEUED and row.labels == (("k", "1"),)
+        )
+        assert store.list_requests(label=("k", "3"))[0][0].id == "req_3"
+        assert store.add_requests([]) == set()
+
+
+def test_delete_requests_removes_only_what_no_controller_touched() -> None:
+    with Store.open("sqlite://") as store:
+        store.add_requests([new(1), new(2), new(3)])
+        store.mark_dispatched("req_2", instance="i0", at=1.0)
+        store.cancel("req_3")
+        assert store.delete_requests(["req_1", "req_2", "req_3", "nope"]) == 1
+        assert store.get("req_1") is None and store.list_requests(label=("k", "1"))[0] == []
+        assert store.get("req_2") is not None and store.get("req_3") is not None
+
+
+def test_keys_are_created_listed_and_revoked_from_the_cli(tmp_path: Any, monkeypatch: Any) -> None:
+    monkeypatch.setenv("QLM_DATABASE_URL", f"sqlite:///{tmp_path / 'qlm.db'}")
+    runner = CliRunner()
+    made = runner.invoke(app, ["keys", "create", "--tenant", "acme", "--admin", "--json"])
+    assert made.exit_code == 0, made.output
+    assert '"tenant": "acme"' in made.stdout and '"admin": true' in made.stdout
+    listed = runner.invoke(app, ["keys", "list", "--json"])
+    assert '"prefix": "qlm_' in listed.stdout
+    assert runner.invoke(app, ["keys", "revoke", "1"]).exit_code == 0
+    again = runner.invoke(app, ["keys", "revoke", "1"])
+    assert again.exit_code == 1 and "no active key with id 1" in again.output

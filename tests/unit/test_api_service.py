@@ -1,0 +1,225 @@
+"""The API with a controller service in the same process (what ``qlm serve`` runs): in-memory
+global queue, SQLite, simulated instances at 50x. Results stream from the controller's hub;
+an app given no controller polls the store instead. Waits poll with deadlines; no timing asserts."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from qlm.domain import RequestStatus
+from qlm.engines.wallclock import count_tokens
+from qlm.global_queue import MemoryBroker, MemoryGlobalQueue
+from qlm.service import ControllerService
+from qlm.store import Store
+from tests.unit.test_api import Harness, api_harness
+from tests.unit.test_controller_service import eventually, make_service
+
+
+@contextlib.asynccontextmanager
+async def served(
+    *, in_process: bool = True, max_running: int | None = None, **api: Any
+) -> AsyncIterator[tuple[Harness, ControllerService]]:
+    store = Store.open("sqlite://")
+    broker = MemoryBroker()
+    service = make_service(store, broker, policy="edf")
+    if max_running is not None:
+        for inst in service.runtime._instances.values():
+            inst.max_running = max_running
+    await service.start()
+    try:
+        async with api_harness(
+            store=store,
+            queue=MemoryGlobalQueue(broker=broker),
+            controller=service if in_process else None,
+            clock=service.runtime.clock.now,
+            instances=False,  # the controller registered its own
+            poll_interval_s=0.02,
+            **api,
+        ) as h:
+            yield h, service
+    finally:
+        await service.stop()
+        store.close()
+
+
+def run(scenario: Callable[[Harness, ControllerService], Awaitable[None]], **kw: Any) -> None:
+    async def main() -> None:
+        async with served(**kw) as (h, service):
+            await scenario(h, service)
+
+    asyncio.run(main())
+
+
+def sse_data(text: str) -> list[str]:
+    return [line[6:] for line in text.splitlines() if line.startswith("data: ")]
+
+
+def test_a_submitted_request_is_served_and_its_result_read_by_long_poll() -> None:
+    async def scenario(h: Harness, _service: ControllerService) -> None:
+        r = await h.submit(max_tokens=12, slo_seconds=600, labels={"run": "x"})
+        assert r.status_code == 202, r.text
+        rid = r.json()["id"]
+        got = await h.client.get(f"/v1/requests/{rid}", params={"wait": 60}, headers=h.auth())
+        view = got.json()
+        assert view["status"] == "finished", view
+        assert view["output"]["tokens"] == 12 == count_tokens(view["output"]["text"])
+        assert view["slo_met"] is True and view["instance"] in ("i0", "i1")
+        assert view["dispatched_at"] <= view["first_token_at"] <= view["finished_at"]
+
+    run(scenario)
+
+
+def test_events_stream_tokens_then_the_result() -> None:
+    async def scenario(h: Harness, _service: ControllerService) -> None:
+        rid = (await h.submit(max_tokens=200, slo_seconds=600)).json()["id"]
+        got = await h.client.get(f"/v1/requests/{rid}/events", headers=h.auth())
+        events = [line for line in got.text.splitlines() if line.startswith("event: ")]
+        assert events[-1] == "event: done" and "event: token" in events
+        datas = [json.loads(d) for d in sse_data(got.text)]
+        text = "".join(d["text"] for d in datas[:-1])
+        assert datas[-1]["output"]["text"].endswith(text)
+
+    run(scenario)
+
+
+def test_openai_completion_and_chat_wait_behind_the_queue() -> None:
+    async def scenario(h: Harness, _service: ControllerService) -> None:
+        r = await h.client.post(
+            "/v1/completions",
+            json={"model": "m", "prompt": "Once upon a time", "max_tokens": 9},
+            headers=h.auth(**{"x-qlm-slo-seconds": "600", "x-qlm-tier": "batch"}),
+        )
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert (
+            body["object"] == "text_completion" and body["choices"][0]["finish_reason"] == "length"
+        )
+        assert count_tokens(body["choices"][0]["text"]) == 9
+        assert body["usage"] == {"prompt_tokens": 4, "completion_tokens": 9, "total_tokens": 13}
+        row = h.store.get(r.headers["x-qlm-request-id"])
+        assert row is not None and row.slo_e2e_s == 600 and row.tier.name == "BATCH"
+        r = await h.client.post(
+            "/v1/chat/completions",
+            json={
+                "model": "m",
+                "messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}],
+                "max_completion_tokens": 5,
+                "slo_seconds": 500,
+            },
+            headers=h.auth(**{"x-llm-d-slo-ttft-ms": "400000"}),
+        )
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        assert (
+            choice["message"]["role"] == "assistant"
+            and count_tokens(choice["message"]["content"]) == 5
+        )
+        row = h.store.get(r.headers["x-qlm-request-id"])
+        assert row is not None and (row.slo_e2e_s, row.slo_ttft_s) == (500, 400)
+
+    run(scenario)
+
+
+def test_openai_streams_chunks_then_finish_reason_usage_and_done() -> None:
+    async def scenario(h: Harness, _service: ControllerService) -> None:
+        r = await h.client.post(
+            "/v1/chat/completions",
+            json={
+                "model": "m",
+                "messages": [{"role": "user", "content": "Tell me a story"}],
+                "max_tokens": 150,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+                "slo_seconds": 600,
+            },
+            headers=h.auth(),
+        )
+        assert r.status_code == 200
+        data = sse_data(r.text)
+        assert data[-1] == "[DONE]"
+        chunks = [json.loads(d) for d in data[:-1]]
+        assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+        text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+        assert count_tokens(text) == 150
+        assert (
+            len([c for c in chunks if c["choices"] and c["choices"][0]["delta"].get("content")]) > 1
+        )
+        assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+        assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 150
+
+    run(scenario)
+
+
+def test_cancel_dequeues_a_waiting_request_and_aborts_a_running_one() -> None:
+    async def scenario(h: Harness, _service: ControllerService) -> None:
+        long = {"max_tokens": 8000, "slo_seconds": 86400}
+        running = [(await h.submit(**long)).json()["id"] for _ in range(2)]
+        waiting = (await h.submit(**long)).json()["id"]
+
+        def started() -> bool:
+            rows = [h.store.get(rid) for rid in running]
+            return all(r is not None and r.first_token_at is not None for r in rows)
+
+        await eventually(started, "both instances run one request")
+        r = await h.client.delete(f"/v1/requests/{waiting}", headers=h.auth())
+        assert r.status_code == 200 and r.json()["status"] == "cancelled"
+        r = await h.client.delete(f"/v1/requests/{running[0]}", headers=h.auth())
+        assert r.status_code in (200, 202)
+        await eventually(
+            lambda: h.store.get(running[0]).status is RequestStatus.CANCELLED,  # type: ignore[union-attr]
+            "the running request is aborted",
+        )
+        row = h.store.get(running[0])
+        assert row is not None and 0 < row.output_tokens < 8000 and row.output_text
+        assert h.store.get(waiting).dispatched_at is None  # type: ignore[union-attr]
+        await h.client.delete(f"/v1/requests/{running[1]}", headers=h.auth())
+
+    run(scenario, max_running=1)
+
+
+def test_without_a_controller_in_process_results_come_from_the_store() -> None:
+    async def scenario(h: Harness, _service: ControllerService) -> None:
+        r = await h.client.post(
+            "/v1/completions",
+            json={
+                "model": "m",
+                "prompt": "x",
+                "max_tokens": 40,
+                "stream": True,
+                "slo_seconds": 600,
+            },
+            headers=h.auth(),
+        )
+        data = sse_data(r.text)
+        assert data[-1] == "[DONE]"
+        texts = [json.loads(d)["choices"][0]["text"] for d in data[:-1]]
+        assert count_tokens(texts[0]) == 40 and texts[1:] == [""]  # the text in one piece
+        plain = await h.client.post(
+            "/v1/completions",
+            json={"model": "m", "prompt": "x", "max_tokens": 3, "slo_seconds": 600},
+            headers=h.auth(),
+        )
+        assert count_tokens(plain.json()["choices"][0]["text"]) == 3
+
+    run(scenario, in_process=False)
+
+
+def test_a_wait_that_runs_out_answers_504_with_the_id_and_no_retry() -> None:
+    async def scenario(h: Harness, _service: ControllerService) -> None:
+        r = await h.client.post(
+            "/v1/completions",
+            json={"model": "m", "prompt": "x", "max_tokens": 8000, "slo_seconds": 86400},
+            headers=h.auth(),
+        )
+        assert r.status_code == 504 and r.headers["x-should-retry"] == "false"
+        rid = r.headers["x-qlm-request-id"]
+        assert rid in r.json()["error"]["message"]
+        row = h.store.get(rid)
+        assert row is not None and not row.is_final  # it goes on
+        await h.client.delete(f"/v1/requests/{rid}", headers=h.auth())
+
+    run(scenario, wait_timeout_s=0.3)
