@@ -191,6 +191,7 @@ class Controller:
         if self._on.get(request_id) is not None:
             self._release(track)
         self._pending.pop(request_id, None)
+        self._cancelled.append(request_id)  # the policy forgets it: it will never finish
         track.status, track.error = RequestStatus.FAILED, error
 
     def cancel(self, request_id: str) -> str | None:

@@ -21,6 +21,11 @@ class EngineError(QLMError):
     """A serving engine refused or failed an operation."""
 
 
+class RequestRejected(EngineError):
+    """The engine refused this request (longer than the model's context or the KV cache, a model
+    it does not serve, a parameter it rejects): the request fails; the instance is fine."""
+
+
 class UnknownRequest(EngineError):
     """The engine has no request with that id (finished, aborted, or never submitted)."""
 

@@ -53,7 +53,7 @@ from qlm.engines.base import (
     EventKind,
     TokenChunk,
 )
-from qlm.errors import EngineError, QLMError
+from qlm.errors import EngineError, QLMError, RequestRejected
 
 log = logging.getLogger(__name__)
 
@@ -356,6 +356,16 @@ class AgentRuntime:
             out = await inst.engine.submit(request, on_chunk)
         except asyncio.CancelledError:
             raise
+        except RequestRejected as exc:
+            if flight.leaving:
+                return
+            log.warning("%s rejected %s: %s", instance, rid, exc)
+            self._flights.pop(rid, None)
+            self.controller.failed(rid, str(exc))
+            self._jobs.pop(rid, None)
+            self.listener.failed(rid, str(exc))
+            self._kick.set()
+            return
         except EngineError as exc:
             if flight.leaving:
                 return

@@ -42,7 +42,7 @@ from typing import Literal
 from qlm.domain import ModelTier
 from qlm.engines.base import EngineEvent, EngineRequest, EngineStats, EventKind
 from qlm.engines.perf_model import GB, PerfModel, prefill_pairs
-from qlm.errors import ConfigError, EngineError, UnknownRequest, check_setting
+from qlm.errors import ConfigError, EngineError, RequestRejected, UnknownRequest, check_setting
 
 
 @dataclass(frozen=True, slots=True)
@@ -246,18 +246,18 @@ class SimEngine:
             raise EngineError(f"{self.name}: request {req.request_id!r} is already in the engine")
         pm = self.perf_models.get(req.model)
         if pm is None:
-            raise EngineError(
+            raise RequestRejected(
                 f"{self.name}: model {req.model!r} is not served here "
                 f"(serves {', '.join(self.perf_models)})"
             )
         total = req.prompt_tokens + req.tokens_to_generate
         if total > pm.model.max_context:
-            raise EngineError(
+            raise RequestRejected(
                 f"{self.name}: request {req.request_id!r} needs {total} tokens, more than "
                 f"{req.model}'s max context {pm.model.max_context}"
             )
         if self._blocks_for(total) > self._capacity_blocks[req.model]:
-            raise EngineError(
+            raise RequestRejected(
                 f"{self.name}: request {req.request_id!r} needs {total} tokens of KV cache, more "
                 f"than the instance holds"
             )

@@ -44,7 +44,7 @@ from qlm.engines.base import (
     TokenChunk,
     UnsupportedOperation,
 )
-from qlm.errors import EngineError, UnknownRequest
+from qlm.errors import EngineError, RequestRejected, UnknownRequest
 
 VLLM_VERSION = "0.14.0"
 """The vLLM release whose API this client and ``qlm sim-engine serve`` follow."""
@@ -66,6 +66,10 @@ class _Flight:
 
     def partial(self) -> EngineOutput:
         return EngineOutput(self.request.request_id, "".join(self.parts), self.tokens, "abort")
+
+
+REJECTED = frozenset({400, 404, 413, 422})
+"""Answers that say the request is bad (too long, unknown model, bad parameter), not the server."""
 
 
 class VllmEngine:
@@ -276,7 +280,10 @@ class VllmEngine:
             ) as resp:
                 if resp.status_code != 200:
                     await resp.aread()
-                    raise self._fail(f"{what} answered {resp.status_code}", _message(resp))
+                    detail = f"{what} answered {resp.status_code}"
+                    if resp.status_code in REJECTED:  # the request is at fault, not the server
+                        raise RequestRejected(str(self._fail(detail, _message(resp))))
+                    raise self._fail(detail, _message(resp))
                 async for line in resp.aiter_lines():
                     if not line.startswith("data:"):
                         continue

@@ -23,7 +23,7 @@ from qlm.domain import ModelTier
 from qlm.engines.base import Engine, EngineRequest, TokenChunk
 from qlm.engines.vllm import VllmEngine
 from qlm.engines.wallclock import filler_text
-from qlm.errors import EngineError, UnknownRequest
+from qlm.errors import EngineError, RequestRejected, UnknownRequest
 
 MODEL = "llama-3-8b"
 DEADLINE_S = 60.0
@@ -166,8 +166,10 @@ def test_vllm_client_errors_name_the_instance_and_url(server_url: str) -> None:
     async def scenario() -> None:
         engine = VllmEngine("sim-0", server_url, MODEL)
         try:
-            with pytest.raises(EngineError, match=r"sim-0 \(http://127\.0\.0\.1:\d+\).*404"):
+            with pytest.raises(RequestRejected, match=r"sim-0 \(http://127\.0\.0\.1:\d+\).*404"):
                 await engine.submit(request("r-x", 4, model="no-such-model"))
+            with pytest.raises(RequestRejected, match=r"400.*max context"):
+                await engine.submit(request("r-y", 9000))  # the request is at fault, not the server
         finally:
             await engine.close()
         dead = VllmEngine("dead-1", "http://127.0.0.1:9", MODEL, timeout_s=2.0)

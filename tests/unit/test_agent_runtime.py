@@ -27,6 +27,7 @@ SCALE = 50.0
 
 class Recorder(RuntimeListener):
     def __init__(self) -> None:
+        self.errors: dict[str, str] = {}
         self.done: dict[str, tuple[RequestRecord, str]] = {}
         self.back: list[tuple[str, int]] = []
         self.dropped: dict[str, int] = {}
@@ -44,6 +45,9 @@ class Recorder(RuntimeListener):
 
     def cancelled(self, request_id: str, partial_text: str, tokens: int) -> None:
         self.dropped[request_id] = tokens
+
+    def failed(self, request_id: str, error: str) -> None:
+        self.errors[request_id] = error
 
     def instance_changed(self, name: str, up: bool) -> None:
         self.changes.append((name, up))
@@ -249,5 +253,26 @@ def test_an_engine_that_never_answers_starts_down_and_gets_nothing() -> None:
         await dead.inner.close()
         await live.close()
         assert rec.sent == [("r0000", "i1")]
+
+    run(scenario)
+
+
+def test_a_request_the_engine_rejects_fails_alone_and_the_instance_stays_up() -> None:
+    async def scenario() -> None:
+        rec = Recorder()
+        e = engine("i0")
+        rt = start(create_policy("qlm", profile=make_profile()), [e], rec)
+        await rt.start()
+        now = rt.clock.now()
+        rt.submit(make_request(0, arrival_s=now, max_tokens=9000, replay_output_tokens=9000))
+        rt.submit(make_request(1, arrival_s=now, replay_output_tokens=30))
+        await eventually(lambda: rt.idle, "both are over")
+        await rt.stop()
+        await e.close()
+        assert "max context" in rec.errors["r0000"]
+        assert set(rec.done) == {"r0001"}
+        assert rt.instances_up() == {"i0": True} and ("i0", False) not in rec.changes
+        assert rt.controller.track("r0000").status is RequestStatus.FAILED
+        assert rt.controller.outstanding("i0") == 0
 
     run(scenario)
