@@ -19,6 +19,7 @@ import math
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import numpy as np
 
@@ -256,6 +257,9 @@ class QlmPolicy:
         self._preemptions: dict[str, int] = {}
         self._asked_active: dict[str, str] = {}  # model each instance was told to activate
         self._first_arrival_s = math.inf
+        self._slots: dict[str, list[Any]] = {}  # per step: queue deadlines and load, for _place
+        self._family_cache: tuple[tuple[float, int], tuple[ProblemFamily, list[list[int]]]] | None
+        self._family_cache = None  # per step: the plan problem built for the violation check
 
     # --- the step --------------------------------------------------------------------------------
 
@@ -286,6 +290,8 @@ class QlmPolicy:
                 first_token_s=done.first_token_s,
                 finish_s=done.finish_s,
             )
+        self._slots = {}  # the queues may have changed since the last step
+        self._family_cache = None
         for rid in ctx.cancelled:
             self._forget(rid)
         generated = dict(ctx.generated)
@@ -300,11 +306,15 @@ class QlmPolicy:
             if generated.get(req.id):
                 self._generated[req.id] = generated[req.id]
             gid = self.grouper.add(req, now)
-            if self.queues.instance_of(gid) is None:
+            held_by = self.queues.instance_of(gid)
+            if held_by is None:
                 self._place(gid, req)
+            elif held_by in self._slots:
+                self._slots[held_by][1] += 1  # its group grew
             self._changed = True
         if self.grouper.needs_recluster(now):
             self.queues.sync(self.grouper.recluster(now))
+            self._slots = {}
             for gid in self.queues.unassigned():
                 self._place(gid, self.grouper.peek(gid))
             self._changed = True
@@ -377,11 +387,15 @@ class QlmPolicy:
         return groups, [o for o, i in zip(current, self._instances, strict=True) if i.up]
 
     def _family(self, now: float) -> tuple[ProblemFamily, list[list[int]]]:
+        key = (now, self._plans_made)
+        if self._family_cache is not None and self._family_cache[0] == key:
+            return self._family_cache[1]  # the violation check's, in the same step: same draws
         groups, current = self._groups()
         rng = np.random.default_rng((self.config.seed, self._plans_made))
         family = build_family(
             groups, self._instances, self._ready(now), self.estimator, self.config, rng
         )
+        self._family_cache = (key, (family, current))
         return family, current
 
     def _choice(self, family: ProblemFamily) -> list[int]:
@@ -568,20 +582,27 @@ class QlmPolicy:
         able = [i for i in self._instances if i.up and req.model in i.models]
         if not able:
             return  # no instance serves it now; it waits for one (the planner places it)
-        target = min(
-            able,
-            key=lambda i: (
-                sum(self.grouper.group(g).size for g in self.queues.queue(i.name))
-                + len(self._inflight.get(i.name, {})),
-                i.name,
-            ),
-        )
-        queue = self.queues.queue(target.name)
-        deadline = self.grouper.group(gid).earliest_deadline_s
+
+        def slots(name: str) -> list[Any]:  # [deadlines in queue order, waiting + in flight]
+            entry = self._slots.get(name)
+            if entry is None:
+                groups = [self.grouper.group(g) for g in self.queues.queue(name)]
+                entry = self._slots[name] = [
+                    [g.earliest_deadline_s for g in groups],
+                    sum(g.size for g in groups) + len(self._inflight.get(name, {})),
+                ]
+            return entry
+
+        target = min(able, key=lambda i: (slots(i.name)[1], i.name))
+        deadlines, _ = entry = slots(target.name)
+        group = self.grouper.group(gid)
+        deadline = group.earliest_deadline_s
         pos = 0
-        while pos < len(queue) and self.grouper.group(queue[pos]).earliest_deadline_s <= deadline:
+        while pos < len(deadlines) and deadlines[pos] <= deadline:
             pos += 1
         self.queues.assign(gid, target.name, pos)
+        deadlines.insert(pos, deadline)
+        entry[1] += group.size
 
     # --- pulling ---------------------------------------------------------------------------------
 

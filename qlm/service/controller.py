@@ -92,6 +92,7 @@ class ControllerService(RuntimeListener):
         self._tasks: list[asyncio.Task[None]] = []
         self._plans_written = 0
         self._plans_seen = 0
+        self._predicted: dict[str, tuple[float | None, bool]] = {}  # as last written
         self._last_poll = 0.0
         self._stopping = False
         self.received = 0
@@ -321,6 +322,7 @@ class ControllerService(RuntimeListener):
                 return
         for rid, how, status in writes.settle:
             self.hub.publish(ResultEvent(rid, "", 0, done=True, status=status))
+            self._predicted.pop(rid, None)
             held = self._held.pop(rid, None)
             if held is None:
                 continue
@@ -479,12 +481,15 @@ class ControllerService(RuntimeListener):
                 continue
             predictions: dict[str, tuple[float | None, bool]] = {}
             grouper = getattr(self.runtime.controller.policy, "grouper", None)
+            written = self._predicted
             for q in snap["queues"]:
                 for g in q["groups"]:
                     if grouper is None or not grouper.has_group(g["id"]):
                         continue
+                    value = (g["predicted_completion_at"], g["at_risk"])
                     for req in grouper.group(g["id"]).requests:
-                        predictions[req.id] = (g["predicted_completion_at"], g["at_risk"])
+                        if _moved(written.get(req.id), value):
+                            predictions[req.id] = written[req.id] = value
             try:
                 await asyncio.to_thread(
                     self.store.put_controller_state, self.name, active=True, snapshot=snap
@@ -493,6 +498,17 @@ class ControllerService(RuntimeListener):
                     await asyncio.to_thread(self.store.record_predictions, predictions)
             except Exception:
                 log.exception("could not publish the controller state")
+
+
+PREDICTION_SLACK_S = 1.0
+"""A waiting request's stored prediction is rewritten only when it moves by more than this (or
+its risk flips): a backlog of 100,000 requests would otherwise be rewritten every second."""
+
+
+def _moved(old: tuple[float | None, bool] | None, new: tuple[float | None, bool]) -> bool:
+    if old is None or old[1] != new[1] or (old[0] is None) != (new[0] is None):
+        return True
+    return old[0] is not None and new[0] is not None and abs(old[0] - new[0]) > PREDICTION_SLACK_S
 
 
 def _plan_dict(record: Any) -> dict[str, Any]:
