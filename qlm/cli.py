@@ -348,6 +348,13 @@ def serve_cmd(
             help="Replay this many seconds of the demo trace (QLM_DEMO__*) through the service, print SLO attainment and exit."
         ),
     ] = None,
+    sim_http: Annotated[
+        bool,
+        typer.Option(
+            "--sim-http",
+            help="Run the simulated instances as `qlm sim-engine serve` processes driven over vLLM's HTTP API (QLM_CONTROLLER__SIM_OVER_HTTP).",
+        ),
+    ] = False,
 ) -> None:
     """The all-in-one process: controller, agents and the REST API (QLM_API__HOST:QLM_API__PORT,
     default 127.0.0.1:8080) on one queue. With no settings: in-process queue, SQLite (./qlm.db)
@@ -357,7 +364,11 @@ def serve_cmd(
     from qlm.service.serve import serve
 
     _logging()
-    result = _guard(lambda: asyncio.run(serve(get_settings(), replay_s=replay)))
+    settings = get_settings()
+    if sim_http:
+        controller = settings.controller.model_copy(update={"sim_over_http": True})
+        settings = settings.model_copy(update={"controller": controller})
+    result = _guard(lambda: asyncio.run(serve(settings, replay_s=replay)))
     if result is not None:
         console.print(
             f"replayed {result.requests} requests in {result.wall_s:.1f} s: "
@@ -365,7 +376,8 @@ def serve_cmd(
             f"SLO attainment {100 * result.attainment:.1f} %",
             highlight=False,
         )
-        console.print(f"reproduce: qlm serve --replay {replay:g}", highlight=False)
+        flag = " --sim-http" if settings.controller.sim_over_http else ""
+        console.print(f"reproduce: qlm serve --replay {replay:g}{flag}", highlight=False)
 
 
 @app.command("api")

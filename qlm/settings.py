@@ -42,6 +42,7 @@ class ControllerSettings(BaseModel):
     name: str | None = None  # default: host-pid
     sim_instances: str = "2xA100:llama-3-8b"  # in-process simulated instances without a file
     sim_time_scale: float = Field(default=1.0, gt=0)
+    sim_over_http: bool = False  # simulated instances as `qlm sim-engine serve` processes
     tick_s: float = Field(default=0.25, gt=0)
     health_interval_s: float = Field(default=1.0, gt=0)
 

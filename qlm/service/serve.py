@@ -11,8 +11,9 @@ import logging
 
 from qlm.api.app import create_app
 from qlm.api.server import ApiServer, until_signalled
-from qlm.service import build_controller, open_queue, open_store
+from qlm.service import build_controller, instance_configs, open_queue, open_store
 from qlm.service.replay import ReplayResult, replay
+from qlm.service.sim_servers import SimServers
 from qlm.settings import Settings
 from qlm.sim.traces import load_trace, scale_rate, window
 from qlm.sim.workload import create_workload
@@ -24,8 +25,19 @@ async def serve(settings: Settings, *, replay_s: float | None = None) -> ReplayR
     """Run until SIGINT/SIGTERM, or until a replay of ``replay_s`` trace seconds is served."""
     queue = open_queue(settings)
     store = open_store(settings)
-    service = build_controller(settings, queue=queue, store=store)
-    await service.start()
+    servers = SimServers()
+    configs = None
+    if settings.instances_file is None and settings.controller.sim_over_http:
+        configs = await servers.start(
+            instance_configs(settings), time_scale=settings.controller.sim_time_scale
+        )
+        log.info("simulated instances over HTTP: %s", ", ".join(c.spec.url for c in configs))
+    try:
+        service = build_controller(settings, queue=queue, store=store, configs=configs)
+        await service.start()
+    except BaseException:
+        servers.stop()
+        raise
     try:
         if replay_s is not None:
             demo = settings.demo
@@ -59,4 +71,5 @@ async def serve(settings: Settings, *, replay_s: float | None = None) -> ReplayR
         return None
     finally:
         await service.stop()
+        servers.stop()
         await asyncio.to_thread(store.close)
