@@ -138,6 +138,12 @@ class ControllerService(RuntimeListener):
             )
         await self.queue.close()
 
+    @property
+    def active(self) -> bool:
+        """Serving the queue: it has received deliveries (a standby waiting behind the single
+        active consumer has received none)."""
+        return self.received > 0 and not self._stopping
+
     async def wait_idle(self, poll_s: float = 0.05) -> None:
         """Until every request received has been settled (tests, replays)."""
         while self._inbox or self._held or self._writes.ops or self._writes.settle:
@@ -492,7 +498,7 @@ class ControllerService(RuntimeListener):
                             predictions[req.id] = written[req.id] = value
             try:
                 await asyncio.to_thread(
-                    self.store.put_controller_state, self.name, active=True, snapshot=snap
+                    self.store.put_controller_state, self.name, active=self.active, snapshot=snap
                 )
                 if predictions:
                     await asyncio.to_thread(self.store.record_predictions, predictions)

@@ -151,6 +151,7 @@ def test_a_standby_controller_takes_over_and_each_request_ends_once() -> None:
         await eventually(
             lambda: len(store.final_ids(ids)) >= 5, "the first controller finished some"
         )
+        assert first.active and not standby.active  # the standby waits behind the first
         # The first controller dies: no graceful stop, nothing flushed, its deliveries return.
         for task in first._tasks:
             task.cancel()
@@ -166,6 +167,7 @@ def test_a_standby_controller_takes_over_and_each_request_ends_once() -> None:
         assert [r.output_tokens for r in rows if r] == [100 + 40 * i for i in range(40)]
         assert broker.ready == 0 and not broker.dead
         assert standby.received >= left  # everything not final came back to it
+        assert not standby.active  # stopped
 
     run(scenario)
 
