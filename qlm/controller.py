@@ -146,10 +146,10 @@ class Controller:
             if track.first_token_s is None:
                 track.first_token_s = event.time
         elif kind is EventKind.FINISHED:
+            self._release(track)  # before the output grows: release what was counted at dispatch
             track.finish_s = event.time
             track.output_tokens += event.tokens
             track.status = RequestStatus.FINISHED
-            self._release(track)
             self.finished += 1
             self._completions.append(
                 Completion(
@@ -241,10 +241,22 @@ class Controller:
             ),
             instances=tuple(self._load(v) for v in views),
         )
-        decisions = self.policy.decide(ctx)
+        try:
+            decisions = self.policy.decide(ctx)
+            for d in decisions:
+                if d.instance not in self.specs:
+                    raise ConfigError(f"policy {self.policy.name} named unknown instance {d!r}")
+                if isinstance(d, Pull) and d.request_id not in self._pending:
+                    raise ConfigError(f"policy {self.policy.name} pulled {d.request_id!r} twice")
+        except Exception:
+            # Nothing of this step happened: its inputs wait for the next one (policies take a
+            # request they already hold again without harm).
+            self._arrived[:0] = arrived
+            self._completions[:0] = finished
+            self._started[:0] = started
+            self._cancelled[:0] = cancelled
+            raise
         for d in decisions:
-            if d.instance not in self.specs:
-                raise ConfigError(f"policy {self.policy.name} named unknown instance {d!r}")
             if isinstance(d, Pull):
                 self._dispatch(d, now)
         return decisions
@@ -287,6 +299,11 @@ class Controller:
 
     def outstanding(self, instance: str) -> int:
         return self._outstanding[instance]
+
+    def outstanding_tokens(self, instance: str) -> int:
+        """Prompt tokens (with the output a resumed request re-reads) sent to ``instance`` and
+        not back yet: what the agent holds against the instance's KV cache."""
+        return self._outstanding_tokens[instance]
 
     def close(self) -> None:
         """End of a run: anything still held ends failed with the reason, never silently."""

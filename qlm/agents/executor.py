@@ -82,8 +82,10 @@ class RuntimeListener:
 
     def chunk(self, request_id: str, chunk: TokenChunk) -> None: ...
 
-    def returned(self, request_id: str, partial_text: str, partial_tokens: int) -> None:
-        """Back from an engine unfinished (evicted, or its instance failed)."""
+    def returned(
+        self, request_id: str, partial_text: str, partial_tokens: int, *, evicted: bool = False
+    ) -> None:
+        """Back from an engine unfinished: evicted, or (``evicted`` False) its instance failed."""
 
     def finished(self, record: RequestRecord, text: str, finish_reason: str) -> None: ...
 
@@ -160,6 +162,7 @@ class AgentRuntime:
         self._health_task: asyncio.Task[None] | None = None
         self._stopping = False
         self._draining: set[str] = set()
+        self._cancelling: set[str] = set()
         self.steps = 0
         self.evictions = 0
         self.swaps = 0
@@ -205,10 +208,20 @@ class AgentRuntime:
 
     async def cancel(self, request_id: str) -> bool:
         """Cancel a request: forgotten if it waits, aborted if it runs. False if unknown or over."""
+        if request_id in self._cancelling:
+            return False  # a cancel of it is under way
         flight = self._flights.get(request_id)
         instance = self.controller.cancel(request_id)
         if instance is None and request_id not in self._jobs:
             return False
+        self._cancelling.add(request_id)
+        try:
+            await self._cancel(request_id, instance, flight)
+        finally:
+            self._cancelling.discard(request_id)
+        return True
+
+    async def _cancel(self, request_id: str, instance: str | None, flight: _Flight | None) -> None:
         partial = self._jobs.get(request_id, Job()).partial_text
         tokens = self.controller.track(request_id).output_tokens
         if instance is not None and flight is not None:
@@ -220,7 +233,6 @@ class AgentRuntime:
         self._jobs.pop(request_id, None)
         self.listener.cancelled(request_id, partial, tokens)
         self._kick.set()
-        return True
 
     def holds(self, request_id: str) -> bool:
         return request_id in self._jobs
@@ -272,8 +284,9 @@ class AgentRuntime:
             self._kick.clear()
             try:
                 self.step()
-            except QLMError:
+            except Exception:  # never let the loop die: every request would hang
                 log.exception("control step failed; retrying at the next tick")
+                await asyncio.sleep(self.tick_s)
 
     def step(self) -> None:
         """One control step now, and its decisions set in motion."""
@@ -337,6 +350,9 @@ class AgentRuntime:
         prompt = None if job.prompt is None else job.prompt + job.partial_text
         request = replace(request, prompt=prompt, sampling=tuple(job.sampling.items()))
         self.listener.dispatched(rid, instance, now)
+        if request.tokens_to_generate <= 0:  # all its output came back with it: nothing to run
+            self._finish(rid, flight, EngineOutput(rid, "", 0, "length"))
+            return
 
         def on_chunk(chunk: TokenChunk) -> None:
             if flight.leaving:
@@ -405,6 +421,9 @@ class AgentRuntime:
             return
         flight.leaving = True
         out = await self._abort(flight.instance, rid)
+        if out is not None and not out.aborted:  # it finished before the abort reached it
+            self._finish(rid, flight, out)
+            return
         text = out.text if out is not None else "".join(flight.text)
         tokens = out.tokens if out is not None else flight.tokens
         self._flights.pop(rid, None)
@@ -417,7 +436,7 @@ class AgentRuntime:
         job.partial_text += text
         self.controller.returned(rid, tokens, evicted=evicted)
         track = self.controller.track(rid)
-        self.listener.returned(rid, job.partial_text, track.output_tokens)
+        self.listener.returned(rid, job.partial_text, track.output_tokens, evicted=evicted)
         self._kick.set()
 
     async def _abort(self, instance: str, rid: str) -> EngineOutput | None:
@@ -495,7 +514,11 @@ class AgentRuntime:
         while not self._stopping:
             await asyncio.sleep(self.health_interval_s)
             for inst in self._instances.values():
-                ok = await inst.engine.health()
+                try:
+                    ok = await inst.engine.health()
+                except Exception:  # health() should not raise; a broken one means down
+                    log.exception("health check of %s failed", inst.spec.name)
+                    ok = False
                 if ok and not inst.up:
                     await self._attach(inst)
                 elif not ok and inst.up:

@@ -73,6 +73,7 @@ class DeadLetter:
 
 
 Handler = Callable[[Delivery], Awaitable[None]]
+DeadHandler = Callable[[list[DeadLetter]], Awaitable[None]]
 """Called once per delivery, one at a time, in delivery order. It should return quickly (put the
 request into a virtual queue) and settle the delivery later. If it raises, the error is logged and
 the delivery is requeued, so a handler that always fails ends in the dead-letter queue."""
@@ -113,10 +114,11 @@ class GlobalQueue(Protocol):
         queue with ``reason`` and remove it from the queue."""
         ...
 
-    async def take_dead(self, limit: int = 1000) -> list[DeadLetter]:
-        """Remove up to ``limit`` messages from the dead-letter queue and return them with their
-        reasons: the controller records each as a failed request (the store is the audit
-        trail), so that a message the broker gave up on is never silently dropped."""
+    async def reap_dead(self, record: DeadHandler, limit: int = 1000) -> int:
+        """Hand up to ``limit`` messages of the dead-letter queue, with their reasons, to
+        ``record`` (the controller records each as a failed request: the store is the audit
+        trail); they leave the dead-letter queue only once ``record`` returned, and stay if it
+        raises. Returns how many were handed."""
         ...
 
     async def healthy(self) -> bool:

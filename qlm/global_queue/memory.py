@@ -25,7 +25,14 @@ import logging
 from collections import deque
 from dataclasses import dataclass, field
 
-from qlm.global_queue.base import DELIVERY_LIMIT, DeadLetter, Delivery, Handler, QueueUnavailable
+from qlm.global_queue.base import (
+    DELIVERY_LIMIT,
+    DeadHandler,
+    DeadLetter,
+    Delivery,
+    Handler,
+    QueueUnavailable,
+)
 from qlm.global_queue.message import MessageError, QueuedRequest
 
 log = logging.getLogger(__name__)
@@ -171,11 +178,14 @@ class MemoryGlobalQueue:
         if stored is not None:
             self.broker.dead.append(DeadLetter(stored.raw, reason))
 
-    async def take_dead(self, limit: int = 1000) -> list[DeadLetter]:
-        taken: list[DeadLetter] = []
-        while self.broker.dead and len(taken) < limit:
-            taken.append(self.broker.dead.popleft())
-        return taken
+    async def reap_dead(self, record: DeadHandler, limit: int = 1000) -> int:
+        letters = list(itertools.islice(self.broker.dead, limit))
+        if letters:
+            await record(letters)
+            for letter in letters:
+                with contextlib.suppress(ValueError):  # another reaper took it meanwhile
+                    self.broker.dead.remove(letter)
+        return len(letters)
 
     async def healthy(self) -> bool:
         return not self._closed

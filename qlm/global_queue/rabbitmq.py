@@ -52,6 +52,7 @@ from qlm.global_queue.base import (
     DELIVERY_LIMIT,
     QUEUE,
     REASON_HEADER,
+    DeadHandler,
     DeadLetter,
     Delivery,
     Handler,
@@ -463,29 +464,44 @@ class RabbitGlobalQueue:
             return
         await _settle_quietly(incoming.ack(), "ack", delivery)
 
-    async def take_dead(self, limit: int = 1000) -> list[DeadLetter]:
-        """``basic.get`` from the dead-letter queue on a short-lived connection, acking each
-        message once read (the caller records it before asking for more)."""
-        taken: list[DeadLetter] = []
+    async def reap_dead(self, record: DeadHandler, limit: int = 1000) -> int:
+        """``basic.get`` from the dead-letter queue on a short-lived connection, holding the
+        messages un-acked while ``record`` runs: acked once it returned, returned to the
+        dead-letter queue if it raised (or if this process dies meanwhile)."""
         try:
             connection = await self._connect("dead-letters")
         except BROKER_ERRORS as exc:
             raise self._unavailable("cannot read the dead-letter queue", exc) from exc
         try:
-            channel = await connection.channel(publisher_confirms=False)
-            await self._declare(channel)
-            dead = await channel.get_queue(self.dead_letter_queue, ensure=False)
-            while len(taken) < limit:
-                incoming = await dead.get(no_ack=False, fail=False)
-                if incoming is None:
-                    break
-                taken.append(DeadLetter(incoming.body, _dead_reason(incoming.headers)))
-                await incoming.ack()
-        except BROKER_ERRORS as exc:
-            raise self._unavailable("cannot read the dead-letter queue", exc) from exc
+            held: list[AbstractIncomingMessage] = []
+            try:
+                channel = await connection.channel(publisher_confirms=False)
+                await self._declare(channel)
+                dead = await channel.get_queue(self.dead_letter_queue, ensure=False)
+                while len(held) < limit:
+                    incoming = await dead.get(no_ack=False, fail=False)
+                    if incoming is None:
+                        break
+                    held.append(incoming)
+            except BROKER_ERRORS as exc:
+                raise self._unavailable("cannot read the dead-letter queue", exc) from exc
+            if not held:
+                return 0
+            try:
+                await record([DeadLetter(m.body, _dead_reason(m.headers)) for m in held])
+            except BaseException:
+                for m in held:  # a lost channel returns them anyway
+                    with contextlib.suppress(*BROKER_ERRORS):
+                        await m.nack(requeue=True)
+                raise
+            try:
+                for m in held:
+                    await m.ack()
+            except BROKER_ERRORS as exc:  # unacked ones come back: recorded again, idempotently
+                raise self._unavailable("cannot ack dead letters", exc) from exc
+            return len(held)
         finally:
             await _close_quietly(connection)
-        return taken
 
     # --- health and shutdown ------------------------------------------------------------------
 

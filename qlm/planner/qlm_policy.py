@@ -15,6 +15,7 @@ period ``period_s`` otherwise. Never more often than ``min_interval_s`` nor, on 
 
 from __future__ import annotations
 
+import logging
 import math
 from collections import deque
 from collections.abc import Mapping, Sequence
@@ -40,6 +41,8 @@ from qlm.planner.solve import Budget, Solution, capacity_needed, solve
 from qlm.rct.estimator import RCTEstimator
 from qlm.rct.profile import RctProfile, default_profile
 from qlm.virtual_queues import Estimate, VirtualQueueSet
+
+log = logging.getLogger(__name__)
 
 DEFAULT_TIER_WEIGHTS: Mapping[Tier, float] = {
     Tier.INTERACTIVE: 2.0,
@@ -296,6 +299,8 @@ class QlmPolicy:
             self._forget(rid)
         generated = dict(ctx.generated)
         for req in ctx.arrived:
+            if self.grouper.group_of(req.id) is not None:
+                continue  # handed again after a failed step: already held
             if req.id not in self._generated and not generated.get(req.id):
                 if not self._arrivals:
                     self._first_arrival_s = min(self._first_arrival_s, now)
@@ -320,7 +325,11 @@ class QlmPolicy:
             self._changed = True
         trigger = self._trigger(now)
         if trigger:
-            self.plan(now, trigger)
+            try:
+                self.plan(now, trigger)
+            except Exception:  # keep serving in the current order; the next trigger retries
+                log.exception("planning (%s) failed; keeping the current virtual queues", trigger)
+                self._last_plan_s = now
         return self._pull(now)
 
     def _forget(self, request_id: str) -> None:
@@ -380,8 +389,9 @@ class QlmPolicy:
                     order.append(len(groups))
                     groups.append((gid, g.requests, g.tier))
             current.append(order)
+        served = {m for i in self._instances if i.up for m in i.models}
         for g in self.grouper.groups():  # not on any up instance: the planner places them
-            if g.id not in index:
+            if g.id not in index and g.model in served:  # (else they wait for an instance)
                 index[g.id] = len(groups)
                 groups.append((g.id, g.requests, g.tier))
         return groups, [o for o, i in zip(current, self._instances, strict=True) if i.up]

@@ -32,7 +32,7 @@ from typing import Any
 from qlm.agents.executor import AgentRuntime, Job, RuntimeListener
 from qlm.domain import RequestRecord, RequestStatus
 from qlm.engines.base import TokenChunk
-from qlm.global_queue import Delivery, GlobalQueue, MessageError, QueuedRequest
+from qlm.global_queue import DeadLetter, Delivery, GlobalQueue, MessageError, QueuedRequest
 from qlm.service.hub import ResultEvent, ResultHub
 from qlm.store import NewRequest, RequestRow, Store
 from qlm.store.rows import InstanceState
@@ -191,8 +191,9 @@ class ControllerService(RuntimeListener):
             assert msg is not None
             self.received += 1
             row = rows.get(msg.id)
-            if row is None:
-                continue  # not recordable (an id of another tenant): left for the delivery limit
+            if row is None:  # the store did not take it (cannot happen with a working store)
+                await self._poison(d, f"request {msg.id!r} could not be recorded")
+                continue
             if row.is_final:
                 await self.queue.ack(d)  # a previous controller finished it
                 self.settled += 1
@@ -245,9 +246,10 @@ class ControllerService(RuntimeListener):
         if chunk.text and self.hub.watched(request_id):
             self.hub.publish(ResultEvent(request_id, chunk.text, chunk.tokens))
 
-    def returned(self, request_id: str, partial_text: str, partial_tokens: int) -> None:
-        track = self.runtime.controller.track(request_id)
-        if track.evictions:
+    def returned(
+        self, request_id: str, partial_text: str, partial_tokens: int, *, evicted: bool = False
+    ) -> None:
+        if evicted:
             self._queue_op(
                 self.store.record_eviction,
                 request_id,
@@ -372,18 +374,26 @@ class ControllerService(RuntimeListener):
                 log.exception("could not reap the dead-letter queue")
 
     async def reap_once(self) -> int:
-        dead = await self.queue.take_dead()
-        failures: list[tuple[NewRequest, str]] = []
-        for letter in dead:
-            try:
-                msg = QueuedRequest.decode(letter.raw)
-            except MessageError as exc:
-                log.warning("dead letter that is no request (%s): %s", letter.reason, exc)
-                continue
-            failures.append((_new_request(msg), letter.reason))
-        if failures:
-            await asyncio.to_thread(self._record_dead, failures)
-        return len(failures)
+        """Record the dead-letter queue's requests as failed; a letter leaves the queue only
+        once its failure is committed. Returns how many requests were recorded."""
+        recorded = 0
+
+        async def record(letters: list[DeadLetter]) -> None:
+            nonlocal recorded
+            failures: list[tuple[NewRequest, str]] = []
+            for letter in letters:
+                try:
+                    msg = QueuedRequest.decode(letter.raw)
+                except MessageError as exc:
+                    log.warning("dead letter that is no request (%s): %s", letter.reason, exc)
+                    continue
+                failures.append((_new_request(msg), letter.reason))
+            if failures:
+                await asyncio.to_thread(self._record_dead, failures)
+            recorded += len(failures)
+
+        await self.queue.reap_dead(record)
+        return recorded
 
     def _record_dead(self, failures: list[tuple[NewRequest, str]]) -> None:
         self.store.ensure_requests([new for new, _ in failures])

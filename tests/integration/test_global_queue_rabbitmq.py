@@ -326,35 +326,58 @@ def test_a_message_requeued_past_the_delivery_limit_is_dead_lettered(
 
 
 @pytest.mark.rabbitmq
-def test_take_dead_returns_dead_letters_with_their_reasons_and_removes_them(
+def test_reap_dead_hands_dead_letters_with_reasons_and_keeps_them_if_recording_fails(
     amqp_url: str, names: Names
 ) -> None:
     async def scenario() -> None:
         queue = open_queue(amqp_url, names, delivery_limit=1)
-        assert await queue.take_dead() == []
-        returned: list[int] = []
+        seen: list[DeadLetter] = []
+
+        async def keep(letters: list[DeadLetter]) -> None:
+            seen.extend(letters)
+
+        async def broken(letters: list[DeadLetter]) -> None:
+            raise RuntimeError("the store is down")
+
+        assert await queue.reap_dead(keep) == 0
 
         async def handle(delivery: Delivery) -> None:
             if delivery.message is not None and delivery.message.id == "r0":
                 await queue.dead_letter(delivery, "no instance serves it")
             else:
-                returned.append(delivery.delivery_count)
                 await queue.requeue(delivery)  # until the broker's delivery limit
 
         await queue.consume(handle)
         await queue.publish(make_message(0))
         await queue.publish(make_message(1))
-        dead: list[DeadLetter] = []
         deadline = time.monotonic() + 10.0
-        while len(dead) < 2 and time.monotonic() < deadline:
-            dead += await queue.take_dead()
+        while len(await peek_dead(amqp_url, names)) < 2 and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        reasons = {QueuedRequest.decode(d.raw).id: d.reason for d in dead}
+        with pytest.raises(RuntimeError, match="the store is down"):
+            await queue.reap_dead(broken)
+        assert len(await peek_dead(amqp_url, names)) == 2  # nothing lost when recording fails
+        assert await queue.reap_dead(keep) == 2
+        reasons = {QueuedRequest.decode(d.raw).id: d.reason for d in seen}
         assert reasons == {"r0": "no instance serves it", "r1": "delivery_limit"}
-        assert await queue.take_dead() == []  # taken means gone
+        assert await queue.reap_dead(keep) == 0  # recorded means gone
         await queue.close()
 
     run(scenario)
+
+
+async def peek_dead(url: str, names: Names) -> list[bytes]:
+    """The dead-letter queue's bodies, left in place (got and requeued)."""
+    connection = await aio_pika.connect(url)
+    async with connection:
+        channel = await connection.channel()
+        queue = await channel.get_queue(names["dead_letter_queue"])
+        got = []
+        while (m := await queue.get(no_ack=False, fail=False)) is not None:
+            got.append(m)
+        bodies = [m.body for m in got]
+        for m in got:
+            await m.nack(requeue=True)
+        return bodies
 
 
 @pytest.mark.rabbitmq

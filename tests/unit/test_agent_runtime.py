@@ -31,6 +31,7 @@ class Recorder(RuntimeListener):
         self.done: dict[str, tuple[RequestRecord, str]] = {}
         self.back: list[tuple[str, int]] = []
         self.dropped: dict[str, int] = {}
+        self.cancels: list[tuple[str, int]] = []
         self.changes: list[tuple[str, bool]] = []
         self.sent: list[tuple[str, str]] = []
 
@@ -40,11 +41,14 @@ class Recorder(RuntimeListener):
     def finished(self, record: RequestRecord, text: str, finish_reason: str) -> None:
         self.done[record.request.id] = (record, text)
 
-    def returned(self, request_id: str, partial_text: str, partial_tokens: int) -> None:
+    def returned(
+        self, request_id: str, partial_text: str, partial_tokens: int, *, evicted: bool = False
+    ) -> None:
         self.back.append((request_id, partial_tokens))
 
     def cancelled(self, request_id: str, partial_text: str, tokens: int) -> None:
         self.dropped[request_id] = tokens
+        self.cancels.append((request_id, tokens))
 
     def failed(self, request_id: str, error: str) -> None:
         self.errors[request_id] = error
@@ -274,5 +278,157 @@ def test_a_request_the_engine_rejects_fails_alone_and_the_instance_stays_up() ->
         assert rt.instances_up() == {"i0": True} and ("i0", False) not in rec.changes
         assert rt.controller.track("r0000").status is RequestStatus.FAILED
         assert rt.controller.outstanding("i0") == 0
+
+    run(scenario)
+
+
+# --- regressions found in review ------------------------------------------------------------
+
+
+class SlowAbort:
+    """An engine whose abort reaches it only after the request finished: the abort answers with
+    the final output (as vLLM's and the simulated engine's do)."""
+
+    def __init__(self, inner: WallClockEngine) -> None:
+        self.inner = inner
+        self.name = inner.name
+
+    def __getattr__(self, item: str) -> Any:
+        return getattr(self.inner, item)
+
+    async def abort(self, request_id: str) -> EngineOutput:
+        return await self.inner._flights[request_id].done
+
+
+def test_an_eviction_that_arrives_after_the_end_finishes_the_request_once() -> None:
+    async def scenario() -> None:
+        rec = Recorder()
+        e = engine("i0")
+        rt = start(EvictOnce("r0000"), [SlowAbort(e)], rec)
+        await rt.start()
+        rt.submit(
+            make_request(0, arrival_s=rt.clock.now(), replay_output_tokens=100, max_tokens=100)
+        )
+        await eventually(lambda: rt.idle, "the request is over")
+        await rt.stop()
+        await e.close()
+        record, text = rec.done["r0000"]
+        assert record.output_tokens == 100 == count_tokens(text)
+        assert not rec.back and record.evictions == 0
+
+    run(scenario)
+
+
+def test_outstanding_counts_return_to_zero_when_everything_finished() -> None:
+    async def scenario() -> None:
+        rec = Recorder()
+        e = engine("i0")
+        rt = start(create_policy("fcfs"), [e], rec)
+        await rt.start()
+        for i in range(12):
+            rt.submit(make_request(i, arrival_s=rt.clock.now(), replay_output_tokens=30 + i))
+        await eventually(lambda: rt.idle, "all finished")
+        await rt.stop()
+        await e.close()
+        assert rt.controller.outstanding("i0") == 0
+        assert rt.controller.outstanding_tokens("i0") == 0  # no drift: KV room stays honest
+
+    run(scenario)
+
+
+class FailsOnce:
+    """A policy whose first step raises (a solver bug, say) after it has seen its input."""
+
+    name = "fails-once"
+
+    def __init__(self) -> None:
+        self.inner = create_policy("fcfs")
+        self.failed = False
+
+    def decide(self, ctx: DispatchContext) -> list[Decision]:
+        if ctx.arrived and not self.failed:
+            self.failed = True
+            raise ValueError("transient planner failure")
+        return self.inner.decide(ctx)
+
+
+def test_a_step_that_fails_loses_nothing_and_the_loop_goes_on() -> None:
+    async def scenario() -> None:
+        rec = Recorder()
+        e = engine("i0")
+        rt = start(FailsOnce(), [e], rec)
+        await rt.start()
+        for i in range(3):
+            rt.submit(make_request(i, arrival_s=rt.clock.now()))
+        await eventually(lambda: rt.idle, "all finished after the failed step")
+        await rt.stop()
+        await e.close()
+        assert set(rec.done) == {"r0000", "r0001", "r0002"}
+
+    run(scenario)
+
+
+def test_work_for_a_model_no_live_instance_serves_waits_without_stopping_the_rest() -> None:
+    async def scenario() -> None:
+        rec = Recorder()
+        live = engine("i0")
+        dead = Flaky(
+            WallClockEngine.from_catalog(
+                "i1", "n", "G", 1, time_scale=SCALE, catalog=make_catalog()
+            )
+        )
+        dead.broken = True
+        specs = [InstanceSpec("i0", "G", ("m",)), InstanceSpec("i1", "G", ("n",))]
+        policy = create_policy(
+            "qlm", profile=make_profile(), planner=PlannerConfig.for_simulation(500)
+        )
+        rt = AgentRuntime(
+            Controller(policy, specs),
+            [live, dead],
+            clock=WallClock(SCALE),
+            listener=rec,
+            tick_s=0.02,
+            health_interval_s=0.02,
+        )
+        await rt.start()
+        now = rt.clock.now()
+        rt.submit(make_request(0, arrival_s=now, model="n"))
+        for i in range(1, 6):
+            rt.submit(make_request(i, arrival_s=now))
+        await eventually(lambda: len(rec.done) == 5, "the m requests finished")
+        dead.broken = False  # i1 comes up: its request is planned and served
+        await eventually(lambda: rt.idle, "the n request finished too")
+        await rt.stop()
+        await live.close()
+        await dead.inner.close()
+        assert "r0000" in rec.done
+
+    run(scenario)
+
+
+class DelayedAbort(SlowAbort):
+    """An abort that takes a round trip, as over HTTP."""
+
+    async def abort(self, request_id: str) -> EngineOutput:
+        await asyncio.sleep(0.01)
+        return await self.inner.abort(request_id)
+
+
+def test_two_cancels_of_one_request_report_it_once_with_its_partial_output() -> None:
+    async def scenario() -> None:
+        rec = Recorder()
+        e = engine("i0")
+        rt = start(create_policy("fcfs"), [DelayedAbort(e)], rec)
+        await rt.start()
+        rt.submit(
+            make_request(0, arrival_s=rt.clock.now(), replay_output_tokens=3000, max_tokens=4000)
+        )
+        await eventually(lambda: rt.controller.track("r0000").first_token_s is not None, "it runs")
+        await asyncio.sleep(0.02)
+        first, second = await asyncio.gather(rt.cancel("r0000"), rt.cancel("r0000"))
+        await rt.stop()
+        await e.close()
+        assert sorted([first, second]) == [False, True]
+        assert len(rec.cancels) == 1 and rec.cancels[0][1] > 0  # once, with its partial output
 
     run(scenario)

@@ -19,7 +19,7 @@ from qlm.engines.wallclock import WallClockEngine, count_tokens
 from qlm.global_queue import DeadLetter, MemoryBroker, MemoryGlobalQueue, QueuedRequest
 from qlm.planner import PlannerConfig, create_policy
 from qlm.service import ControllerService
-from qlm.store import NewRequest, Store
+from qlm.store import NewRequest, Store, StoreError
 from qlm.store.rows import InstanceState
 
 SCALE = 50.0
@@ -260,6 +260,19 @@ def test_a_message_the_broker_gave_up_on_is_recorded_failed_with_the_reason() ->
         now = service.runtime.clock.now()
         broker.dead.append(DeadLetter(message(7, now).encode(), "delivery_limit"))
         broker.dead.append(DeadLetter(b"not json", "malformed message"))
+        real = store.ensure_requests
+        calls = []
+
+        def down_once(news: Any) -> Any:
+            calls.append(1)
+            if len(calls) == 1:
+                raise StoreError("the store is down")
+            return real(news)
+
+        store.ensure_requests = down_once  # type: ignore[method-assign]
+        with pytest.raises(StoreError):
+            await service.reap_once()
+        assert len(broker.dead) == 2  # nothing left the dead-letter queue
         assert await service.reap_once() == 1
         row = store.get("q0007", tenant="acme")
         assert row is not None and row.status is RequestStatus.FAILED
