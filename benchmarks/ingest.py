@@ -2,18 +2,25 @@
 accept path — HTTP, auth, limits, the store (PostgreSQL, group commit) and RabbitMQ (publisher
 confirms) — at a given concurrency. Prints figures; asserts nothing.
 
-The server is ``qlm api`` in its own process (uvloop and httptools when installed); the load comes
-from a second process on 127.0.0.1: ``wrk`` (Debian's package) with a Lua script posting
-``POST /v1/requests``, or, without wrk, an async httpx generator in a subprocess. Only 202s count
-as submissions: each one was committed to the store and confirmed by the broker before it was
-answered. No controller runs, so the queue only grows; the run's queue and PostgreSQL schema are
-deleted afterwards.
+The server is ``qlm api`` in its own process (uvloop and httptools, dependencies of QLM), or with
+``--workers N`` that many processes behind one port (``uvicorn --factory
+qlm.api.app:app_factory --workers N``). The load comes from a second process on 127.0.0.1:
+``wrk`` (Debian's package: ``apt-get install wrk``) with a Lua script posting ``POST
+/v1/requests``, or, without wrk, an async httpx generator in a subprocess; that one saturates
+its own core at ~200 requests/s on the development machine (it measures itself, not the API),
+so use wrk for figures. Only 202s count as submissions: each one was committed to the store and
+confirmed by the broker before it was answered, and the run counts the messages that landed in
+the queue. No controller runs, so the queue only grows; the run's queue and PostgreSQL schema
+are deleted afterwards. On Linux it also prints the CPU each party used during the measured load
+(from ``/proc``).
 
 Target (issue 7): >= 2,000 submissions/s with p99 <= 100 ms at concurrency 32 on the 2-core
-development machine, broker and database on the same host.
+development machine, broker and database on the same host. Results: docs/api.md, "Ingest
+throughput".
 
-Reproduce: .venv/bin/python benchmarks/ingest.py [--duration 20] [--concurrency 32]
-[--database postgresql+psycopg://postgres@127.0.0.1:5432/test | sqlite] [--client wrk|httpx]
+Reproduce: .venv/bin/python benchmarks/ingest.py [--duration 15] [--concurrency 32]
+[--workers 1] [--database postgresql+psycopg://postgres@127.0.0.1:5432/test | sqlite]
+[--client wrk|httpx]
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -94,6 +102,13 @@ def wait_ready(url: str, proc: subprocess.Popen[bytes], log: Path) -> None:
             pass
         time.sleep(0.1)
     sys.exit("qlm api did not start")
+
+
+WRK_MISSING = (
+    "wrk is not installed: apt-get install wrk (Debian, Ubuntu), brew install wrk (macOS); "
+    "or pass --client httpx (an async Python generator that saturates its own core at a few "
+    "hundred requests/s: it measures itself, not the API)"
+)
 
 
 def run_wrk(url: str, key: str, concurrency: int, duration: int) -> dict[str, float]:
@@ -162,6 +177,60 @@ def run_httpx(url: str, key: str, concurrency: int, duration: int) -> dict[str, 
     return result
 
 
+def cpu_seconds() -> dict[str, float] | None:
+    """CPU seconds used so far per party (the API, RabbitMQ, PostgreSQL, the load generator,
+    the rest) and the machine's idle seconds, from ``/proc``; None off Linux."""
+    if not Path("/proc/stat").exists():
+        return None
+    ticks = os.sysconf("SC_CLK_TCK")
+    used: dict[str, float] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()
+        seconds = (int(fields[11]) + int(fields[12])) / ticks
+        if "qlm api" in command or "app_factory" in command or "multiprocessing" in command:
+            party = "API"
+        elif "beam.smp" in command:
+            party = "RabbitMQ"
+        elif command.startswith("postgres"):
+            party = "PostgreSQL"
+        elif command.startswith("wrk") or "HTTPX_LOAD" in command or "httpx.AsyncClient" in command:
+            party = "load"
+        else:
+            party = "other"
+        used[party] = used.get(party, 0.0) + seconds
+    cpu = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
+    used["idle"] = int(cpu[3]) / ticks
+    return used
+
+
+def sample_cpu(out: list[tuple[float, dict[str, float] | None]], duration: int) -> None:
+    """``cpu_seconds`` one second into the load and one second before its end."""
+    time.sleep(min(1.0, duration / 4))
+    out.append((time.monotonic(), cpu_seconds()))
+    time.sleep(max(0.5, duration - 2 * min(1.0, duration / 4)))
+    out.append((time.monotonic(), cpu_seconds()))
+
+
+def cpu_line(samples: list[tuple[float, dict[str, float] | None]]) -> str:
+    if len(samples) < 2 or samples[0][1] is None or samples[1][1] is None:
+        return "cpu: not measured (no /proc)"
+    (t0, before), (t1, after) = samples[0], samples[1]
+    assert before is not None and after is not None
+    share = {k: 100 * (v - before.get(k, 0.0)) / (t1 - t0) for k, v in after.items()}
+    cores = os.cpu_count() or 1
+    parts = [
+        f"{k} {share.get(k, 0):.0f}%" for k in ("API", "RabbitMQ", "PostgreSQL", "load", "other")
+    ]
+    return f"cpu (% of one core): {', '.join(parts)}; idle {share['idle']:.0f}% of {100 * cores}%"
+
+
 async def queue_depth(queue: str) -> int:
     connection = await aio_pika.connect(AMQP_URL)
     async with connection:
@@ -186,8 +255,21 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--database", default=DATABASE_URL, help="a PostgreSQL URL, or 'sqlite'")
     parser.add_argument("--client", choices=["wrk", "httpx"], default=None)
+    parser.add_argument(
+        "--workers", type=int, default=1, help="API processes (uvicorn --workers) behind one port"
+    )
+    parser.add_argument(
+        "--server",
+        default=None,
+        help="the command that runs the API instead of 'qlm api' (experiments); it gets the "
+        "settings in the environment, the port in QLM_API__PORT",
+    )
     args = parser.parse_args()
+    if args.client == "wrk" and not shutil.which("wrk"):
+        sys.exit(WRK_MISSING)
     client = args.client or ("wrk" if shutil.which("wrk") else "httpx")
+    if client == "httpx" and args.client is None:
+        print(f"note: {WRK_MISSING}; using the httpx generator", file=sys.stderr)
     load = run_wrk if client == "wrk" else run_httpx
 
     base = f"qlm.bench.{uuid.uuid4().hex[:10]}"
@@ -222,16 +304,31 @@ def main() -> None:
         "QLM_API__MAX_QUEUED_PER_TENANT": "100000000",
         "QLM_LOG_LEVEL": "WARNING",
     }
+    if args.server:
+        command = args.server.split()
+    elif args.workers > 1:
+        command = [
+            str(Path(sys.executable).with_name("uvicorn")), "--factory",
+            "qlm.api.app:app_factory", "--workers", str(args.workers), "--host", "127.0.0.1",
+            "--port", str(port), "--loop", "uvloop", "--http", "httptools", "--no-access-log",
+            "--log-level", "warning",
+        ]  # fmt: skip
+    else:
+        command = [qlm(), "api"]
     log = workdir / "api.log"
     with log.open("wb") as sink:
-        server = subprocess.Popen([qlm(), "api"], stdout=sink, stderr=subprocess.STDOUT, env=env)
+        server = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_ready(url, server, log)
         if args.warmup:
             load(url, key, args.concurrency, args.warmup)
         before = asyncio.run(queue_depth(base))
+        cpu: list[tuple[float, dict[str, float] | None]] = []
+        sampler = threading.Thread(target=sample_cpu, args=(cpu, args.duration), daemon=True)
+        sampler.start()  # while the load runs: the load generator is gone afterwards
         result = load(url, key, args.concurrency, args.duration)
+        sampler.join()
         confirmed = asyncio.run(queue_depth(base)) - before
     finally:
         server.terminate()
@@ -251,13 +348,18 @@ def main() -> None:
         f"latency: p50 {result['p50_ms']:.1f} ms, p90 {result['p90_ms']:.1f} ms, "
         f"p99 {result['p99_ms']:.1f} ms, max {result['max_ms']:.1f} ms"
     )
+    print(cpu_line(cpu))
     store_kind = "PostgreSQL" if schema is not None else "SQLite"
+    server_kind = args.server or (
+        "qlm api" if args.workers == 1 else f"{args.workers} API processes (uvicorn)"
+    )
     print(
-        f"setup: qlm api ({store_kind} store, RabbitMQ), load from {client} in a second "
+        f"setup: {server_kind} ({store_kind} store, RabbitMQ), load from {client} in a second "
         f"process; {os.cpu_count()} cores, Python {platform.python_version()}"
     )
     print(f"reproduce: .venv/bin/python benchmarks/ingest.py --duration {args.duration} "
           f"--concurrency {args.concurrency} --client {client}"
+          + (f" --workers {args.workers}" if args.workers > 1 else "")
           + (" --database sqlite" if schema is None else ""))  # fmt: skip
 
 

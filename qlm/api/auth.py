@@ -45,6 +45,7 @@ class Authenticator:
         self._settings = settings
         self._clock = clock
         self._cache: dict[str, tuple[ApiKey, float]] = {}
+        self._looking_up: dict[str, asyncio.Task[ApiKey | None]] = {}
         self._anonymous = Principal(settings.default_tenant, admin=True)
 
     async def authenticate(self, token: str | None) -> Principal:
@@ -65,13 +66,7 @@ class Authenticator:
         if cached is not None and cached[1] > now:
             key: ApiKey | None = cached[0]
         else:
-            key = await asyncio.to_thread(self._store.lookup_api_key, token)
-            if key is not None:
-                if len(self._cache) >= _MAX_CACHED:
-                    self._cache.clear()
-                self._cache[token] = (key, now + self._settings.key_cache_s)
-            else:
-                self._cache.pop(token, None)
+            key = await self._lookup(token, now)
         if key is None:
             raise ApiError(
                 401,
@@ -82,6 +77,32 @@ class Authenticator:
                 headers=_CHALLENGE,
             )
         return Principal(key.tenant, key.admin, key.id)
+
+    async def _lookup(self, token: str, now: float) -> ApiKey | None:
+        """Ask the store once for all the calls that find the same key uncached at once (under
+        load: every call in flight when its cache entry expires). The lookup is a task of its
+        own, so a caller that goes away does not cancel it for the others."""
+        task = self._looking_up.get(token)
+        if task is None:
+            task = asyncio.create_task(self._fetch(token, now), name="qlm-api-key-lookup")
+            self._looking_up[token] = task
+            task.add_done_callback(lambda done: self._lookup_done(token, done))
+        return await asyncio.shield(task)
+
+    async def _fetch(self, token: str, now: float) -> ApiKey | None:
+        key = await asyncio.to_thread(self._store.lookup_api_key, token)
+        if key is not None:
+            if len(self._cache) >= _MAX_CACHED:
+                self._cache.clear()
+            self._cache[token] = (key, now + self._settings.key_cache_s)
+        else:
+            self._cache.pop(token, None)
+        return key
+
+    def _lookup_done(self, token: str, task: asyncio.Task[ApiKey | None]) -> None:
+        self._looking_up.pop(token, None)
+        if not task.cancelled():
+            task.exception()  # retrieved: the callers re-raise it
 
 
 def require_admin(principal: Principal) -> Principal:

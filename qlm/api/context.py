@@ -24,6 +24,9 @@ from qlm.store import Store
 
 log = logging.getLogger(__name__)
 
+WRITERS = 3
+"""Batches of submissions recorded at once on PostgreSQL (``qlm.api.submission``)."""
+
 
 @dataclass
 class ApiContext:
@@ -64,7 +67,12 @@ class ApiContext:
             auth=Authenticator(store, settings),
             limiter=RateLimiter(settings.rate_per_s, settings.rate_burst),
             queued=QueuedCounter(store, settings.queued_count_ttl_s),
-            submitter=Submitter(store, queue, max_batch=settings.commit_max_batch),
+            submitter=Submitter(
+                store,
+                queue,
+                max_batch=settings.commit_max_batch,
+                writers=WRITERS if store.backend == "postgresql" else 1,
+            ),
             results=Results(
                 store,
                 hub=controller.hub if controller is not None else None,

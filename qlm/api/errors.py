@@ -153,6 +153,30 @@ def _param(loc: Sequence[int | str]) -> str:
     return out
 
 
+def response_for(exc: Exception) -> JSONResponse | None:
+    """The answer to an error a route raised on purpose (``ApiError``, ``StoreError``,
+    ``QueueUnavailable``); None for anything else."""
+    if isinstance(exc, ApiError):
+        return exc.response()
+    if isinstance(exc, InvalidCursor):
+        return error_response(422, str(exc), INVALID, "cursor", "invalid_cursor")
+    if isinstance(exc, StoreError):
+        log.warning("store unavailable: %s", exc)
+        return error_response(
+            503, f"store unavailable: {exc}", UNAVAILABLE, code="store_unavailable"
+        )
+    if isinstance(exc, QueueUnavailable):
+        log.warning("global queue unavailable: %s", exc)
+        return error_response(
+            503,
+            f"global queue unavailable, nothing was accepted: {exc}",
+            UNAVAILABLE,
+            code="broker_unavailable",
+            headers={"Retry-After": "1"},
+        )
+    return None
+
+
 async def _on_api_error(_request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, ApiError)
     return exc.response()
@@ -188,21 +212,15 @@ async def _on_http(_request: Request, exc: Exception) -> JSONResponse:
 
 
 async def _on_store(_request: Request, exc: Exception) -> JSONResponse:
-    if isinstance(exc, InvalidCursor):
-        return error_response(422, str(exc), INVALID, "cursor", "invalid_cursor")
-    log.warning("store unavailable: %s", exc)
-    return error_response(503, f"store unavailable: {exc}", UNAVAILABLE, code="store_unavailable")
+    response = response_for(exc)
+    assert isinstance(exc, StoreError) and response is not None
+    return response
 
 
 async def _on_queue(_request: Request, exc: Exception) -> JSONResponse:
-    log.warning("global queue unavailable: %s", exc)
-    return error_response(
-        503,
-        f"global queue unavailable, nothing was accepted: {exc}",
-        UNAVAILABLE,
-        code="broker_unavailable",
-        headers={"Retry-After": "1"},
-    )
+    response = response_for(exc)
+    assert isinstance(exc, QueueUnavailable) and response is not None
+    return response
 
 
 async def _on_unexpected(_request: Request, exc: Exception) -> JSONResponse:

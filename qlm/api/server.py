@@ -4,8 +4,9 @@
 uvicorn runs as a task of the caller's loop rather than owning the process: the socket is bound
 first (so a taken port is one clear error, not uvicorn's ``sys.exit``), and uvicorn's own signal
 handling is off, so the caller decides how to stop (``qlm serve`` stops the API first, then the
-controller). ``qlm api`` runs on uvloop when it is installed (``pip install uvloop httptools``:
-the ingest figures in docs/api.md were measured with both).
+controller). ``qlm api`` runs on uvloop and uvicorn parses HTTP with httptools: both are
+dependencies of QLM (uvloop except on Windows, where asyncio's loop is used); the ingest figures
+in docs/api.md were measured with both.
 """
 
 from __future__ import annotations
@@ -81,6 +82,9 @@ class ApiServer:
                 await self._task  # raises what stopped it
                 raise ConfigError(f"the API on {self.url} stopped during start-up (see the log)")
             await asyncio.sleep(0.02)
+        from qlm.api.app import freeze_startup_objects
+
+        freeze_startup_objects()  # a server process: what start-up made lives as long as it
         log.info("API listening on %s", self.url)
 
     @property

@@ -3,7 +3,8 @@
 ``Store`` is synchronous and thread-safe: each call opens its own session on a shared engine and
 commits before it returns, so the asyncio service calls it through ``asyncio.to_thread`` and the
 controller from its own thread. Callers get frozen rows (``qlm.store.rows``), never ORM objects,
-and every database failure as a ``StoreError``.
+and every database failure as a ``StoreError``. One exception: ``add_requests_async``, the API's
+ingest hot path, runs on the caller's event loop, on connections of its own.
 
 State changes are single conditional ``UPDATE`` statements (``... WHERE status IN ('queued',
 'running')``) rather than read-modify-write, so concurrent callers need no locks: the database
@@ -13,16 +14,18 @@ decides which of two racing outcomes lands, on SQLite (one writer at a time) and
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import json
+import sqlite3
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from alembic import command
 from alembic.config import Config
@@ -76,6 +79,9 @@ from qlm.store.rows import (
     RequestRow,
     SloSummaryRow,
 )
+
+if TYPE_CHECKING:
+    import psycopg
 
 MIGRATIONS = Path(__file__).parent / "migrations"
 SummaryKey = Literal["tenant", "model", "tier"]
@@ -147,6 +153,9 @@ class Store:
         self._lock: AbstractContextManager[Any] = (
             threading.RLock() if is_memory(self._url) else nullcontext()
         )
+        # add_requests_async's own PostgreSQL connections (idle ones), for one event loop.
+        self._pg_idle: list[psycopg.AsyncConnection[Any]] = []
+        self._pg_loop: asyncio.AbstractEventLoop | None = None
 
     @classmethod
     def open(
@@ -175,6 +184,11 @@ class Store:
         """The database URL, password hidden."""
         return display(self._url)
 
+    @property
+    def backend(self) -> Literal["postgresql", "sqlite"]:
+        """Which database: PostgreSQL takes concurrent writers, SQLite one at a time."""
+        return "postgresql" if self._postgres else "sqlite"
+
     def now(self) -> float:
         """The store's clock (unix time unless a test gave another): what ``updated_at`` and
         the other bookkeeping times are on."""
@@ -200,7 +214,9 @@ class Store:
                 raise StoreError(f"cannot migrate {self.url}: {_reason(exc)}") from exc
 
     def close(self) -> None:
-        """Close every pooled connection (an in-memory database is gone afterwards)."""
+        """Close every pooled connection (an in-memory database is gone afterwards), and the
+        connections of ``add_requests_async``."""
+        self._drop_pg()
         self._engine.dispose()
 
     def __enter__(self) -> Store:
@@ -311,6 +327,134 @@ class Store:
             if rows:
                 connection.execute(insert(labels), rows)
         return {n.id for n in news} - lost
+
+    async def add_requests_async(self, news: Sequence[NewRequest]) -> set[str]:
+        """``add_requests`` for an event loop, as cheap for its process as the database allows:
+        the API's group commit at thousands of requests per second.
+
+        The same rows as ``add_requests`` (requests and their labels, ``INSERT ... ON CONFLICT
+        DO NOTHING``), written without SQLAlchemy, whose compiling and parameter processing cost
+        70-90 µs of CPU per row, and without a worker thread, which would hold the GIL against
+        the event loop while it does. Returns the ids inserted: a request whose
+        ``(tenant, idempotency_key)`` or id was taken is not (``add_request`` finds the request
+        that holds it).
+
+        - **PostgreSQL**: one statement on a psycopg ``AsyncConnection`` on the caller's event
+          loop (libpq's I/O waits in the loop, not in a thread). The rows travel as one JSON
+          document (``json_populate_recordset``), so the client does one ``json.dumps`` instead
+          of adapting every parameter: 15-30 µs of CPU per row. Connections are in autocommit
+          mode (one statement is one transaction), one per call in flight, kept for the next
+          calls (at most ``_PG_IDLE``), and not pinged before use: a statement that fails
+          because its connection broke (a restarted server) is sent once more on a new one.
+          Rows the first attempt may have committed before the break count as inserted (their
+          ids are fresh).
+        - **SQLite**: the raw ``sqlite3`` connection in a worker thread (SQLite releases the GIL
+          while it works), in one ``BEGIN IMMEDIATE`` transaction.
+
+        Not part of a ``batch()``: it always commits on its own. Its PostgreSQL connections
+        belong to the event loop that made them (a call from another loop replaces them).
+        """
+        if not news:
+            return set()
+        if not self._postgres:
+            return await asyncio.to_thread(self._add_requests_sqlite, news)
+        import psycopg
+
+        now = self._clock()
+        rows = json.dumps([_request_values(n, now) for n in news])
+        labels = json.dumps(
+            [{"request_id": n.id, "key": k, "value": v} for n in news for k, v in n.labels]
+        )
+        what = f"record {len(news)} requests"
+        for attempt in (1, 2):
+            connection = await self._pg_take(what, fresh=attempt > 1)
+            try:
+                cursor = await connection.execute(_PG_ADD_REQUESTS, (rows, labels))
+                created = {str(row[0]) for row in await cursor.fetchall()}
+                if attempt > 1:
+                    ids = [n.id for n in news]
+                    cursor = await connection.execute(_PG_PRESENT, (ids,))
+                    created = {str(row[0]) for row in await cursor.fetchall()}
+            except psycopg.OperationalError as exc:
+                broken = connection.broken or connection.closed
+                if not broken:
+                    self._pg_give_back(connection)
+                else:
+                    await connection.close()
+                if not broken or attempt > 1:
+                    raise StoreError(f"cannot {what} ({self.url}): {_pg_reason(exc)}") from exc
+                self._drop_pg()  # the others were idle on the same server: likely broken too
+            except psycopg.Error as exc:
+                self._pg_give_back(connection)  # autocommit: no transaction left open
+                raise StoreError(f"cannot {what}: {_pg_reason(exc)}") from exc
+            except BaseException:
+                # Cancelled mid-statement: the connection's state is unknown; not reused.
+                connection.pgconn.finish()
+                raise
+            else:
+                self._pg_give_back(connection)
+                return created
+        raise AssertionError("unreachable")
+
+    def _add_requests_sqlite(self, news: Sequence[NewRequest]) -> set[str]:
+        now = self._clock()
+        created: set[str] = set()
+        what = f"record {len(news)} requests"
+        with self._tx(what, write=True) as session:
+            raw = session.connection().connection.driver_connection
+            assert isinstance(raw, sqlite3.Connection)
+            try:
+                cursor = raw.cursor()
+                try:
+                    for new in news:
+                        values = _request_values(new, now)
+                        for column in _JSON_COLUMNS:
+                            if values[column] is not None:
+                                values[column] = json.dumps(values[column])
+                        cursor.execute(_SQLITE_ADD_REQUEST, values)
+                        if cursor.rowcount == 1:
+                            created.add(new.id)
+                    labels = [(n.id, k, v) for n in news if n.id in created for k, v in n.labels]
+                    if labels:
+                        cursor.executemany(_SQLITE_ADD_LABEL, labels)
+                finally:
+                    cursor.close()
+            except sqlite3.Error as exc:
+                raise StoreError(f"cannot {what} ({self.url}): {exc}") from exc
+        return created
+
+    async def _pg_take(self, what: str, *, fresh: bool) -> psycopg.AsyncConnection[Any]:
+        """An idle connection of this event loop, or a new one (``fresh``: always new)."""
+        import psycopg
+
+        loop = asyncio.get_running_loop()
+        if self._pg_loop is not loop:
+            self._drop_pg()
+            self._pg_loop = loop
+        while self._pg_idle and not fresh:
+            connection = self._pg_idle.pop()
+            if not connection.closed:
+                return connection
+        cargs, cparams = self._engine.dialect.create_connect_args(self._url)
+        cparams.pop("context", None)  # SQLAlchemy's adapters: plain psycopg here
+        cparams.setdefault("connect_timeout", 10)
+        try:
+            return await psycopg.AsyncConnection.connect(*cargs, autocommit=True, **cparams)
+        except psycopg.Error as exc:
+            raise StoreError(f"cannot {what} ({self.url}): {_pg_reason(exc)}") from exc
+
+    def _pg_give_back(self, connection: psycopg.AsyncConnection[Any]) -> None:
+        if len(self._pg_idle) < _PG_IDLE and not connection.closed:
+            self._pg_idle.append(connection)
+        else:
+            connection.pgconn.finish()
+
+    def _drop_pg(self) -> None:
+        """Close ``add_requests_async``'s idle connections (libpq's close is synchronous)."""
+        idle, self._pg_idle = self._pg_idle, []
+        for connection in idle:
+            if not connection.closed:
+                connection.pgconn.finish()
 
     def delete_requests(self, ids: Sequence[str]) -> int:
         """Remove requests the API recorded but could not hand to the global queue (the publish
@@ -986,6 +1130,11 @@ def _api_key(m: ApiKeyModel) -> ApiKey:
     )
 
 
+def _pg_reason(exc: Exception) -> str:
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else type(exc).__name__
+
+
 def _request_values(new: NewRequest, now: float) -> dict[str, Any]:
     """The column values of a new request's row."""
     return {
@@ -1015,3 +1164,33 @@ def _request_values(new: NewRequest, now: float) -> dict[str, Any]:
         "at_risk": False,
         "updated_at": now,
     }
+
+
+_NEW_COLUMNS = tuple(
+    _request_values(NewRequest("", "", "", 0, 0, 0.0, 0.0), 0.0)  # the columns a new row sets
+)
+_JSON_COLUMNS = ("messages", "sampling", "labels")
+_PG_IDLE = 4  # connections add_requests_async keeps open between calls
+_PG_ADD_REQUESTS = f"""
+WITH new AS (
+    INSERT INTO requests ({", ".join(_NEW_COLUMNS)})
+    SELECT {", ".join(_NEW_COLUMNS)} FROM json_populate_recordset(NULL::requests, %s::json)
+    ON CONFLICT DO NOTHING
+    RETURNING id
+), labelled AS (
+    INSERT INTO request_labels (request_id, key, value)
+    SELECT l.request_id, l.key, l.value
+    FROM json_to_recordset(%s::json) AS l(request_id text, key text, value text)
+    JOIN new ON new.id = l.request_id
+)
+SELECT id FROM new
+"""
+"""``add_requests_async`` on PostgreSQL: one statement, one implicit transaction. The label rows
+join the requests actually inserted; a JSON ``null`` is SQL NULL (``messages``), and a nested JSON
+value keeps its text (``json.dumps``'s, as SQLAlchemy writes it)."""
+_PG_PRESENT = "SELECT id FROM requests WHERE id = ANY(%s)"
+_SQLITE_ADD_REQUEST = (
+    f"INSERT INTO requests ({', '.join(_NEW_COLUMNS)}) "
+    f"VALUES ({', '.join(':' + c for c in _NEW_COLUMNS)}) ON CONFLICT DO NOTHING"
+)
+_SQLITE_ADD_LABEL = "INSERT INTO request_labels (request_id, key, value) VALUES (?, ?, ?)"

@@ -7,6 +7,7 @@ Each test starts from empty tables.
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import Iterator
 
@@ -84,3 +85,40 @@ class TestPostgresStore(StoreContract):
             row = store.get(f"r{i:04d}")
             assert row is not None and row.output_text is not None
             assert int(row.output_text) % 4 == i
+
+    def test_add_requests_async_sends_again_once_when_its_connection_broke(
+        self, store: Store, schema_url: str
+    ) -> None:
+        # Its connections are not pinged before use: the server ending one (a restart, an idle
+        # timeout) costs the next statement one more try on a new connection, not an error.
+        async def scenario() -> None:
+            assert await store.add_requests_async([new_request(1)]) == {"r0001"}
+            [idle] = store._pg_idle  # white box: the connection the next call takes
+            engine = create_engine(schema_url)
+            with engine.begin() as connection:
+                connection.execute(
+                    text("SELECT pg_terminate_backend(:pid)"), {"pid": idle.info.backend_pid}
+                )
+            engine.dispose()
+            for _ in range(100):  # until the server has closed it
+                if idle.pgconn.socket < 0 or not _alive(idle.info.backend_pid, schema_url):
+                    break
+                await asyncio.sleep(0.01)
+            news = [new_request(2, labels=(("k", "v"),)), new_request(3)]
+            assert await store.add_requests_async(news) == {"r0002", "r0003"}
+            assert idle.closed and store._pg_idle and store._pg_idle[0] is not idle
+
+        asyncio.run(scenario())
+        assert store.list_requests(label=("k", "v"))[0][0].id == "r0002"
+
+
+def _alive(pid: int, url: str) -> bool:
+    engine = create_engine(url)
+    try:
+        with engine.connect() as connection:
+            found = connection.execute(
+                text("SELECT count(*) FROM pg_stat_activity WHERE pid = :pid"), {"pid": pid}
+            ).scalar_one()
+    finally:
+        engine.dispose()
+    return bool(found)

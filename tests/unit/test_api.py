@@ -12,6 +12,7 @@ from typing import Any
 
 import httpx
 import pytest
+from fastapi import FastAPI
 
 from qlm.api import create_app
 from qlm.api.ports import LocalController
@@ -28,6 +29,7 @@ class Harness:
     queue: GlobalQueue
     client: httpx.AsyncClient
     keys: dict[str, str]
+    app: FastAPI
 
     def auth(self, who: str = "acme", **headers: str) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.keys[who]}", **headers}
@@ -69,7 +71,7 @@ async def api_harness(
         async with app.router.lifespan_context(app):
             transport = httpx.ASGITransport(app=app)
             async with httpx.AsyncClient(transport=transport, base_url="http://qlm") as client:
-                yield Harness(the_store, the_queue, client, keys)
+                yield Harness(the_store, the_queue, client, keys, app)
     finally:
         if own:
             the_store.close()

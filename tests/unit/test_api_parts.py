@@ -1,17 +1,25 @@
 """The API's pure parts and its store additions: token estimate, chat template, admission from
-the plan, the token bucket, and ``Store.add_requests`` / ``delete_requests``."""
+the plan, the token bucket, key lookups, the submission writer, and ``Store.add_requests`` /
+``delete_requests``."""
 
 from __future__ import annotations
 
+import asyncio
+import threading
+import time
 from typing import Any
 
 from typer.testing import CliRunner
 
+from qlm.api.auth import Authenticator
 from qlm.api.control import assess
 from qlm.api.limits import RateLimiter, retry_after
 from qlm.api.prompts import estimate_tokens, render_chat
+from qlm.api.submission import Submitter
 from qlm.cli import app
 from qlm.domain import RequestStatus
+from qlm.global_queue import MemoryGlobalQueue, QueuedRequest
+from qlm.settings import ApiSettings
 from qlm.store import NewRequest, Store
 from tests.unit.test_api import busy_snapshot
 
@@ -65,6 +73,79 @@ def test_the_token_bucket_refills_at_its_rate() -> None:
     t[0] = 0.5
     assert bucket.take("a") == 0.0
     assert retry_after(0.01) == "1" and retry_after(2.2) == "3"
+
+
+def test_calls_that_find_a_key_uncached_together_ask_the_store_once() -> None:
+    with Store.open("sqlite://") as store:
+        key = store.create_api_key("acme")
+        lookups: list[str] = []
+        lookup = store.lookup_api_key
+        entered = threading.Event()
+
+        def slow_lookup(token: str) -> Any:
+            lookups.append(token)
+            entered.set()
+            time.sleep(0.05)  # all the calls below arrive while it runs
+            return lookup(token)
+
+        store.lookup_api_key = slow_lookup  # type: ignore[method-assign]
+        auth = Authenticator(store, ApiSettings())
+
+        async def main() -> list[str]:
+            principals = await asyncio.gather(*(auth.authenticate(key) for _ in range(20)))
+            cached = await auth.authenticate(key)
+            return [p.tenant for p in [*principals, cached]]
+
+        assert asyncio.run(main()) == ["acme"] * 21
+        assert lookups == [key]
+
+
+def message_of_new(n: NewRequest) -> QueuedRequest:
+    return QueuedRequest(
+        id=n.id,
+        model=n.model,
+        prompt_tokens=n.prompt_tokens,
+        max_tokens=n.max_tokens,
+        slo_e2e_s=n.slo_e2e_s,
+        slo_ttft_s=None,
+        submitted_at=n.submitted_at,
+        tenant=n.tenant,
+        prompt="p",
+        messages=None,
+        sampling={},
+        tier=1,
+        labels={},
+    )
+
+
+def test_several_batches_in_flight_record_each_request_once_and_publish_it() -> None:
+    with Store.open("sqlite://") as store:
+        queue = MemoryGlobalQueue()
+
+        async def main() -> list[Any]:
+            submitter = Submitter(store, queue, max_batch=4, writers=3)
+            submitter.start()
+            news = [new(i) for i in range(30)] + [
+                new(100 + i, idempotency_key="same") for i in range(5)
+            ]
+            try:
+                results = await asyncio.gather(
+                    *(submitter.submit(n, message_of_new(n)) for n in news)
+                )
+            finally:
+                await submitter.close()
+            assert submitter.batches >= 30 / 4
+            return results
+
+        results = asyncio.run(main())
+        assert [r.replayed for r in results[:30]] == [False] * 30
+        keyed = results[30:]
+        assert len({r.row.id for r in keyed}) == 1 and sum(not r.replayed for r in keyed) == 1
+        rows, _ = store.list_requests(limit=100)
+        assert len(rows) == 31
+        # Replays of a key whose request is still queued are published again (by design).
+        ids = {QueuedRequest.decode(s.raw).id for s in queue.broker._ready}
+        assert ids == {row.id for row in rows}
 
 
 def test_add_requests_records_a_batch_and_reports_taken_idempotency_keys() -> None:

@@ -3,11 +3,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import math
 import sqlite3
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +64,24 @@ def plan_record(at_s: float = 10.0, **overrides: Any) -> PlanRecord:
     }
     fields.update(overrides)
     return PlanRecord(**fields)
+
+
+def raw_rows(store: Store) -> tuple[dict[str, dict[str, Any]], dict[str, list[tuple[str, str]]]]:
+    """Every request row as stored (JSON columns as their text) and every request's labels,
+    read past the store's own conversions."""
+    columns = [c.name for c in Base.metadata.tables["requests"].columns]
+    json_columns = {"messages", "sampling", "labels"}
+    listed = ", ".join(f"CAST({c} AS TEXT)" if c in json_columns else c for c in columns)
+    with store._engine.connect() as connection:  # white box: the bytes, not the rows
+        rows = connection.exec_driver_sql(f"SELECT {listed} FROM requests").all()
+        label_rows = connection.exec_driver_sql(
+            "SELECT request_id, key, value FROM request_labels ORDER BY request_id, key"
+        ).all()
+    requests = {row[0]: dict(zip(columns, row, strict=True)) for row in rows}
+    labels: dict[str, list[tuple[str, str]]] = {}
+    for request_id, key, value in label_rows:
+        labels.setdefault(request_id, []).append((key, value))
+    return requests, labels
 
 
 def run_together(n: int, call: Callable[[int], Any]) -> list[Any]:
@@ -305,6 +325,65 @@ class StoreContract:
         assert store.ensure_requests([]) == {}
         many = store.ensure_requests([new_request(i) for i in range(10, 1210)])
         assert len(many) == 1200 and store.get("r1209") is not None
+
+    def test_add_requests_async_writes_exactly_what_add_requests_writes(self, store: Store) -> None:
+        # Every kind of value a submission carries, through both paths: the rows (raw, the JSON
+        # text included) and the labels must be the same but for the ids and keys.
+        def batch(prefix: str) -> list[NewRequest]:
+            return [
+                new_request(
+                    i,
+                    id=f"{prefix}{i}",
+                    prompt=None if i % 2 else 'héllo 😀 "quoted" \\ back\nslash',
+                    messages=[{"role": "user", "content": "hi ü"}] if i % 2 else None,
+                    sampling={"temperature": 0.7, "stop": ["\n"], "seed": 2**40} if i else {},
+                    slo_ttft_s=2.5 if i == 1 else None,
+                    submitted_at=1_767_000_000.123456 + i / 3,
+                    tier=Tier.INTERACTIVE if i % 2 else Tier.BATCH,
+                    slo_class="chat" if i == 3 else "default",
+                    labels=(("team", f"t{i}"), ("zone", "é")) if i != 2 else (),
+                    idempotency_key=f"{prefix}-key-{i}" if i in (1, 3) else None,
+                )
+                for i in range(5)
+            ]
+
+        assert store.add_requests(batch("a")) == {f"a{i}" for i in range(5)}
+        assert asyncio.run(store.add_requests_async(batch("b"))) == {f"b{i}" for i in range(5)}
+        for i in range(5):
+            a, b = store.get(f"a{i}"), store.get(f"b{i}")
+            assert a is not None and b is not None
+            assert b == replace(a, id=b.id, idempotency_key=b.idempotency_key)
+        requests, labels = raw_rows(store)
+        for i in range(5):
+            a, b = requests[f"a{i}"], requests[f"b{i}"]
+            assert b == a | {"id": b["id"], "idempotency_key": b["idempotency_key"]}
+            assert labels.get(f"b{i}") == labels.get(f"a{i}")
+        assert labels["b0"] == [("team", "t0"), ("zone", "é")] and "b2" not in labels
+
+    def test_add_requests_async_skips_what_is_taken(self, store: Store) -> None:
+        store.add_request(new_request(0, idempotency_key="k"))
+        news = [
+            new_request(1, labels=(("a", "1"),)),
+            new_request(2, idempotency_key="k", labels=(("a", "2"),)),  # taken before
+            new_request(3, idempotency_key="j"),
+            new_request(4, idempotency_key="j", labels=(("a", "4"),)),  # taken in the batch
+            new_request(0, model="other"),  # an id taken: the row stays as it was
+            new_request(5, tenant="globex", idempotency_key="k"),  # keys are per tenant
+        ]
+        created = asyncio.run(store.add_requests_async(news))
+        assert created == {"r0001", "r0003", "r0005"}
+        assert store.get("r0002") is None and store.get("r0004") is None
+        assert store.get("r0000").model == "m"  # type: ignore[union-attr]
+        _, labels = raw_rows(store)
+        assert set(labels) == {"r0001"}
+        assert asyncio.run(store.add_requests_async([])) == set()
+
+        # Again on the same loop and on a new one: connections are reused or replaced.
+        async def twice() -> tuple[set[str], set[str]]:
+            one = await store.add_requests_async([new_request(6)])
+            return one, await store.add_requests_async([new_request(7)])
+
+        assert asyncio.run(twice()) == ({"r0006"}, {"r0007"})
 
     def test_controllers_publish_their_state_for_the_api(
         self, store: Store, clock: FakeClock

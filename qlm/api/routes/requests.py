@@ -69,6 +69,15 @@ async def submit_request(
 ) -> Response:
     """Queue a completion (``prompt``) or a chat (``messages``) with its SLO. Answers 202 only
     once the store recorded it and the broker confirmed it; any error means nothing was kept."""
+    return await submit(ctx, principal, body, idempotency_key)
+
+
+async def submit(
+    ctx: ApiContext, principal: Principal, body: SubmitIn, idempotency_key: str | None
+) -> Response:
+    """What ``POST /v1/requests`` does once its inputs are valid, for the route above and for
+    the fast path that serves the same call without FastAPI's machinery (``qlm.api.hotpath``).
+    Raises ``ApiError``, ``StoreError`` or ``QueueUnavailable``."""
     submission = Submission(
         model=body.model,
         max_tokens=body.max_tokens,

@@ -1,0 +1,135 @@
+"""``POST /v1/requests`` without FastAPI's per-request machinery: the ingest hot path.
+
+FastAPI spends more CPU on a submission than QLM does: routing through every route of the app,
+solving the dependency tree (context, bearer scheme, principal, header), its exception and
+async-exit-stack middlewares, and re-parsing the content type. Profiled under load that was about
+a third of the API process (docs/api.md, "Ingest throughput"). This ASGI middleware serves a
+well-formed submission itself, doing exactly what the route does with the same code
+(``qlm.api.routes.requests.submit``): ``json.loads`` the body and validate it with ``SubmitIn``
+(what FastAPI does), read the bearer key as ``HTTPBearer`` does, check ``Idempotency-Key`` as
+the route's header declares it, then answer from the same function.
+
+Anything it does not recognise as a well-formed call — another path or method, a content type
+other than ``application/json``, a body that does not parse or validate, a malformed or repeated
+``Idempotency-Key`` — goes to the FastAPI route unchanged (the body replayed), so every error is
+FastAPI's own, in the one error shape. The route stays the documented one (OpenAPI).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from qlm.api import errors
+from qlm.api.context import ApiContext
+from qlm.api.routes.requests import submit
+from qlm.api.schemas import SubmitIn
+
+PATH = "/v1/requests"
+_KEY = re.compile(r"[\x21-\x7e]{1,255}")  # the route's Idempotency-Key header
+
+
+class SubmitFastPath:
+    """The middleware (module docstring); sits inside ``BodyLimit``, which has checked the size."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] != "POST" or _route_path(scope) != PATH:
+            await self.app(scope, receive, send)
+            return
+        content_type = authorization = None
+        keys: list[bytes] = []
+        for name, value in scope["headers"]:
+            if name == b"content-type":
+                content_type = value if content_type is None else content_type
+            elif name == b"authorization":
+                authorization = value if authorization is None else authorization
+            elif name == b"idempotency-key":
+                keys.append(value)
+        body = await _read_body(receive)
+        if body is None:
+            return  # the client went away
+        replay = _replaying(body, receive)
+        ctx: ApiContext | None = getattr(scope["app"].state, "ctx", None)
+        parsed = _parse(content_type, body, keys)
+        if parsed is None or ctx is None:
+            await self.app(scope, replay, send)  # FastAPI answers, errors included
+            return
+        submission, key = parsed
+        try:
+            principal = await ctx.auth.authenticate(_bearer(authorization))
+            response = await submit(ctx, principal, submission, key)
+        except Exception as exc:
+            answer = errors.response_for(exc)
+            if answer is None:
+                raise  # ServerErrorMiddleware: 500, as for the route
+            response = answer
+        await response(scope, replay, send)
+
+
+def _route_path(scope: Scope) -> str:
+    path: str = scope["path"]
+    root: str = scope.get("root_path", "")
+    return path[len(root) :] if root and path.startswith(root) else path
+
+
+def _parse(
+    content_type: bytes | None, body: bytes, keys: list[bytes]
+) -> tuple[SubmitIn, str | None] | None:
+    """The validated body and Idempotency-Key, or None for FastAPI to answer."""
+    if content_type is None or content_type.split(b";", 1)[0].strip().lower() != (
+        b"application/json"
+    ):
+        return None
+    key: str | None = None
+    if keys:
+        if len(keys) > 1:
+            return None
+        key = keys[0].decode("latin-1")  # as Starlette decodes headers
+        if _KEY.fullmatch(key) is None:
+            return None
+    try:
+        submission = SubmitIn.model_validate(json.loads(body))
+    except Exception:  # not JSON, not UTF-8, too deep, invalid: FastAPI's
+        return None
+    return submission, key
+
+
+def _bearer(authorization: bytes | None) -> str | None:
+    """The key, as ``HTTPBearer(auto_error=False)`` reads it: None unless ``Bearer <key>``."""
+    if not authorization:
+        return None
+    scheme, _, credentials = authorization.decode("latin-1").partition(" ")
+    credentials = credentials.strip()
+    if not scheme or not credentials or scheme.lower() != "bearer":
+        return None
+    return credentials
+
+
+async def _read_body(receive: Receive) -> bytes | None:
+    chunks: list[bytes] = []
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            return None
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+def _replaying(body: bytes, receive: Receive) -> Receive:
+    """``receive`` for the next app: the body read already, then what the client sends."""
+    sent = False
+
+    async def replay() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
