@@ -4,7 +4,9 @@ The store is synchronous and the asyncio service calls it through ``asyncio.to_t
 engine here is shared by threads, each call taking its own session:
 
 - **PostgreSQL** (``postgresql+psycopg://``): a connection pool with pre-ping, so a restarted
-  server costs one retried checkout, not an error.
+  server costs one retried checkout, not an error. The ping is a round trip per transaction;
+  the API's submissions do not pay it: ``Store.add_requests_async`` writes on connections of its
+  own, not pinged, and sends a statement again once when its connection turns out broken.
 - **SQLite file** (``sqlite:///qlm.db``): one connection per thread from a pool, WAL journal so
   readers never block the writer, and writes that start with ``BEGIN IMMEDIATE``. A deferred
   transaction that reads and then writes fails at once with "database is locked" when another
