@@ -30,7 +30,12 @@ from qlm.global_queue import QueuedRequest
 from qlm.global_queue.rabbitmq import RabbitGlobalQueue
 from qlm.store import Store
 
-pytestmark = [pytest.mark.slow, pytest.mark.rabbitmq, pytest.mark.postgres]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.rabbitmq,
+    pytest.mark.postgres,
+    pytest.mark.timeout(900),  # ~65 s alone on 2 cores; slower when the machine is shared
+]
 
 REQUESTS = 2000
 OUTPUT_TOKENS = 24
