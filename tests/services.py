@@ -7,12 +7,16 @@ laptop and fails under ``CI=true``: CI must never pass by skipping what it was m
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 import socket
 import subprocess
 import sys
 import tempfile
 import time
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -93,12 +97,15 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
 
 
 def start_sim_engine(
-    model: str = "llama-3-8b", gpu: str = "A100", time_scale: float = 10.0
+    model: str = "llama-3-8b",
+    gpu: str = "A100",
+    time_scale: float = 10.0,
+    extra: tuple[str, ...] = (),
 ) -> tuple[subprocess.Popen[bytes], str]:
     """A ``qlm sim-engine serve`` process on a free port, healthy; returns it and its URL."""
     port = free_port()
     args = ["sim-engine", "serve", "--model", model, "--gpu", gpu, "--port", str(port)]
-    proc = start_process([*args, "--time-scale", str(time_scale), "--dev-mode"])
+    proc = start_process([*args, "--time-scale", str(time_scale), "--dev-mode", *extra])
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60.0
     while True:
@@ -113,3 +120,29 @@ def start_sim_engine(
             stop(proc)
             pytest.fail(f"qlm sim-engine serve did not become healthy at {url}")
         time.sleep(0.1)
+
+
+@contextlib.contextmanager
+def broker_names(amqp_url: str) -> Iterator[dict[str, str]]:
+    """Unique queue and exchange names for one test, deleted from the broker afterwards."""
+    base = f"qlm.test.{uuid.uuid4().hex[:12]}"
+    names = {
+        "queue": base,
+        "dead_letter_exchange": f"{base}.dlx",
+        "dead_letter_queue": f"{base}.dead",
+    }
+    try:
+        yield names
+    finally:
+
+        async def delete() -> None:
+            import aio_pika
+
+            connection = await aio_pika.connect(amqp_url)
+            async with connection:
+                channel = await connection.channel()
+                await channel.queue_delete(names["queue"])
+                await channel.queue_delete(names["dead_letter_queue"])
+                await channel.exchange_delete(names["dead_letter_exchange"])
+
+        asyncio.run(delete())

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import aio_pika
 import pytest
-from services import output, start_process, start_sim_engine, stop
+from services import broker_names, output, start_process, start_sim_engine, stop
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
 
@@ -58,24 +58,9 @@ def schema_url(postgres_url: str) -> Iterator[str]:
 
 
 @pytest.fixture
-def broker_names(amqp_url: str) -> Iterator[dict[str, str]]:
-    base = f"qlm.test.{uuid.uuid4().hex[:12]}"
-    names = {
-        "queue": base,
-        "dead_letter_exchange": f"{base}.dlx",
-        "dead_letter_queue": f"{base}.dead",
-    }
-    yield names
-
-    async def delete() -> None:
-        connection = await aio_pika.connect(amqp_url)
-        async with connection:
-            channel = await connection.channel()
-            await channel.queue_delete(names["queue"])
-            await channel.queue_delete(names["dead_letter_queue"])
-            await channel.exchange_delete(names["dead_letter_exchange"])
-
-    asyncio.run(delete())
+def names(amqp_url: str) -> Iterator[dict[str, str]]:
+    with broker_names(amqp_url) as names:
+        yield names
 
 
 def wait_until(check: Callable[[], bool], what: str, procs: list[subprocess.Popen[bytes]]) -> None:
@@ -88,7 +73,7 @@ def wait_until(check: Callable[[], bool], what: str, procs: list[subprocess.Pope
 
 
 def test_killing_the_active_controller_and_an_engine_loses_and_duplicates_nothing(
-    amqp_url: str, schema_url: str, broker_names: dict[str, str], tmp_path: Path
+    amqp_url: str, schema_url: str, names: dict[str, str], tmp_path: Path
 ) -> None:
     engines = [start_sim_engine(time_scale=10.0) for _ in range(3)]
     procs = [p for p, _ in engines]
@@ -104,9 +89,9 @@ def test_killing_the_active_controller_and_an_engine_loses_and_duplicates_nothin
         )
         env = {
             "QLM_BROKER_URL": amqp_url,
-            "QLM_BROKER__QUEUE": broker_names["queue"],
-            "QLM_BROKER__DEAD_LETTER_EXCHANGE": broker_names["dead_letter_exchange"],
-            "QLM_BROKER__DEAD_LETTER_QUEUE": broker_names["dead_letter_queue"],
+            "QLM_BROKER__QUEUE": names["queue"],
+            "QLM_BROKER__DEAD_LETTER_EXCHANGE": names["dead_letter_exchange"],
+            "QLM_BROKER__DEAD_LETTER_QUEUE": names["dead_letter_queue"],
             "QLM_BROKER__DELIVERY_LIMIT": "20",
             "QLM_DATABASE_URL": schema_url,
             "QLM_INSTANCES_FILE": str(instances),
@@ -130,7 +115,7 @@ def test_killing_the_active_controller_and_an_engine_loses_and_duplicates_nothin
         ids = [f"f{i:05d}" for i in range(REQUESTS)]
 
         async def publish() -> None:
-            queue = RabbitGlobalQueue(amqp_url, **broker_names, delivery_limit=20)
+            queue = RabbitGlobalQueue(amqp_url, **names, delivery_limit=20)
             now = time.time()
             for start in range(0, REQUESTS, 100):
                 await asyncio.gather(
@@ -187,8 +172,8 @@ def test_killing_the_active_controller_and_an_engine_loses_and_duplicates_nothin
             connection = await aio_pika.connect(amqp_url)
             async with connection:
                 channel = await connection.channel()
-                q = await channel.get_queue(broker_names["queue"])
-                d = await channel.get_queue(broker_names["dead_letter_queue"])
+                q = await channel.get_queue(names["queue"])
+                d = await channel.get_queue(names["dead_letter_queue"])
                 return q.declaration_result.message_count or 0, (
                     d.declaration_result.message_count or 0
                 )

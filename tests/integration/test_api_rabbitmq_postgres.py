@@ -20,7 +20,7 @@ from typing import Any
 import aio_pika
 import httpx
 import pytest
-from services import free_port, output, start_process, stop
+from services import start_sim_engine, stop
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
 
@@ -75,25 +75,7 @@ def broker(amqp_url: str) -> Iterator[BrokerSettings]:
 def start_engine() -> tuple[subprocess.Popen[bytes], str]:
     """A simulated vLLM server that generates ``max_tokens`` (no early end of sequence), so a
     long request is still running when the test cancels it."""
-    port = free_port()
-    proc = start_process(
-        ["sim-engine", "serve", "--model", MODEL, "--gpu", "A100", "--port", str(port),
-         "--time-scale", "20", "--dev-mode", "--eos-lengths", "max_tokens"]
-    )  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60.0
-    while True:
-        if proc.poll() is not None:
-            pytest.fail(f"qlm sim-engine serve exited with {proc.returncode}:\n{output(proc)}")
-        try:
-            if httpx.get(f"{url}/health", timeout=1.0).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            stop(proc)
-            pytest.fail(f"qlm sim-engine serve did not become healthy at {url}")
-        time.sleep(0.1)
+    return start_sim_engine(MODEL, time_scale=20.0, extra=("--eos-lengths", "max_tokens"))
 
 
 @pytest.fixture(scope="module")

@@ -15,14 +15,13 @@ import shlex
 import shutil
 import subprocess
 import time
-import uuid
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import aio_pika
 import pytest
-from services import in_ci
+from services import broker_names, in_ci
 
 from qlm.global_queue import DeadLetter, Delivery, QueuedRequest, QueueUnavailable
 from qlm.global_queue.rabbitmq import (
@@ -95,23 +94,8 @@ Names = dict[str, str]
 @pytest.fixture
 def names(amqp_url: str) -> Iterator[Names]:
     """Unique queue and exchange names for one test; deleted afterwards."""
-    base = f"qlm.test.{uuid.uuid4().hex[:12]}"
-    names = {
-        "queue": base,
-        "dead_letter_exchange": f"{base}.dlx",
-        "dead_letter_queue": f"{base}.dead",
-    }
-    yield names
-
-    async def delete() -> None:
-        connection = await aio_pika.connect(amqp_url)
-        async with connection:
-            channel = await connection.channel()
-            await channel.queue_delete(names["queue"])
-            await channel.queue_delete(names["dead_letter_queue"])
-            await channel.exchange_delete(names["dead_letter_exchange"])
-
-    asyncio.run(delete())
+    with broker_names(amqp_url) as names:
+        yield names
 
 
 def open_queue(url: str, names: Names, **options: Any) -> RabbitGlobalQueue:
