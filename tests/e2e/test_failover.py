@@ -15,15 +15,19 @@ import os
 import signal
 import subprocess
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import aio_pika
 import pytest
-from services import broker_names, output, start_process, start_sim_engine, stop
-from sqlalchemy import create_engine, text
-from sqlalchemy.engine import make_url
+from services import (
+    broker_names,
+    output,
+    postgres_schema,
+    start_process,
+    start_sim_engine,
+    stop,
+)
 
 from qlm.domain import RequestStatus
 from qlm.global_queue import QueuedRequest
@@ -44,17 +48,8 @@ DEADLINE_S = 600.0
 
 @pytest.fixture
 def schema_url(postgres_url: str) -> Iterator[str]:
-    schema = f"qlm_test_{uuid.uuid4().hex}"
-    admin = create_engine(postgres_url)
-    with admin.begin() as connection:
-        connection.execute(text(f'CREATE SCHEMA "{schema}"'))
-    url = make_url(postgres_url).update_query_dict({"options": f"-csearch_path={schema}"})
-    try:
-        yield url.render_as_string(hide_password=False)
-    finally:
-        with admin.begin() as connection:
-            connection.execute(text(f'DROP SCHEMA "{schema}" CASCADE'))
-        admin.dispose()
+    with postgres_schema(postgres_url) as url:
+        yield url
 
 
 @pytest.fixture

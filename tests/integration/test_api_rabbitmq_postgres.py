@@ -17,12 +17,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import aio_pika
 import httpx
 import pytest
-from services import start_sim_engine, stop
-from sqlalchemy import create_engine, text
-from sqlalchemy.engine import make_url
+from services import broker_names, postgres_schema, start_sim_engine, stop
 
 from qlm.api import create_app
 from qlm.domain import InstanceSpec, RequestStatus
@@ -40,36 +37,14 @@ DEADLINE_S = 120.0
 
 @pytest.fixture(scope="module")
 def schema_url(postgres_url: str) -> Iterator[str]:
-    schema = f"qlm_test_{uuid.uuid4().hex}"
-    admin = create_engine(postgres_url)
-    with admin.begin() as connection:
-        connection.execute(text(f'CREATE SCHEMA "{schema}"'))
-    url = make_url(postgres_url).update_query_dict({"options": f"-csearch_path={schema}"})
-    try:
-        yield url.render_as_string(hide_password=False)
-    finally:
-        with admin.begin() as connection:
-            connection.execute(text(f'DROP SCHEMA "{schema}" CASCADE'))
-        admin.dispose()
+    with postgres_schema(postgres_url) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
 def broker(amqp_url: str) -> Iterator[BrokerSettings]:
-    base = f"qlm.test.{uuid.uuid4().hex[:12]}"
-    names = BrokerSettings(
-        queue=base, dead_letter_exchange=f"{base}.dlx", dead_letter_queue=f"{base}.dead"
-    )
-    yield names
-
-    async def delete() -> None:
-        connection = await aio_pika.connect(amqp_url)
-        async with connection:
-            channel = await connection.channel()
-            await channel.queue_delete(names.queue)
-            await channel.queue_delete(names.dead_letter_queue)
-            await channel.exchange_delete(names.dead_letter_exchange)
-
-    asyncio.run(delete())
+    with broker_names(amqp_url) as names:
+        yield BrokerSettings(**names)
 
 
 def start_engine() -> tuple[subprocess.Popen[bytes], str]:

@@ -8,12 +8,11 @@ Each test starts from empty tables.
 from __future__ import annotations
 
 import asyncio
-import uuid
 from collections.abc import Iterator
 
 import pytest
+from services import postgres_schema
 from sqlalchemy import create_engine, text
-from sqlalchemy.engine import make_url
 
 from qlm.domain import RequestStatus
 from qlm.store import Store
@@ -26,19 +25,9 @@ pytestmark = pytest.mark.postgres
 @pytest.fixture(scope="module")
 def schema_url(postgres_url: str) -> Iterator[str]:
     """The URL of a fresh schema that ``Store.open`` migrated; dropped afterwards."""
-    schema = f"qlm_test_{uuid.uuid4().hex}"
-    admin = create_engine(postgres_url)
-    with admin.begin() as connection:
-        connection.execute(text(f'CREATE SCHEMA "{schema}"'))
-    url = make_url(postgres_url).update_query_dict({"options": f"-csearch_path={schema}"})
-    rendered = url.render_as_string(hide_password=False)
-    try:
-        Store.open(rendered).close()
-        yield rendered
-    finally:
-        with admin.begin() as connection:
-            connection.execute(text(f'DROP SCHEMA "{schema}" CASCADE'))
-        admin.dispose()
+    with postgres_schema(postgres_url) as url:
+        Store.open(url).close()
+        yield url
 
 
 class TestPostgresStore(StoreContract):
