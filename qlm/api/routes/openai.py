@@ -315,22 +315,11 @@ async def create_completion(
     if body.best_of not in (None, 1):
         raise invalid("best_of", "only best_of=1 is supported", code="unsupported")
     submission = _submission(ctx, body, headers, prompt=prompt, max_tokens=body.max_tokens)
-    admitted = await admit(ctx, principal, submission, idempotency_key)
-    row = admitted.accepted.row
-    extra = {"x-qlm-request-id": row.id}
-    if body.stream:
-        include = bool(body.stream_options and body.stream_options.include_usage)
-        return EventStream(
-            _stream(ctx, row, chat=False, include_usage=include, model=body.model),
-            headers={**sse.HEADERS, **extra},
-        )
-    final = await wait_result(ctx, request, row)
-    if final is None:
-        return Response(status_code=499)
-    error = outcome_error(final.row, ctx.settings.wait_timeout_s, final.timed_out)
-    if error is not None:
-        raise error
-    done = final.row
+    answer = await _answer(ctx, request, principal, submission, idempotency_key, body, chat=False)
+    if isinstance(answer, Response):
+        return answer
+    done = answer
+    extra = {"x-qlm-request-id": done.id}
     out = {
         "id": "cmpl-" + done.id,
         "object": "text_completion",
@@ -347,6 +336,35 @@ async def create_completion(
         "usage": usage(done),
     }
     return JSONResponse(out, headers=extra)
+
+
+async def _answer(
+    ctx: ApiContext,
+    request: Request,
+    principal: Any,
+    submission: Any,
+    idempotency_key: str | None,
+    body: Any,
+    *,
+    chat: bool,
+) -> Response | RequestRow:
+    """Both OpenAI endpoints after validation: queue the request, then stream it, or wait
+    behind the queue and return its final row (a failed or timed-out one raises)."""
+    admitted = await admit(ctx, principal, submission, idempotency_key)
+    row = admitted.accepted.row
+    if body.stream:
+        include = bool(body.stream_options and body.stream_options.include_usage)
+        return EventStream(
+            _stream(ctx, row, chat=chat, include_usage=include, model=body.model),
+            headers={**sse.HEADERS, "x-qlm-request-id": row.id},
+        )
+    final = await wait_result(ctx, request, row)
+    if final is None:
+        return Response(status_code=499)
+    error = outcome_error(final.row, ctx.settings.wait_timeout_s, final.timed_out)
+    if error is not None:
+        raise error
+    return final.row
 
 
 @router.post(
@@ -379,22 +397,11 @@ async def create_chat_completion(
         messages=messages,
         max_tokens=body.max_completion_tokens or body.max_tokens,
     )
-    admitted = await admit(ctx, principal, submission, idempotency_key)
-    row = admitted.accepted.row
-    extra = {"x-qlm-request-id": row.id}
-    if body.stream:
-        include = bool(body.stream_options and body.stream_options.include_usage)
-        return EventStream(
-            _stream(ctx, row, chat=True, include_usage=include, model=body.model),
-            headers={**sse.HEADERS, **extra},
-        )
-    final = await wait_result(ctx, request, row)
-    if final is None:
-        return Response(status_code=499)
-    error = outcome_error(final.row, ctx.settings.wait_timeout_s, final.timed_out)
-    if error is not None:
-        raise error
-    done = final.row
+    answer = await _answer(ctx, request, principal, submission, idempotency_key, body, chat=True)
+    if isinstance(answer, Response):
+        return answer
+    done = answer
+    extra = {"x-qlm-request-id": done.id}
     out = {
         "id": "chatcmpl-" + done.id,
         "object": "chat.completion",
