@@ -96,6 +96,7 @@ class Controller:
             raise ConfigError(f"instance names must be unique, got {names}")
         self.policy = policy
         self.specs = {spec.name: spec for spec in instances}
+        self._served = {m for spec in instances for m in spec.models}
         self._tracks: dict[str, RequestTrack] = {}
         self._pending: dict[str, Request] = {}  # given to the policy, not pulled yet
         self._arrived: list[Request] = []  # to hand to the policy at the next step
@@ -114,6 +115,7 @@ class Controller:
         if spec.name in self.specs:
             raise ConfigError(f"instance {spec.name!r} already exists")
         self.specs[spec.name] = spec
+        self._served.update(spec.models)
         self._outstanding[spec.name] = 0
         self._outstanding_tokens[spec.name] = 0
 
@@ -123,7 +125,7 @@ class Controller:
         changes nothing, when the request is already held (a redelivered message)."""
         if request.id in self._tracks:
             return False
-        if request.model not in {m for spec in self.specs.values() for m in spec.models}:
+        if request.model not in self._served:
             raise ConfigError(f"request {request.id}: no instance serves model {request.model!r}")
         track = RequestTrack(request, output_tokens=generated, failovers=failovers)
         self._tracks[request.id] = track
