@@ -5,7 +5,7 @@ import, so tests construct their own."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field, ValidationError, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -33,6 +33,13 @@ class BrokerSettings(BaseModel):
     dead_letter_exchange: str = "qlm.dlx"
     dead_letter_queue: str = "qlm.dead"
     delivery_limit: int = Field(default=5, ge=1)
+    shards: int = Field(default=1, ge=1, le=64)
+    """Quorum queues the global queue is split into: a controller holds up to 65,535 waiting
+    requests per shard (broker/README.md). Every API replica and controller must agree."""
+
+    def queue_options(self) -> dict[str, Any]:
+        """The keyword arguments of ``open_global_queue`` these settings stand for."""
+        return self.model_dump()
 
 
 class ControllerSettings(BaseModel):

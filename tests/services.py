@@ -122,9 +122,15 @@ def start_sim_engine(
         time.sleep(0.1)
 
 
+MAX_TEST_SHARDS = 8
+
+
 @contextlib.contextmanager
 def broker_names(amqp_url: str) -> Iterator[dict[str, str]]:
-    """Unique queue and exchange names for one test, deleted from the broker afterwards."""
+    """Unique queue and exchange names for one test, deleted from the broker afterwards (with
+    up to ``MAX_TEST_SHARDS`` shards of the queue; the leader lock goes with its connection)."""
+    from qlm.global_queue.rabbitmq import shard_names
+
     base = f"qlm.test.{uuid.uuid4().hex[:12]}"
     names = {
         "queue": base,
@@ -141,7 +147,8 @@ def broker_names(amqp_url: str) -> Iterator[dict[str, str]]:
             connection = await aio_pika.connect(amqp_url)
             async with connection:
                 channel = await connection.channel()
-                await channel.queue_delete(names["queue"])
+                for shard in shard_names(names["queue"], MAX_TEST_SHARDS):
+                    await channel.queue_delete(shard)
                 await channel.queue_delete(names["dead_letter_queue"])
                 await channel.exchange_delete(names["dead_letter_exchange"])
 

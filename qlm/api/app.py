@@ -132,16 +132,7 @@ def _open_store(settings: Settings) -> Store:
 
 def _open_queue(settings: Settings) -> GlobalQueue:
     """The publishing side of the global queue; the API never consumes."""
-    broker = settings.broker
-    if not settings.broker_url:
-        return open_global_queue(None)
-    return open_global_queue(
-        settings.broker_url,
-        queue=broker.queue,
-        dead_letter_exchange=broker.dead_letter_exchange,
-        dead_letter_queue=broker.dead_letter_queue,
-        delivery_limit=broker.delivery_limit,
-    )
+    return open_global_queue(settings.broker_url, **settings.broker.queue_options())
 
 
 def create_app(

@@ -83,47 +83,6 @@ def message_of(row: RequestRow) -> QueuedRequest:
     )
 
 
-def row_of(new: NewRequest) -> RequestRow:
-    """The stored row of a request just recorded (what ``Store.get`` would return now), built
-    without reading it back."""
-    return RequestRow(
-        id=new.id,
-        tenant=new.tenant,
-        model=new.model,
-        slo_class=new.slo_class,
-        prompt=new.prompt,
-        messages=new.messages,
-        prompt_tokens=new.prompt_tokens,
-        max_tokens=new.max_tokens,
-        sampling=new.sampling,
-        slo_e2e_s=new.slo_e2e_s,
-        slo_ttft_s=new.slo_ttft_s,
-        tier=new.tier,
-        labels=new.labels,
-        idempotency_key=new.idempotency_key,
-        status=RequestStatus.QUEUED,
-        cancel_requested=False,
-        submitted_at=new.submitted_at,
-        dispatched_at=None,
-        first_token_at=None,
-        finished_at=None,
-        instance=None,
-        output_text=None,
-        output_tokens=0,
-        partial_text="",
-        partial_tokens=0,
-        evictions=0,
-        swaps=0,
-        attempts=0,
-        slo_met=None,
-        ttft_met=None,
-        error=None,
-        predicted_completion_at=None,
-        at_risk=False,
-        updated_at=new.submitted_at,
-    )
-
-
 def same_request(row: RequestRow, new: NewRequest) -> bool:
     """Whether a replayed Idempotency-Key names the same request (what it asks for, not when)."""
     return (
@@ -221,7 +180,7 @@ class Submitter:
             _fail(batch, exc)
             return
         self.batches += 1
-        fresh = [(p, row_of(p.new)) for p in batch if p.new.id in created]
+        fresh = [(p, p.new.queued_row(p.new.submitted_at)) for p in batch if p.new.id in created]
         taken = [p for p in batch if p.new.id not in created]
         self._publish_soon(fresh)
         if not taken:

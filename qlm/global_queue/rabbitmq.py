@@ -21,6 +21,20 @@ RabbitMQ advises (flow control on a publishing connection must not stall deliver
 Every connection declares the topology, with the arguments of ``broker/definitions.json``, so a
 bare broker works and a queue declared with different arguments fails loudly (the broker's
 PRECONDITION_FAILED names the argument).
+
+**Shards and the leader lock.** One AMQP consumer holds at most 65,535 un-acked deliveries (the
+prefetch count is a 16-bit field, and a RabbitMQ 3.x quorum queue turns "unlimited" into 2,000),
+and a controller holds every waiting request un-acked. To hold more, the global queue is split
+into ``shards`` quorum queues: ``qlm.requests`` and ``qlm.requests.1`` ... ``qlm.requests.{n-1}``.
+A message goes to the shard its request id hashes to (CRC-32), so a republished request lands
+where its first copy did; the controller consumes every shard on one channel, each consumer with
+its own prefetch, so it can hold ``shards × 65,535``. Which controller is active must then be
+decided for all shards at once — single active consumer decides per queue, and two controllers
+starting together could each win some shards. So the consumer first takes a leader lock: an
+*exclusive* queue ``{queue}.leader``, which only one connection can declare and which the broker
+deletes when that connection dies (the same moment it requeues everything the connection held).
+A standby keeps its connection and retries the lock every ``leader_retry_s``. Single active
+consumer stays on every shard as a second guard.
 """
 
 from __future__ import annotations
@@ -30,6 +44,7 @@ import contextlib
 import functools
 import logging
 import time
+import zlib
 from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -42,7 +57,7 @@ from aio_pika.abc import (
     AbstractIncomingMessage,
     AbstractQueue,
 )
-from aiormq.exceptions import AMQPError, PublishError
+from aiormq.exceptions import AMQPError, ChannelLockedResource, PublishError
 from yarl import URL
 
 from qlm.errors import check_setting
@@ -70,6 +85,20 @@ DEAD_QUEUE_ARGUMENTS: dict[str, Any] = {"x-queue-type": "quorum"}
 
 MAX_PREFETCH = 65535
 """AMQP's largest prefetch count (a 16-bit field)."""
+
+LEADER_QUEUE_ARGUMENTS: dict[str, Any] = {"x-queue-type": "classic"}
+"""The leader lock is an exclusive queue, which only a classic queue can be."""
+
+
+def shard_names(queue: str, shards: int) -> list[str]:
+    """The queues of a global queue split into ``shards``: the first keeps the plain name, so one
+    shard is exactly the unsharded topology of ``broker/definitions.json``."""
+    return [queue] + [f"{queue}.{i}" for i in range(1, shards)]
+
+
+def shard_of(request_id: str, shards: int) -> int:
+    """The shard a request's messages go to: stable across processes and restarts."""
+    return zlib.crc32(request_id.encode()) % shards
 
 
 def queue_arguments(dead_letter_exchange: str, delivery_limit: int) -> dict[str, Any]:
@@ -124,10 +153,13 @@ class _Publisher:
 class RabbitGlobalQueue:
     """The ``GlobalQueue`` on a RabbitMQ broker at ``url`` (``amqp://user:pass@host:port/vhost``).
 
-    ``prefetch`` bounds the deliveries held un-acked, and so the requests a controller can hold in
-    its virtual queues. The default is AMQP's maximum, 65,535: 0 ("unlimited") would be worse, as a
-    RabbitMQ 3.x quorum queue turns it into 2,000. ``heartbeat_s`` is how soon the broker notices a
-    controller whose host died, and so how soon the standby takes over.
+    ``prefetch`` bounds the deliveries held un-acked per shard, and so the requests a controller
+    can hold in its virtual queues (``shards × prefetch``). The default is AMQP's maximum, 65,535:
+    0 ("unlimited") would be worse, as a RabbitMQ 3.x quorum queue turns it into 2,000. Every
+    process using the queue (API replicas, controllers) must agree on ``shards``; raising it later
+    is safe (consumers read every shard), lowering it strands the messages of the removed shards
+    until they are moved. ``heartbeat_s`` is how soon the broker notices a controller whose host
+    died, and so how soon the standby takes over (within ``leader_retry_s`` more).
     """
 
     def __init__(
@@ -139,6 +171,8 @@ class RabbitGlobalQueue:
         dead_letter_queue: str = DEAD_LETTER_QUEUE,
         delivery_limit: int = DELIVERY_LIMIT,
         prefetch: int = MAX_PREFETCH,
+        shards: int = 1,
+        leader_retry_s: float = 0.5,
         confirm_timeout_s: float = 10.0,
         connect_timeout_s: float = 5.0,
         heartbeat_s: int = 10,
@@ -148,6 +182,8 @@ class RabbitGlobalQueue:
         check_setting(
             0 <= prefetch <= MAX_PREFETCH, "prefetch", f"in [0, {MAX_PREFETCH}]", prefetch
         )
+        check_setting(1 <= shards <= 64, "shards", "in [1, 64]", shards)
+        check_setting(leader_retry_s > 0, "leader_retry_s", "> 0", leader_retry_s)
         check_setting(delivery_limit >= 1, "delivery_limit", ">= 1", delivery_limit)
         check_setting(confirm_timeout_s > 0, "confirm_timeout_s", "> 0", confirm_timeout_s)
         check_setting(connect_timeout_s > 0, "connect_timeout_s", "> 0", connect_timeout_s)
@@ -164,6 +200,10 @@ class RabbitGlobalQueue:
         self._url = parsed
         self._safe_url = str(parsed.with_password("***") if parsed.password else parsed)
         self.queue = queue
+        self.shards = shards
+        self.queues = shard_names(queue, shards)
+        self.leader_queue = f"{queue}.leader"
+        self.leader_retry_s = leader_retry_s
         self.dead_letter_exchange = dead_letter_exchange
         self.dead_letter_queue = dead_letter_queue
         self.delivery_limit = delivery_limit
@@ -187,6 +227,8 @@ class RabbitGlobalQueue:
         self._inbox: asyncio.Queue[Delivery] = asyncio.Queue()
         self._epoch = 0
         self._held: dict[int, AbstractIncomingMessage] = {}
+        self.leader = False
+        """Whether this consumer holds the leader lock (receives); a standby waits for it."""
 
     def __repr__(self) -> str:
         return f"RabbitGlobalQueue({self._safe_url!r}, queue={self.queue!r})"
@@ -200,8 +242,10 @@ class RabbitGlobalQueue:
             client_properties={"connection_name": f"qlm-{role} {self.queue}"},
         )
 
-    async def _declare(self, channel: AbstractChannel) -> tuple[AbstractQueue, AbstractExchange]:
-        """Declare the queue, the dead-letter exchange and queue (idempotent)."""
+    async def _declare(
+        self, channel: AbstractChannel
+    ) -> tuple[list[AbstractQueue], AbstractExchange]:
+        """Declare the shards, the dead-letter exchange and queue (idempotent)."""
         dead_exchange = await channel.declare_exchange(
             self.dead_letter_exchange, aio_pika.ExchangeType.FANOUT, durable=True
         )
@@ -210,8 +254,11 @@ class RabbitGlobalQueue:
         )
         await dead.bind(dead_exchange)
         arguments = queue_arguments(self.dead_letter_exchange, self.delivery_limit)
-        queue = await channel.declare_queue(self.queue, durable=True, arguments=arguments)
-        return queue, dead_exchange
+        queues = [
+            await channel.declare_queue(name, durable=True, arguments=arguments)
+            for name in self.queues
+        ]
+        return queues, dead_exchange
 
     def _unavailable(self, what: str, exc: BaseException) -> QueueUnavailable:
         detail = str(exc) or type(exc).__name__
@@ -270,9 +317,10 @@ class RabbitGlobalQueue:
             content_type="application/json",
             message_id=message.id,
         )
+        shard = self.queues[shard_of(message.id, self.shards)] if self.shards > 1 else self.queue
         try:
             await publisher.exchange.publish(
-                amqp_message, self.queue, mandatory=True, timeout=self.confirm_timeout_s
+                amqp_message, shard, mandatory=True, timeout=self.confirm_timeout_s
             )
         except BROKER_ERRORS as exc:
             if isinstance(exc, PublishError):
@@ -305,26 +353,52 @@ class RabbitGlobalQueue:
             self._handler = self._consumer_task = self._dispatch_task = None
             raise
 
-    async def _subscribe(self, lost: asyncio.Event) -> AbstractConnection:
-        """Connect, declare, and start consuming under a new epoch; ``lost`` is set on loss."""
+    async def _connect_consumer(self, lost: asyncio.Event) -> AbstractConnection:
+        """Connect and declare the topology; ``lost`` is set when the connection goes."""
         connection: AbstractConnection | None = None
         try:
             connection = await self._connect("consumer")
             channel = await connection.channel(publisher_confirms=False)
-            await channel.set_qos(prefetch_count=self.prefetch)
-            queue, _ = await self._declare(channel)
+            await self._declare(channel)
+            await channel.close()
             connection.close_callbacks.add(lambda *_: lost.set())
-            channel.close_callbacks.add(lambda *_: lost.set())
-            # The broker cancels the consumer when the queue is deleted: start over (redeclare).
-            underlay = await channel.get_underlay_channel()
-            underlay.on_consumer_cancel_callbacks.add(lambda _: lost.set())
-            self._new_epoch()
-            await queue.consume(functools.partial(self._on_message, self._epoch), no_ack=False)
         except BROKER_ERRORS as exc:
             if connection is not None:
                 await _close_quietly(connection)
             raise self._unavailable(f"cannot consume {self.queue!r}", exc) from exc
         return connection
+
+    async def _lead(self, connection: AbstractConnection, lost: asyncio.Event) -> None:
+        """Wait for the leader lock, then consume every shard under a new epoch (module
+        docstring). Returns once consuming, or when ``lost`` is set while waiting."""
+        waiting_logged = False
+        while not lost.is_set():
+            channel = await connection.channel(publisher_confirms=False)
+            try:
+                await channel.declare_queue(
+                    self.leader_queue, exclusive=True, arguments=LEADER_QUEUE_ARGUMENTS
+                )
+                break
+            except ChannelLockedResource:  # another consumer leads; the broker closed `channel`
+                if not waiting_logged:
+                    log.info("standby: another consumer holds %s; waiting", self.leader_queue)
+                    waiting_logged = True
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(lost.wait(), self.leader_retry_s)
+        else:
+            return
+        await channel.set_qos(prefetch_count=self.prefetch)
+        channel.close_callbacks.add(lambda *_: lost.set())
+        # The broker cancels a consumer whose queue is deleted: start over (redeclare).
+        underlay = await channel.get_underlay_channel()
+        underlay.on_consumer_cancel_callbacks.add(lambda _: lost.set())
+        queues, _ = await self._declare(channel)
+        self._new_epoch()
+        on_message = functools.partial(self._on_message, self._epoch)
+        for queue in queues:
+            await queue.consume(on_message, no_ack=False)
+        self.leader = True
+        log.info("leading: consuming %s on %s", ", ".join(self.queues), self._safe_url)
 
     def _new_epoch(self) -> None:
         """Forget every held delivery: its channel is gone and the broker requeued it."""
@@ -336,7 +410,7 @@ class RabbitGlobalQueue:
         while not self._closing:
             lost = asyncio.Event()
             try:
-                connection = await self._subscribe(lost)
+                connection = await self._connect_consumer(lost)
             except Exception as exc:
                 if not isinstance(exc, QueueUnavailable):
                     log.exception("subscribing to %s failed unexpectedly", self.queue)
@@ -350,12 +424,20 @@ class RabbitGlobalQueue:
             backoff.reset()
             self._consumer = connection
             if subscribed.done():
-                log.warning("consumer of %s reconnected (epoch %d)", self.queue, self._epoch)
+                log.warning("consumer of %s reconnected", self.queue)
             else:
-                subscribed.set_result(None)
-                log.info("consuming %s on %s", self.queue, self._safe_url)
+                subscribed.set_result(None)  # a consumer now: leading, or standing by
+            try:
+                await self._lead(connection, lost)
+            except Exception as exc:
+                if isinstance(exc, BROKER_ERRORS):
+                    log.warning("consuming %s failed (%s); reconnecting", self.queue, exc)
+                else:
+                    log.exception("consuming %s failed unexpectedly; reconnecting", self.queue)
+                lost.set()
             await lost.wait()
             self._consumer = None
+            self.leader = False
             self._new_epoch()
             log.warning(
                 "consumer of %s lost its channel; the broker requeues what it held; reconnecting",
@@ -522,6 +604,7 @@ class RabbitGlobalQueue:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
         self._consumer_task = self._dispatch_task = None
+        self.leader = False
         self._new_epoch()
         consumer, self._consumer = self._consumer, None
         publisher, self._publisher = self._publisher, None

@@ -264,6 +264,12 @@ class QlmPolicy:
         self._family_cache: tuple[tuple[float, int], tuple[ProblemFamily, list[list[int]]]] | None
         self._family_cache = None  # per step: the plan problem built for the violation check
 
+    @property
+    def last_checked_s(self) -> float:
+        """When the current virtual queues were last judged against the SLOs: a violation check
+        (which re-plans when it predicts a miss) or a plan, whichever came later."""
+        return max(self._last_check_s, self._last_plan_s)
+
     # --- the step --------------------------------------------------------------------------------
 
     def decide(self, ctx: DispatchContext) -> list[Decision]:

@@ -47,16 +47,7 @@ def open_store(settings: Settings) -> Store:
 
 
 def open_queue(settings: Settings) -> GlobalQueue:
-    b = settings.broker
-    if settings.broker_url:
-        return open_global_queue(
-            settings.broker_url,
-            queue=b.queue,
-            dead_letter_exchange=b.dead_letter_exchange,
-            dead_letter_queue=b.dead_letter_queue,
-            delivery_limit=b.delivery_limit,
-        )
-    return open_global_queue(None, delivery_limit=b.delivery_limit)
+    return open_global_queue(settings.broker_url, **settings.broker.queue_options())
 
 
 def build_controller(

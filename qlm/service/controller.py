@@ -504,7 +504,7 @@ class ControllerService(RuntimeListener):
                         continue
                     value = (g["predicted_completion_at"], g["at_risk"])
                     for req in grouper.group(g["id"]).requests:
-                        if _moved(written.get(req.id), value):
+                        if _moved(written.get(req.id), value, snap["at"]):
                             predictions[req.id] = written[req.id] = value
             try:
                 await asyncio.to_thread(
@@ -517,14 +517,22 @@ class ControllerService(RuntimeListener):
 
 
 PREDICTION_SLACK_S = 1.0
-"""A waiting request's stored prediction is rewritten only when it moves by more than this (or
-its risk flips): a backlog of 100,000 requests would otherwise be rewritten every second."""
+PREDICTION_SLACK_FRACTION = 0.05
+"""A waiting request's stored prediction is rewritten only when its risk flips or it moves by
+more than ``PREDICTION_SLACK_S`` or this fraction of the time still to go, whichever is more: a
+backlog of 100,000 requests would otherwise be rewritten after every plan, while a client
+polling a request due in an hour gains nothing from a correction of a minute."""
 
 
-def _moved(old: tuple[float | None, bool] | None, new: tuple[float | None, bool]) -> bool:
+def _moved(
+    old: tuple[float | None, bool] | None, new: tuple[float | None, bool], now: float
+) -> bool:
     if old is None or old[1] != new[1] or (old[0] is None) != (new[0] is None):
         return True
-    return old[0] is not None and new[0] is not None and abs(old[0] - new[0]) > PREDICTION_SLACK_S
+    if old[0] is None or new[0] is None:
+        return False
+    slack = max(PREDICTION_SLACK_S, PREDICTION_SLACK_FRACTION * (new[0] - now))
+    return abs(old[0] - new[0]) > slack
 
 
 def _plan_dict(record: Any) -> dict[str, Any]:

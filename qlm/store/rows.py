@@ -72,6 +72,46 @@ class NewRequest:
             idempotency_key=idempotency_key,
         )
 
+    def queued_row(self, updated_at: float) -> RequestRow:
+        """The row the store holds right after recording this request (what a read would
+        return), built without reading it back."""
+        return RequestRow(
+            id=self.id,
+            tenant=self.tenant,
+            model=self.model,
+            slo_class=self.slo_class,
+            prompt=self.prompt,
+            messages=self.messages,
+            prompt_tokens=self.prompt_tokens,
+            max_tokens=self.max_tokens,
+            sampling=dict(self.sampling),
+            slo_e2e_s=self.slo_e2e_s,
+            slo_ttft_s=self.slo_ttft_s,
+            tier=self.tier,
+            labels=self.labels,
+            idempotency_key=self.idempotency_key,
+            status=RequestStatus.QUEUED,
+            cancel_requested=False,
+            submitted_at=self.submitted_at,
+            dispatched_at=None,
+            first_token_at=None,
+            finished_at=None,
+            instance=None,
+            output_text=None,
+            output_tokens=0,
+            partial_text="",
+            partial_tokens=0,
+            evictions=0,
+            swaps=0,
+            attempts=0,
+            slo_met=None,
+            ttft_met=None,
+            error=None,
+            predicted_completion_at=None,
+            at_risk=False,
+            updated_at=updated_at,
+        )
+
 
 @dataclass(frozen=True, slots=True)
 class RequestRow:

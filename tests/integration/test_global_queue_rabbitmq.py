@@ -29,6 +29,8 @@ from qlm.global_queue.rabbitmq import (
     RabbitGlobalQueue,
     dead_letter_reason,
     queue_arguments,
+    shard_names,
+    shard_of,
 )
 
 DEFINITIONS = Path(__file__).resolve().parents[2] / "broker" / "definitions.json"
@@ -102,10 +104,10 @@ def open_queue(url: str, names: Names, **options: Any) -> RabbitGlobalQueue:
     return RabbitGlobalQueue(url, reconnect_max_s=1.0, **names, **options)
 
 
-async def assert_drained(url: str, names: Names) -> None:
+async def assert_drained(url: str, names: Names, shards: int = 1) -> None:
     """Nothing is left in the queue: a fresh consumer gets only a sentinel published now (a
     message left behind would come first: it is older)."""
-    queue = open_queue(url, names)
+    queue = open_queue(url, names, shards=shards)
     inbox = Inbox()
     await queue.consume(inbox)
     await queue.publish(make_message(id="sentinel"))
@@ -194,20 +196,107 @@ def test_the_standby_consumer_gets_every_unacked_message_when_the_active_one_clo
         active, standby = open_queue(amqp_url, names), open_queue(amqp_url, names)
         first, second = Inbox(), Inbox()
         await active.consume(first)
+        await poll(lambda: active.leader, 10.0, "the first consumer to lead")
         await standby.consume(second)
         for i in range(3):
             await active.publish(make_message(i))
         await first.wait_for(3)
         await active.ack(first.deliveries[1])
-        assert second.deliveries == []  # single active consumer: the standby waits
+        assert second.deliveries == []  # the leader lock: the standby waits
+        assert not standby.leader
         await active.close()
         await second.wait_for(2)
+        assert standby.leader
         assert second.ids() == ["r0", "r2"]
         assert all(d.redelivered and d.delivery_count == 1 for d in second.deliveries)
         for delivery in second.deliveries:
             await standby.ack(delivery)
         await standby.close()
         await assert_drained(amqp_url, names)
+
+    run(scenario)
+
+
+def ids_by_shard(shards: int, per_shard: int) -> list[list[str]]:
+    """``per_shard`` message ids (``r<i>``) for each of ``shards`` shards."""
+    found: list[list[str]] = [[] for _ in range(shards)]
+    i = 0
+    while min(len(ids) for ids in found) < per_shard:
+        shard = found[shard_of(f"r{i}", shards)]
+        if len(shard) < per_shard:
+            shard.append(f"r{i}")
+        i += 1
+    return found
+
+
+async def ready_counts(url: str, queues: list[str]) -> list[int]:
+    """Messages ready (not delivered) in each queue."""
+    connection = await aio_pika.connect(url)
+    async with connection:
+        channel = await connection.channel()
+        counts = []
+        for name in queues:
+            queue = await channel.declare_queue(name, passive=True)
+            counts.append(queue.declaration_result.message_count or 0)
+        return counts
+
+
+@pytest.mark.rabbitmq
+def test_a_sharded_queue_routes_by_request_id_and_one_consumer_holds_prefetch_per_shard(
+    amqp_url: str, names: Names
+) -> None:
+    async def scenario() -> None:
+        by_shard = ids_by_shard(2, 3)
+        queue = open_queue(amqp_url, names, shards=2, prefetch=2)
+        for ids in by_shard:
+            for rid in ids:
+                await queue.publish(make_message(id=rid))
+        shards = shard_names(names["queue"], 2)
+        assert shards == [names["queue"], names["queue"] + ".1"]
+        assert await ready_counts(amqp_url, shards) == [3, 3]
+        inbox = Inbox()
+        await queue.consume(inbox)
+        await inbox.wait_for(4)  # two per shard: 2 × prefetch, more than one consumer's 2
+        held = {shard_of(rid, 2) for rid in inbox.ids()}
+        assert held == {0, 1}
+        assert await ready_counts(amqp_url, shards) == [1, 1]
+        for delivery in list(inbox.deliveries):
+            await queue.ack(delivery)
+        await inbox.wait_for(6)
+        assert sorted(inbox.ids()) == sorted(by_shard[0] + by_shard[1])
+        for delivery in inbox.deliveries[4:]:
+            await queue.ack(delivery)
+        await queue.close()
+        await assert_drained(amqp_url, names, shards=2)
+
+    run(scenario)
+
+
+@pytest.mark.rabbitmq
+def test_one_consumer_leads_every_shard_and_the_standby_takes_them_all_over(
+    amqp_url: str, names: Names
+) -> None:
+    async def scenario() -> None:
+        active, standby = (open_queue(amqp_url, names, shards=3) for _ in range(2))
+        first, second = Inbox(), Inbox()
+        await active.consume(first)
+        await poll(lambda: active.leader, 10.0, "the first consumer to lead")
+        await standby.consume(second)
+        ids = [rid for shard in ids_by_shard(3, 2) for rid in shard]
+        for rid in ids:
+            await active.publish(make_message(id=rid))
+        await first.wait_for(6)
+        await active.ack(first.deliveries[0])
+        assert second.deliveries == [] and not standby.leader
+        await active.close()
+        await second.wait_for(5)
+        assert standby.leader
+        assert sorted(second.ids()) == sorted(set(ids) - {first.ids()[0]})
+        assert all(d.redelivered for d in second.deliveries)
+        for delivery in second.deliveries:
+            await standby.ack(delivery)
+        await standby.close()
+        await assert_drained(amqp_url, names, shards=3)
 
     run(scenario)
 

@@ -280,3 +280,16 @@ def test_a_message_the_broker_gave_up_on_is_recorded_failed_with_the_reason() ->
         assert not broker.dead and await service.reap_once() == 0
 
     run(scenario)
+
+
+def test_a_stored_prediction_is_rewritten_only_when_it_moves_by_its_slack() -> None:
+    from qlm.service.controller import _moved
+
+    now = 1_000.0
+    assert _moved(None, (now + 10, False), now)  # never written
+    assert _moved((now + 10, False), (now + 10, True), now)  # the risk flipped
+    assert not _moved((now + 10, False), (now + 10.5, False), now)  # within the 1 s floor
+    assert _moved((now + 10, False), (now + 11.5, False), now)
+    # An hour out the slack is 5 % of the time to go (180 s), not 1 s.
+    assert not _moved((now + 3_600, False), (now + 3_700, False), now)
+    assert _moved((now + 3_600, False), (now + 3_900, False), now)

@@ -326,6 +326,27 @@ class StoreContract:
         many = store.ensure_requests([new_request(i) for i in range(10, 1210)])
         assert len(many) == 1200 and store.get("r1209") is not None
 
+    def test_the_rows_ensure_requests_returns_for_new_requests_are_what_the_store_holds(
+        self, store: Store
+    ) -> None:
+        # Built without reading them back: they must equal a read, field for field.
+        news = [
+            new_request(1),
+            new_request(
+                2,
+                slo_ttft_s=2.5,
+                tier=Tier.INTERACTIVE,
+                slo_class="chat",
+                messages=[{"role": "user", "content": "hi"}],
+                sampling={"temperature": 0.5, "stop": ["\n"]},
+                labels=(("team", "search"),),
+                idempotency_key="k2",
+            ),
+        ]
+        rows = store.ensure_requests(news)
+        for new in news:
+            assert rows[new.id] == store.get(new.id)
+
     def test_add_requests_async_writes_exactly_what_add_requests_writes(self, store: Store) -> None:
         # Every kind of value a submission carries, through both paths: the rows (raw, the JSON
         # text included) and the labels must be the same but for the ids and keys.
