@@ -8,10 +8,10 @@ client gets 503: a request is either both stored and confirmed by the broker, or
 single-row commits (a few hundred per second with fsync, plus a statement's CPU each). Instead
 the writer takes every submission waiting whenever one of its ``writers`` slots is free — at
 most ``max_batch`` — and records them in one transaction (``Store.add_requests_async``: one
-statement on the event loop, no worker thread), then publishes each of the batch concurrently
-(aio-pika pipelines the confirms on one channel) while it records the next batches. There is no
-timer: an idle server records a lone request at once, a busy one in batches as large as the
-load makes them. Several batches in flight (``writers``: 3 on PostgreSQL, 1 on SQLite, which
+statement on the event loop, no worker thread), then publishes the batch at once
+(``GlobalQueue.publish_many``: confirms pipelined on one channel) while it records the next
+batches. There is no timer: an idle server records a lone request at once, a busy one in
+batches as large as the load makes them. Several batches in flight (``writers``: 3 on PostgreSQL, 1 on SQLite, which
 writes one transaction at a time anyway) spare a request the wait for the commit before its
 own. Each caller still gets its answer only after its own row is committed and its own message
 confirmed.
@@ -254,15 +254,19 @@ class Submitter:
             _settle(pending.future, Accepted(row, replayed=True))
 
     async def _publish(self, created: list[tuple[_Pending, RequestRow]]) -> None:
-        results = await asyncio.gather(
-            *(self._queue.publish(p.message) for p, _ in created), return_exceptions=True
-        )
+        try:
+            results: Sequence[BaseException | None] = await self._queue.publish_many(
+                [p.message for p, _ in created]
+            )
+        except Exception as exc:  # a bug, not the broker: answer every caller all the same
+            log.exception("publishing %d requests failed", len(created))
+            results = [exc] * len(created)
         failed: list[tuple[_Pending, BaseException]] = []
-        for (pending, _row), result in zip(created, results, strict=True):
-            if isinstance(result, BaseException):
+        for (pending, row), result in zip(created, results, strict=True):
+            if result is not None:
                 failed.append((pending, result))
             else:
-                _settle(pending.future, Accepted(_row, replayed=False))
+                _settle(pending.future, Accepted(row, replayed=False))
         if not failed:
             return
         # Remove the rows before answering, so that a retry cannot find one that is going away.

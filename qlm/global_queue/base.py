@@ -20,7 +20,7 @@ request id is the key that makes both harmless.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -92,6 +92,14 @@ class GlobalQueue(Protocol):
         """Store ``message`` durably; return once stored, else raise ``QueueUnavailable``.
 
         Safe to call from many tasks at once: confirms are pipelined."""
+        ...
+
+    async def publish_many(
+        self, messages: Sequence[QueuedRequest]
+    ) -> list[QueueUnavailable | None]:
+        """``publish`` for a batch (the API's group commit), cheaper per message: one result per
+        message, in order — ``None`` once the broker confirmed it, else why it was not taken.
+        Never raises for a message's failure: each caller answers its own client."""
         ...
 
     async def consume(self, handler: Handler) -> None:

@@ -23,6 +23,7 @@ import heapq
 import itertools
 import logging
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from qlm.global_queue.base import (
@@ -136,6 +137,19 @@ class MemoryGlobalQueue:
         if self._closed:
             raise QueueUnavailable("the in-process global queue is closed")
         self.broker.put_raw(message.encode())
+
+    async def publish_many(
+        self, messages: Sequence[QueuedRequest]
+    ) -> list[QueueUnavailable | None]:
+        results: list[QueueUnavailable | None] = []
+        for message in messages:
+            try:
+                await self.publish(message)
+            except QueueUnavailable as exc:
+                results.append(exc)
+            else:
+                results.append(None)
+        return results
 
     async def consume(self, handler: Handler) -> None:
         if self._closed:

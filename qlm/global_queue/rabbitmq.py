@@ -1,8 +1,9 @@
 """The production global queue: a RabbitMQ quorum queue (broker/README.md explains the topology).
 
-Publishing uses aio-pika on the caller's event loop, not pika. The API publishes from many
-concurrent HTTP requests and must answer each only after the broker's confirm; aio-pika pipelines
-those confirms on one channel (each publish awaits its own delivery tag). Through this class that
+Publishing uses aio-pika's connection on the caller's event loop, not pika. The API publishes from
+many concurrent HTTP requests and must answer each only after the broker's confirm; the confirms are
+pipelined on one channel (each publish awaits its own delivery tag), and ``publish_many`` sends a
+batch through aiormq's ``basic_publish`` directly, without aio-pika's per-message objects. Through this class that
 measured 2,100-2,600 confirmed publishes/s, p99 28-37 ms, at concurrency 32 on the 2-core
 development machine (``benchmarks/global_queue.py``), against 650-900/s for pika's
 ``BlockingConnection`` behind a lock; one pika connection per thread would multiply threads and
@@ -45,11 +46,12 @@ import functools
 import logging
 import time
 import zlib
-from collections.abc import Awaitable, Mapping
+from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import aio_pika
+import aiormq
 from aio_pika.abc import (
     AbstractChannel,
     AbstractConnection,
@@ -305,29 +307,69 @@ class RabbitGlobalQueue:
             return self._publisher
 
     async def publish(self, message: QueuedRequest) -> None:
-        """Publish persistently and wait for the broker's confirm (see ``GlobalQueue``).
+        """Publish persistently and wait for the broker's confirm (see ``GlobalQueue``)."""
+        (error,) = await self.publish_many([message])
+        if error is not None:
+            raise error
 
-        ``mandatory``: a message no queue takes (the queue was deleted) comes back as an error
-        instead of being confirmed and dropped."""
-        body = message.encode()
-        publisher = await self._open_publisher()
-        amqp_message = aio_pika.Message(
-            body,
-            delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
-            content_type="application/json",
-            message_id=message.id,
-        )
-        shard = self.queues[shard_of(message.id, self.shards)] if self.shards > 1 else self.queue
+    async def publish_many(
+        self, messages: Sequence[QueuedRequest]
+    ) -> list[QueueUnavailable | None]:
+        """Publish each message persistently on the one publishing channel, confirms pipelined,
+        and wait for every confirm (see ``GlobalQueue``).
+
+        Straight through aiormq's ``basic_publish`` with ``wait=False``: no aio-pika ``Message``
+        per request and no wait for the socket to drain after each frame (the confirm is what
+        counts). ``mandatory``: a message no queue takes (the queue was deleted) comes back as
+        an error instead of being confirmed and dropped; the channel is then closed, so the next
+        publish opens a new one, which declares the queue again."""
+        if not messages:
+            return []
         try:
-            await publisher.exchange.publish(
-                amqp_message, shard, mandatory=True, timeout=self.confirm_timeout_s
+            publisher = await self._open_publisher()
+            channel = cast(aiormq.Channel, await publisher.channel.get_underlay_channel())
+        except (QueueUnavailable, *BROKER_ERRORS) as exc:
+            error = (
+                exc
+                if isinstance(exc, QueueUnavailable)
+                else self._unavailable("cannot open a publishing channel", exc)
             )
-        except BROKER_ERRORS as exc:
-            if isinstance(exc, PublishError):
-                # Returned as unroutable: the queue was deleted. A new channel redeclares it.
-                with contextlib.suppress(*BROKER_ERRORS):
-                    await publisher.channel.close()
-            raise self._unavailable(f"request {message.id!r} not confirmed", exc) from exc
+            return [error] * len(messages)
+        results = await asyncio.gather(
+            *(self._publish_one(channel, m) for m in messages), return_exceptions=True
+        )
+        out: list[QueueUnavailable | None] = []
+        returned = False
+        for message, result in zip(messages, results, strict=True):
+            if result is None:
+                out.append(None)
+                continue
+            if not isinstance(result, Exception):
+                raise result  # cancelled
+            returned = returned or isinstance(result, PublishError)
+            out.append(self._unavailable(f"request {message.id!r} not confirmed", result))
+        if returned:
+            with contextlib.suppress(*BROKER_ERRORS):
+                await publisher.channel.close()
+        return out
+
+    async def _publish_one(self, channel: aiormq.Channel, message: QueuedRequest) -> None:
+        shard = self.queues[shard_of(message.id, self.shards)] if self.shards > 1 else self.queue
+        confirmation = await channel.basic_publish(
+            message.encode(),
+            exchange="",
+            routing_key=shard,
+            properties=aiormq.spec.Basic.Properties(
+                delivery_mode=2,  # persistent
+                content_type="application/json",
+                message_id=message.id,
+            ),
+            mandatory=True,
+            timeout=self.confirm_timeout_s,
+            wait=False,
+        )
+        if not isinstance(confirmation, aiormq.spec.Basic.Ack):  # aiormq raises for the others
+            raise RuntimeError(f"the broker answered {confirmation!r}, not an ack")
 
     # --- consuming ----------------------------------------------------------------------------
 

@@ -363,16 +363,12 @@ class QlmPolicy:
             gap = max(gap, self.config.keep_up * self._last_solve_s)
         if now - self._last_plan_s < gap:
             return ""
-        if any(not self.queues.queue(i.name) for i in self._instances if i.up) and any(
-            self.queues.queue(i.name) for i in self._instances
+        # (A down instance has left the virtual queues: only the up ones are asked.)
+        up_loads = [i for i in self._instances if i.up]
+        if any(self.queues.queue(i.name) for i in up_loads) and any(
+            not self.queues.queue(i.name) and i.outstanding_requests == 0 for i in up_loads
         ):
-            idle = [
-                i
-                for i in self._instances
-                if i.up and not self.queues.queue(i.name) and i.outstanding_requests == 0
-            ]
-            if idle:
-                return "idle"
+            return "idle"
         if now - self._last_plan_s >= self.config.period_s:
             return "period"
         if self._changed and now - self._last_check_s >= self.config.check_interval_s:

@@ -545,3 +545,29 @@ def test_messages_survive_a_broker_restart_and_the_clients_reconnect_by_themselv
         await assert_drained(amqp_url, names)
 
     run(scenario, timeout_s=150.0)
+
+
+@pytest.mark.rabbitmq
+def test_publish_many_confirms_each_message_and_reports_each_failure(
+    amqp_url: str, names: Names
+) -> None:
+    async def scenario() -> None:
+        queue = open_queue(amqp_url, names, shards=2)
+        batch = [make_message(i) for i in range(50)]
+        assert await queue.publish_many(batch) == [None] * 50
+        assert await queue.publish_many([]) == []
+        inbox = Inbox()
+        await queue.consume(inbox)
+        await inbox.wait_for(50)
+        assert sorted(inbox.ids()) == sorted(m.id for m in batch)
+        for delivery in inbox.deliveries:
+            await queue.ack(delivery)
+        await queue.close()
+        await assert_drained(amqp_url, names, shards=2)
+        # Nobody listens: every message of a batch gets its own error, none raises.
+        down = RabbitGlobalQueue("amqp://guest:guest@127.0.0.1:1/", connect_timeout_s=2.0)
+        errors = await down.publish_many([make_message(i) for i in range(3)])
+        assert len(errors) == 3 and all(isinstance(e, QueueUnavailable) for e in errors)
+        await down.close()
+
+    run(scenario)

@@ -81,6 +81,31 @@ def test_down_instance_gets_nothing() -> None:
     assert {d.instance for d in out} == {"i1"} and len(out) == 3
 
 
+def test_a_down_instance_does_not_break_the_idle_check_of_later_steps() -> None:
+    # A failed instance leaves the virtual queues; the triggers must look only at those left
+    # (this raised at every step once an instance was down and another had emptied its queue).
+    qlm = policy(min_interval_s=1.0, period_s=1000.0)
+    busy = {"max_running": 1, "outstanding_requests": 1, "outstanding_tokens": 200}
+    reqs = tuple(
+        make_request(
+            i,
+            slo=SLO(600.0 if i % 2 else 5.0),
+            tier=Tier.BATCH if i % 2 else Tier.INTERACTIVE,
+            input_tokens=100 if i % 2 else 2000,
+        )
+        for i in range(20)
+    )
+    free = load("i2", max_running=100)
+    qlm.decide(DispatchContext(0.0, reqs, (load("i0", **busy), load("i1", **busy), free)))
+    down = load("i0", up=False)
+    qlm.decide(DispatchContext(0.5, (), (down, load("i1", **busy), free)))
+    assert qlm.queues.queue("i1") and not qlm.queues.queue("i2")  # i2 pulled all of its own
+    ran = load("i2", max_running=100, outstanding_requests=5, outstanding_tokens=1000)
+    qlm.decide(DispatchContext(5.0, (), (down, load("i1", **busy), ran)))
+    qlm.decide(DispatchContext(6.0, (), (down, load("i1", **busy), free)))
+    assert qlm.plans[-1].trigger == "idle"  # i2 idle with i1's queue waiting: re-planned
+
+
 def test_runs_a_workload_to_the_end() -> None:
     tiers = list(Tier)
     reqs = [
