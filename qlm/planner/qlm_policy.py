@@ -10,13 +10,14 @@ Triggers (issue 4): a predicted violation (the estimator's completion distributi
 order gives some group ``P(meet) < Δ`` — checked when groups changed, at most every
 ``check_interval_s``), an instance joining, leaving or going idle while others have work, and the
 period ``period_s`` otherwise. Never more often than ``min_interval_s`` nor, on the wall clock, than
-``keep_up`` × the last solve's compute time.
+``keep_up`` × the last plan's compute time (problem, solve, concurrency choice, capacity).
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import time
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -250,7 +251,7 @@ class QlmPolicy:
         self._up: frozenset[str] = frozenset()
         self._last_plan_s = -math.inf
         self._last_check_s = -math.inf
-        self._last_solve_s = 0.0
+        self._last_plan_cost_s = 0.0
         self._changed = False
         self._plans_made = 0
         self._batch: dict[str, int] = {}  # concurrency limit per instance, chosen by the planner
@@ -360,7 +361,7 @@ class QlmPolicy:
             return "instances"  # a failure or a join is acted on at once
         gap = self.config.min_interval_s
         if self._measure:
-            gap = max(gap, self.config.keep_up * self._last_solve_s)
+            gap = max(gap, self.config.keep_up * self._last_plan_cost_s)
         if now - self._last_plan_s < gap:
             return ""
         # (A down instance has left the virtual queues: only the up ones are asked.)
@@ -525,6 +526,7 @@ class QlmPolicy:
         """Re-plan every waiting group now and apply the plan to the virtual queues: order and
         assignment by the solver, then each instance's concurrency limit (the one under which its
         queue scores best), re-solving once if a limit changed."""
+        started = time.perf_counter()
         family, current = self._family(now)
         self._plans_made += 1
         choice = self._choice(family)
@@ -543,7 +545,6 @@ class QlmPolicy:
         }
         self.queues.set_orders(orders)
         self._last_plan_s = now
-        self._last_solve_s = solution.solve_s
         self._up = frozenset(i.name for i in self._instances if i.up)
         self._changed = False
         self.last_solution = solution
@@ -556,13 +557,22 @@ class QlmPolicy:
             objective=solution.objective,
             edf_objective=solution.edf_objective,
             at_risk=tuple(problem.groups[i].id for i in solution.at_risk),
-            capacity_needed=capacity_needed(problem) if solution.at_risk else 1.0,
+            capacity_needed=(
+                capacity_needed(problem, hint=self._capacity_hint()) if solution.at_risk else 1.0
+            ),
             solve_s=solution.solve_s,
             evaluations=solution.evaluations,
             concurrency=dict(self._batch),
         )
         self.plans.append(record)
+        # What keeping up costs is the whole plan (problem, solve, concurrency, capacity), not
+        # only the solver's share of it.
+        self._last_plan_cost_s = time.perf_counter() - started
         return record
+
+    def _capacity_hint(self) -> float | None:
+        last = self.plans[-1].capacity_needed if self.plans else None
+        return last if last is not None and last > 1.0 else None
 
     def _ready(self, now: float) -> dict[str, float]:
         """When each instance's running work drains, in the fluid model: remaining expected output

@@ -163,6 +163,15 @@ def test_capacity_needed_grows_with_load() -> None:
     assert heavy is not None and 1.5 < heavy < 1.7  # both done by 5 s needs 8/5 the speed
 
 
+@pytest.mark.parametrize("hint", [1.01, 1.2, 1.6, 1.62, 2.0, 9.0, 63.0])
+def test_capacity_needed_from_a_hint_lands_within_the_same_two_percent(hint: float) -> None:
+    problem = tiny([[4.0], [4.0]], [5.0, 5.0])
+    assert capacity_needed(problem) == pytest.approx(1.6, rel=0.02)
+    assert capacity_needed(problem, hint=hint) == pytest.approx(1.6, rel=0.02)
+    hopeless = tiny([[400.0], [400.0]], [5.0, 5.0])  # needs 160 x, more than the limit of 64
+    assert capacity_needed(hopeless, hint=hint) is None
+
+
 def test_flow_term_serves_more_value_per_second_first() -> None:
     # Nothing is late either way: Smith's rule (weight / work) decides the order.
     pr = tiny([[4.0], [1.0]], [100.0, 100.0], weights=[1.0, 1.0])
