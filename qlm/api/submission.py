@@ -261,6 +261,9 @@ class Submitter:
         except Exception as exc:  # a bug, not the broker: answer every caller all the same
             log.exception("publishing %d requests failed", len(created))
             results = [exc] * len(created)
+        except BaseException:  # cancelled (shutting down): nobody may be left waiting
+            _fail([p for p, _ in created], QueueUnavailable("the API is shutting down"))
+            raise
         failed: list[tuple[_Pending, BaseException]] = []
         for (pending, row), result in zip(created, results, strict=True):
             if result is not None:

@@ -46,7 +46,7 @@ import functools
 import logging
 import time
 import zlib
-from collections.abc import Awaitable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -89,6 +89,9 @@ MAX_PREFETCH = 65535
 """AMQP's largest prefetch count (a 16-bit field)."""
 
 LEADER_QUEUE_ARGUMENTS: dict[str, Any] = {"x-queue-type": "classic"}
+STANDBY_LOG_S = 300.0
+"""A standby says it is still waiting this often (each of its attempts is also a channel error
+in the broker's log: one every ``leader_retry_s``)."""
 """The leader lock is an exclusive queue, which only a classic queue can be."""
 
 
@@ -96,6 +99,10 @@ def shard_names(queue: str, shards: int) -> list[str]:
     """The queues of a global queue split into ``shards``: the first keeps the plain name, so one
     shard is exactly the unsharded topology of ``broker/definitions.json``."""
     return [queue] + [f"{queue}.{i}" for i in range(1, shards)]
+
+
+async def _ignore(_message: AbstractIncomingMessage) -> None:
+    """Nothing is published to the leader lock; consuming it only watches for its deletion."""
 
 
 def shard_of(request_id: str, shards: int) -> int:
@@ -174,7 +181,7 @@ class RabbitGlobalQueue:
         delivery_limit: int = DELIVERY_LIMIT,
         prefetch: int = MAX_PREFETCH,
         shards: int = 1,
-        leader_retry_s: float = 0.5,
+        leader_retry_s: float = 2.0,
         confirm_timeout_s: float = 10.0,
         connect_timeout_s: float = 5.0,
         heartbeat_s: int = 10,
@@ -221,6 +228,7 @@ class RabbitGlobalQueue:
         self._publisher_backoff = _Backoff(reconnect_min_s, reconnect_max_s)
         self._publisher_retry_at = 0.0
         self._publisher_error = ""
+        self._retiring: set[asyncio.Task[None]] = set()
         # Consumer side.
         self._handler: Handler | None = None
         self._consumer: AbstractConnection | None = None
@@ -344,14 +352,40 @@ class RabbitGlobalQueue:
             if result is None:
                 out.append(None)
                 continue
-            if not isinstance(result, Exception):
-                raise result  # cancelled
+            if isinstance(result, asyncio.CancelledError):
+                task = asyncio.current_task()
+                if task is not None and task.cancelling():
+                    raise result  # this call was cancelled, not one message's publish
+            elif not isinstance(result, Exception):
+                raise result
             returned = returned or isinstance(result, PublishError)
-            out.append(self._unavailable(f"request {message.id!r} not confirmed", result))
+            error = self._unavailable(f"request {message.id!r} not confirmed", result)
+            error.__cause__ = result
+            out.append(error)
         if returned:
-            with contextlib.suppress(*BROKER_ERRORS):
-                await publisher.channel.close()
+            self._retire(publisher)
         return out
+
+    def _retire(self, publisher: _Publisher) -> None:
+        """A message came back unroutable (its queue was deleted): the next publish opens a new
+        channel, which declares the queues again. The old one is closed only once the confirms
+        still pending on it have come (or ``confirm_timeout_s`` passed): closing it at once
+        would fail other callers' messages that the broker did take."""
+        if self._publisher is not publisher:
+            return
+        self._publisher = None
+
+        async def close_when_settled() -> None:
+            deadline = time.monotonic() + self.confirm_timeout_s
+            with contextlib.suppress(*BROKER_ERRORS):
+                channel = cast(aiormq.Channel, await publisher.channel.get_underlay_channel())
+                while channel.confirmations and time.monotonic() < deadline:
+                    await asyncio.sleep(0.05)
+            await _close_quietly(publisher.connection)
+
+        task = asyncio.create_task(close_when_settled(), name="qlm-retire-publisher")
+        self._retiring.add(task)
+        task.add_done_callback(self._retiring.discard)
 
     async def _publish_one(self, channel: aiormq.Channel, message: QueuedRequest) -> None:
         shard = self.queues[shard_of(message.id, self.shards)] if self.shards > 1 else self.queue
@@ -410,37 +444,70 @@ class RabbitGlobalQueue:
             raise self._unavailable(f"cannot consume {self.queue!r}", exc) from exc
         return connection
 
-    async def _lead(self, connection: AbstractConnection, lost: asyncio.Event) -> None:
+    async def _lead(
+        self, connection: AbstractConnection, lost: asyncio.Event, tried: Callable[[], None]
+    ) -> None:
         """Wait for the leader lock, then consume every shard under a new epoch (module
-        docstring). Returns once consuming, or when ``lost`` is set while waiting."""
-        waiting_logged = False
+        docstring). ``tried`` is called once the first attempt has told leading from standing
+        by. Returns once consuming, or when ``lost`` is set while waiting."""
+        waiting_since: float | None = None
         while not lost.is_set():
             channel = await connection.channel(publisher_confirms=False)
             try:
-                await channel.declare_queue(
+                lock = await channel.declare_queue(
                     self.leader_queue, exclusive=True, arguments=LEADER_QUEUE_ARGUMENTS
                 )
                 break
-            except ChannelLockedResource:  # another consumer leads; the broker closed `channel`
-                if not waiting_logged:
+            except ChannelLockedResource:  # the broker closed `channel`
+                if await self._remove_stale_lock(connection):
+                    continue
+                tried()
+                now = time.monotonic()
+                if waiting_since is None or now - waiting_since > STANDBY_LOG_S:
                     log.info("standby: another consumer holds %s; waiting", self.leader_queue)
-                    waiting_logged = True
+                    waiting_since = now
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(lost.wait(), self.leader_retry_s)
         else:
             return
         await channel.set_qos(prefetch_count=self.prefetch)
         channel.close_callbacks.add(lambda *_: lost.set())
-        # The broker cancels a consumer whose queue is deleted: start over (redeclare).
+        # The broker cancels a consumer whose queue is deleted: start over (redeclare). That
+        # holds for the lock too: the leader consumes it (nothing is ever published to it), so
+        # an operator deleting the lock makes the leader step down and compete again.
         underlay = await channel.get_underlay_channel()
         underlay.on_consumer_cancel_callbacks.add(lambda _: lost.set())
+        await lock.consume(_ignore, no_ack=True)
         queues, _ = await self._declare(channel)
         self._new_epoch()
         on_message = functools.partial(self._on_message, self._epoch)
         for queue in queues:
             await queue.consume(on_message, no_ack=False)
         self.leader = True
+        tried()
         log.info("leading: consuming %s on %s", ", ".join(self.queues), self._safe_url)
+
+    async def _remove_stale_lock(self, connection: AbstractConnection) -> bool:
+        """After RESOURCE_LOCKED: is the lock a queue no connection owns (left by hand, or
+        declared without ``exclusive``)? A passive declaration succeeds only then; such a queue
+        would keep every controller standing by forever, so it is deleted (when empty)."""
+        channel = await connection.channel(publisher_confirms=False)
+        try:
+            await channel.declare_queue(self.leader_queue, passive=True)
+        except ChannelLockedResource:
+            return False  # a live leader holds it
+        except BROKER_ERRORS:
+            return True  # gone meanwhile: try to take it at once
+        log.error(
+            "%s exists but no connection holds it as its exclusive lock; deleting it",
+            self.leader_queue,
+        )
+        try:
+            await channel.queue_delete(self.leader_queue, if_empty=True)
+        finally:
+            with contextlib.suppress(*BROKER_ERRORS):
+                await channel.close()
+        return True
 
     def _new_epoch(self) -> None:
         """Forget every held delivery: its channel is gone and the broker requeued it."""
@@ -448,9 +515,18 @@ class RabbitGlobalQueue:
         self._held = {}
 
     async def _consume_forever(self, subscribed: asyncio.Future[None]) -> None:
+        """Connect, lead or stand by, and start over whenever the connection goes. ``consume``
+        returns once the first attempt at the lock has said which; if the lock cannot even be
+        tried (e.g. no permission on it), ``consume`` raises. Every failure waits out a bounded
+        exponential back-off, reset only once leading."""
         backoff = _Backoff(self.reconnect_min_s, self.reconnect_max_s)
         while not self._closing:
             lost = asyncio.Event()
+
+            def tried() -> None:
+                if not subscribed.done():
+                    subscribed.set_result(None)
+
             try:
                 connection = await self._connect_consumer(lost)
             except Exception as exc:
@@ -463,20 +539,26 @@ class RabbitGlobalQueue:
                 log.warning("%s; retrying in %.1f s", exc, delay)
                 await asyncio.sleep(delay)
                 continue
-            backoff.reset()
             self._consumer = connection
-            if subscribed.done():
-                log.warning("consumer of %s reconnected", self.queue)
-            else:
-                subscribed.set_result(None)  # a consumer now: leading, or standing by
+            failed = False
             try:
-                await self._lead(connection, lost)
+                await self._lead(connection, lost, tried)
             except Exception as exc:
+                failed = True
                 if isinstance(exc, BROKER_ERRORS):
-                    log.warning("consuming %s failed (%s); reconnecting", self.queue, exc)
+                    log.warning("consuming %s failed (%s)", self.queue, exc)
                 else:
-                    log.exception("consuming %s failed unexpectedly; reconnecting", self.queue)
+                    log.exception("consuming %s failed unexpectedly", self.queue)
+                if not subscribed.done():
+                    self._consumer = None
+                    await _close_quietly(connection)
+                    subscribed.set_exception(
+                        self._unavailable(f"cannot consume {self.queue!r}", exc)
+                    )
+                    return
                 lost.set()
+            if self.leader:
+                backoff.reset()
             await lost.wait()
             self._consumer = None
             self.leader = False
@@ -486,6 +568,10 @@ class RabbitGlobalQueue:
                 self.queue,
             )
             await _close_quietly(connection)
+            if failed:
+                delay = backoff.next()
+                log.warning("retrying %s in %.1f s", self.queue, delay)
+                await asyncio.sleep(delay)
 
     async def _on_message(self, epoch: int, incoming: AbstractIncomingMessage) -> None:
         """aiormq calls this for each delivery, in order; decode, hold, hand to the dispatcher."""
@@ -654,6 +740,8 @@ class RabbitGlobalQueue:
             await _close_quietly(consumer)
         if publisher is not None:
             await _close_quietly(publisher.connection)
+        if self._retiring:
+            await asyncio.gather(*self._retiring, return_exceptions=True)
 
 
 async def _close_quietly(connection: AbstractConnection) -> None:

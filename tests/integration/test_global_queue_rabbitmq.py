@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -22,6 +23,7 @@ from typing import Any
 import aio_pika
 import pytest
 from services import broker_names, in_ci
+from yarl import URL
 
 from qlm.global_queue import DeadLetter, Delivery, QueuedRequest, QueueUnavailable
 from qlm.global_queue.rabbitmq import (
@@ -571,3 +573,86 @@ def test_publish_many_confirms_each_message_and_reports_each_failure(
         await down.close()
 
     run(scenario)
+
+
+@pytest.mark.rabbitmq
+def test_a_lock_queue_nobody_owns_is_removed_and_the_consumer_leads(
+    amqp_url: str, names: Names
+) -> None:
+    async def scenario() -> None:
+        connection = await aio_pika.connect(amqp_url)
+        async with connection:  # a queue of the lock's name, not a connection's exclusive one
+            channel = await connection.channel()
+            await channel.declare_queue(f"{names['queue']}.leader", durable=False)
+        queue = open_queue(amqp_url, names)
+        inbox = Inbox()
+        await queue.consume(inbox)
+        await poll(lambda: queue.leader, 10.0, "the consumer to lead")
+        await queue.publish(make_message(0))
+        await inbox.wait_for(1)
+        await queue.ack(inbox.deliveries[0])
+        await queue.close()
+
+    run(scenario)
+
+
+@pytest.mark.rabbitmq
+def test_deleting_the_lock_makes_the_leader_step_down_and_lead_again(
+    amqp_url: str, names: Names
+) -> None:
+    ctl = rabbitmqctl()  # only an administrator can delete another connection's exclusive queue
+
+    async def scenario() -> None:
+        queue = open_queue(amqp_url, names)
+        inbox = Inbox()
+        await queue.consume(inbox)
+        await poll(lambda: queue.leader, 10.0, "the consumer to lead")
+        await queue.publish(make_message(0))
+        (before,) = await inbox.wait_for(1)
+        lock = f"{names['queue']}.leader"
+        await asyncio.to_thread(subprocess.run, [*ctl, "-q", "delete_queue", lock], check=True)
+        (_, after) = await inbox.wait_for(2)  # it reconnected: the message comes again
+        assert after.message == before.message and after.redelivered
+        assert queue.leader
+        await queue.ack(after)
+        await queue.close()
+        await assert_drained(amqp_url, names)
+
+    run(scenario)
+
+
+@pytest.mark.rabbitmq
+def test_a_user_who_may_not_take_the_lock_fails_at_start_and_does_not_spin(
+    amqp_url: str, names: Names
+) -> None:
+    ctl = rabbitmqctl()
+    user, password = f"qlm-test-{names['queue'][-12:]}", "secret"
+    base = re.escape(names["queue"])
+    subprocess.run([*ctl, "-q", "add_user", user, password], check=True)
+    try:
+        subprocess.run(
+            [
+                *ctl,
+                "-q",
+                "set_permissions",
+                "-p",
+                "/",
+                user,
+                f"^{base}(\\.dlx|\\.dead)?$",
+                ".*",
+                ".*",
+            ],
+            check=True,
+        )
+        url = str(URL(amqp_url).with_user(user).with_password(password))
+
+        async def scenario() -> None:
+            queue = open_queue(url, names)
+            with pytest.raises(QueueUnavailable, match="cannot consume"):
+                await queue.consume(Inbox())
+            assert not queue.leader
+            await queue.close()
+
+        run(scenario)
+    finally:
+        subprocess.run([*ctl, "-q", "delete_user", user], check=True)
