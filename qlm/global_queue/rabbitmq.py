@@ -89,6 +89,8 @@ MAX_PREFETCH = 65535
 """AMQP's largest prefetch count (a 16-bit field)."""
 
 LEADER_QUEUE_ARGUMENTS: dict[str, Any] = {"x-queue-type": "classic"}
+SHARD_CHECK_S = 60.0
+"""How often the leader looks for a shard beyond its count (a mismatched ``shards`` setting)."""
 STANDBY_LOG_S = 300.0
 """A standby says it is still waiting this often (each of its attempts is also a channel error
 in the broker's log: one every ``leader_retry_s``)."""
@@ -487,6 +489,30 @@ class RabbitGlobalQueue:
         tried()
         log.info("leading: consuming %s on %s", ", ".join(self.queues), self._safe_url)
 
+    async def _check_shard_count(self, connection: AbstractConnection) -> None:
+        """Say so, loudly, when a process publishes to more shards than this consumer reads: it
+        declared the next shard's queue, whose requests nobody serves."""
+        stray = f"{self.queue}.{self.shards}"
+        try:
+            channel = await connection.channel(publisher_confirms=False)
+        except BROKER_ERRORS:
+            return  # the connection is going: the consumer starts over anyway
+        try:
+            found = await channel.declare_queue(stray, passive=True)
+        except BROKER_ERRORS:  # no such queue (the broker closed the channel): the counts agree
+            log.debug("no queue %s: every publisher uses at most %d shards", stray, self.shards)
+            return
+        count = found.declaration_result.message_count or 0
+        log.error(
+            "queue %s exists (%d messages): some API or controller has QLM_BROKER__SHARDS > %d, "
+            "and what it puts there is served by nobody; set the same shard count everywhere",
+            stray,
+            count,
+            self.shards,
+        )
+        with contextlib.suppress(*BROKER_ERRORS):
+            await channel.close()
+
     async def _remove_stale_lock(self, connection: AbstractConnection) -> bool:
         """After RESOURCE_LOCKED: is the lock a queue no connection owns (left by hand, or
         declared without ``exclusive``)? A passive declaration succeeds only then; such a queue
@@ -559,6 +585,10 @@ class RabbitGlobalQueue:
                 lost.set()
             if self.leader:
                 backoff.reset()
+            while self.leader and not lost.is_set():
+                await self._check_shard_count(connection)
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(lost.wait(), SHARD_CHECK_S)
             await lost.wait()
             self._consumer = None
             self.leader = False

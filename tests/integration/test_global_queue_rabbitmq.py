@@ -656,3 +656,43 @@ def test_a_user_who_may_not_take_the_lock_fails_at_start_and_does_not_spin(
         run(scenario)
     finally:
         subprocess.run([*ctl, "-q", "delete_user", user], check=True)
+
+
+@pytest.mark.rabbitmq
+def test_a_leader_reading_fewer_shards_than_a_publisher_writes_says_so(
+    amqp_url: str, names: Names, caplog: pytest.LogCaptureFixture
+) -> None:
+    async def scenario() -> None:
+        publisher = open_queue(amqp_url, names, shards=2)
+        await publisher.publish(make_message(0))  # declares both shards
+        consumer = open_queue(amqp_url, names)  # one shard
+        await consumer.consume(Inbox())
+        await poll(
+            lambda: any("QLM_BROKER__SHARDS > 1" in r.getMessage() for r in caplog.records),
+            10.0,
+            "the mismatch to be logged",
+        )
+        await consumer.close()
+        await publisher.close()
+
+    with caplog.at_level("ERROR", logger="qlm.global_queue.rabbitmq"):
+        run(scenario)
+
+
+@pytest.mark.rabbitmq
+def test_a_leader_reading_as_many_shards_as_are_written_says_nothing(
+    amqp_url: str, names: Names, caplog: pytest.LogCaptureFixture
+) -> None:
+    async def scenario() -> None:
+        queue = open_queue(amqp_url, names, shards=2)
+        await queue.consume(Inbox())
+        await poll(
+            lambda: any("at most 2 shards" in r.getMessage() for r in caplog.records),
+            10.0,
+            "the shard check to run",
+        )
+        await queue.close()
+
+    with caplog.at_level("DEBUG", logger="qlm.global_queue.rabbitmq"):
+        run(scenario)
+    assert not [r for r in caplog.records if "QLM_BROKER__SHARDS" in r.getMessage()]
