@@ -567,6 +567,7 @@ class RabbitGlobalQueue:
                 continue
             self._consumer = connection
             failed = False
+            began = time.monotonic()
             try:
                 await self._lead(connection, lost, tried)
             except Exception as exc:
@@ -583,10 +584,14 @@ class RabbitGlobalQueue:
                     )
                     return
                 lost.set()
-            if self.leader:
+            led = self.leader
+            if led:
                 backoff.reset()
             while self.leader and not lost.is_set():
-                await self._check_shard_count(connection)
+                try:
+                    await self._check_shard_count(connection)
+                except Exception:  # a check must never stop the consumer
+                    log.exception("checking the shard count of %s failed", self.queue)
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(lost.wait(), SHARD_CHECK_S)
             await lost.wait()
@@ -598,7 +603,9 @@ class RabbitGlobalQueue:
                 self.queue,
             )
             await _close_quietly(connection)
-            if failed:
+            if not led and time.monotonic() - began > 2 * self.reconnect_max_s:
+                backoff.reset()  # a standby that waited a while: not a failing broker
+            if failed or not led:  # a connection that never led and dropped at once backs off
                 delay = backoff.next()
                 log.warning("retrying %s in %.1f s", self.queue, delay)
                 await asyncio.sleep(delay)
