@@ -59,7 +59,12 @@ from aio_pika.abc import (
     AbstractIncomingMessage,
     AbstractQueue,
 )
-from aiormq.exceptions import AMQPError, ChannelLockedResource, PublishError
+from aiormq.exceptions import (
+    AMQPError,
+    ChannelLockedResource,
+    ChannelNotFoundEntity,
+    PublishError,
+)
 from yarl import URL
 
 from qlm.errors import check_setting
@@ -520,10 +525,10 @@ class RabbitGlobalQueue:
         channel = await connection.channel(publisher_confirms=False)
         try:
             await channel.declare_queue(self.leader_queue, passive=True)
-        except ChannelLockedResource:
-            return False  # a live leader holds it
+        except ChannelNotFoundEntity:
+            return True  # its leader went meanwhile: try to take it at once
         except BROKER_ERRORS:
-            return True  # gone meanwhile: try to take it at once
+            return False  # a live leader holds it (RESOURCE_LOCKED), or we cannot tell: wait
         log.error(
             "%s exists but no connection holds it as its exclusive lock; deleting it",
             self.leader_queue,
