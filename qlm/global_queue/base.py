@@ -7,8 +7,8 @@ The broker holds the one replica of every accepted request (ARCHITECTURE.md §4 
   API answers 202 only for requests that cannot be lost;
 * the controller holds each delivery un-acked while its request waits in a virtual queue and acks
   it only once the outcome is durable. If the controller dies, the broker redelivers everything it
-  held (``redelivered=True``) to the standby controller, which the queue's single active consumer
-  made wait until then;
+  held (``redelivered=True``) to the standby controller, which waited until then (RabbitMQ: a
+  leader lock on the broker; in process: single active consumer);
 * every redelivery counts: past the delivery limit the broker dead-letters the message, so a
   request that crashes every controller cannot loop forever. A body that does not decode is
   dead-lettered with its reason at once and never reaches the handler.
@@ -105,8 +105,8 @@ class GlobalQueue(Protocol):
     async def consume(self, handler: Handler) -> None:
         """Become a consumer: return once subscribed (raise ``QueueUnavailable`` if the queue
         cannot be reached at all), then call ``handler`` for each delivery in the background,
-        reconnecting by itself. With single active consumer only one consumer in the cluster
-        receives; the others wait, and take over with every un-acked message when it goes."""
+        reconnecting by itself. Only one consumer in the cluster receives (the leader); the others
+        wait, and one takes over with every un-acked message when it goes."""
         ...
 
     async def ack(self, delivery: Delivery) -> None:

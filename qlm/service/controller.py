@@ -7,9 +7,9 @@ runs the one ``Controller`` — groups, estimator, planner, virtual queues, agen
 clock. What happens to each request is written to the store in order by one writer task; a
 delivery is acked only after its outcome (finished, failed, cancelled) is committed.
 
-**Failover.** A standby controller's consumer waits (single active consumer). When the active
-one dies, the broker redelivers every message it held; the standby records nothing twice: a
-request already final in the store is acked at once, the others resume from the partial output
+**Failover.** A standby controller's consumer waits (the global queue's leader lock). When the
+active one dies, the broker redelivers every message it held; the standby records nothing twice:
+a request already final in the store is acked at once, the others resume from the partial output
 the store holds (kept at each eviction or instance failure) or restart.
 
 **Poison.** A message the controller can never serve (no instance serves its model) is recorded
