@@ -26,7 +26,12 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from qlm.domain import Request
 from qlm.planner import POLICIES, PlannerConfig, create_policy
+from qlm.planner.policy import Policy
+from qlm.planner.qlm_policy import QlmPolicy
+from qlm.rct.estimator import RCTEstimator
+from qlm.rct.profile import default_profile
 from qlm.sim.cluster import ClusterSimulation
 from qlm.sim.instances import parse_instances
 from qlm.sim.traces import load_trace, scale_rate, window
@@ -34,6 +39,38 @@ from qlm.sim.workload import create_workload
 
 RESULTS = Path(__file__).resolve().parent / "results"
 BASELINES = tuple(p for p in POLICIES if p not in ("qlm", "fcfs-rr"))
+ORACLE = "qlm-oracle"  # qlm told the true output lengths (--oracle): not a policy, a yardstick
+FIXED = "qlm-b"  # qlm-b64: qlm with its concurrency limit fixed at 64 (--fixed-concurrency)
+
+
+class OracleEstimator(RCTEstimator):
+    """The RCT estimator told every request's true output length (the trace's): what the planner
+    would do if the unknown it plans around were known. Only for measuring that; nothing else
+    changes (profile, calibration, concurrency model, planner)."""
+
+    def output_moments(self, request: Request, generated: int = 0) -> tuple[float, float]:
+        true = min(request.replay_output_tokens or request.max_tokens, request.max_tokens)
+        return float(max(true - generated, 0)), 0.0
+
+
+def true_output(request: Request) -> float:
+    return float(min(request.replay_output_tokens or request.max_tokens, request.max_tokens))
+
+
+def make_policy(name: str, planner: PlannerConfig) -> Policy:
+    """A policy by name; ``qlm-oracle`` and ``qlm-b<N>`` (qlm with its concurrency limit fixed at
+    ``N`` instead of chosen by its fluid model) are yardsticks of this experiment only."""
+    if name.startswith(FIXED):
+        policy = QlmPolicy(config=planner)
+        policy.fix_concurrency(int(name.removeprefix(FIXED)))
+        return policy
+    if name == ORACLE:
+        return QlmPolicy(
+            config=planner,
+            estimator=OracleEstimator(default_profile()),
+            predict_output=true_output,
+        )
+    return create_policy(name, planner=planner)
 
 
 def run_one(args: tuple[str, float, float, str, int, int]) -> dict[str, Any]:
@@ -42,7 +79,7 @@ def run_one(args: tuple[str, float, float, str, int, int]) -> dict[str, Any]:
     requests = create_workload("wb", trace, seed=seed)
     specs = parse_instances(instances)
     planner = PlannerConfig.for_simulation(evaluations)
-    policy = create_policy(policy_name, planner=planner)
+    policy = make_policy(policy_name, planner)
     t0 = time.perf_counter()
     result = ClusterSimulation(specs, policy).run(requests)
     wall = time.perf_counter() - t0
@@ -76,9 +113,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--evaluations", type=int, default=5000, help="qlm planner budget per plan")
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--name", default="policies")
+    ap.add_argument(
+        "--oracle",
+        action="store_true",
+        help=f"also run {ORACLE}: qlm told the true output lengths (a yardstick, not a policy)",
+    )
+    ap.add_argument(
+        "--fixed-concurrency",
+        default="",
+        help="also run qlm with its concurrency limit fixed at each of these (e.g. 64,128)",
+    )
     args = ap.parse_args(argv)
     rates = [float(r) for r in args.rates.split(",")]
-    policies = args.policies.split(",")
+    policies = args.policies.split(",") + ([ORACLE] if args.oracle else [])
+    policies += [f"{FIXED}{int(b)}" for b in args.fixed_concurrency.split(",") if b.strip()]
     rows: list[dict[str, Any]] = []
     extra_left = args.extra
     with ProcessPoolExecutor(max_workers=args.jobs) as pool:
@@ -139,11 +187,15 @@ def report(rows: list[dict[str, Any]], policies: list[str]) -> None:
                 for p in policies
             )
         )
-    qlm_rows = [r for r in rows if r["policy"] == "qlm" and "plans" in r]
+    qlm_rows = [r for r in rows if not _baseline(r["policy"]) and "plans" in r]
     for r in qlm_rows:
         print(
-            f"qlm at x{r['rate']:g}: {r['plans']} plans, {r['plan_compute_s']:.1f} s planning, run {r['wall_s']:.0f} s"
+            f"{r['policy']} at x{r['rate']:g}: {r['plans']} plans, {r['plan_compute_s']:.1f} s planning, run {r['wall_s']:.0f} s"
         )
+
+
+def _baseline(policy: str) -> bool:
+    return policy != "qlm" and policy != ORACLE and not policy.startswith(FIXED)
 
 
 def check(rows: list[dict[str, Any]], policies: list[str]) -> bool:
@@ -153,7 +205,7 @@ def check(rows: list[dict[str, Any]], policies: list[str]) -> bool:
     by = {(r["policy"], r["rate"]): r["slo_attainment"] for r in rows}
     ok = True
     for rate in rates:
-        base = {p: by[(p, rate)] for p in policies if p != "qlm" and (p, rate) in by}
+        base = {p: by[(p, rate)] for p in policies if _baseline(p) and (p, rate) in by}
         best = max(base, key=lambda p: base[p])
         diff = 100 * (by[("qlm", rate)] - base[best])
         good = diff >= -2.0
@@ -170,6 +222,9 @@ def check(rows: list[dict[str, Any]], policies: list[str]) -> bool:
     print(
         f"first load with FCFS < 50 %: x{knee:g}; qlm - fcfs = {gain:+.1f} points {'ok' if good else 'MISSED (target: >= 40)'}"
     )
+    for p in policies:
+        if not _baseline(p) and p != "qlm" and (p, knee) in by:
+            print(f"  {p} - fcfs = {100 * (by[(p, knee)] - by[('fcfs', knee)]):+.1f} points")
     return ok and good
 
 
@@ -188,7 +243,9 @@ def plot(
         )
         if not pts:
             continue
-        style = {"linewidth": 2.5, "color": "black"} if p == "qlm" else {}
+        style: dict[str, Any] = {"linewidth": 2.5, "color": "black"} if p == "qlm" else {}
+        if not _baseline(p) and p != "qlm":
+            style = {"linewidth": 1.2, "linestyle": "--"}
         a1.plot([x for x, _, _ in pts], [100 * y for _, y, _ in pts], marker="o", label=p, **style)
         a2.plot([x for x, _, _ in pts], [t for _, _, t in pts], marker="o", label=p, **style)
     a1.set(xlabel="arrival rate × Azure conv", ylabel="SLO attainment (%)", ylim=(0, 102))

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 from builders import make_catalog, make_profile, make_request
 
-from qlm.domain import SLO, InstanceSpec, Pull, RequestStatus, Tier
+from qlm.domain import SLO, InstanceSpec, Pull, Request, RequestStatus, Tier
+from qlm.errors import ConfigError
 from qlm.planner import PlannerConfig, QlmPolicy, create_policy
 from qlm.planner.policy import DispatchContext, InstanceLoad
+from qlm.planner.qlm_policy import pick_limit
+from qlm.rct.estimator import RCTEstimator
 from qlm.sim.cluster import ClusterSimulation
 
 PROFILE = make_profile()
@@ -169,3 +173,67 @@ def test_bad_planner_settings_get_one_line_naming_the_setting() -> None:
             PlannerConfig(**kwargs)  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match=r"^planner\.budget\.time_s must be"):
         Budget(time_s=0.0)
+
+
+def test_a_given_estimator_and_output_predictor_are_the_ones_used() -> None:
+    estimator = RCTEstimator(PROFILE)
+    seen: list[str] = []
+
+    def predict(request: Request) -> float:
+        seen.append(request.id)
+        return 10.0
+
+    qlm = QlmPolicy(
+        PROFILE,
+        config=CONFIG,
+        measure_solve_time=False,
+        estimator=estimator,
+        predict_output=predict,
+    )
+    assert qlm.estimator is estimator
+    qlm.decide(DispatchContext(0.0, (make_request(0), make_request(1)), (load(),)))
+    assert {"r0000", "r0001"} <= set(seen)  # the grouper clustered on the given prediction
+
+
+def test_a_fixed_concurrency_limit_is_held_at_every_plan() -> None:
+    qlm = policy()
+    qlm.fix_concurrency(40)  # the choices under 64 running at most are 16, 32 and 64
+    reqs = tuple(make_request(i, slo=SLO(600.0)) for i in range(40))
+    out = qlm.decide(DispatchContext(0.0, reqs, (load(max_running=64),)))
+    assert qlm.plans[-1].concurrency == {"i0": 32}
+    assert sum(isinstance(d, Pull) for d in out) == 32
+    with pytest.raises(ConfigError, match="concurrency limit"):
+        qlm.fix_concurrency(0)
+
+
+@pytest.mark.parametrize("simulated", [True, False])
+def test_plans_are_spaced_by_their_compute_only_when_the_budget_is_wall_time(
+    simulated: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A simulated run (budget in evaluations) must not depend on how fast the machine is."""
+    clock = iter(float(100 * i) for i in range(1000))  # every plan "takes" 100 s of compute
+    monkeypatch.setattr("qlm.planner.qlm_policy.time.perf_counter", lambda: next(clock))
+    config = dataclasses.replace(CONFIG, period_s=5.0, min_interval_s=1.0)
+    if not simulated:
+        config = dataclasses.replace(config, budget=dataclasses.replace(config.budget, time_s=0.1))
+    qlm = QlmPolicy(PROFILE, config=config)
+    busy = load(max_running=1, outstanding_requests=1, outstanding_tokens=200)
+    qlm.decide(DispatchContext(0.0, (make_request(0, slo=SLO(600.0)),), (busy,)))
+    qlm.decide(DispatchContext(6.0, (), (busy,)))  # the period is due
+    assert len(qlm.plans) == (2 if simulated else 1)
+
+
+def test_the_concurrency_limit_worth_the_most_wins_unless_the_current_one_is_close() -> None:
+    values = {16: 1.0, 64: 2.0, 128: 2.08, 256: 2.08}
+    assert pick_limit(values, None, 0.05) == 128  # the smallest of equals
+    assert pick_limit(values, 64, 0.05) == 64  # 2.0 is within 5 % of 2.08: no change
+    assert pick_limit(values, 64, 0.0) == 128
+    assert pick_limit(values, 16, 0.05) == 128  # 1.0 is far below
+    assert pick_limit(values, 32, 0.05) == 128  # no longer a choice (fewer slots now)
+    with pytest.raises(ValueError):
+        pick_limit({}, None, 0.05)
+
+
+def test_a_hysteresis_outside_zero_to_one_is_refused() -> None:
+    with pytest.raises(ConfigError, match=r"planner\.concurrency_hysteresis"):
+        PlannerConfig(concurrency_hysteresis=1.0)
