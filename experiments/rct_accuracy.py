@@ -19,8 +19,9 @@ Both use the W_B SLO classes (interactive 20 s, standard 60 s, batch 300 s), so 
 
 Prints R² of predicted vs actual end-to-end latency, the ceiling of that R² for any estimator that
 does not know output lengths (actual time to first token and time per token, every output replaced
-by the mean output), R² of the waiting part alone (arrival to first scheduled), and a calibration
-table (predicted
+by the mean output), R² of the waiting part alone (arrival to first scheduled), the calibration
+of the output-length model alone (where each true output falls in the predictive the estimator
+used for it, by decile: 10 % each when calibrated), and a calibration table (predicted
 ``P(meet SLO)`` in deciles vs the observed frequency). Writes ``experiments/results/rct_accuracy.json``
 and ``rct_accuracy.png`` (scatter plots).
 
@@ -62,6 +63,7 @@ class Recorder:
     requests: dict[str, Request]
     predicted: dict[str, tuple[float, float]] = field(default_factory=dict)  # id -> (mean, p)
     predicted_wait: dict[str, float] = field(default_factory=dict)
+    output_pit: dict[str, float] = field(default_factory=dict)  # P(O <= o | belief at dispatch)
     actual_wait: dict[str, float] = field(default_factory=dict)
     decode: dict[str, tuple[float, float, int]] = field(default_factory=dict)
     actual: dict[str, float] = field(default_factory=dict)
@@ -80,6 +82,12 @@ class Recorder:
             est.p_before(request.deadline_s),
         )
         self.predicted_wait[request.id] = self.estimator.predicted_wait(request.id)
+        if est.output is not None and request.replay_output_tokens is not None:
+            # Where the true output falls in the predictive the estimator used: uniform on [0, 1]
+            # when the output-length model is calibrated (probability integral transform).
+            self.output_pit[request.id] = est.output.p_remaining_within(
+                request.replay_output_tokens, cap=request.max_tokens
+            )
 
     def on_finish(self, record: RequestRecord) -> None:
         req = record.request
@@ -150,6 +158,8 @@ def run_case(
                 "observed": float(obs[sel].mean()) if n else None,
             }
         )
+    pit = np.array([recorder.output_pit[i] for i in ids if i in recorder.output_pit])
+    pit_deciles = (np.histogram(pit, bins=np.linspace(0, 1, 11))[0] / max(len(pit), 1)).tolist()
     ok_bins = [
         abs(r["predicted"] - r["observed"]) <= CAL_TOLERANCE  # type: ignore[operator]
         for r in rows
@@ -167,6 +177,7 @@ def run_case(
         "mean_latency_s": float(act.mean()),
         "slo_attainment": result.summary["slo_attainment"],
         "calibration": rows,
+        "output_pit_deciles": pit_deciles,
         "calibrated": all(ok_bins),
         "_pred": pred,
         "_act": act,
@@ -224,6 +235,8 @@ def report(c: dict[str, object], fleet: str) -> None:
         f"{c['r2_ceiling_unknown_output']:.3f}), mean |error| {c['mean_abs_error_s']:.2f} s; "
         f"waiting alone: R² = {c['r2_wait']:.3f}, mean wait {c['mean_wait_s']:.1f} s"
     )
+    pit = " ".join(f"{100 * x:.0f}" for x in c["output_pit_deciles"])  # type: ignore[attr-defined]
+    print(f"  output lengths: % of true outputs in each decile of their predictive: {pit}")
     print(f"  {'P(meet SLO)':>12} {'n':>6} {'predicted':>10} {'observed':>9}")
     for row in c["calibration"]:  # type: ignore[attr-defined]
         if row["n"]:
