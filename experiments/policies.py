@@ -49,11 +49,11 @@ class OracleEstimator(RCTEstimator):
     changes (profile, calibration, concurrency model, planner)."""
 
     def output_moments(self, request: Request, generated: int = 0) -> tuple[float, float]:
-        true = min(request.replay_output_tokens or request.max_tokens, request.max_tokens)
-        return float(max(true - generated, 0)), 0.0
+        return max(true_output(request) - generated, 0.0), 0.0
 
 
 def true_output(request: Request) -> float:
+    """The trace's output length (``max_tokens`` when the request has none), within the cap."""
     return float(min(request.replay_output_tokens or request.max_tokens, request.max_tokens))
 
 
