@@ -19,6 +19,7 @@ Reproduce: .venv/bin/python experiments/policies.py
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -41,6 +42,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 BASELINES = tuple(p for p in POLICIES if p not in ("qlm", "fcfs-rr"))
 ORACLE = "qlm-oracle"  # qlm told the true output lengths (--oracle): not a policy, a yardstick
 FIXED = "qlm-b"  # qlm-b64: qlm with its concurrency limit fixed at 64 (--fixed-concurrency)
+DEFER = "qlm-defer"  # qlm with cost-aware admission on (--defer)
 
 
 class OracleEstimator(RCTEstimator):
@@ -58,12 +60,15 @@ def true_output(request: Request) -> float:
 
 
 def make_policy(name: str, planner: PlannerConfig) -> Policy:
-    """A policy by name; ``qlm-oracle`` and ``qlm-b<N>`` (qlm with its concurrency limit fixed at
-    ``N`` instead of chosen by its fluid model) are yardsticks of this experiment only."""
+    """A policy by name; ``qlm-oracle``, ``qlm-b<N>`` (qlm with its concurrency limit fixed at
+    ``N`` instead of chosen by its fluid model) and ``qlm-defer`` (qlm with cost-aware admission,
+    ``PlannerConfig.defer_expensive``) are variants measured by this experiment only."""
     if name.startswith(FIXED):
         policy = QlmPolicy(config=planner)
         policy.fix_concurrency(int(name.removeprefix(FIXED)))
         return policy
+    if name == DEFER:
+        return QlmPolicy(config=dataclasses.replace(planner, defer_expensive=True))
     if name == ORACLE:
         return QlmPolicy(
             config=planner,
@@ -119,6 +124,11 @@ def main(argv: list[str] | None = None) -> int:
         help=f"also run {ORACLE}: qlm told the true output lengths (a yardstick, not a policy)",
     )
     ap.add_argument(
+        "--defer",
+        action="store_true",
+        help=f"also run {DEFER}: qlm with cost-aware admission (defer_expensive) on",
+    )
+    ap.add_argument(
         "--fixed-concurrency",
         default="",
         help="also run qlm with its concurrency limit fixed at each of these (e.g. 64,128)",
@@ -126,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     rates = [float(r) for r in args.rates.split(",")]
     policies = args.policies.split(",") + ([ORACLE] if args.oracle else [])
+    policies += [DEFER] if args.defer else []
     policies += [f"{FIXED}{int(b)}" for b in args.fixed_concurrency.split(",") if b.strip()]
     rows: list[dict[str, Any]] = []
     extra_left = args.extra
@@ -195,7 +206,7 @@ def report(rows: list[dict[str, Any]], policies: list[str]) -> None:
 
 
 def _baseline(policy: str) -> bool:
-    return policy != "qlm" and policy != ORACLE and not policy.startswith(FIXED)
+    return policy not in ("qlm", ORACLE, DEFER) and not policy.startswith(FIXED)
 
 
 def check(rows: list[dict[str, Any]], policies: list[str]) -> bool:

@@ -7,8 +7,9 @@ every group returned lists its rows in ascending order, which is FCFS order.
    points. k-means (scikit-learn ``KMeans``, Lloyd, one initialisation, run to strict convergence or
    ``max_iter``, fixed ``random_state``, one thread) is fitted on at most ``sample`` rows, and every
    row is then assigned to its nearest centre: that bounds the cost for 100,000 requests.
-2. A cluster whose SLOs spread by more than ``max_log_spread`` (``log(slo_ratio)``) is cut at the
-   widest gap of that SLO, repeatedly: requests with very different deadlines never share a group.
+2. A cluster whose bounded features (the SLOs and the prompt length, in logs) spread by more than
+   ``max_log_spread`` (``log(slo_ratio)``, ``log(input_ratio)``) is cut at the widest gap of that
+   feature, repeatedly: requests with very different deadlines or costs never share a group.
 3. ``splitHalf``: a cluster larger than ``max_group_size`` is split into its older and newer halves,
    and those again, until every group respects the bound (``split_half``).
 
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import bisect
 import math
+from collections.abc import Sequence
 from functools import cache
 from typing import Any
 
@@ -30,7 +32,7 @@ import numpy.typing as npt
 from sklearn.cluster import KMeans
 from threadpoolctl import ThreadpoolController  # type: ignore[import-untyped]
 
-from qlm.groups.features import SLO_FEATURES, FloatArray, IntArray
+from qlm.groups.features import FloatArray, IntArray
 
 _EPS = 1e-9
 
@@ -51,11 +53,11 @@ def _controller() -> Any:
 
 def form_groups(
     points: FloatArray,
-    log_slo: FloatArray,
+    bounded: FloatArray,
     *,
     max_group_size: int,
     k_cap: int,
-    max_log_spread: float,
+    max_log_spread: Sequence[float],
     sample: int,
     max_iter: int,
     seed: int,
@@ -80,7 +82,7 @@ def form_groups(
         )
     groups: list[IntArray] = []
     for cluster in _clusters(labels):
-        for part in split_slo(cluster, log_slo, max_log_spread):
+        for part in split_spread(cluster, bounded, max_log_spread):
             groups.extend(split_half(part, max_group_size, anchors))
     groups.sort(key=lambda g: int(g[0]))
     return groups, centres
@@ -157,15 +159,18 @@ def _clusters(labels: IntArray) -> list[IntArray]:
     return [c for c in np.split(order, np.cumsum(counts)[:-1]) if len(c)]
 
 
-def split_slo(rows: IntArray, log_slo: FloatArray, max_log_spread: float) -> list[IntArray]:
-    """Cut ``rows`` at the widest gap of any SLO feature spread beyond ``max_log_spread``."""
+def split_spread(
+    rows: IntArray, bounded: FloatArray, max_log_spread: Sequence[float]
+) -> list[IntArray]:
+    """Cut ``rows`` at the widest gap of any bounded feature (column ``j`` of ``bounded``) that
+    spreads beyond ``max_log_spread[j]``."""
     done: list[IntArray] = []
     todo = [rows]
     while todo:
         part = todo.pop()
-        for j in range(SLO_FEATURES):
-            values = log_slo[part, j]
-            if values.max() - values.min() > max_log_spread + _EPS:
+        for j, limit in enumerate(max_log_spread):
+            values = bounded[part, j]
+            if values.max() - values.min() > limit + _EPS:
                 order = np.argsort(values, kind="stable")
                 cut = int(np.diff(values[order]).argmax()) + 1
                 todo.append(np.sort(part[order[cut:]]))

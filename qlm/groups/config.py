@@ -21,7 +21,10 @@ class GroupingConfig:
     the size bound always wins.
 
     ``slo_ratio``: two requests share a group only if their end-to-end SLOs (and, separately, their
-    TTFT SLOs) differ by at most this factor.
+    TTFT SLOs) differ by at most this factor. ``input_ratio``: likewise for ``1 + prompt tokens``
+    (a huge value such as 1e9 turns the rule off): prefill is most of a request's cost, and a group is planned
+    and admitted as a unit, so its members must cost alike — without the rule k-means put
+    4,000-token prompts of the Azure conversation trace into groups of 1,000-token ones.
 
     Re-clustering (``Grouper.needs_recluster``) is due after ``recluster_interval_s`` with changes,
     when online-classified requests sit ``drift_factor`` times farther from their group's centroid
@@ -42,6 +45,7 @@ class GroupingConfig:
     avg_batch_size: float = 32.0
     max_clusters_per_model: int = 64
     slo_ratio: float = 2.0
+    input_ratio: float = 3.0
     recluster_interval_s: float = 30.0
     drift_factor: float = 2.0
     max_new_group_fraction: float = 0.5
@@ -61,6 +65,7 @@ class GroupingConfig:
             self.max_clusters_per_model,
         )
         _check(self.slo_ratio >= 1, "slo_ratio", ">= 1", self.slo_ratio)
+        _check(self.input_ratio >= 1, "input_ratio", ">= 1", self.input_ratio)
         _check(
             self.recluster_interval_s > 0, "recluster_interval_s", "> 0", self.recluster_interval_s
         )
@@ -75,6 +80,13 @@ class GroupingConfig:
         _check(0 < self.keep_id_overlap <= 1, "keep_id_overlap", "in (0, 1]", self.keep_id_overlap)
         _check(self.kmeans_sample >= 2, "kmeans_sample", ">= 2", self.kmeans_sample)
         _check(self.kmeans_max_iter >= 1, "kmeans_max_iter", ">= 1", self.kmeans_max_iter)
+
+    @property
+    def max_log_spread(self) -> tuple[float, float, float]:
+        """Bounds on the spread within a group of the bounded features (``BOUNDED_FEATURES``):
+        log end-to-end SLO, log TTFT SLO, log prompt length."""
+        slo = math.log(self.slo_ratio)
+        return (slo, slo, math.log(self.input_ratio))
 
     @property
     def max_group_size(self) -> int:

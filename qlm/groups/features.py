@@ -14,6 +14,11 @@ feature                weight  value
                                ``[1, max_tokens]``
 =====================  ======  ===============================================================
 
+Besides the partition, three features are bounded within a group (hard rules, see ``Grouper``):
+the SLOs spread by at most ``slo_ratio`` and the prompt lengths by at most ``input_ratio``. Prompt
+length is most of what a request costs (prefill), so a group's members cost alike and the planner
+and cost-aware admission (``qlm.planner.admission``) can judge a group by its mean.
+
 Each feature is divided by its standard deviation over the waiting requests (at least
 ``MIN_SCALE``, so a feature that barely varies is not blown up; ``DEFAULT_SCALE`` before the first
 re-clustering), then multiplied by its weight. Deadlines weigh double: requests whose SLOs differ by
@@ -45,8 +50,9 @@ FEATURES = ("log_e2e_slo", "log_ttft_slo", "log_input_tokens", "log_output_token
 WEIGHTS: FloatArray = np.array([2.0, 1.0, 1.0, 1.0])
 MIN_SCALE = 0.5
 DEFAULT_SCALE: FloatArray = np.ones(len(FEATURES))
-SLO_FEATURES = 2
-"""The first two features are the SLOs: the ones ``slo_ratio`` bounds within a group."""
+BOUNDED_FEATURES = 3
+"""The first three features are bounded within a group: the two SLOs by ``slo_ratio``, the prompt
+length by ``input_ratio`` (``GroupingConfig``)."""
 
 DEFAULT_OUTPUT_TOKENS = 256
 """Output length guessed before the estimator knows better: between the mean outputs of the Azure

@@ -18,9 +18,9 @@ from qlm.errors import GroupError
 from qlm.groups.clustering import form_groups
 from qlm.groups.config import GroupingConfig
 from qlm.groups.features import (
+    BOUNDED_FEATURES,
     DEFAULT_SCALE,
     FEATURES,
-    SLO_FEATURES,
     WEIGHTS,
     FloatArray,
     GroupKey,
@@ -90,8 +90,12 @@ class _Partition:
         self.gids: list[str] = []
         self.centroids: FloatArray = np.empty((capacity, len(FEATURES)))
         self.sizes: IntArray = np.empty(capacity, dtype=np.int64)
-        self.lo: FloatArray = np.empty((capacity, SLO_FEATURES))  # min log SLO of the members
-        self.hi: FloatArray = np.empty((capacity, SLO_FEATURES))  # max log SLO of the members
+        self.lo: FloatArray = np.empty(
+            (capacity, BOUNDED_FEATURES)
+        )  # min bounded features of the members
+        self.hi: FloatArray = np.empty(
+            (capacity, BOUNDED_FEATURES)
+        )  # max bounded features of the members
 
     def append(self, gid: str) -> int:
         row = len(self.gids)
@@ -99,8 +103,8 @@ class _Partition:
             cap = 2 * row
             self.centroids = np.resize(self.centroids, (cap, len(FEATURES)))
             self.sizes = np.resize(self.sizes, cap)
-            self.lo = np.resize(self.lo, (cap, SLO_FEATURES))
-            self.hi = np.resize(self.hi, (cap, SLO_FEATURES))
+            self.lo = np.resize(self.lo, (cap, BOUNDED_FEATURES))
+            self.hi = np.resize(self.hi, (cap, BOUNDED_FEATURES))
         self.gids.append(gid)
         return row
 
@@ -142,7 +146,8 @@ class Grouper:
 
     - every waiting request is in exactly one group, and a group is never empty (it disappears);
     - a group never mixes models, tiers (``Tier``) or SLO classes, and its members' end-to-end SLOs
-      (and TTFT SLOs) differ by at most ``config.slo_ratio``;
+      (and TTFT SLOs) differ by at most ``config.slo_ratio``, and their ``1 + prompt tokens`` by
+      at most ``config.input_ratio``;
     - no group holds more than ``config.max_group_size`` requests (δ × average batch size);
     - requests inside a group are served FCFS: by ``arrival_s``, then ``id``;
     - a group id (``g17``) is never reused for another group.
@@ -167,7 +172,7 @@ class Grouper:
         self._parts: dict[GroupKey, _Partition] = {}
         self._centres: dict[GroupKey, FloatArray] = {}  # last k-means centres, raw units
         self._mult: FloatArray = WEIGHTS / DEFAULT_SCALE
-        self._max_log_spread = math.log(self._config.slo_ratio)
+        self._max_log_spread = np.array(self._config.max_log_spread)
         self._next_id = 1
         self._last_recluster_s: float | None = None
         self._first_change_s: float | None = None
@@ -190,7 +195,7 @@ class Grouper:
         Groups already larger than a smaller new bound stay so until ``recluster``.
         """
         self._config = config
-        self._max_log_spread = math.log(config.slo_ratio)
+        self._max_log_spread = np.array(config.max_log_spread)
 
     def __len__(self) -> int:
         """Number of groups."""
@@ -226,9 +231,10 @@ class Grouper:
     def add(self, request: Request, now: float) -> str:
         """Classify a new request online and return its group's id; never re-clusters.
 
-        It joins the nearest group (Euclidean distance to the centroid) of its partition that is below
-        ``max_group_size`` and stays within ``slo_ratio`` of its SLOs; when none does, it founds a new
-        group. ``GroupError`` if a request with that id is already waiting.
+        It joins the nearest group (Euclidean distance to the centroid) of its partition that is
+        below ``max_group_size`` and stays within ``slo_ratio`` of its SLOs and ``input_ratio`` of
+        its prompts; when none does, it founds a new group. ``GroupError`` if a request with that
+        id is already waiting.
         """
         if request.id in self._group_of:
             raise GroupError(
@@ -243,7 +249,7 @@ class Grouper:
         group: _Group | None = None
         n = len(part.gids)
         if n:
-            slo = raw[:SLO_FEATURES]
+            slo = raw[:BOUNDED_FEATURES]
             spread = np.maximum(part.hi[:n], slo) - np.minimum(part.lo[:n], slo)
             ok = (part.sizes[:n] < self._config.max_group_size) & (
                 spread <= self._max_log_spread + 1e-9
@@ -374,7 +380,7 @@ class Grouper:
             group.requests = by_row[rows].tolist()
             part.centroids[group.row] = centroids[j]
             part.sizes[group.row] = len(rows)
-            slo = raw[rows, :SLO_FEATURES]
+            slo = raw[rows, :BOUNDED_FEATURES]
             part.lo[group.row] = slo.min(axis=0)
             part.hi[group.row] = slo.max(axis=0)
             groups[group.id] = group
@@ -425,7 +431,7 @@ class Grouper:
         part, row = group.part, group.row
         part.centroids[row] = group.feature_sum / len(members) * self._mult
         part.sizes[row] = len(members)
-        slo = raw[:SLO_FEATURES]
+        slo = raw[:BOUNDED_FEATURES]
         if len(members) == 1:
             part.lo[row] = slo
             part.hi[row] = slo
@@ -450,7 +456,7 @@ class Grouper:
         group.feature_sum = group.feature_sum - raw
         part.centroids[row] = group.feature_sum / len(group.requests) * self._mult
         part.sizes[row] = len(group.requests)
-        slo = np.array([self._features[r.id][:SLO_FEATURES] for r in group.requests])
+        slo = np.array([self._features[r.id][:BOUNDED_FEATURES] for r in group.requests])
         part.lo[row] = slo.min(axis=0)
         part.hi[row] = slo.max(axis=0)
         group.view = None
@@ -515,10 +521,10 @@ class Grouper:
             previous = self._centres.get(key)
             local_groups, fitted = form_groups(
                 points[rows],
-                raw[rows, :SLO_FEATURES],
+                raw[rows, :BOUNDED_FEATURES],
                 max_group_size=cfg.max_group_size,
                 k_cap=max(1, round(cfg.max_clusters_per_model * share)),
-                max_log_spread=self._max_log_spread,
+                max_log_spread=self._config.max_log_spread,
                 sample=cfg.kmeans_sample,
                 max_iter=cfg.kmeans_max_iter,
                 seed=cfg.seed,

@@ -36,6 +36,7 @@ from qlm.agents.decide import (
 from qlm.domain import Decision, Evict, ModelTier, Pull, Request, SwapIn, SwapOut, Tier
 from qlm.errors import check_setting
 from qlm.groups import Grouper, GroupingConfig, PredictOutput, default_predict_output
+from qlm.planner.admission import Admission, TokenBucket, admit
 from qlm.planner.policy import DispatchContext, InstanceLoad, has_room, prompt_tokens
 from qlm.planner.program import FloatArray, PlanGroup, PlanInstance, PlanProblem, score_queue
 from qlm.planner.solve import Budget, Solution, capacity_needed, solve
@@ -77,6 +78,7 @@ class PlannerConfig:
     rate_window_s: float = 60.0
     max_utilisation: float = 0.95
     concurrency_hysteresis: float = 0.05
+    defer_expensive: bool = False
     seed: int = 0
 
     @classmethod
@@ -119,6 +121,7 @@ class PlanRecord:
     solve_s: float
     evaluations: int
     concurrency: dict[str, int] = field(default_factory=dict)
+    deferred: int = 0  # groups deferred by cost-aware admission
 
 
 @dataclass(slots=True)
@@ -126,6 +129,37 @@ class _Inflight:
     request: Request
     pulled_s: float
     generated: int  # output tokens it had when pulled (resumed after an eviction)
+
+
+ClassKey = tuple[str, Tier, float]  # (model, tier, end-to-end SLO)
+
+
+@dataclass(frozen=True, slots=True)
+class _Fluid:
+    """The fluid model of one instance at one concurrency limit: the admission verdict and what
+    a request of each class is worth and costs there."""
+
+    admission: Admission
+    class_value: dict[ClassKey, float]  # tier weight × P(meet SLO) of the class
+    class_output: dict[ClassKey, float]  # mean output of the class's recent arrivals
+    per_output_s: dict[str, float]  # GPU-seconds per output token, per model
+    per_input_s: dict[str, float]  # GPU-seconds per prompt token, per model
+
+    def cost(self, req: Request, output: float) -> float:
+        key = (req.model, req.tier, req.slo.e2e_s)
+        out = self.class_output.get(key, output)
+        return req.input_tokens * self.per_input_s.get(
+            req.model, 0.0
+        ) + out * self.per_output_s.get(req.model, 0.0)
+
+    def density(self, requests: Sequence[Request], output: float) -> float | None:
+        """Value per GPU-second of a group (None when its class has not arrived lately)."""
+        key = (requests[0].model, requests[0].tier, requests[0].slo.e2e_s)
+        value = self.class_value.get(key)
+        if value is None:
+            return None
+        cost = sum(self.cost(r, output) for r in requests) / len(requests)
+        return value / max(cost, 1e-12)
 
 
 CLASS_SAMPLE = 256
@@ -228,6 +262,20 @@ def build_family(
     )
 
 
+def _subset(problem: PlanProblem, rows: Sequence[int]) -> PlanProblem:
+    """The same problem over the groups at ``rows`` only."""
+    idx = np.asarray(rows, dtype=np.int64)
+    return PlanProblem(
+        tuple(problem.groups[i] for i in rows),
+        problem.instances,
+        problem.proc[idx],
+        problem.floor[idx],
+        delta=problem.delta,
+        risk_weight=problem.risk_weight,
+        flow_weight=problem.flow_weight,
+    )
+
+
 def pick_limit(values: Mapping[int, float], current: int | None, hysteresis: float) -> int:
     """The concurrency limit worth the most (the smallest of equals), unless ``current`` is
     within ``hysteresis`` (a fraction) of it: a change costs a transient the values do not see."""
@@ -294,6 +342,9 @@ class QlmPolicy:
         self._plans_made = 0
         self._batch: dict[str, int] = {}  # concurrency limit per instance, chosen by the planner
         self._fixed: int | None = None  # fix_concurrency
+        self._admission: dict[str, _Fluid] = {}  # per instance, at its limit (defer_expensive)
+        self._deferred: set[str] = set()  # groups waiting behind all admitted ones
+        self._buckets: dict[str, TokenBucket] = {}  # per instance, paces deferred work
         self._arrivals: deque[tuple[float, Request]] = deque()  # the last rate_window_s
         self._started: set[str] = set()  # in flight and running in the engine (KV allocated)
         self._swapped: dict[str, dict[str, _Inflight]] = {}  # per instance, KV in CPU memory
@@ -470,88 +521,136 @@ class QlmPolicy:
             for inst, limits in zip(family.instances, family.batches, strict=True)
         ]
 
-    def _concurrency(self, now: float, family: ProblemFamily) -> list[int]:
-        """Each instance's concurrency limit, by a steady-state fluid model of what keeps arriving
-        (the last ``rate_window_s``): a larger batch serves more requests per second and serves
-        each one slower. For a limit ``b``, each class of requests (model, tier, SLO) costs
-        ``input × w_in + output × decode_s(b) / b`` GPU-seconds per request and meets its SLO alone
-        with probability ``P(output × (decode_s(b) + b × refill) + prefill ≤ SLO)`` (the output
-        posterior); classes are admitted by value per GPU-second up to ``max_utilisation`` of the
-        instance; the limit with the most expected weighted SLOs met per second wins. A plan judged
-        only on today's queue would pick a small batch that looks fast and then drown in what keeps
-        arriving; this judges the stream instead. The current limit is kept unless another is worth
-        more than ``concurrency_hysteresis`` more: every change costs a transient (a lower limit
-        waits for running requests to drain, a higher one admits a burst of prompts whose prefills
-        slow every running request), which the steady-state model does not see; without it the
-        choice flips with the noise of the arrival window (measured on W_B at 1.8×: 74.2 % of
-        SLOs met without hysteresis, 76.5 % with 5 %, 75.1 % with 15 %)."""
+    def _fluid(self, now: float, family: ProblemFamily) -> list[dict[int, _Fluid] | None]:
+        """Per instance and concurrency limit, a steady-state fluid model of what keeps arriving
+        (the last ``rate_window_s``; None for an instance none of it is for). A larger batch
+        serves more requests per second and serves each one slower. For a limit ``b``, a request
+        costs ``input × w_in + output × decode_s(b) / b`` GPU-seconds (its class's mean output)
+        and its class (model, tier, SLO) meets its SLO alone with probability
+        ``P(output × (decode_s(b) + b × refill) + prefill ≤ SLO)`` (the output posterior).
+        Requests are admitted by value per GPU-second up to ``max_utilisation`` of the instance
+        (``qlm.planner.admission``); the model gives the expected weighted SLOs met per second
+        (which limit to use) and the value density below which work is deferred."""
         horizon = self.config.rate_window_s
         while self._arrivals and self._arrivals[0][0] < now - horizon:
             self._arrivals.popleft()
         span = max(min(horizon, now - self._first_arrival_s), 1.0)
-        classes: dict[tuple[str, Tier, float], list[Request]] = {}
+        classes: dict[ClassKey, list[Request]] = {}
         for _, req in self._arrivals:
             classes.setdefault((req.model, req.tier, req.slo.e2e_s), []).append(req)
-        means: dict[tuple[str, Tier, float], tuple[float, float]] = {}
+        means: dict[ClassKey, tuple[float, float]] = {}
         for key, reqs in classes.items():
             recent = reqs[-CLASS_SAMPLE:]  # enough for a mean; bounded under a backlog
             means[key] = (
                 sum(r.input_tokens for r in recent) / len(recent),
                 sum(self.estimator.expected_output(r) for r in recent) / len(recent),
             )
-        out: list[int] = []
+        out: list[dict[int, _Fluid] | None] = []
         for inst, limits in zip(family.instances, family.batches, strict=True):
             ld = next(i for i in self._instances if i.name == inst.name)
             serving = {m: max(1, sum(m in i.models for i in family.instances)) for m in inst.models}
             mine = {k: v for k, v in classes.items() if k[0] in inst.models}
             if not mine:
-                out.append(
-                    self._batch.get(inst.name, limits[-1])
-                    if self._batch.get(inst.name) in limits
-                    else limits[-1]
-                )
+                out.append(None)
                 continue
-            stats = []
-            for (model, tier, slo), reqs in mine.items():
-                hw = self.estimator.profile.hardware_for(model, ld.gpu, ld.gpu_count)
-                rate = len(reqs) / span / serving[model]
-                tokens_in, tokens_out = means[model, tier, slo]
-                stats.append((hw, rate, tokens_in, tokens_out, slo, tier, reqs[-1]))
-            prompt_work = sum(st[1] * st[2] * st[0].input_token_work_s for st in stats)
-            output_rate = sum(st[1] * st[3] for st in stats)
+            hws = {
+                m: self.estimator.profile.hardware_for(m, ld.gpu, ld.gpu_count) for m in inst.models
+            }
+            keys = list(mine)
+            reqs = [r for k in keys for r in mine[k]]
+            row = np.repeat(np.arange(len(keys)), [len(mine[k]) for k in keys])
+            inputs = np.array([r.input_tokens for r in reqs], np.float64)
+            w_in = np.array([hws[r.model].input_token_work_s for r in reqs])
+            weights = np.array([1.0 / span / serving[r.model] for r in reqs])
+            outputs = np.array([means[k][1] for k in keys])
+            prompt_work = float(np.sum(inputs * w_in * weights))
+            output_rate = float(np.sum(outputs[row] * weights))
             refill = prompt_work / max(output_rate, 1e-9)
-            values: dict[int, float] = {}
+            per_input = {m: hw.input_token_work_s for m, hw in hws.items()}
+            fluids: dict[int, _Fluid] = {}
             for b in limits:
-                offers = []
-                for hw, rate, tokens_in, tokens_out, slo, tier, sample in stats:
-                    dec = hw.decode_s(b) * hw.inefficiency
-                    cost = tokens_in * hw.input_token_work_s + tokens_out * dec / b
-                    budget = (slo - hw.prefill_s(tokens_in)) / (dec + b * refill)
-                    p_meet = self.estimator.posterior(sample).p_remaining_within(
-                        budget, cap=sample.max_tokens
-                    )
-                    value = self.config.tier_weights[tier] * p_meet
-                    offers.append((value / cost, rate, cost, value))
-                left = self.config.max_utilisation
-                total = 0.0
-                for _, rate, cost, value in sorted(offers, reverse=True):
-                    served = min(rate, left / cost)
-                    total += served * value
-                    left -= served * cost
-                    if left <= 0:
+                per_output = {m: hw.decode_s(b) * hw.inefficiency / b for m, hw in hws.items()}
+                per_out = np.array([per_output[r.model] for r in reqs])
+                costs = inputs * w_in + outputs[row] * per_out
+                refill_b = refill
+                # The refill is the prompt work of what is served: with deferral on, the
+                # admitted work's, which depends on the SLOs the refill lets classes meet —
+                # one more round settles it.
+                for _ in range(2 if self.config.defer_expensive else 1):
+                    class_value: dict[ClassKey, float] = {}
+                    for key in keys:
+                        model, tier, slo = key
+                        hw = hws[model]
+                        dec = hw.decode_s(b) * hw.inefficiency
+                        budget = (slo - hw.prefill_s(means[key][0])) / (dec + b * refill_b)
+                        sample = mine[key][-1]
+                        p_meet = self.estimator.posterior(sample).p_remaining_within(
+                            budget, cap=sample.max_tokens
+                        )
+                        class_value[key] = self.config.tier_weights[tier] * p_meet
+                    values = np.array([class_value[k] for k in keys])[row]
+                    admission = admit(values, costs, weights, self.config.max_utilisation)
+                    if not admission.threshold:
                         break
-                values[b] = total
+                    kept = values >= admission.threshold * costs
+                    refill_b = float(np.sum((inputs * w_in * weights)[kept])) / max(
+                        float(np.sum((outputs[row] * weights)[kept])), 1e-9
+                    )
+                fluids[b] = _Fluid(
+                    admission, class_value, {k: means[k][1] for k in keys}, per_output, per_input
+                )
+            out.append(fluids)
+        return out
+
+    def _concurrency(
+        self, family: ProblemFamily, fluid: Sequence[dict[int, _Fluid] | None], choice: list[int]
+    ) -> list[int]:
+        """Each instance's concurrency limit: the one whose admitted work meets the most
+        expected weighted SLOs per second (``_fluid``). A plan judged only on today's queue
+        would pick a small batch that looks fast and then drown in what keeps arriving; this
+        judges the stream instead. The current limit is kept unless another is worth
+        more than ``concurrency_hysteresis`` more: every change costs a transient (a lower limit
+        waits for running requests to drain, a higher one admits a burst of prompts whose prefills
+        slow every running request), which the steady-state model does not see; without it the
+        choice flips with the noise of the arrival window (measured on W_B at 1.8×: 74.2 % of
+        SLOs met without hysteresis, 76.5 % with 5 %, 75.1 % with 15 %)."""
+        out: list[int] = []
+        for inst, fluids, current in zip(family.instances, fluid, choice, strict=True):
+            if fluids is None:
+                out.append(current)
+                continue
+            values = {b: f.admission.value for b, f in fluids.items()}
             out.append(
                 pick_limit(values, self._batch.get(inst.name), self.config.concurrency_hysteresis)
             )
         return out
 
+    def _deferred_in(self, name: str, gids: Sequence[str]) -> set[str]:
+        """The groups of ``gids`` that ``name``'s admission defers (``defer_expensive``)."""
+        fluid = self._admission.get(name)
+        if fluid is None or not fluid.admission.threshold:
+            return set()
+        out: set[str] = set()
+        for gid in gids:
+            reqs = self.grouper.group(gid).requests
+            density = fluid.density(reqs, self.estimator.expected_output(reqs[0]))
+            if density is not None and fluid.admission.defers(density):
+                out.add(gid)
+        return out
+
     def _predicts_violation(self, now: float) -> bool:
+        """Some admitted group is predicted to miss its chance constraint where it is (a
+        deferred one is expected to)."""
         family, current = self._family(now)
         if len(family.groups) != sum(len(o) for o in current):
             return True  # some group has no queue
         problem = family.problem(self._choice(family))
-        return any(score_queue(problem, g, o).missed.any() for g, o in enumerate(current))
+        for g, order in enumerate(current):
+            missed = score_queue(problem, g, order).missed
+            pairs = zip(order, missed.tolist(), strict=True)
+            if any(m and family.groups[i].id not in self._deferred for i, m in pairs):
+                return True
+        return False
 
     def estimates(self, now: float) -> tuple[dict[str, Estimate], dict[str, float]]:
         """What the planner's model predicts of the current virtual queues: per group
@@ -579,25 +678,44 @@ class QlmPolicy:
         return groups, drain
 
     def plan(self, now: float, trigger: str = "manual") -> PlanRecord:
-        """Re-plan every waiting group now and apply the plan to the virtual queues: order and
-        assignment by the solver, then each instance's concurrency limit (the one under which its
-        queue scores best), re-solving once if a limit changed."""
+        """Re-plan every waiting group now and apply the plan to the virtual queues: first each
+        instance's concurrency limit and admission (``_fluid``), then order and assignment of the
+        admitted groups by the solver; deferred groups wait behind them, earliest deadline first."""
         started = time.perf_counter()
         family, current = self._family(now)
         self._plans_made += 1
         choice = self._choice(family)
-        problem = family.problem(choice)
-        budget = self.config.budget
-        solution = solve(problem, budget, previous=current, solver=self.config.solver)
         choose = self.config.choose_concurrency and self._fixed is None
-        best = self._concurrency(now, family) if choose else choice
-        if best != choice:
-            problem = family.problem(best)
-            solution = solve(problem, budget, previous=solution.plan, solver=self.config.solver)
-        for inst, b in zip(family.instances, best, strict=True):
+        fluid = self._fluid(now, family)
+        best = self._concurrency(family, fluid, choice) if choose else choice
+        # Deferral waits for half a rate window of history: a first burst is not a rate.
+        settled = now - self._first_arrival_s >= self.config.rate_window_s / 2
+        for inst, b, fluids in zip(family.instances, best, fluid, strict=True):
             self._batch[inst.name] = b
+            if self.config.defer_expensive and fluids is not None and settled:
+                self._admission[inst.name] = fluids[b]
+            else:
+                self._admission.pop(inst.name, None)
+        # Cost-aware admission: a group its instance's admission defers stays on that instance,
+        # behind every admitted group; the solver orders and places the admitted ones only.
+        deferred: dict[str, list[int]] = {}
+        self._deferred = set()
+        for inst, order in zip(family.instances, current, strict=True):
+            gids = self._deferred_in(inst.name, [family.groups[i].id for i in order])
+            self._deferred |= gids
+            deferred[inst.name] = sorted(
+                (i for i in order if family.groups[i].id in gids),
+                key=lambda i: (family.groups[i].deadline_s, family.groups[i].id),
+            )
+        full = family.problem(best)
+        keep = [i for i, g in enumerate(family.groups) if g.id not in self._deferred]
+        problem = full if len(keep) == len(family.groups) else _subset(full, keep)
+        position = {i: k for k, i in enumerate(keep)}
+        previous = [[position[i] for i in order if i in position] for order in current]
+        solution = solve(problem, self.config.budget, previous=previous, solver=self.config.solver)
         orders = {
             inst.name: [problem.groups[i].id for i in order]
+            + [family.groups[i].id for i in deferred[inst.name]]
             for inst, order in zip(problem.instances, solution.plan, strict=True)
         }
         self.queues.set_orders(orders)
@@ -620,6 +738,7 @@ class QlmPolicy:
             solve_s=solution.solve_s,
             evaluations=solution.evaluations,
             concurrency=dict(self._batch),
+            deferred=len(self._deferred),
         )
         self.plans.append(record)
         # What keeping up costs is the whole plan (problem, solve, concurrency, capacity), not
@@ -657,31 +776,42 @@ class QlmPolicy:
 
     def _place(self, gid: str, req: Request) -> None:
         """A new group between plans: on the eligible instance with the fewest waiting requests,
-        at its deadline slot (the next plan revisits it)."""
+        at its deadline slot among the admitted groups, or behind them all if the instance's
+        admission defers it (the next plan revisits it)."""
         able = [i for i in self._instances if i.up and req.model in i.models]
         if not able:
             return  # no instance serves it now; it waits for one (the planner places it)
 
-        def slots(name: str) -> list[Any]:  # [deadlines in queue order, waiting + in flight]
+        def slots(name: str) -> list[Any]:
+            # [deadlines of the admitted groups in queue order, waiting + in flight, queue length]
             entry = self._slots.get(name)
             if entry is None:
-                groups = [self.grouper.group(g) for g in self.queues.queue(name)]
+                gids = self.queues.queue(name)
+                admitted = [self.grouper.group(g) for g in gids if g not in self._deferred]
                 entry = self._slots[name] = [
-                    [g.earliest_deadline_s for g in groups],
-                    sum(g.size for g in groups) + len(self._inflight.get(name, {})),
+                    [g.earliest_deadline_s for g in admitted],
+                    sum(self.grouper.group(g).size for g in gids)
+                    + len(self._inflight.get(name, {})),
+                    len(gids),
                 ]
             return entry
 
         target = min(able, key=lambda i: (slots(i.name)[1], i.name))
-        deadlines, _ = entry = slots(target.name)
+        deadlines, _, length = entry = slots(target.name)
         group = self.grouper.group(gid)
+        entry[1] += group.size
+        entry[2] += 1
+        self._deferred.discard(gid)
+        if self._deferred_in(target.name, [gid]):
+            self._deferred.add(gid)
+            self.queues.assign(gid, target.name, length)
+            return
         deadline = group.earliest_deadline_s
         pos = 0
         while pos < len(deadlines) and deadlines[pos] <= deadline:
             pos += 1
         self.queues.assign(gid, target.name, pos)
         deadlines.insert(pos, deadline)
-        entry[1] += group.size
 
     # --- pulling ---------------------------------------------------------------------------------
 
@@ -696,6 +826,10 @@ class QlmPolicy:
             swapped = self._swapped.setdefault(load.name, {})
             parked = sum(prompt_tokens(x.request, x.generated) for x in swapped.values())
             limit = self._batch.get(load.name, load.max_running)
+            fluid = self._admission.get(load.name)
+            self._buckets.setdefault(load.name, TokenBucket()).refill(
+                now, fluid.admission.spare if fluid is not None else 0.0
+            )
             inst = replace(
                 load,
                 max_running=min(load.max_running, limit),
@@ -723,6 +857,13 @@ class QlmPolicy:
                 need = prompt_tokens(req, self._generated.get(req.id, 0))
                 if not has_room(inst, count, tokens, need):
                     break
+                verdict = self._may_pull(
+                    inst.name, req, idle=inst.outstanding_requests + count == 0
+                )
+                if verdict is None:
+                    continue  # a deferred group went behind the admitted ones: a new head
+                if not verdict:
+                    break
                 self.queues.pop_next(inst.name)
                 count += 1
                 tokens += need
@@ -735,6 +876,31 @@ class QlmPolicy:
             if self.config.agent.warm_start and len(load.models) > 1:
                 decisions.extend(self._tiers(load))
         return decisions
+
+    def _may_pull(self, name: str, req: Request, *, idle: bool) -> bool | None:
+        """Admitted work is always pulled; deferred work at the pace of the instance's spare
+        capacity (``qlm.planner.admission.TokenBucket``), or when the instance runs nothing at
+        all (an idle GPU serves whatever waits). A deferred group at the head that
+        must wait goes behind the admitted groups queued since the last plan (None: look at the
+        new head)."""
+        gid = self.grouper.group_of(req.id)
+        if gid is None or gid not in self._deferred:
+            return True
+        fluid = self._admission.get(name)
+        if fluid is None:
+            return True
+        cost = fluid.cost(req, self.estimator.expected_output(req))
+        if self._buckets[name].take(cost):
+            return True
+        if idle:
+            self._buckets[name].level -= cost
+            return True
+        queue = self.queues.queue(name)
+        if any(g not in self._deferred for g in queue):
+            self.queues.move_group(gid, name)  # to the tail, behind the admitted ones
+            self._slots.pop(name, None)
+            return None
+        return False
 
     def _tiers(self, load: InstanceLoad) -> list[Decision]:
         """Warm start: model tiers from the virtual queue's order, behind the requests already

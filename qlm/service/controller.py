@@ -548,6 +548,7 @@ def _plan_dict(record: Any) -> dict[str, Any]:
         "capacity_needed": record.capacity_needed,
         "solve_s": record.solve_s,
         "concurrency": dict(record.concurrency),
+        "deferred": record.deferred,
     }
 
 

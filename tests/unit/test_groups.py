@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import numpy as np
@@ -50,6 +51,7 @@ def mixed_requests(n: int, seed: int) -> list[Request]:
         ("avg_batch_size", 0.5),
         ("max_clusters_per_model", 0),
         ("slo_ratio", 0.9),
+        ("input_ratio", 0.5),
         ("recluster_interval_s", 0.0),
         ("drift_factor", 1.0),
         ("max_new_group_fraction", 0.0),
@@ -180,6 +182,32 @@ def test_deadlines_within_the_slo_ratio_may_share_a_group() -> None:
     first = grouper.add(make_request(0, slo=SLO(30.0)), now=0)
     assert grouper.add(make_request(1, slo=SLO(50.0)), now=0) == first
     assert grouper.add(make_request(2, slo=SLO(70.0)), now=0) != first  # 70 / 30 > 2
+
+
+def test_prompts_within_the_input_ratio_may_share_a_group() -> None:
+    grouper = Grouper(GroupingConfig(input_ratio=3.0, deadline_window=0))
+    first = grouper.add(make_request(0, input_tokens=1000), now=0)
+    assert grouper.add(make_request(1, input_tokens=2500), now=0) == first
+    assert grouper.add(make_request(2, input_tokens=4000), now=0) != first  # 4001 / 1001 > 3
+    off = Grouper(GroupingConfig(input_ratio=1e9, deadline_window=0))
+    first = off.add(make_request(0, input_tokens=10), now=0)
+    assert off.add(make_request(1, input_tokens=8000), now=0) == first
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_no_group_spreads_its_prompts_beyond_the_input_ratio(seed: int) -> None:
+    rng = random.Random(seed)
+    grouper = Grouper(dataclasses.replace(SMALL, input_ratio=2.0))
+    for i, r in enumerate(mixed_requests(500, seed)):
+        grouper.add(r, now=i)
+        if rng.random() < 0.2:
+            grouper.remove(f"r{rng.randrange(i + 1):04d}")
+    for when in ("online", "reclustered"):
+        if when == "reclustered":
+            grouper.recluster(now=500)
+        for group in grouper.groups():
+            sizes = [1 + r.input_tokens for r in group.requests]
+            assert max(sizes) / min(sizes) <= 2.0 + 1e-9, (when, group.id, sizes)
 
 
 @pytest.mark.parametrize("seed", [0, 1])

@@ -237,3 +237,40 @@ def test_the_concurrency_limit_worth_the_most_wins_unless_the_current_one_is_clo
 def test_a_hysteresis_outside_zero_to_one_is_refused() -> None:
     with pytest.raises(ConfigError, match=r"planner\.concurrency_hysteresis"):
         PlannerConfig(concurrency_hysteresis=1.0)
+
+
+def test_under_overload_cost_aware_admission_defers_the_costliest_groups() -> None:
+    """Cheap prompts (200 tokens) and very long ones (60,000) arrive faster than the instance
+    serves them: the long ones wait behind every cheap one, paced by the spare capacity."""
+    qlm = policy(defer_expensive=True, rate_window_s=20.0)
+    busy = load(max_running=8, outstanding_requests=8, outstanding_tokens=8000)
+    i = 0
+    for t in range(20):
+        burst = []
+        for size in (200, 200, 60_000):
+            burst.append(make_request(i, arrival_s=float(t), input_tokens=size, slo=SLO(60.0)))
+            i += 1
+        qlm.decide(DispatchContext(float(t), tuple(burst), (busy,)))
+    record = qlm.plan(20.0, "test")
+    assert record.deferred > 0
+    order = qlm.queues.queue("i0")
+    costly = [all(r.input_tokens == 60_000 for r in qlm.grouper.group(g).requests) for g in order]
+    assert any(costly) and not any(
+        all(r.input_tokens == 200 for r in qlm.grouper.group(g).requests) and g in qlm._deferred
+        for g in order
+    )
+    assert costly == sorted(costly)  # every costly group behind every cheap one
+    free = load(max_running=8)
+    pulled = [d for d in qlm.decide(DispatchContext(20.5, (), (free,))) if isinstance(d, Pull)]
+    assert len(pulled) == 8
+    inputs = {r.id: r.input_tokens for g in order for r in qlm.grouper.group(g).requests}
+    assert all(inputs.get(d.request_id, 200) == 200 for d in pulled)
+
+
+def test_without_cost_aware_admission_nothing_is_deferred() -> None:
+    qlm = policy(rate_window_s=20.0)  # defer_expensive is off by default
+    busy = load(max_running=8, outstanding_requests=8, outstanding_tokens=8000)
+    for t in range(20):
+        reqs = (make_request(2 * t, arrival_s=float(t), input_tokens=60_000, slo=SLO(60.0)),)
+        qlm.decide(DispatchContext(float(t), reqs, (busy,)))
+    assert qlm.plan(20.0, "test").deferred == 0
