@@ -267,6 +267,32 @@ def test_under_overload_cost_aware_admission_defers_the_costliest_groups() -> No
     assert all(inputs.get(d.request_id, 200) == 200 for d in pulled)
 
 
+def test_deferred_work_is_paced_by_the_spare_capacity_or_an_idle_instance() -> None:
+    qlm = policy(defer_expensive=True, rate_window_s=20.0)
+    busy = load(max_running=8, outstanding_requests=8, outstanding_tokens=8000)
+    cheap: list[str] = []
+    i = 0
+    for t in range(20):
+        burst = []
+        for size in (200, 200, 60_000):
+            burst.append(make_request(i, arrival_s=float(t), input_tokens=size, slo=SLO(60.0)))
+            cheap += [burst[-1].id] if size == 200 else []
+            i += 1
+        qlm.decide(DispatchContext(float(t), tuple(burst), (busy,)))
+    qlm.plan(20.0, "test")
+    # Only costly work waits now (20 requests of ~3 GPU-s each), and the instance is running
+    # something with 7 slots free: the bucket lets through what the spare capacity gathered
+    # since deferral began (~0.6 GPU-s per s for ~10 s), not 7.
+    one = load(max_running=8, outstanding_requests=1, outstanding_tokens=300)
+    out = qlm.decide(DispatchContext(20.1, (), (one,), cancelled=tuple(cheap)))
+    assert 1 <= len([d for d in out if isinstance(d, Pull)]) < 4
+    out = qlm.decide(DispatchContext(20.2, (), (one,)))
+    assert not [d for d in out if isinstance(d, Pull)]  # spent
+    # An idle instance takes one (then it is no longer idle, and the bucket is empty).
+    out = qlm.decide(DispatchContext(20.3, (), (load(max_running=8),)))
+    assert len([d for d in out if isinstance(d, Pull)]) == 1
+
+
 def test_without_cost_aware_admission_nothing_is_deferred() -> None:
     qlm = policy(rate_window_s=20.0)  # defer_expensive is off by default
     busy = load(max_running=8, outstanding_requests=8, outstanding_tokens=8000)
