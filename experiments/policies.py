@@ -30,7 +30,7 @@ from typing import Any
 from qlm.domain import Request
 from qlm.planner import POLICIES, PlannerConfig, create_policy
 from qlm.planner.policy import Policy
-from qlm.planner.qlm_policy import QlmPolicy
+from qlm.planner.qlm_policy import DEFAULT_GROUPING, QlmPolicy
 from qlm.rct.estimator import RCTEstimator
 from qlm.rct.profile import default_profile
 from qlm.sim.cluster import ClusterSimulation
@@ -43,6 +43,7 @@ BASELINES = tuple(p for p in POLICIES if p not in ("qlm", "fcfs-rr"))
 ORACLE = "qlm-oracle"  # qlm told the true output lengths (--oracle): not a policy, a yardstick
 FIXED = "qlm-b"  # qlm-b64: qlm with its concurrency limit fixed at 64 (--fixed-concurrency)
 DEFER = "qlm-defer"  # qlm with cost-aware admission on (--defer)
+RATIO = "qlm-ratio"  # qlm-ratio1e9: qlm with GroupingConfig.input_ratio 1e9, the rule off (--input-ratio)
 
 
 class OracleEstimator(RCTEstimator):
@@ -67,6 +68,10 @@ def make_policy(name: str, planner: PlannerConfig) -> Policy:
         policy = QlmPolicy(config=planner)
         policy.fix_concurrency(int(name.removeprefix(FIXED)))
         return policy
+    if name.startswith(RATIO):
+        ratio = float(name.removeprefix(RATIO))
+        grouping = dataclasses.replace(DEFAULT_GROUPING, input_ratio=ratio)
+        return QlmPolicy(config=planner, grouping=grouping)
     if name == DEFER:
         return QlmPolicy(config=dataclasses.replace(planner, defer_expensive=True))
     if name == ORACLE:
@@ -129,6 +134,11 @@ def main(argv: list[str] | None = None) -> int:
         help=f"also run {DEFER}: qlm with cost-aware admission (defer_expensive) on",
     )
     ap.add_argument(
+        "--input-ratio",
+        default="",
+        help="also run qlm with GroupingConfig.input_ratio at each of these (1e9: the rule off)",
+    )
+    ap.add_argument(
         "--fixed-concurrency",
         default="",
         help="also run qlm with its concurrency limit fixed at each of these (e.g. 64,128)",
@@ -137,6 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     rates = [float(r) for r in args.rates.split(",")]
     policies = args.policies.split(",") + ([ORACLE] if args.oracle else [])
     policies += [DEFER] if args.defer else []
+    policies += [f"{RATIO}{r.strip()}" for r in args.input_ratio.split(",") if r.strip()]
     policies += [f"{FIXED}{int(b)}" for b in args.fixed_concurrency.split(",") if b.strip()]
     rows: list[dict[str, Any]] = []
     extra_left = args.extra
@@ -206,7 +217,7 @@ def report(rows: list[dict[str, Any]], policies: list[str]) -> None:
 
 
 def _baseline(policy: str) -> bool:
-    return policy not in ("qlm", ORACLE, DEFER) and not policy.startswith(FIXED)
+    return policy not in ("qlm", ORACLE, DEFER) and not policy.startswith((FIXED, RATIO))
 
 
 def check(rows: list[dict[str, Any]], policies: list[str]) -> bool:
