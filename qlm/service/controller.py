@@ -102,14 +102,13 @@ class ControllerService(RuntimeListener):
 
     async def start(self) -> None:
         """Attach to the engines, then start consuming (a standby waits here for its turn)."""
-        known = {row.name: row.state for row in await asyncio.to_thread(self.store.instances)}
         for spec in self.runtime.controller.specs.values():
-            state = known.get(spec.name, InstanceState.DOWN)
-            if state is not InstanceState.DRAINING:  # an operator's drain outlives restarts
-                state = InstanceState.DOWN  # up once the runtime reaches it
-            else:
+            # down until the runtime reaches it; an operator's drain outlives restarts
+            row = await asyncio.to_thread(
+                self.store.upsert_instance, spec, state=InstanceState.DOWN, keep_draining=True
+            )
+            if row.state is InstanceState.DRAINING:
                 self.runtime.set_draining(spec.name, True)
-            await asyncio.to_thread(self.store.upsert_instance, spec, state=state)
         await self.runtime.start()
         self._last_poll = self.store.now()
         self._tasks = [
@@ -302,10 +301,7 @@ class ControllerService(RuntimeListener):
 
     def _instance_changed(self, name: str, up: bool) -> None:
         """Record up/down, keeping an operator's drain (a drained instance may go down and up)."""
-        row = next((r for r in self.store.instances() if r.name == name), None)
-        if row is not None and row.state is InstanceState.DRAINING:
-            return
-        self.store.set_instance_state(name, InstanceState.UP if up else InstanceState.DOWN)
+        self.store.set_instance_health(name, up)
 
     # --- the writer -------------------------------------------------------------------------------
 

@@ -816,8 +816,11 @@ class Store:
         *,
         state: InstanceState = InstanceState.UP,
         model_tiers: Mapping[str, ModelTier] | None = None,
+        keep_draining: bool = False,
     ) -> InstanceRow:
-        """Record an instance or update it in place; ``model_tiers`` None keeps the known tiers."""
+        """Record an instance or update it in place; ``model_tiers`` None keeps the known tiers;
+        ``keep_draining`` keeps an operator's drain of a known instance (in the same statement,
+        so a drain made concurrently is never lost)."""
         now = self._clock()
         values: dict[str, Any] = {
             "url": spec.url,
@@ -829,11 +832,14 @@ class Store:
         }
         if model_tiers is not None:
             values["model_tiers"] = _tier_names(model_tiers)
-        stmt = (
-            self._insert(InstanceModel)
-            .values(name=spec.name, **{"model_tiers": {}, **values})
-            .on_conflict_do_update(index_elements=[InstanceModel.name], set_=values)
-        )
+        upsert = self._insert(InstanceModel).values(name=spec.name, **{"model_tiers": {}, **values})
+        on_conflict = dict(values)
+        if keep_draining:
+            draining = InstanceState.DRAINING.value
+            on_conflict["state"] = case(
+                (InstanceModel.state == draining, draining), else_=upsert.excluded.state
+            )
+        stmt = upsert.on_conflict_do_update(index_elements=[InstanceModel.name], set_=on_conflict)
         with self._tx(f"record instance {spec.name!r}", write=True) as session:
             session.execute(stmt)
             model = session.get(InstanceModel, spec.name, populate_existing=True)
@@ -843,6 +849,22 @@ class Store:
     def set_instance_state(self, name: str, state: InstanceState) -> bool:
         """Mark an instance up, down or draining; False when it is unknown."""
         return self._update_instance(name, state=state.value)
+
+    def set_instance_health(self, name: str, up: bool) -> bool:
+        """Record that a controller found an instance up or down, in one statement that keeps
+        an operator's drain (a read-then-write would lose a drain made in between); False when
+        the instance is unknown or draining."""
+        stmt = (
+            update(InstanceModel)
+            .where(InstanceModel.name == name)
+            .where(InstanceModel.state != InstanceState.DRAINING.value)
+            .values(
+                state=(InstanceState.UP if up else InstanceState.DOWN).value,
+                updated_at=self._clock(),
+            )
+        )
+        with self._tx(f"update instance {name!r}", write=True) as session:
+            return _rowcount(session.execute(stmt)) > 0
 
     def set_model_tiers(self, name: str, model_tiers: Mapping[str, ModelTier]) -> bool:
         """Where each model's weights are on the instance now; False when it is unknown."""

@@ -586,6 +586,25 @@ class StoreContract:
         assert not store.remove_instance("a1")
         assert [i.name for i in store.instances()] == ["i0"]
 
+    def test_a_controller_never_overwrites_an_operators_drain(self, store: Store) -> None:
+        spec = InstanceSpec(name="i0", gpu="A100", models=("m",))
+        row = store.upsert_instance(spec, state=InstanceState.DOWN, keep_draining=True)
+        assert row.state is InstanceState.DOWN  # new instance: the given state
+        assert store.set_instance_health("i0", up=True)
+        assert store.instances()[0].state is InstanceState.UP
+
+        assert store.set_instance_state("i0", InstanceState.DRAINING)  # the operator
+        assert not store.set_instance_health("i0", up=False)  # health flaps, drain stays
+        assert not store.set_instance_health("i0", up=True)
+        row = store.upsert_instance(spec, state=InstanceState.DOWN, keep_draining=True)
+        assert row.state is InstanceState.DRAINING  # a restarted controller keeps it too
+        assert store.upsert_instance(spec, state=InstanceState.DOWN).state is InstanceState.DOWN
+
+        assert store.set_instance_state("i0", InstanceState.UP)  # undrained
+        assert store.set_instance_health("i0", up=False)
+        assert store.instances()[0].state is InstanceState.DOWN
+        assert not store.set_instance_health("zz", up=True)
+
     def test_plans_are_kept_newest_first_and_pruned(self, store: Store) -> None:
         assert store.latest_plan() is None
         ids = [store.record_plan(plan_record(at_s=float(i)), controller="c0") for i in range(5)]
