@@ -27,7 +27,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from qlm.domain import Request
+from qlm.domain import Request, Tier
 from qlm.planner import POLICIES, PlannerConfig, create_policy
 from qlm.planner.policy import Policy
 from qlm.planner.qlm_policy import DEFAULT_GROUPING, QlmPolicy
@@ -42,8 +42,9 @@ RESULTS = Path(__file__).resolve().parent / "results"
 BASELINES = tuple(p for p in POLICIES if p not in ("qlm", "fcfs-rr"))
 ORACLE = "qlm-oracle"  # qlm told the true output lengths (--oracle): not a policy, a yardstick
 FIXED = "qlm-b"  # qlm-b64: qlm with its concurrency limit fixed at 64 (--fixed-concurrency)
-DEFER = "qlm-defer"  # qlm with cost-aware admission on (--defer)
+NO_DEFER = "qlm-nodefer"  # qlm with cost-aware admission off (--no-defer)
 RATIO = "qlm-ratio"  # qlm-ratio1e9: qlm with GroupingConfig.input_ratio 1e9, the rule off (--input-ratio)
+WEIGHTS = "qlm-w"  # qlm-w1/1/1: qlm with tier weights interactive/standard/batch (--tier-weights)
 
 
 class OracleEstimator(RCTEstimator):
@@ -62,8 +63,9 @@ def true_output(request: Request) -> float:
 
 def make_policy(name: str, planner: PlannerConfig) -> Policy:
     """A policy by name; ``qlm-oracle``, ``qlm-b<N>`` (qlm with its concurrency limit fixed at
-    ``N`` instead of chosen by its fluid model) and ``qlm-defer`` (qlm with cost-aware admission,
-    ``PlannerConfig.defer_expensive``) are variants measured by this experiment only."""
+    ``N`` instead of chosen by its fluid model), ``qlm-nodefer`` (qlm without cost-aware
+    admission, ``PlannerConfig.defer_expensive`` off) and ``qlm-w<i>/<s>/<b>`` (qlm with those
+    tier weights) are variants measured by this experiment only."""
     if name.startswith(FIXED):
         policy = QlmPolicy(config=planner)
         policy.fix_concurrency(int(name.removeprefix(FIXED)))
@@ -72,8 +74,12 @@ def make_policy(name: str, planner: PlannerConfig) -> Policy:
         ratio = float(name.removeprefix(RATIO))
         grouping = dataclasses.replace(DEFAULT_GROUPING, input_ratio=ratio)
         return QlmPolicy(config=planner, grouping=grouping)
-    if name == DEFER:
-        return QlmPolicy(config=dataclasses.replace(planner, defer_expensive=True))
+    if name.startswith(WEIGHTS):
+        values = [float(w) for w in name.removeprefix(WEIGHTS).split("/")]
+        weights = dict(zip((Tier.INTERACTIVE, Tier.STANDARD, Tier.BATCH), values, strict=True))
+        return QlmPolicy(config=dataclasses.replace(planner, tier_weights=weights))
+    if name == NO_DEFER:
+        return QlmPolicy(config=dataclasses.replace(planner, defer_expensive=False))
     if name == ORACLE:
         return QlmPolicy(
             config=planner,
@@ -129,14 +135,19 @@ def main(argv: list[str] | None = None) -> int:
         help=f"also run {ORACLE}: qlm told the true output lengths (a yardstick, not a policy)",
     )
     ap.add_argument(
-        "--defer",
+        "--no-defer",
         action="store_true",
-        help=f"also run {DEFER}: qlm with cost-aware admission (defer_expensive) on",
+        help=f"also run {NO_DEFER}: qlm with cost-aware admission (defer_expensive) off",
     )
     ap.add_argument(
         "--input-ratio",
         default="",
         help="also run qlm with GroupingConfig.input_ratio at each of these (1e9: the rule off)",
+    )
+    ap.add_argument(
+        "--tier-weights",
+        default="",
+        help="also run qlm with these tier weights, interactive/standard/batch (e.g. 1/1/1)",
     )
     ap.add_argument(
         "--fixed-concurrency",
@@ -146,9 +157,10 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     rates = [float(r) for r in args.rates.split(",")]
     policies = args.policies.split(",") + ([ORACLE] if args.oracle else [])
-    policies += [DEFER] if args.defer else []
+    policies += [NO_DEFER] if args.no_defer else []
     policies += [f"{RATIO}{r.strip()}" for r in args.input_ratio.split(",") if r.strip()]
     policies += [f"{FIXED}{int(b)}" for b in args.fixed_concurrency.split(",") if b.strip()]
+    policies += [f"{WEIGHTS}{w.strip()}" for w in args.tier_weights.split(",") if w.strip()]
     rows: list[dict[str, Any]] = []
     extra_left = args.extra
     with ProcessPoolExecutor(max_workers=args.jobs) as pool:
@@ -217,7 +229,9 @@ def report(rows: list[dict[str, Any]], policies: list[str]) -> None:
 
 
 def _baseline(policy: str) -> bool:
-    return policy not in ("qlm", ORACLE, DEFER) and not policy.startswith((FIXED, RATIO))
+    return policy not in ("qlm", ORACLE, NO_DEFER) and not policy.startswith(
+        (FIXED, RATIO, WEIGHTS)
+    )
 
 
 def check(rows: list[dict[str, Any]], policies: list[str]) -> bool:

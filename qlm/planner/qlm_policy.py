@@ -40,7 +40,7 @@ from qlm.planner.admission import Admission, TokenBucket, admit
 from qlm.planner.policy import DispatchContext, InstanceLoad, has_room, prompt_tokens
 from qlm.planner.program import FloatArray, PlanGroup, PlanInstance, PlanProblem, score_queue
 from qlm.planner.solve import Budget, Solution, capacity_needed, solve
-from qlm.rct.estimator import RCTEstimator
+from qlm.rct.estimator import InstanceView, Queued, RCTEstimator
 from qlm.rct.profile import RctProfile, default_profile
 from qlm.virtual_queues import Estimate, VirtualQueueSet
 
@@ -78,7 +78,7 @@ class PlannerConfig:
     rate_window_s: float = 60.0
     max_utilisation: float = 0.95
     concurrency_hysteresis: float = 0.05
-    defer_expensive: bool = False
+    defer_expensive: bool = True
     seed: int = 0
 
     @classmethod
@@ -439,6 +439,7 @@ class QlmPolicy:
         self._generated.pop(request_id, None)
         self._started.discard(request_id)
         self._preemptions.pop(request_id, None)
+        self.estimator.forget([request_id])
 
     # --- planning --------------------------------------------------------------------------------
 
@@ -567,9 +568,12 @@ class QlmPolicy:
             output_rate = float(np.sum(outputs[row] * weights))
             refill = prompt_work / max(output_rate, 1e-9)
             per_input = {m: hw.input_token_work_s for m, hw in hws.items()}
+            eps_f = self.estimator.calibration_factors(inst.name)[1]  # decode as observed
             fluids: dict[int, _Fluid] = {}
             for b in limits:
-                per_output = {m: hw.decode_s(b) * hw.inefficiency / b for m, hw in hws.items()}
+                per_output = {
+                    m: hw.decode_s(b) * hw.inefficiency * eps_f / b for m, hw in hws.items()
+                }
                 per_out = np.array([per_output[r.model] for r in reqs])
                 costs = inputs * w_in + outputs[row] * per_out
                 refill_b = refill
@@ -582,7 +586,8 @@ class QlmPolicy:
                         model, tier, slo = key
                         hw = hws[model]
                         dec = hw.decode_s(b) * hw.inefficiency
-                        budget = (slo - hw.prefill_s(means[key][0])) / (dec + b * refill_b)
+                        per_token = (dec + b * refill_b) * eps_f
+                        budget = (slo - hw.prefill_s(means[key][0])) / per_token
                         sample = mine[key][-1]
                         p_meet = self.estimator.posterior(sample).p_remaining_within(
                             budget, cap=sample.max_tokens
@@ -865,6 +870,7 @@ class QlmPolicy:
                 if not verdict:
                     break
                 self.queues.pop_next(inst.name)
+                self._remember(now, load, req)
                 count += 1
                 tokens += need
                 self._inflight[inst.name][req.id] = _Inflight(
@@ -876,6 +882,31 @@ class QlmPolicy:
             if self.config.agent.warm_start and len(load.models) > 1:
                 decisions.extend(self._tiers(load))
         return decisions
+
+    def _remember(self, now: float, load: InstanceLoad, req: Request) -> None:
+        """Predict the completion of a request as it is pulled, behind what runs on the
+        instance, and keep the prediction: its outcome teaches the estimator's online
+        calibration of this instance (``RCTEstimator.observe``), which the plan problem, the
+        drain times and making room use. In pull dispatch nothing waits inside the engine, so
+        what it learns is the decode speed (ε), with the batch refilled from the virtual queue
+        while it holds more work; the profile's Θ stays the planner's. A request pulled again
+        (after an eviction) is judged on its latest pull."""
+        running = [
+            Queued(x.request, x.generated, running=True)
+            for x in self._inflight.get(load.name, {}).values()
+        ]
+        warm = frozenset(m for m, tier in load.model_tiers if tier is ModelTier.WARM)
+        view = InstanceView(load.name, load.gpu, load.gpu_count, load.active_model, warm)
+        self.estimator.forget([req.id])
+        queued = Queued(req, self._generated.get(req.id, 0))
+        self.estimator.estimate_requests(
+            view,
+            [*running, queued],
+            now,
+            remember=True,
+            only=[-1],
+            refilled=self.queues.next_request(load.name) is not None,
+        )
 
     def _may_pull(self, name: str, req: Request, *, idle: bool) -> bool | None:
         """Admitted work is always pulled; deferred work at the pace of the instance's spare

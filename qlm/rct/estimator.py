@@ -351,11 +351,14 @@ class RCTEstimator:
         *,
         remember: bool = False,
         only: Sequence[int] | None = None,
+        refilled: bool = False,
     ) -> list[Estimate]:
         """Completion of every request in ``queue`` (served in that order: running ones first,
         then FCFS), or of those at the positions ``only`` (e.g. ``[-1]`` for a request just
         queued: the sums over the queue are needed anyway, the per-request work is not). With
-        ``remember`` the predictions are kept so that ``observe`` can learn."""
+        ``remember`` the predictions are kept so that ``observe`` can learn. ``refilled``: more
+        work waits outside ``queue`` (a virtual queue that pull dispatch feeds the engine from),
+        so every slot that frees is refilled at once, as when requests wait in the engine."""
         n = len(queue)
         if n == 0:
             return []
@@ -419,7 +422,7 @@ class RCTEstimator:
             batch = min(i + 1, slots)
             # While others wait, admissions go on as requests finish (refill); otherwise new
             # arrivals are admitted as they come.
-            if i - n_running >= 1 or overloaded:
+            if i - n_running >= 1 or overloaded or refilled:
                 d_batch = hw.decode_s(batch if not overloaded else slots) + batch * refill
             else:
                 d_batch = hw.decode_s(batch) / (1.0 - arrival_share)

@@ -293,10 +293,38 @@ def test_deferred_work_is_paced_by_the_spare_capacity_or_an_idle_instance() -> N
     assert len([d for d in out if isinstance(d, Pull)]) == 1
 
 
+def test_cost_aware_admission_is_on_by_default_and_can_be_turned_off() -> None:
+    assert PlannerConfig().defer_expensive and CONFIG.defer_expensive
+
+
 def test_without_cost_aware_admission_nothing_is_deferred() -> None:
-    qlm = policy(rate_window_s=20.0)  # defer_expensive is off by default
+    qlm = policy(rate_window_s=20.0, defer_expensive=False)
     busy = load(max_running=8, outstanding_requests=8, outstanding_tokens=8000)
     for t in range(20):
         reqs = (make_request(2 * t, arrival_s=float(t), input_tokens=60_000, slo=SLO(60.0)),)
         qlm.decide(DispatchContext(float(t), reqs, (busy,)))
     assert qlm.plan(20.0, "test").deferred == 0
+
+
+def test_completions_teach_the_estimator_how_fast_the_instance_really_decodes() -> None:
+    """The same policy on engines two and four times as slow per decode step as the catalog's
+    learns, from the requests it pulled, that they decode slower (its ε factor follows)."""
+    reqs = [
+        make_request(i, arrival_s=i * 0.1, input_tokens=100, replay_output_tokens=200, slo=SLO(60))
+        for i in range(400)
+    ]
+    specs = [InstanceSpec("i0", "G", ("m",))]
+    factors = {}
+    for name, catalog in (
+        ("catalog", make_catalog()),
+        ("slow", make_catalog(base_ms=20.0, per_seq_ms=0.1)),
+        ("slower", make_catalog(base_ms=40.0, per_seq_ms=0.2)),
+    ):
+        qlm = policy()
+        sim = ClusterSimulation(specs, qlm, catalog=catalog, engine_config={"max_num_seqs": 8})
+        assert all(r.status is RequestStatus.FINISHED for r in sim.run(reqs).records)
+        factors[name] = qlm.estimator.calibration_factors("i0")[1]
+    # Each doubling of the step time moves the factor up (by less than 2: the profile's
+    # pseudo-evidence shrinks it toward 1); without learning all three would stay at 1.0.
+    assert factors["catalog"] < factors["slow"] < factors["slower"], factors
+    assert factors["slower"] > 1.4 * factors["slow"], factors

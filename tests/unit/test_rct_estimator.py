@@ -91,6 +91,25 @@ def test_requests_behind_running_ones_only_do_not_wait() -> None:
     )
 
 
+def test_a_request_pulled_from_a_backlog_decodes_while_the_batch_is_refilled() -> None:
+    """Pull dispatch: nothing waits in the engine, but a virtual queue keeps the batch full;
+    each step then also prefills the requests that replace finished ones (the refill)."""
+    est = estimator()
+    hw = hardware()
+    running = [Queued(make_request(i, input_tokens=800), running=True) for i in range(3)]
+    req = make_request(3, input_tokens=800)
+    queue = [*running, Queued(req)]
+    (alone,) = est.estimate_requests(instance(), queue, NOW, only=[-1])
+    (refilled,) = est.estimate_requests(instance(), queue, NOW, only=[-1], refilled=True)
+    m, _ = est.output_moments(req)
+    refill = 4 * 800 * hw.input_token_work_s / (4 * m)  # prompt work per output token of the mix
+    assert alone.per_token_s == pytest.approx(hw.decode_s(4) * hw.inefficiency, rel=1e-9)
+    assert refilled.per_token_s == pytest.approx(
+        (hw.decode_s(4) + 4 * refill) * hw.inefficiency, rel=1e-9
+    )
+    assert refilled.start_mean == alone.start_mean  # it waits for nothing either way
+
+
 def test_a_model_switch_along_the_queue_adds_the_warm_or_cold_load_time() -> None:
     est = estimator()
     hw = hardware()
