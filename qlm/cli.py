@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shlex
 import sys
@@ -67,8 +68,10 @@ def run_simulation(
     arrival: Literal["poisson", "gamma"],
     cv: float,
     show_progress: bool,
+    planner: PlannerConfig | None = None,
 ) -> SimResult:
-    """The service behind ``qlm simulate`` and ``qlm demo``."""
+    """The service behind ``qlm simulate`` and ``qlm demo``; ``planner``: the ``qlm`` policy's
+    settings (default: ``PlannerConfig.for_simulation()``)."""
     if synthetic_rate is not None:
         if duration_s is None:
             raise QLMError("--duration is required with --rate (a synthetic workload)")
@@ -89,7 +92,7 @@ def run_simulation(
             tr = window(tr, start_s, end)
     requests = create_workload(workload, tr, seed=seed, slo_scale=slo_scale)
     specs = parse_instances(instances)
-    pol = create_policy(policy, planner=PlannerConfig.for_simulation())
+    pol = create_policy(policy, planner=planner or PlannerConfig.for_simulation())
     if not show_progress:
         return _with_plans(simulate(requests, specs, pol), pol)
     with Progress(
@@ -267,9 +270,17 @@ def simulate_cmd(
             arrival=arrival_kind,
             cv=cv,
             show_progress=progress and not as_json and sys.stderr.isatty(),
+            planner=_sim_planner(),
         )
     )
     _emit(result, ctx, as_json=as_json, out=out)
+
+
+def _sim_planner() -> PlannerConfig:
+    """The ``QLM_PLANNER__*`` settings, with the compute budget counted in scored orders so
+    that a simulated run is the same on any machine."""
+    config = get_settings().planner.planner_config()
+    return dataclasses.replace(config, budget=PlannerConfig.for_simulation().budget)
 
 
 def _emit(result: SimResult, ctx: typer.Context, *, as_json: bool, out: Path | None) -> None:
@@ -311,6 +322,7 @@ def demo_cmd(
             arrival="poisson",
             cv=1.0,
             show_progress=not as_json and sys.stderr.isatty(),
+            planner=_sim_planner(),
         )
 
     result = _guard(run)

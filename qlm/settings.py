@@ -5,12 +5,15 @@ import, so tests construct their own."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import BaseModel, Field, ValidationError, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from qlm.errors import ConfigError
+
+if TYPE_CHECKING:
+    from qlm.planner import PlannerConfig
 
 
 class DemoSettings(BaseModel):
@@ -52,6 +55,62 @@ class ControllerSettings(BaseModel):
     sim_over_http: bool = False  # simulated instances as `qlm sim-engine serve` processes
     tick_s: float = Field(default=0.25, gt=0)
     health_interval_s: float = Field(default=1.0, gt=0)
+
+
+TierName = Literal["interactive", "standard", "batch"]
+
+
+def _default_weights() -> dict[TierName, float]:
+    return {"interactive": 2.0, "standard": 1.5, "batch": 1.0}
+
+
+class PlannerSettings(BaseModel):
+    """The ``qlm`` policy's planner and agents (``QLM_PLANNER__*``; docs/planner.md). Unset
+    fields keep ``PlannerConfig``'s defaults."""
+
+    delta: float = Field(default=0.9, gt=0, lt=1)
+    """The chance constraint: a group is safe when ``P(meet SLO) >= delta``."""
+    tier_weights: dict[TierName, Annotated[float, Field(gt=0)]] = Field(
+        default_factory=_default_weights
+    )
+    """What meeting one request's SLO is worth, by tier (a JSON object; tiers left out keep
+    their default). Equal weights: every SLO counts alike."""
+    budget_s: float = Field(default=0.1, gt=0)
+    """Compute time per plan (the best plan found so far is used when it runs out)."""
+    period_s: float = Field(default=10.0, gt=0)
+    min_interval_s: float = Field(default=1.0, gt=0)
+    defer_expensive: bool = True
+    """Cost-aware admission: under overload the work of least value per GPU-second waits
+    behind the rest (nothing is dropped)."""
+    max_utilisation: float = Field(default=0.95, gt=0, le=1)
+    rate_window_s: float = Field(default=60.0, gt=0)
+    choose_concurrency: bool = True
+    warm_start: bool = True
+    evict: bool = False
+    swap: bool = False
+
+    def planner_config(self) -> PlannerConfig:
+        """The ``PlannerConfig`` these settings stand for."""
+        from qlm.agents.decide import AgentConfig
+        from qlm.domain import Tier
+        from qlm.planner import PlannerConfig
+        from qlm.planner.qlm_policy import DEFAULT_TIER_WEIGHTS
+        from qlm.planner.solve import Budget
+
+        weights = dict(DEFAULT_TIER_WEIGHTS)
+        weights.update({Tier[t.upper()]: w for t, w in self.tier_weights.items()})
+        return PlannerConfig(
+            delta=self.delta,
+            tier_weights=weights,
+            budget=Budget(time_s=self.budget_s),
+            period_s=self.period_s,
+            min_interval_s=self.min_interval_s,
+            defer_expensive=self.defer_expensive,
+            max_utilisation=self.max_utilisation,
+            rate_window_s=self.rate_window_s,
+            choose_concurrency=self.choose_concurrency,
+            agent=AgentConfig(evict=self.evict, swap=self.swap, warm_start=self.warm_start),
+        )
 
 
 class ApiSettings(BaseModel):
@@ -133,6 +192,7 @@ class Settings(BaseSettings):
     instances_file: Path | None = None
     """``QLM_INSTANCES_FILE``: the serving instances (TOML); unset: simulated in-process."""
     controller: ControllerSettings = ControllerSettings()
+    planner: PlannerSettings = PlannerSettings()
     api: ApiSettings = ApiSettings()
     demo: DemoSettings = DemoSettings()
 

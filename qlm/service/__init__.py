@@ -62,7 +62,7 @@ def build_controller(
     cs = settings.controller
     configs = configs if configs is not None else instance_configs(settings)
     specs = [c.spec for c in configs]
-    policy = create_policy(cs.policy)
+    policy = create_policy(cs.policy, planner=settings.planner.planner_config())
     runtime = AgentRuntime(
         Controller(policy, specs),
         build_engines(configs, time_scale=cs.sim_time_scale),

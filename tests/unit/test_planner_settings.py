@@ -1,0 +1,71 @@
+"""Operators configure the planner through ``QLM_PLANNER__*``; a bad value is one line naming
+the setting, and the defaults are the planner's own."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from qlm.cli import app
+from qlm.domain import Tier
+from qlm.errors import ConfigError
+from qlm.planner import PlannerConfig
+from qlm.service import build_controller
+from qlm.settings import PlannerSettings, Settings, get_settings
+
+
+def test_unset_planner_settings_are_the_planners_defaults() -> None:
+    assert PlannerSettings().planner_config() == PlannerConfig()
+
+
+def test_planner_settings_are_read_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("QLM_PLANNER__TIER_WEIGHTS", json.dumps({"interactive": 1, "batch": 0.5}))
+    monkeypatch.setenv("QLM_PLANNER__DEFER_EXPENSIVE", "false")
+    monkeypatch.setenv("QLM_PLANNER__DELTA", "0.8")
+    monkeypatch.setenv("QLM_PLANNER__EVICT", "true")
+    config = get_settings().planner.planner_config()
+    assert config.tier_weights == {Tier.INTERACTIVE: 1.0, Tier.STANDARD: 1.5, Tier.BATCH: 0.5}
+    assert not config.defer_expensive and config.delta == 0.8 and config.agent.evict
+    expected = dataclasses.replace(
+        PlannerConfig(),
+        tier_weights=config.tier_weights,
+        defer_expensive=False,
+        delta=0.8,
+        agent=dataclasses.replace(PlannerConfig().agent, evict=True),
+    )
+    assert config == expected  # nothing else moved
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("QLM_PLANNER__DELTA", "1.5"),
+        ("QLM_PLANNER__TIER_WEIGHTS", '{"vip": 3}'),
+        ("QLM_PLANNER__TIER_WEIGHTS", '{"batch": 0}'),
+        ("QLM_PLANNER__BUDGET_S", "0"),
+        ("QLM_PLANNER__MAX_UTILISATION", "1.2"),
+    ],
+)
+def test_a_bad_planner_setting_is_one_line_naming_it(
+    monkeypatch: pytest.MonkeyPatch, name: str, value: str
+) -> None:
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ConfigError, match=f"^setting {name}"):
+        get_settings()
+
+
+def test_the_controller_and_the_simulator_run_the_configured_planner(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    settings = Settings(planner=PlannerSettings(defer_expensive=False, period_s=3.0))
+    service = build_controller(settings)
+    config = service.runtime.controller.policy.config  # type: ignore[attr-defined]
+    assert not config.defer_expensive and config.period_s == 3.0
+
+    monkeypatch.setenv("QLM_PLANNER__DELTA", "2")
+    args = ["simulate", "--duration", "20", "--policy", "qlm", "--json"]
+    bad = CliRunner().invoke(app, args)
+    assert bad.exit_code == 1 and "QLM_PLANNER__DELTA" in bad.stderr
