@@ -14,7 +14,7 @@ Metrics (labels in braces):
   ``qlm_instance_outstanding{instance}``, ``qlm_instance_max_running{instance}``
 - ``qlm_controller_{received,settled,evictions,swaps,model_switches,plans}_total{controller}``
 - ``qlm_plan_solve_seconds``, ``qlm_plan_objective``, ``qlm_plan_edf_objective``,
-  ``qlm_plan_groups_at_risk``, ``qlm_plan_capacity_needed``, ``qlm_plan_info{status,method,trigger}``
+  ``qlm_plan_groups_at_risk``, ``qlm_plan_groups_deferred``, ``qlm_plan_capacity_needed``, ``qlm_plan_info{status,method,trigger}``
 - ``qlm_slo_attainment{tier}``, ``qlm_slo_attainment_by_tenant{tenant}`` (0..1)
 - ``qlm_requests{tenant,status}`` (window), ``qlm_api_submissions_total{tenant,outcome}`` (replica)
 - ``qlm_completion_estimate_error_seconds{quantile}``: finished_at minus the last predicted
@@ -151,6 +151,9 @@ def families(
     objective = gauge("qlm_plan_objective", "Expected weighted SLO violation of the latest plan.")
     edf = gauge("qlm_plan_edf_objective", "The same for EDF, on the latest plan's input.")
     at_risk = gauge("qlm_plan_groups_at_risk", "Groups the latest plan leaves at risk.")
+    deferred = gauge(
+        "qlm_plan_groups_deferred", "Groups cost-aware admission put behind the others."
+    )
     capacity = gauge(
         "qlm_plan_capacity_needed", "Fleet multiple every SLO needs (absent: beyond 64x)."
     )
@@ -164,6 +167,7 @@ def families(
         objective.add_metric([], plan.objective)
         edf.add_metric([], plan.edf_objective)
         at_risk.add_metric([], len(plan.at_risk))
+        deferred.add_metric([], plan.deferred)
         if plan.capacity_needed is not None:
             capacity.add_metric([], plan.capacity_needed)
         info.add_metric([plan.status, plan.method, plan.trigger], 1.0)

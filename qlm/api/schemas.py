@@ -446,6 +446,10 @@ class PlanOut(BaseModel):
     solve_s: float
     evaluations: int
     concurrency: dict[str, int]
+    deferred: int = Field(
+        default=0,
+        description="Groups cost-aware admission put behind the others (served as capacity allows).",
+    )
 
 
 class PlansOut(BaseModel):

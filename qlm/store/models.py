@@ -158,6 +158,7 @@ class PlanModel(Base):
     solve_s: Mapped[float]
     evaluations: Mapped[int]
     concurrency: Mapped[dict[str, int]] = mapped_column(JSON)  # instance -> concurrency limit
+    deferred: Mapped[int] = mapped_column(default=0, server_default="0")  # cost-aware admission
 
 
 class ControllerStateModel(Base):

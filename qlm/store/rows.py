@@ -212,6 +212,7 @@ class PlanRow:
     solve_s: float
     evaluations: int
     concurrency: Mapping[str, int]
+    deferred: int = 0  # groups cost-aware admission put behind the others
 
 
 @dataclass(frozen=True, slots=True)

@@ -164,6 +164,8 @@ class PlanLike(Protocol):
     def evaluations(self) -> int: ...
     @property
     def concurrency(self) -> Mapping[str, int]: ...
+    @property
+    def deferred(self) -> int: ...
 
 
 def alembic_config() -> Config:
@@ -920,6 +922,7 @@ class Store:
             solve_s=record.solve_s,
             evaluations=record.evaluations,
             concurrency=dict(record.concurrency),
+            deferred=record.deferred,
         )
         with self._tx("record plan", write=True) as session:
             session.add(plan)
@@ -1180,6 +1183,7 @@ def _plan_row(m: PlanModel) -> PlanRow:
         solve_s=m.solve_s,
         evaluations=m.evaluations,
         concurrency=m.concurrency,
+        deferred=m.deferred,
     )
 
 

@@ -622,13 +622,14 @@ def test_operators_see_queues_groups_instances_and_plans() -> None:
             PlanRecord(
                 at_s=now, trigger="violation", groups=3, status="optimal", method="milp",
                 objective=1.0, edf_objective=2.0, at_risk=("g1",), capacity_needed=1.5,
-                solve_s=0.1, evaluations=9, concurrency={"i0": 64},
+                solve_s=0.1, evaluations=9, concurrency={"i0": 64}, deferred=4,
             ),
             controller="c0",
         )  # fmt: skip
         plan = (await h.client.get("/v1/admin/plans/latest", headers=admin)).json()
         assert plan["trigger"] == "violation" and plan["at_risk"] == ["g1"]
         assert plan["edf_objective"] == 2.0 and plan["capacity_needed"] == 1.5
+        assert plan["deferred"] == 4
         history = (await h.client.get("/v1/admin/plans", headers=admin)).json()["data"]
         assert [p["id"] for p in history] == [plan["id"]]
 
@@ -706,6 +707,14 @@ def test_metrics_export_queues_slo_attainment_plans_and_tenant_counts() -> None:
         h.store.record_outcome(rid, status=RequestStatus.FINISHED, at=now + 12, slo_met=True)
         await h.submit("globex", slo_seconds=300)
         h.store.put_controller_state("c0", active=True, snapshot={})
+        h.store.record_plan(
+            PlanRecord(
+                at_s=now, trigger="period", groups=9, status="heuristic", method="local",
+                objective=1.0, edf_objective=2.0, at_risk=("g1", "g2"), capacity_needed=None,
+                solve_s=0.1, evaluations=9, concurrency={"i0": 64}, deferred=5,
+            ),
+            controller="c0",
+        )  # fmt: skip
         r = await h.client.get("/metrics", headers=h.auth("admin"))
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
         text = r.text
@@ -721,6 +730,8 @@ def test_metrics_export_queues_slo_attainment_plans_and_tenant_counts() -> None:
             'qlm_requests{status="queued",tenant="globex"} 1.0',
             'qlm_api_submissions_total{outcome="accepted",tenant="acme"} 1.0',
             'qlm_completion_estimate_error_seconds{quantile="0.5"} 2.0',
+            "qlm_plan_groups_at_risk 2.0",
+            "qlm_plan_groups_deferred 5.0",
         ):
             assert line in text, line
 

@@ -61,6 +61,7 @@ def plan_record(at_s: float = 10.0, **overrides: Any) -> PlanRecord:
         "solve_s": 0.25,
         "evaluations": 40,
         "concurrency": {"i0": 64, "i1": 128},
+        "deferred": 2,
     }
     fields.update(overrides)
     return PlanRecord(**fields)
@@ -621,7 +622,7 @@ class StoreContract:
         )
         assert (latest.objective, latest.edf_objective, latest.at_risk) == (1.5, 2.5, ("g1", "g2"))
         assert (latest.capacity_needed, latest.solve_s, latest.evaluations) == (None, 0.25, 40)
-        assert latest.concurrency == {"i0": 64, "i1": 128}
+        assert (latest.concurrency, latest.deferred) == ({"i0": 64, "i1": 128}, 2)
         assert [p.at for p in store.plans(limit=3)] == [4.0, 3.0, 2.0]
 
         assert store.prune_plans(keep=2) == 3
@@ -781,3 +782,33 @@ def test_an_unreachable_database_is_a_store_error(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path / 'missing-dir' / 'q.db'}"
     with pytest.raises(StoreError, match="cannot migrate"):
         Store.open(url)
+
+
+def test_plans_recorded_before_the_deferred_column_read_back_with_zero_deferred(
+    tmp_path: Path,
+) -> None:
+    from alembic import command
+    from sqlalchemy import text
+
+    from qlm.store.store import alembic_config
+
+    url = f"sqlite:///{tmp_path / 'old.db'}"
+    engine = make_engine(parse_url(url))
+    with engine.begin() as connection:
+        config = alembic_config()
+        config.attributes["connection"] = connection
+        command.upgrade(config, "0002")  # a database from before plans had ``deferred``
+        connection.execute(
+            text(
+                'INSERT INTO plans (controller, at, "trigger", groups, status, method, objective,'
+                " edf_objective, at_risk, capacity_needed, solve_s, evaluations, concurrency)"
+                " VALUES ('c0', 1.0, 'period', 2, 'heuristic', 'local', 0.5, 0.7, '[]', NULL,"
+                " 0.01, 10, '{}')"
+            )
+        )
+    engine.dispose()
+    with Store.open(url) as store:  # migrates to the latest revision
+        plan = store.latest_plan()
+        assert plan is not None and (plan.trigger, plan.deferred) == ("period", 0)
+        store.record_plan(plan_record(at_s=2.0, deferred=3), controller="c0")
+        assert [p.deferred for p in store.plans()] == [3, 0]

@@ -170,6 +170,7 @@ def _plan(row: PlanRow) -> PlanOut:
         solve_s=row.solve_s,
         evaluations=row.evaluations,
         concurrency=dict(row.concurrency),
+        deferred=row.deferred,
     )
 
 
