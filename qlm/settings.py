@@ -60,21 +60,16 @@ class ControllerSettings(BaseModel):
 TierName = Literal["interactive", "standard", "batch"]
 
 
-def _default_weights() -> dict[TierName, float]:
-    return {"interactive": 2.0, "standard": 1.5, "batch": 1.0}
-
-
 class PlannerSettings(BaseModel):
     """The ``qlm`` policy's planner and agents (``QLM_PLANNER__*``; docs/planner.md). Unset
     fields keep ``PlannerConfig``'s defaults."""
 
     delta: float = Field(default=0.9, gt=0, lt=1)
     """The chance constraint: a group is safe when ``P(meet SLO) >= delta``."""
-    tier_weights: dict[TierName, Annotated[float, Field(gt=0)]] = Field(
-        default_factory=_default_weights
-    )
-    """What meeting one request's SLO is worth, by tier (a JSON object; tiers left out keep
-    their default). Equal weights: every SLO counts alike."""
+    tier_weights: dict[TierName, Annotated[float, Field(gt=0)]] = Field(default_factory=dict)
+    """What meeting one request's SLO is worth, by tier (a JSON object; tiers left out keep the
+    planner's default, interactive 2 / standard 1.5 / batch 1). Equal weights: every SLO counts
+    alike."""
     budget_s: float = Field(default=0.1, gt=0)
     """Compute time per plan (the best plan found so far is used when it runs out)."""
     period_s: float = Field(default=10.0, gt=0)
