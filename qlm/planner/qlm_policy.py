@@ -24,6 +24,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from qlm.agents.decide import (
     AgentConfig,
@@ -274,6 +275,14 @@ def _subset(problem: PlanProblem, rows: Sequence[int]) -> PlanProblem:
         risk_weight=problem.risk_weight,
         flow_weight=problem.flow_weight,
     )
+
+
+def hopeless(problem: PlanProblem, g: int, now: float) -> npt.NDArray[np.bool_]:
+    """Per group, whether it misses its deadline on instance ``g`` even started now and in its
+    luckiest scenario: its last request's latency floor alone takes it past the deadline. Such
+    work is lost to its SLO whatever the plan; serving it before work that can still make it
+    (as earliest-deadline-first would: it has the earliest deadlines) only spreads the loss."""
+    return np.asarray(problem.floor[:, g].min(axis=1) + now > problem.deadline)
 
 
 def pick_limit(values: Mapping[int, float], current: int | None, hysteresis: float) -> int:
@@ -701,18 +710,22 @@ class QlmPolicy:
                 self._admission[inst.name] = fluids[b]
             else:
                 self._admission.pop(inst.name, None)
-        # Cost-aware admission: a group its instance's admission defers stays on that instance,
-        # behind every admitted group; the solver orders and places the admitted ones only.
+        # Cost-aware admission: a group its instance's admission defers, or that can no longer
+        # meet its deadline, stays on that instance behind every admitted group; the solver
+        # orders and places the admitted ones only.
         deferred: dict[str, list[int]] = {}
         self._deferred = set()
-        for inst, order in zip(family.instances, current, strict=True):
+        full = family.problem(best)
+        for g, (inst, order) in enumerate(zip(family.instances, current, strict=True)):
             gids = self._deferred_in(inst.name, [family.groups[i].id for i in order])
+            late = hopeless(full, g, now)
+            if inst.name in self._admission:
+                gids |= {family.groups[i].id for i in order if late[i]}
             self._deferred |= gids
             deferred[inst.name] = sorted(
                 (i for i in order if family.groups[i].id in gids),
-                key=lambda i: (family.groups[i].deadline_s, family.groups[i].id),
+                key=lambda i: (bool(late[i]), family.groups[i].deadline_s, family.groups[i].id),
             )
-        full = family.problem(best)
         keep = [i for i, g in enumerate(family.groups) if g.id not in self._deferred]
         problem = full if len(keep) == len(family.groups) else _subset(full, keep)
         position = {i: k for k, i in enumerate(keep)}

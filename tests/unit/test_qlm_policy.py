@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 from builders import make_catalog, make_profile, make_request
 
@@ -11,7 +12,8 @@ from qlm.domain import SLO, InstanceSpec, Pull, Request, RequestStatus, Tier
 from qlm.errors import ConfigError
 from qlm.planner import PlannerConfig, QlmPolicy, create_policy
 from qlm.planner.policy import DispatchContext, InstanceLoad
-from qlm.planner.qlm_policy import pick_limit
+from qlm.planner.program import PlanGroup, PlanInstance, PlanProblem
+from qlm.planner.qlm_policy import hopeless, pick_limit
 from qlm.rct.estimator import RCTEstimator
 from qlm.sim.cluster import ClusterSimulation
 
@@ -291,6 +293,34 @@ def test_deferred_work_is_paced_by_the_spare_capacity_or_an_idle_instance() -> N
     # An idle instance takes one (then it is no longer idle, and the bucket is empty).
     out = qlm.decide(DispatchContext(20.3, (), (load(max_running=8),)))
     assert len([d for d in out if isinstance(d, Pull)]) == 1
+
+
+def test_a_group_past_saving_waits_behind_the_groups_that_can_still_meet_their_slo() -> None:
+    """Under earliest-deadline-first the group whose deadline has passed would go first (it has
+    the earliest deadline) and make the next one late too; cost-aware admission defers it."""
+    late = [make_request(i, arrival_s=0.0, slo=SLO(5.0), tier=Tier.INTERACTIVE) for i in range(2)]
+    ok = [make_request(10 + i, arrival_s=25.0, slo=SLO(120.0), tier=Tier.BATCH) for i in range(2)]
+    busy = load(max_running=2, outstanding_requests=2, outstanding_tokens=400)
+    heads = {}
+    for admission in (True, False):
+        qlm = policy(rate_window_s=20.0, defer_expensive=admission)
+        qlm.decide(DispatchContext(0.0, tuple(late), (busy,)))
+        qlm.decide(DispatchContext(25.0, tuple(ok), (busy,)))
+        record = qlm.plan(30.0, "test")
+        assert record.deferred == (1 if admission else 0)
+        pulled = [d.request_id for d in qlm.decide(DispatchContext(30.5, (), (load(),)))]
+        heads[admission] = sorted(pulled)
+    assert heads == {True: ["r0010", "r0011"], False: ["r0000", "r0001"]}
+
+
+def test_hopeless_asks_whether_the_luckiest_scenario_started_now_still_misses() -> None:
+    groups = tuple(PlanGroup(f"g{i}", "m", d, 1.0) for i, d in enumerate((10.0, 20.0, 30.0)))
+    inst = PlanInstance("i0", ("m",), "m", 0.0, {"m": 0.0})
+    floor = np.array([[[5.0, 9.0]], [[12.0, 15.0]], [[25.0, 8.0]]])  # (groups, 1 instance, S)
+    problem = PlanProblem(groups, (inst,), floor.copy(), floor)
+    assert hopeless(problem, 0, now=4.0).tolist() == [False, False, False]
+    assert hopeless(problem, 0, now=6.0).tolist() == [True, False, False]
+    assert hopeless(problem, 0, now=9.0).tolist() == [True, True, False]
 
 
 def test_cost_aware_admission_is_on_by_default_and_can_be_turned_off() -> None:
