@@ -21,9 +21,10 @@ requests finish per second and as many are admitted, each costing ``Ī · w_in``
 every running request waits through (``Ī``, ``Ō``: mean prompt and output of the mix). ``ε``
 (1 until learnt, kept in [1/2, 2]) is learnt online.
 
-*Output lengths* (Eq. 3, made Bayesian): ``O`` has the posterior predictive of ``NIG`` for the
-request's (model, SLO class), capped at ``max_tokens`` and, for a running request, conditioned on the
-tokens it already generated. Independent requests add means and variances, so ``W_q`` and ``C_q`` are
+*Output lengths* (Eq. 3, made Bayesian): ``O`` has the posterior predictive of the request's
+(model, SLO class) — a ``LengthHistogram`` (a Dirichlet over bins of log length whose prior is the
+workload profile's ``NIG``; ``shape_free=False`` keeps the location–scale ``NIG`` itself) — capped
+at ``max_tokens`` and, for a running request, conditioned on the tokens it already generated. Independent requests add means and variances, so ``W_q`` and ``C_q`` are
 carried as normal distributions (the central limit with many requests ahead, a moment match with
 few).
 
@@ -33,9 +34,11 @@ its last request's completion.
 *Model switches*: when the model changes along a queue (or differs from the active one) the load
 time is added: warm if the model is in CPU memory, cold otherwise.
 
-*Model error*: besides output-length uncertainty the estimator learns the spread of
-``log(actual / predicted)`` over completed requests and adds it, so that ``P(C ≤ SLO)`` is
-calibrated rather than over-confident.
+*Model error*: besides output-length uncertainty the estimator learns, per instance, the spread
+of waiting-time errors (added to the start's variance) and the spread of
+``log(actual / predicted time per output token)`` request to request (the batch a request decodes
+in changes under it; ``P(C ≤ t)`` integrates over it, mean-preserving), so that ``P(C ≤ SLO)`` is
+not over-confident.
 
 Pure: no I/O, no clock; ``now`` comes in, observations come in through ``observe``.
 """
@@ -50,7 +53,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from qlm.domain import Request
-from qlm.rct.output_model import NIG, _phi
+from qlm.rct.output_model import LengthHistogram, OutputBelief, _phi
 from qlm.rct.profile import HardwareProfile, RctProfile
 
 PRIOR_COMPLETIONS = 30.0  # weight of the profile in the drain-rate calibration, in completions
@@ -76,10 +79,11 @@ class Estimate:
     var: float
     start_mean: float = 0.0
     start_sd: float = 0.0
-    output: NIG | None = None  # the request's output-length posterior
+    output: OutputBelief | None = None  # the request's output-length posterior
     generated: int = 0
     cap: int = 0
     per_token_s: float = 0.0
+    speed_sd: float = 0.0  # spread of log(actual / predicted time per output token)
 
     @property
     def std(self) -> float:
@@ -110,22 +114,29 @@ class Estimate:
             if sd <= 0:
                 return 1.0 if self.mean <= t else 0.0
             return _phi((t - self.mean) / sd)
-        if self.start_sd <= 0:
-            return self._p_output_within(t - self.start_mean)
-        # Average over the normal start time (Gauss–Hermite, 7 nodes).
-        return sum(
-            w * self._p_output_within(t - (self.start_mean + x * self.start_sd))
-            for x, w in _GH_NODES
-        )
+        # Average over the normal start time and the log-normal speed (Gauss–Hermite nodes).
+        starts = _GH_NODES if self.start_sd > 0 else ((0.0, 1.0),)
+        speeds = _GH_NODES if self.speed_sd > 0 else ((0.0, 1.0),)
+        total = 0.0
+        for y, v in speeds:
+            # Mean-preserving: the learnt ε already matches the mean time per token.
+            per_token = self.per_token_s * math.exp(self.speed_sd * y - self.speed_sd**2 / 2)
+            for x, w in starts:
+                total += (
+                    v
+                    * w
+                    * self._p_output_within(t - (self.start_mean + x * self.start_sd), per_token)
+                )
+        return total
 
-    def _p_output_within(self, seconds: float) -> float:
-        """``P(the remaining output decodes within seconds)``."""
+    def _p_output_within(self, seconds: float, per_token_s: float) -> float:
+        """``P(the remaining output decodes within seconds)`` at ``per_token_s``."""
         if seconds < 0:
             return 0.0
-        if self.per_token_s <= 0 or self.output is None:
+        if per_token_s <= 0 or self.output is None:
             return 1.0
         return self.output.p_remaining_within(
-            seconds / self.per_token_s, cap=self.cap, generated=self.generated
+            seconds / per_token_s, cap=self.cap, generated=self.generated
         )
 
 
@@ -213,6 +224,9 @@ class _Calibration:
     wait_pred: float = 0.0
     decode_obs: float = 0.0
     decode_pred: float = 0.0
+    speed_n: float = 0.0  # observed log(actual / predicted time per token): count ...
+    speed_sum: float = 0.0  # ... sum ...
+    speed_sq: float = 0.0  # ... and sum of squares
     n_wait: float = 0.0
     wait_e2: float = 0.0  # sum of squared waiting errors ...
     wait_p2: float = 0.0  # ... and of squared predicted waits
@@ -251,6 +265,14 @@ class _Calibration:
         ratio = (self.decode_obs + PRIOR_DECODE_S) / (self.decode_pred + PRIOR_DECODE_S)
         return min(2.0, max(0.5, ratio))
 
+    def speed_sd(self) -> float:
+        """Spread of the time per output token around its prediction, request to request (the
+        batch a request decodes in changes under it); 0 until 20 were observed."""
+        if self.speed_n < 20:
+            return 0.0
+        mean = self.speed_sum / self.speed_n
+        return min(1.0, math.sqrt(max(self.speed_sq / self.speed_n - mean * mean, 0.0)))
+
     def wait_rel_sd(self) -> float:
         """Relative spread of waiting-time errors seen so far (model error beyond the output
         lengths of the requests ahead); 0.25 until 20 waits were observed."""
@@ -276,7 +298,8 @@ class RCTEstimator:
     profile: RctProfile
     forgetting: float = 0.99  # weight of the past per observed completion
     min_rel_sd: float = 0.02  # floor on the spread, relative to the latency
-    _posteriors: dict[tuple[str, str], NIG] = field(default_factory=dict, init=False)
+    shape_free: bool = True  # output lengths as a LengthHistogram (else the profile's NIG)
+    _posteriors: dict[tuple[str, str], OutputBelief] = field(default_factory=dict, init=False)
     _calibration: dict[str, _Calibration] = field(default_factory=dict, init=False)
     _pending: dict[str, _Prediction] = field(default_factory=dict, init=False)
     _moments: dict[tuple[str, str, int, int, int], tuple[float, float]] = field(
@@ -286,11 +309,12 @@ class RCTEstimator:
 
     # --- output lengths --------------------------------------------------------------------------
 
-    def posterior(self, request: Request) -> NIG:
+    def posterior(self, request: Request) -> OutputBelief:
         key = (request.model, request.slo_class)
         post = self._posteriors.get(key)
         if post is None:
-            post = self.profile.prior(request.model)
+            prior = self.profile.prior(request.model)
+            post = LengthHistogram.from_prior(prior) if self.shape_free else prior
             self._posteriors[key] = post
         return post
 
@@ -408,6 +432,7 @@ class RCTEstimator:
         arrival_share = min(0.9, rate * mix_prompt / max(n, 1))
         overloaded = rate * (mix_prompt + mix_output / hws[0].throughput_tps) / max(n, 1) >= 1.0
         wait_rel = cal.wait_rel_sd()
+        speed_sd = cal.speed_sd()
         out: list[Estimate] = []
         positions = range(n) if only is None else [i % n for i in only]
         for i in positions:
@@ -441,6 +466,7 @@ class RCTEstimator:
                     generated=item.generated,
                     cap=req.max_tokens,
                     per_token_s=d * ef,
+                    speed_sd=speed_sd,
                 )
             )
             if remember and not item.running and req.id not in self._pending:
@@ -608,6 +634,12 @@ class RCTEstimator:
         if first_token_s is not None and finish_s is not None and output_tokens > 1:
             cal.decode_obs = RATE_FORGETTING * cal.decode_obs + (finish_s - first_token_s)
             cal.decode_pred = RATE_FORGETTING * cal.decode_pred + pred.d_eff * (output_tokens - 1)
+            observed = (finish_s - first_token_s) / (output_tokens - 1)
+            if observed > 0 and pred.d_eff > 0:
+                r = math.log(observed / (pred.d_eff * cal.eps_factor()))
+                cal.speed_n = lam * cal.speed_n + 1
+                cal.speed_sum = lam * cal.speed_sum + r
+                cal.speed_sq = lam * cal.speed_sq + r * r
         if scheduled_s is not None and pred.wait_raw > 1e-3:
             predicted = pred.wait_raw * cal.wait_factor()
             error = scheduled_s - request.arrival_s - predicted

@@ -15,7 +15,7 @@ from qlm.domain import SLO, Request
 from qlm.engines.perf_model import default_catalog
 from qlm.errors import ConfigError
 from qlm.rct.estimator import Estimate, InstanceView, Queued, RCTEstimator
-from qlm.rct.output_model import NIG
+from qlm.rct.output_model import NIG, LengthHistogram
 from qlm.rct.profile import HardwareProfile, RctProfile, dump_profile, parse_profile
 from qlm.rct.profiling import profile_sim_hardware
 from tests.builders import make_hardware, make_request
@@ -272,10 +272,18 @@ def test_a_completion_updates_the_posterior_of_its_model_and_slo_class_only() ->
     other_model_same_class = make_request(2, model="n", slo_class="chat")
     before = est.expected_output(chat)
     est.observe(chat, output_tokens=900)
-    assert est.posterior(chat) == PRIOR.update(900)
+    prior = LengthHistogram.from_prior(PRIOR)
+    assert est.posterior(chat) == prior.update(900)
     assert est.expected_output(make_request(3, slo_class="chat")) > before
-    assert est.posterior(same_model_other_class) == PRIOR
-    assert est.posterior(other_model_same_class) == PRIOR
+    assert est.posterior(same_model_other_class) == prior
+    assert est.posterior(other_model_same_class) == prior
+
+
+def test_the_location_scale_model_remains_available() -> None:
+    est = RCTEstimator(estimator().profile, shape_free=False)
+    chat = make_request(0, slo_class="chat")
+    est.observe(chat, output_tokens=900)
+    assert est.posterior(chat) == PRIOR.update(900)
 
 
 SLOW = {"max_num_seqs": 1, "throughput_tps": 100.0}
@@ -321,6 +329,27 @@ def test_completions_of_a_saturated_instance_calibrate_the_waiting_to_the_observ
     # ... and enough of it all the way to the observed rate.
     assert late == pytest.approx(2.0 * work, rel=0.1)
     assert late > early
+
+
+def test_decode_speeds_that_vary_request_to_request_widen_the_completion_distribution() -> None:
+    """Half the requests decode at 0.6 and half at 1.4 times the predicted time per token: the
+    mean is right (ε stays near 1) but a single request's completion is less certain, so the
+    chance of finishing by a time far in the model's tail drops."""
+    est = estimator()
+    for i in range(200):
+        r = make_request(i, arrival_s=NOW, input_tokens=500)
+        (pred,) = est.estimate_requests(instance(), waiting([r]), NOW, remember=True)
+        start = pred.start_mean
+        per_token = pred.per_token_s * (0.6 if i % 2 else 1.4)
+        est.observe(r, output_tokens=70, first_token_s=start, finish_s=start + 69 * per_token)
+    probe = make_request(1000, arrival_s=NOW, input_tokens=500)
+    (after,) = est.estimate_requests(instance(), waiting([probe]), NOW)
+    assert after.speed_sd == pytest.approx(math.log(1.4 / 0.6) / 2, rel=0.1)
+    certain = replace(after, speed_sd=0.0)
+    late = certain.quantile(0.95)
+    assert after.p_before(late) < certain.p_before(late) - 0.01
+    early = certain.quantile(0.05)
+    assert after.p_before(early) > certain.p_before(early) + 0.01
 
 
 def test_completions_on_an_unsaturated_instance_leave_the_waiting_uncalibrated() -> None:

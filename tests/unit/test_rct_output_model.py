@@ -11,7 +11,10 @@ from scipy import integrate, stats
 
 from qlm.errors import ConfigError
 from qlm.rct.output_model import (
+    HIST_BINS,
+    HIST_MAX,
     NIG,
+    LengthHistogram,
     lognormal_capped_moments,
     lognormal_capped_moments_np,
 )
@@ -270,3 +273,63 @@ def test_moments_for_many_generated_counts_equal_the_one_at_a_time_moments(shape
         em, ev = prior.moments(cap=1000, generated=int(g))
         assert m == pytest.approx(em, rel=1e-9, abs=1e-9)
         assert v == pytest.approx(ev, rel=1e-6, abs=1e-6)
+
+
+# --- the shape-free model -------------------------------------------------------------------------
+
+
+def bin_of(output: int) -> int:
+    return int(math.log1p(output) / math.log1p(HIST_MAX) * HIST_BINS)
+
+
+def test_a_histogram_prior_holds_the_nig_predictive_worth_kappa_outputs() -> None:
+    prior = NIG(mu=math.log1p(200), kappa=20.0, alpha=30.0, beta=0.25 * 29)
+    h = LengthHistogram.from_prior(prior)
+    assert sum(h.prior) == pytest.approx(20.0)
+    assert np.median(h.outputs) == pytest.approx(200, rel=0.06)  # the NIG's median, to a bin
+    assert h.p_remaining_within(200, cap=10_000) == pytest.approx(0.5, abs=0.03)
+
+
+def test_the_dirichlet_update_adds_one_to_the_bin_of_each_output() -> None:
+    h = LengthHistogram.from_prior(PRIOR)
+    one = h.update(900)
+    assert one.prior == h.prior
+    assert one.data[bin_of(900)] == 1.0 and sum(one.data) == 1.0
+    three = one.update(30).update(900)
+    assert three.data[bin_of(900)] == 2.0 and three.data[bin_of(30)] == 1.0
+    # The predictive is the normalised counts: prior pseudo-counts plus the three outputs.
+    total = sum(h.prior) + 3
+    upto = sum(h.prior[: bin_of(30) + 1]) + 1
+    assert three.p_remaining_within(
+        math.expm1((bin_of(30) + 1) * math.log1p(HIST_MAX) / HIST_BINS), cap=10**6
+    ) == pytest.approx(upto / total, abs=0.01)
+
+
+def test_the_histogram_learns_a_two_humped_mix_a_location_scale_model_cannot() -> None:
+    """60 % short answers near 50 tokens, 40 % near 400: the chance of at most 200 tokens is
+    0.6; the NIG, updated with the same outputs, puts it far off (it can only move and widen)."""
+    rng = np.random.default_rng(0)
+    outputs = np.where(rng.random(3000) < 0.6, rng.normal(50, 8, 3000), rng.normal(400, 20, 3000))
+    h = LengthHistogram.from_prior(PRIOR)
+    nig = PRIOR
+    for o in outputs.astype(int):
+        h = h.update(int(o))
+        nig = nig.update(int(o))
+    assert h.p_remaining_within(200, cap=10_000) == pytest.approx(0.6, abs=0.03)
+    assert abs(nig.p_remaining_within(200, cap=10_000) - 0.6) > 0.05
+    mean, _ = h.moments(cap=10_000)
+    assert mean == pytest.approx(0.6 * 50 + 0.4 * 400, rel=0.05)
+
+
+def test_histogram_moments_respect_the_cap_and_what_was_generated() -> None:
+    h = LengthHistogram.from_prior(PRIOR)
+    for o in (40, 60, 400, 420):
+        h = h.update(o)
+    mean, _ = h.moments(cap=100)
+    assert 0 < mean <= 100
+    assert h.moments(cap=100, generated=100) == (0.0, 0.0)
+    left, _ = h.moments(cap=1000, generated=300)  # past the short answers: ~400 in all
+    assert 50 < left < 200
+    many, _ = h.moments_many(cap=1000, generated=np.array([0.0, 300.0]))
+    assert many[1] == pytest.approx(left)
+    assert h.p_remaining_within(5, cap=1000, generated=995) == 1.0
