@@ -329,18 +329,23 @@ def _normal_quantiles() -> npt.NDArray[np.float64]:
 def _sample_moments(
     outputs: npt.NDArray[np.float64], cap: int, generated: npt.NDArray[np.float64]
 ) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.float64]]:
-    """Moments of ``min(O, cap) − g`` given ``O ≥ g`` over equally likely ``outputs``, for each
-    ``g`` in ``generated`` (past every one of them: expect a little more)."""
+    """Moments of ``min(O, cap) − g`` given ``O ≥ g`` over equally likely ``outputs`` (sorted
+    ascending), for each ``g`` in ``generated`` (past every one of them: expect a little more).
+    Suffix sums over the sorted sample make it O(log n) per ``g``: after a completion changes a
+    posterior, every running request's moments are recomputed at once."""
     g = np.asarray(generated, dtype=np.float64)
-    alive = outputs[None, :] >= g[:, None]
-    remaining = np.minimum(outputs, cap)[None, :] - g[:, None]
-    count = alive.sum(axis=1)
+    capped = np.minimum(outputs, cap)
+    s1 = np.concatenate((np.cumsum(capped[::-1])[::-1], [0.0]))
+    s2 = np.concatenate((np.cumsum((capped * capped)[::-1])[::-1], [0.0]))
+    first = np.searchsorted(outputs, g, side="left")  # the first output ≥ g
+    count = len(outputs) - first
     safe = np.maximum(count, 1)
-    mean = (remaining * alive).sum(axis=1) / safe
-    var = (remaining * remaining * alive).sum(axis=1) / safe - mean * mean
+    m1 = s1[first] / safe
+    mean = m1 - g
+    var = np.maximum(s2[first] / safe - m1 * m1, 0.0)  # min(O, cap) − g varies as min(O, cap)
     none_alive = count == 0
     mean = np.where(none_alive, np.minimum(np.maximum(cap - g, 0.0), 1.0), mean)
-    var = np.where(none_alive, 0.0, np.maximum(var, 0.0))
+    var = np.where(none_alive, 0.0, var)
     done = cap <= g
     return np.where(done, 0.0, mean), np.where(done, 0.0, var)
 

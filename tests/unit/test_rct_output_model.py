@@ -15,6 +15,7 @@ from qlm.rct.output_model import (
     HIST_MAX,
     NIG,
     LengthHistogram,
+    _sample_moments,
     lognormal_capped_moments,
     lognormal_capped_moments_np,
 )
@@ -333,3 +334,21 @@ def test_histogram_moments_respect_the_cap_and_what_was_generated() -> None:
     many, _ = h.moments_many(cap=1000, generated=np.array([0.0, 300.0]))
     assert many[1] == pytest.approx(left)
     assert h.p_remaining_within(5, cap=1000, generated=995) == 1.0
+
+
+def test_sample_moments_by_suffix_sums_equal_the_direct_computation() -> None:
+    rng = np.random.default_rng(3)
+    outputs = np.sort(rng.lognormal(5.0, 1.0, 256))
+    cap = 400
+    generated = np.array([0.0, 10.0, 150.0, 399.0, 400.0, 5000.0, float(outputs[-1]) + 1])
+    mean, var = _sample_moments(outputs, cap, generated)
+    for g, m, v in zip(generated, mean, var, strict=True):
+        alive = outputs[outputs >= g]
+        if cap <= g:
+            assert (m, v) == (0.0, 0.0)
+        elif not alive.size:
+            assert (m, v) == (min(max(cap - g, 0.0), 1.0), 0.0)
+        else:
+            left = np.minimum(alive, cap) - g
+            assert m == pytest.approx(left.mean(), rel=1e-9)
+            assert v == pytest.approx(left.var(), rel=1e-6, abs=1e-6)
