@@ -340,12 +340,16 @@ class RCTEstimator:
         changes a posterior, every running request misses the cache together."""
         misses: dict[tuple[str, str, int, int], list[int]] = {}
         requests: dict[tuple[str, str, int, int], Request] = {}
+        moments, versions = self._moments, self._versions
         for item in items:
             req = item.request
-            version = self._versions.get((req.model, req.slo_class), 0)
-            key = (req.model, req.slo_class, version, req.max_tokens, item.generated)
-            if key not in self._moments:
-                group = key[:4]
+            group = (
+                req.model,
+                req.slo_class,
+                versions.get((req.model, req.slo_class), 0),
+                req.max_tokens,
+            )
+            if (*group, item.generated) not in moments:
                 misses.setdefault(group, []).append(item.generated)
                 requests[group] = req
         for group, gens in misses.items():
@@ -544,11 +548,20 @@ class RCTEstimator:
         count = 0
         tokens = 0.0
         mix_prompt = mix_output = 0.0
+        # Sums over the running requests (the hot loop after a completion: thousands of them).
+        work_in: dict[str, float] = {}
+        moments, versions = self._moments, self._versions
         for item in running:
-            hw = self.profile.hardware_for(item.request.model, instance.gpu, instance.gpu_count)
-            m, _ = self.output_moments(item.request, item.generated)
-            tokens += item.request.input_tokens + item.generated + m
-            mix_prompt += item.request.input_tokens * hw.input_token_work_s
+            req = item.request
+            w_in = work_in.get(req.model)
+            if w_in is None:
+                hw = self.profile.hardware_for(req.model, instance.gpu, instance.gpu_count)
+                w_in = work_in[req.model] = hw.input_token_work_s
+            version = versions.get((req.model, req.slo_class), 0)
+            hit = moments.get((req.model, req.slo_class, version, req.max_tokens, item.generated))
+            m = hit[0] if hit is not None else self.output_moments(req, item.generated)[0]
+            tokens += req.input_tokens + item.generated + m
+            mix_prompt += req.input_tokens * w_in
             mix_output += item.generated + m
             count += 1
         n_running = count
