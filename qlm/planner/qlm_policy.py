@@ -285,6 +285,41 @@ def hopeless(problem: PlanProblem, g: int, now: float) -> npt.NDArray[np.bool_]:
     return np.asarray(problem.floor[:, g].min(axis=1) + now > problem.deadline)
 
 
+SLACK_MARGIN = 1.3
+"""A group the admission would defer keeps its place if, served earliest deadline first behind
+everything due before it, it completes within ``1 / SLACK_MARGIN`` of the time left to its
+deadline (median scenario)."""
+
+
+def in_time(
+    problem: PlanProblem,
+    g: int,
+    order: Sequence[int],
+    now: float,
+    late: npt.NDArray[np.bool_],
+    groups: Sequence[PlanGroup],
+) -> set[str]:
+    """The groups of ``order`` (on instance ``g``) that still complete well before their
+    deadline if everything on the instance is served earliest deadline first (median scenario;
+    groups past saving take no time). Cost-aware admission's knapsack counts capacity per second
+    in steady state; it does not see that a batch request due in five minutes can wait out a
+    burst. Measured on W_B at 1.4×, where the instance is only just overloaded: without this
+    the admission deferred standard and batch work the instance could have served in time
+    (94.4 % of SLOs met against 97.0 %); at 1.8× it is neutral (85.2 → 85.4 %)."""
+    work = np.median(problem.proc[:, g], axis=1)
+    floor = np.median(problem.floor[:, g], axis=1)
+    t = float(problem.ready[g])
+    out: set[str] = set()
+    for i in sorted(order, key=lambda i: (problem.deadline[i], groups[i].id)):
+        if late[i]:
+            continue
+        t += float(work[i])
+        finish = max(t, now + float(floor[i]))
+        if now + SLACK_MARGIN * (finish - now) <= problem.deadline[i]:
+            out.add(groups[i].id)
+    return out
+
+
 def pick_limit(values: Mapping[int, float], current: int | None, hysteresis: float) -> int:
     """The concurrency limit worth the most (the smallest of equals), unless ``current`` is
     within ``hysteresis`` (a fraction) of it: a change costs a transient the values do not see."""
@@ -719,6 +754,7 @@ class QlmPolicy:
         for g, (inst, order) in enumerate(zip(family.instances, current, strict=True)):
             gids = self._deferred_in(inst.name, [family.groups[i].id for i in order])
             late = hopeless(full, g, now)
+            gids -= in_time(full, g, order, now, late, family.groups)
             if inst.name in self._admission:
                 gids |= {family.groups[i].id for i in order if late[i]}
             self._deferred |= gids

@@ -13,7 +13,7 @@ from qlm.errors import ConfigError
 from qlm.planner import PlannerConfig, QlmPolicy, create_policy
 from qlm.planner.policy import DispatchContext, InstanceLoad
 from qlm.planner.program import PlanGroup, PlanInstance, PlanProblem
-from qlm.planner.qlm_policy import hopeless, pick_limit
+from qlm.planner.qlm_policy import hopeless, in_time, pick_limit
 from qlm.rct.estimator import RCTEstimator
 from qlm.sim.cluster import ClusterSimulation
 
@@ -321,6 +321,27 @@ def test_hopeless_asks_whether_the_luckiest_scenario_started_now_still_misses() 
     assert hopeless(problem, 0, now=4.0).tolist() == [False, False, False]
     assert hopeless(problem, 0, now=6.0).tolist() == [True, False, False]
     assert hopeless(problem, 0, now=9.0).tolist() == [True, True, False]
+
+
+def test_work_with_slack_for_its_turn_keeps_its_place_however_costly() -> None:
+    """Served earliest deadline first from t = 0: a (10 s of work, due 5), b (20 s, due 100),
+    c (20 s, due 45). a ends at 10 (too late, 5), b's turn comes after c's (c ends at 30, within
+    45 / 1.3 = 34.6), b ends at 50 (50 × 1.3 = 65 ≤ 100). d is past saving and takes no time."""
+    deadlines = (5.0, 100.0, 45.0, 1.0)
+    groups = tuple(PlanGroup(f"g{i}", "m", d, 1.0) for i, d in enumerate(deadlines))
+    inst = PlanInstance("i0", ("m",), "m", 0.0, {"m": 0.0})
+    proc = np.array([[[10.0]], [[20.0]], [[20.0]], [[50.0]]])
+    problem = PlanProblem(groups, (inst,), proc, np.ones_like(proc))
+    late = np.array([False, False, False, True])
+    assert in_time(problem, 0, [0, 1, 2, 3], 0.0, late, groups) == {"g1", "g2"}
+    # Later, with c's deadline nearer: c no longer has the margin, and b still has.
+    tight = PlanProblem(
+        tuple(PlanGroup(g.id, "m", 38.0 if g.id == "g2" else g.deadline_s, 1.0) for g in groups),
+        (inst,),
+        proc,
+        np.ones_like(proc),
+    )
+    assert in_time(tight, 0, [0, 1, 2, 3], 0.0, late, tight.groups) == {"g1"}
 
 
 def test_cost_aware_admission_is_on_by_default_and_can_be_turned_off() -> None:
