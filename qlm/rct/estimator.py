@@ -24,7 +24,8 @@ every running request waits through (``Ī``, ``Ō``: mean prompt and output of t
 *Output lengths* (Eq. 3, made Bayesian): ``O`` has the posterior predictive of the request's
 (model, SLO class) — a ``LengthHistogram`` (a Dirichlet over bins of log length whose prior is the
 workload profile's ``NIG``; ``shape_free=False`` keeps the location–scale ``NIG`` itself) — capped
-at ``max_tokens`` and, for a running request, conditioned on the tokens it already generated. Independent requests add means and variances, so ``W_q`` and ``C_q`` are
+at ``max_tokens`` and, for a running request, conditioned on the tokens it already generated.
+Independent requests add means and variances, so ``W_q`` and ``C_q`` are
 carried as normal distributions (the central limit with many requests ahead, a moment match with
 few).
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import numpy.typing as npt
-from scipy.special import ndtr
+from scipy.special import ndtr, ndtri
 
 from qlm.errors import ConfigError
 
@@ -244,11 +244,12 @@ class LengthHistogram:
     predictive, its shape included) worth ``NIG.kappa`` outputs; each completion adds one count
     to its bin (the Dirichlet update); the predictive is the normalised counts. (Discounting old
     counts, to follow a drifting mix faster, was tried: under load completions lag the arrivals
-    they would describe by minutes, and waiting predictions got worse.) Why not location–scale: real output lengths are mixtures whose weights
-    drift — Azure conversation outputs are short answers plus a spike near 400 tokens whose
-    share moves from 49 % to 18 % over the trace — and a location–scale model can only answer a
-    smaller share by moving the spike, which puts a third of true outputs above its 90th
-    percentile. Moments and probabilities are computed as for ``NIG``: on ``SHAPE_POINTS``
+    they would describe by minutes, and waiting predictions got worse.)
+
+    Why not location–scale: real output lengths are mixtures whose weights drift — Azure
+    conversation outputs are short answers plus a spike near 400 tokens whose share moves from
+    49 % to 18 % over the trace — and a location–scale model can only answer a smaller share by
+    moving the spike, which puts a third of true outputs above its 90th percentile. Moments and probabilities are computed as for ``NIG``: on ``SHAPE_POINTS``
     quantiles of the predictive, capped at ``max_tokens`` and conditioned on what a running
     request has generated."""
 
@@ -321,8 +322,6 @@ class LengthHistogram:
 
 
 def _normal_quantiles() -> npt.NDArray[np.float64]:
-    from scipy.special import ndtri
-
     return np.asarray(ndtri(_HIST_PROBS), np.float64)
 
 
