@@ -258,6 +258,9 @@ class LengthHistogram:
     outputs: npt.NDArray[np.float64] = field(  # quantiles of the predictive, in tokens
         default_factory=lambda: np.empty(0), compare=False, repr=False
     )
+    log_outputs: npt.NDArray[np.float64] = field(  # the same, as log(1 + O)
+        default_factory=lambda: np.empty(0), compare=False, repr=False
+    )
 
     def __post_init__(self) -> None:
         if len(self.prior) != HIST_BINS or (self.data and len(self.data) != HIST_BINS):
@@ -273,6 +276,7 @@ class LengthHistogram:
         # interp over the strictly increasing part picks the bin a probability falls in).
         keep = np.concatenate(([True], np.diff(cdf) > 0))
         xs = np.interp(_HIST_PROBS, cdf[keep], _HIST_EDGES[keep])
+        object.__setattr__(self, "log_outputs", xs)
         object.__setattr__(self, "outputs", np.expm1(xs))
 
     @classmethod
@@ -310,7 +314,7 @@ class LengthHistogram:
             return 0.0
         if generated + tokens >= cap:
             return 1.0
-        grid = np.log1p(self.outputs)
+        grid = self.log_outputs
         fa = float(np.interp(math.log1p(generated), grid, _HIST_PROBS, left=0.0, right=1.0))
         fb = float(
             np.interp(math.log1p(generated + tokens), grid, _HIST_PROBS, left=0.0, right=1.0)
