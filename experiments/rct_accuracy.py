@@ -112,7 +112,12 @@ class Recorder:
 
 
 def run_case(
-    name: str, requests: list[Request], prior_outputs: list[int], fleet: str
+    name: str,
+    requests: list[Request],
+    prior_outputs: list[int],
+    fleet: str,
+    *,
+    by_prompt: bool = False,
 ) -> dict[str, object]:
     specs = parse_instances(fleet)
     catalog = default_catalog()
@@ -127,7 +132,8 @@ def run_case(
     views = {
         s.name: InstanceView(s.name, s.gpu, s.gpu_count, active_model=s.models[0]) for s in specs
     }
-    recorder = Recorder(RCTEstimator(profile), views, {r.id: r for r in requests})
+    estimator = RCTEstimator(profile, by_prompt=by_prompt)
+    recorder = Recorder(estimator, views, {r.id: r for r in requests})
     sim = ClusterSimulation(specs, create_policy("fcfs"), observer=recorder)
     result = sim.run(requests)
     met = {r.request.id: r.slo_met for r in result.records}
@@ -257,6 +263,11 @@ def main() -> int:
     )
     parser.add_argument("--name", default="rct_accuracy", help="results/<name>.json and .png")
     parser.add_argument("--fleets", default="2xA100:llama-3-8b;2xH100:llama-3-8b")
+    parser.add_argument(
+        "--by-prompt",
+        action="store_true",
+        help="output beliefs per prompt-length bin (RCTEstimator(by_prompt=True))",
+    )
     args = parser.parse_args()
     cases: list[dict[str, object]] = []
     heaviest: list[dict[str, object]] = []
@@ -272,7 +283,7 @@ def main() -> int:
                 else:
                     reqs, prior = sharegpt_case(rate, args.sharegpt_duration)
                     name = f"sharegpt {rate:g} req/s"
-                c = run_case(name, reqs, prior, fleet)
+                c = run_case(name, reqs, prior, fleet, by_prompt=args.by_prompt)
                 report(c, fleet)
                 runs.append(c)
             if runs:

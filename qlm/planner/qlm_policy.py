@@ -41,7 +41,7 @@ from qlm.planner.admission import Admission, TokenBucket, admit
 from qlm.planner.policy import DispatchContext, InstanceLoad, has_room, prompt_tokens
 from qlm.planner.program import FloatArray, PlanGroup, PlanInstance, PlanProblem, score_queue
 from qlm.planner.solve import Budget, Solution, capacity_needed, solve
-from qlm.rct.estimator import InstanceView, Queued, RCTEstimator
+from qlm.rct.estimator import InstanceView, Queued, RCTEstimator, prompt_bin
 from qlm.rct.profile import RctProfile, default_profile
 from qlm.virtual_queues import Estimate, VirtualQueueSet
 
@@ -584,12 +584,19 @@ class QlmPolicy:
         for _, req in self._arrivals:
             classes.setdefault((req.model, req.tier, req.slo.e2e_s), []).append(req)
         means: dict[ClassKey, tuple[float, float]] = {}
+        # The output belief depends on the prompt's length: one request of each prompt bin
+        # stands for the class's recent arrivals in it, weighted by their share.
+        mix: dict[ClassKey, list[tuple[Request, float]]] = {}
         for key, reqs in classes.items():
             recent = reqs[-CLASS_SAMPLE:]  # enough for a mean; bounded under a backlog
             means[key] = (
                 sum(r.input_tokens for r in recent) / len(recent),
                 sum(self.estimator.expected_output(r) for r in recent) / len(recent),
             )
+            by_bin: dict[int, list[Request]] = {}
+            for r in recent:
+                by_bin.setdefault(prompt_bin(r.input_tokens), []).append(r)
+            mix[key] = [(rs[-1], len(rs) / len(recent)) for rs in by_bin.values()]
         out: list[dict[int, _Fluid] | None] = []
         for inst, limits in zip(family.instances, family.batches, strict=True):
             ld = next(i for i in self._instances if i.name == inst.name)
@@ -632,9 +639,12 @@ class QlmPolicy:
                         dec = hw.decode_s(b) * hw.inefficiency
                         per_token = (dec + b * refill_b) * eps_f
                         budget = (slo - hw.prefill_s(means[key][0])) / per_token
-                        sample = mine[key][-1]
-                        p_meet = self.estimator.posterior(sample).p_remaining_within(
-                            budget, cap=sample.max_tokens
+                        p_meet = sum(
+                            share
+                            * self.estimator.posterior(r).p_remaining_within(
+                                budget, cap=r.max_tokens
+                            )
+                            for r, share in mix[key]
                         )
                         class_value[key] = self.config.tier_weights[tier] * p_meet
                     values = np.array([class_value[k] for k in keys])[row]

@@ -9,10 +9,14 @@ instance, ``w_in`` and ``Θ`` measured by hardware profiling. A running request 
 remaining output left.
 
 *Waiting* (Eq. 2, for continuous batching). A request does not wait for the running batch to
-finish, only for the requests *waiting* ahead of it to be admitted; a loaded instance admits one
-as another completes, at the rate it does work. So ``W_q = κ_W · Σ work`` over the waiting requests
-ahead (0 when none wait), with ``κ_W`` (1 until learnt, kept in [1/4, 4]) the ratio of observed to
-predicted waiting over past requests.
+finish, only for the requests *waiting* ahead of it to be admitted. Those that find a free slot
+(of the ``max_num_seqs`` / KV-cache slots the running requests leave) are admitted as fast as
+their prompts prefill; the rest one as another completes, at the rate the instance does work. So
+``W_q = κ_W · (Σ I · w_in + Σ' O / Θ)``: the prompt work of every waiting request ahead, and the
+output work of those ahead that had no free slot (0 when none wait). ``κ_W`` (1 until learnt,
+kept in [1/4, 4]) is the observed drain rate: seconds between completions of a saturated
+instance per second of the work *predicted* for them — not of their actual work: while a queue
+builds the short outputs complete first, and their actual work would call the instance slow.
 
 *Decode* (Eq. 4): ``O · ε · d`` with ``d = d(B) + B · Ī · w_in / Ō``. ``d(B)`` is the pure decode
 time per token with ``B`` requests running (from a request alone to a full batch, profiled). The
@@ -25,6 +29,14 @@ every running request waits through (``Ī``, ``Ō``: mean prompt and output of t
 (model, SLO class) — a ``LengthHistogram`` (a Dirichlet over bins of log length whose prior is the
 workload profile's ``NIG``; ``shape_free=False`` keeps the location–scale ``NIG`` itself) — capped
 at ``max_tokens`` and, for a running request, conditioned on the tokens it already generated.
+Requests seen running count as right-censored outputs (longer than what they generated so far)
+until they complete: without them the belief learns only from completions, which under a queue
+are the short ones first. With ``by_prompt`` each (model, SLO class) also keeps a belief per bin
+of prompt length (13 % wide), shrunk toward the class-wide one (``POOL_STRENGTH`` outputs' worth):
+templated jobs answer at lengths their prompts announce (Azure conv: 94 % of the requests with
+1,020–1,189-token prompts, a quarter of all, answer with more than 300 tokens; 13 % of the
+others). Off by default:
+the planner does not yet gain from it (experiments/README.md).
 Independent requests add means and variances, so ``W_q`` and ``C_q`` are
 carried as normal distributions (the central limit with many requests ahead, a moment match with
 few).
@@ -52,14 +64,24 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+import numpy.typing as npt
 
 from qlm.domain import Request
-from qlm.rct.output_model import LengthHistogram, OutputBelief, _phi
+from qlm.rct.output_model import HIST_BINS, LengthHistogram, OutputBelief, _phi, length_bin
 from qlm.rct.profile import HardwareProfile, RctProfile
 
 PRIOR_COMPLETIONS = 30.0  # weight of the profile in the drain-rate calibration, in completions
-RATE_FORGETTING = 0.999  # per completion, for drain rate and decode speed: remember ~1,000
+RATE_FORGETTING = 0.995  # per completion, for drain rate and decode speed: remember ~200
 PRIOR_DECODE_S = 600.0  # weight of the profile in the decode-speed calibration, in seconds
+
+PROMPT_BIN_WIDTH = 0.125  # output beliefs per bin of log(1 + prompt tokens): bins 13 % wide
+POOL_STRENGTH = 10.0  # weight of the class-wide belief in a prompt bin's belief, in outputs
+
+
+def prompt_bin(input_tokens: int) -> int:
+    """The prompt-length bin whose output belief a request of ``input_tokens`` uses."""
+    return int(math.log1p(max(input_tokens, 0)) / PROMPT_BIN_WIDTH)
+
 
 Z = {0.5: 0.0, 0.9: 1.2815515655446004, 0.95: 1.6448536269514722, 0.99: 2.3263478740408408}
 
@@ -226,7 +248,6 @@ class _Calibration:
     decode_obs: float = 0.0
     decode_pred: float = 0.0
     speed_n: float = 0.0  # observed log(actual / predicted time per token): count ...
-    speed_sum: float = 0.0  # ... sum ...
     speed_sq: float = 0.0  # ... and sum of squares
     n_wait: float = 0.0
     wait_e2: float = 0.0  # sum of squared waiting errors ...
@@ -267,12 +288,13 @@ class _Calibration:
         return min(2.0, max(0.5, ratio))
 
     def speed_sd(self) -> float:
-        """Spread of the time per output token around its prediction, request to request (the
-        batch a request decodes in changes under it); 0 until 20 were observed."""
+        """Spread of the time per output token around what was predicted for it when the
+        request arrived (the batch a request decodes in changes under it, and the calibration
+        moves on while it waits); 0 until 20 were observed. Root mean square, not centred: a
+        bias the calibration has not caught up with is error too."""
         if self.speed_n < 20:
             return 0.0
-        mean = self.speed_sum / self.speed_n
-        return min(1.0, math.sqrt(max(self.speed_sq / self.speed_n - mean * mean, 0.0)))
+        return min(1.0, math.sqrt(max(self.speed_sq / self.speed_n, 0.0)))
 
     def wait_rel_sd(self) -> float:
         """Relative spread of waiting-time errors seen so far (model error beyond the output
@@ -287,9 +309,11 @@ class _Prediction:
     instance: str
     wait_raw: float  # work ahead in seconds, before calibration
     d_eff: float  # ε · d from the profile, before calibration
+    per_token_s: float  # the time per output token predicted (calibrated)
     mean_latency: float
     work_in: float  # its own prompt work (s) and the work per output token (s)
     work_per_output: float
+    output_mean: float  # the output it was expected to generate
 
 
 @dataclass
@@ -301,9 +325,23 @@ class RCTEstimator:
     min_rel_sd: float = 0.02  # floor on the spread, relative to the latency
     shape_free: bool = True  # output lengths as a LengthHistogram (else the profile's NIG)
     _posteriors: dict[tuple[str, str], OutputBelief] = field(default_factory=dict, init=False)
+    by_prompt: bool = False  # output beliefs per prompt-length bin (shape-free only)
+    # The class-wide belief predictions use: the posterior plus running requests, censored.
+    _effective: dict[tuple[str, str], OutputBelief] = field(default_factory=dict, init=False)
+    # Per (model, SLO class, prompt bin): counts of observed outputs per length bin ...
+    _bin_counts: dict[tuple[str, str, int], npt.NDArray[np.float64]] = field(
+        default_factory=dict, init=False
+    )
+    # ... the belief built from them (with the class version it was built at) ...
+    _conditional: dict[tuple[str, str, int], tuple[int, LengthHistogram]] = field(
+        default_factory=dict, init=False
+    )
+    # ... and the requests seen running: id -> tokens generated when last seen.
+    _inflight: dict[tuple[str, str, int], dict[str, int]] = field(default_factory=dict, init=False)
+    _bins: dict[tuple[str, str], set[int]] = field(default_factory=dict, init=False)
     _calibration: dict[str, _Calibration] = field(default_factory=dict, init=False)
     _pending: dict[str, _Prediction] = field(default_factory=dict, init=False)
-    _moments: dict[tuple[str, str, int, int, int], tuple[float, float]] = field(
+    _moments: dict[tuple[str, str, int, int, int, int], tuple[float, float]] = field(
         default_factory=dict, init=False
     )
     _versions: dict[tuple[str, str], int] = field(default_factory=dict, init=False)
@@ -311,10 +349,31 @@ class RCTEstimator:
     # --- output lengths --------------------------------------------------------------------------
 
     def posterior(self, request: Request) -> OutputBelief:
+        """The output-length belief for ``request``: that of its (model, SLO class) and, with
+        ``by_prompt``, of requests with prompts of about its length — completions observed, and
+        requests seen running counted as censored outputs (refreshed at each completion)."""
         key = (request.model, request.slo_class)
-        post = self._posteriors.get(key)
+        pooled = self._pooled(key, request.model)
+        if not (self.by_prompt and isinstance(pooled, LengthHistogram)):
+            return pooled
+        ck = (*key, prompt_bin(request.input_tokens))
+        version = self._versions.get(key, 0)
+        hit = self._conditional.get(ck)
+        if hit is not None and hit[0] == version:
+            return hit[1]
+        belief = pooled.conditioned(self._bin_counts.get(ck), POOL_STRENGTH)
+        inflight = self._inflight.get(ck)
+        if inflight:
+            belief = belief.with_censored(np.fromiter(inflight.values(), np.float64))
+        self._conditional[ck] = (version, belief)
+        return belief
+
+    def _pooled(self, key: tuple[str, str], model: str) -> OutputBelief:
+        post = self._effective.get(key)
         if post is None:
-            prior = self.profile.prior(request.model)
+            post = self._posteriors.get(key)
+        if post is None:
+            prior = self.profile.prior(model)
             post = LengthHistogram.from_prior(prior) if self.shape_free else prior
             self._posteriors[key] = post
         return post
@@ -325,6 +384,7 @@ class RCTEstimator:
         key = (
             request.model,
             request.slo_class,
+            prompt_bin(request.input_tokens),
             self._versions.get((request.model, request.slo_class), 0),
             request.max_tokens,
             generated,
@@ -339,14 +399,20 @@ class RCTEstimator:
     def _prefetch_moments(self, items: Iterable[Queued]) -> None:
         """Fill the moments cache for many (request, generated) at once: after a completion
         changes a posterior, every running request misses the cache together."""
-        misses: dict[tuple[str, str, int, int], list[int]] = {}
-        requests: dict[tuple[str, str, int, int], Request] = {}
+        misses: dict[tuple[str, str, int, int, int], list[int]] = {}
+        requests: dict[tuple[str, str, int, int, int], Request] = {}
         moments, versions = self._moments, self._versions
         for item in items:
             req = item.request
+            ib = prompt_bin(req.input_tokens)
+            if item.running:
+                self._inflight.setdefault((req.model, req.slo_class, ib), {})[req.id] = (
+                    item.generated
+                )
             group = (
                 req.model,
                 req.slo_class,
+                ib,
                 versions.get((req.model, req.slo_class), 0),
                 req.max_tokens,
             )
@@ -358,7 +424,7 @@ class RCTEstimator:
                 continue  # not worth a batch; the scalar path fills these
             post = self.posterior(requests[group])
             uniq = sorted(set(gens))
-            means, variances = post.moments_many(cap=group[3], generated=np.asarray(uniq, float))
+            means, variances = post.moments_many(cap=group[4], generated=np.asarray(uniq, float))
             for g, m, v in zip(uniq, means, variances, strict=True):
                 self._moments[(*group, g)] = (float(m), float(v))
 
@@ -394,7 +460,8 @@ class RCTEstimator:
         self._prefetch_moments(queue)
         cal = self._cal(instance.name)
         wf, ef = cal.wait_factor(), cal.eps_factor()
-        work = np.empty(n)
+        work_in = np.empty(n)  # prefill work (s of a saturated instance)
+        work_out = np.empty(n)  # output work
         work_var = np.empty(n)
         own = np.empty(n)  # prefill time (0 for running requests)
         out_mean = np.empty(n)
@@ -416,7 +483,8 @@ class RCTEstimator:
                 model = req.model
             m, v = self.output_moments(req, item.generated)
             prompt = 0.0 if item.running else req.input_tokens + item.generated
-            work[i] = prompt * hw.input_token_work_s + m / hw.throughput_tps
+            work_in[i] = prompt * hw.input_token_work_s
+            work_out[i] = m / hw.throughput_tps
             work_var[i] = v / hw.throughput_tps**2
             own[i] = 0.0 if item.running else hw.prefill_s(prompt)
             out_mean[i], out_var[i] = m, v
@@ -424,11 +492,16 @@ class RCTEstimator:
             # The mix of whole requests (prompt work per output token) sets the refill cost.
             mix_prompt += req.input_tokens * hw.input_token_work_s
             mix_output += item.generated + m
-        cum = np.concatenate(([0.0], np.cumsum(work)))
+        cum_in = np.concatenate(([0.0], np.cumsum(work_in)))
+        cum_out = np.concatenate(([0.0], np.cumsum(work_out)))
         cum_var = np.concatenate(([0.0], np.cumsum(work_var)))
         cum_switch = np.cumsum(switch)
         slots = self.slots(hws[0], float(tokens.mean()))
         n_running = sum(1 for item in queue if item.running)
+        # Waiting requests that find a free slot are admitted as fast as their prompts prefill;
+        # the rest wait for running requests to finish (the drain, at the rate of output work).
+        free = 0 if refilled else max(slots - n_running, 0)
+        drain_from = n_running + max(free - 1, 0)
         cal.saturated = n - n_running > 1  # someone besides the newest is waiting
         refill = mix_prompt / max(mix_output, 1.0)
         # Unsaturated, new arrivals' prefills interrupt decoding: the share of time they take.
@@ -445,8 +518,9 @@ class RCTEstimator:
             hw = hws[i]
             req = item.request
             # Work of the waiting requests ahead (running ones come first in ``queue``).
-            wait_raw = float(cum[i] - cum[min(i, n_running)])
-            var_raw = float(cum_var[i] - cum_var[min(i, n_running)])
+            first, drained = min(i, n_running), min(i, drain_from)
+            wait_raw = float(cum_in[i] - cum_in[first] + cum_out[i] - cum_out[drained])
+            var_raw = float(cum_var[i] - cum_var[drained])
             wait = wait_raw * wf + float(cum_switch[i])
             wait_var = var_raw * wf * wf + (wait_rel * wait_raw * wf) ** 2
             batch = min(i + 1, slots)
@@ -481,9 +555,11 @@ class RCTEstimator:
                     instance=instance.name,
                     wait_raw=wait_raw,
                     d_eff=d,
+                    per_token_s=d * ef,
                     mean_latency=mean - now,
                     work_in=(req.input_tokens + item.generated) * hw.input_token_work_s,
                     work_per_output=1.0 / hw.throughput_tps,
+                    output_mean=float(out_mean[i]),
                 )
         return out
 
@@ -559,7 +635,10 @@ class RCTEstimator:
                 hw = self.profile.hardware_for(req.model, instance.gpu, instance.gpu_count)
                 w_in = work_in[req.model] = hw.input_token_work_s
             version = versions.get((req.model, req.slo_class), 0)
-            hit = moments.get((req.model, req.slo_class, version, req.max_tokens, item.generated))
+            ib = int(math.log1p(req.input_tokens) / PROMPT_BIN_WIDTH)  # prompt_bin, inlined
+            hit = moments.get(
+                (req.model, req.slo_class, ib, version, req.max_tokens, item.generated)
+            )
             m = hit[0] if hit is not None else self.output_moments(req, item.generated)[0]
             tokens += req.input_tokens + item.generated + m
             mix_prompt += req.input_tokens * w_in
@@ -576,21 +655,28 @@ class RCTEstimator:
         model = instance.active_model
         switches = 0.0
         out: list[GroupEstimate] = []
+        # As for requests: the first waiting requests that find a free slot cost only their
+        # prefill (their output work is ``exempt``); the rest wait for the drain.
+        free: int | None = None
+        exempt = exempt_var = 0.0
         for pos, g in enumerate(groups):
             hw = self.profile.hardware_for(g.model, instance.gpu, instance.gpu_count)
             slots = self.slots(hw, total_tokens / max(total_count, 1))
+            if free is None:
+                free = max(slots - n_running, 0)
             if g.model != model:
                 switches += self._load_s(hw, instance)
                 model = g.model
             theta = hw.throughput_tps
             # Everything of the group but its last request ...
-            own = (g.input_tokens - g.last_input_tokens) * hw.input_token_work_s + (
-                g.output_mean - g.last_output_mean
-            ) / theta
+            own_out = (g.output_mean - g.last_output_mean) / theta
+            own = (g.input_tokens - g.last_input_tokens) * hw.input_token_work_s + own_out
             own_var = (g.output_var - g.last_output_var) / theta**2
+            room = max(free - 1 - (count - n_running), 0)  # exempt places left before it
+            share = min(room, g.size - 1) / (g.size - 1) if g.size > 1 else 0.0
             before_last = count + g.size - 1  # requests ahead of the group's last request
-            wait = (waiting + own) * wf + switches
-            wait_var = (waiting_var + own_var) * wf * wf
+            wait = (waiting + own - exempt - share * own_out) * wf + switches
+            wait_var = (waiting_var + own_var - exempt_var - share * own_var) * wf * wf
             batch = min(before_last + 1, slots)
             refilling = before_last - n_running >= 1
             d = (hw.decode_s(batch) + (batch * refill if refilling else 0.0)) * hw.inefficiency * ef
@@ -602,10 +688,11 @@ class RCTEstimator:
                 )
             )
             # ... then the last request itself.
-            waiting += (
-                own + g.last_input_tokens * hw.input_token_work_s + g.last_output_mean / theta
-            )
-            waiting_var += own_var + g.last_output_var / theta**2
+            last_out, last_var = g.last_output_mean / theta, g.last_output_var / theta**2
+            waiting += own + g.last_input_tokens * hw.input_token_work_s + last_out
+            waiting_var += own_var + last_var
+            exempt += share * own_out + (last_out if room > g.size - 1 else 0.0)
+            exempt_var += share * own_var + (last_var if room > g.size - 1 else 0.0)
             count += g.size
         return out
 
@@ -623,7 +710,25 @@ class RCTEstimator:
         """A request finished: update the output posterior and, if its completion was predicted
         with ``remember``, the instance's calibration (waiting, decode and error spread)."""
         key = (request.model, request.slo_class)
-        self._posteriors[key] = self.posterior(request).update(output_tokens)
+        ck = (*key, prompt_bin(request.input_tokens))
+        self._pooled(key, request.model)  # the prior, on the first observation
+        post = self._posteriors[key] = self._posteriors[key].update(output_tokens)
+        self._inflight.get(ck, {}).pop(request.id, None)
+        if isinstance(post, LengthHistogram):
+            counts = self._bin_counts.get(ck)
+            if counts is None:
+                counts = self._bin_counts[ck] = np.zeros(HIST_BINS)
+                self._bins.setdefault(key, set()).add(ck[2])
+            counts[length_bin(output_tokens)] += 1.0
+            running = [
+                np.fromiter(self._inflight[(*key, b)].values(), np.float64)
+                for b in self._bins.get(key, ())
+                if self._inflight.get((*key, b))
+            ]
+            if running:
+                self._effective[key] = post.with_censored(np.concatenate(running))
+            else:
+                self._effective.pop(key, None)
         self._versions[key] = self._versions.get(key, 0) + 1
         pred = self._pending.pop(request.id, None)
         if pred is None:
@@ -636,7 +741,7 @@ class RCTEstimator:
                 rf = RATE_FORGETTING
                 cal.done = rf * cal.done + 1
                 cal.work_done = (
-                    rf * cal.work_done + pred.work_in + output_tokens * pred.work_per_output
+                    rf * cal.work_done + pred.work_in + pred.output_mean * pred.work_per_output
                 )
                 cal.busy_time = rf * cal.busy_time + (finish_s - cal.last_finish)
             cal.last_finish = (
@@ -649,10 +754,9 @@ class RCTEstimator:
             cal.decode_obs = RATE_FORGETTING * cal.decode_obs + (finish_s - first_token_s)
             cal.decode_pred = RATE_FORGETTING * cal.decode_pred + pred.d_eff * (output_tokens - 1)
             observed = (finish_s - first_token_s) / (output_tokens - 1)
-            if observed > 0 and pred.d_eff > 0:
-                r = math.log(observed / (pred.d_eff * cal.eps_factor()))
+            if observed > 0 and pred.per_token_s > 0:
+                r = math.log(observed / pred.per_token_s)
                 cal.speed_n = lam * cal.speed_n + 1
-                cal.speed_sum = lam * cal.speed_sum + r
                 cal.speed_sq = lam * cal.speed_sq + r * r
         if scheduled_s is not None and pred.wait_raw > 1e-3:
             predicted = pred.wait_raw * cal.wait_factor()
@@ -670,3 +774,5 @@ class RCTEstimator:
         """Drop remembered predictions (cancelled or failed requests)."""
         for rid in request_ids:
             self._pending.pop(rid, None)
+            for inflight in self._inflight.values():
+                inflight.pop(rid, None)

@@ -291,11 +291,51 @@ class LengthHistogram:
 
     def update(self, output_tokens: int) -> LengthHistogram:
         """The posterior after one more observed output: its bin's count + 1."""
-        x = min(math.log1p(max(0, output_tokens)), float(_HIST_EDGES[-1]) - 1e-9)
-        k = min(int(x / _HIST_EDGES[-1] * HIST_BINS), HIST_BINS - 1)
         data = list(self.data) if self.data else [0.0] * HIST_BINS
-        data[k] += 1.0
+        data[length_bin(output_tokens)] += 1.0
         return LengthHistogram(self.prior, tuple(data))
+
+    def probabilities(self) -> npt.NDArray[np.float64]:
+        """The predictive probability of each bin."""
+        counts = np.asarray(self.prior, np.float64)
+        if self.data:
+            counts = counts + np.asarray(self.data, np.float64)
+        return counts / float(counts.sum())
+
+    def conditioned(
+        self, counts: npt.NDArray[np.float64] | None, strength: float
+    ) -> LengthHistogram:
+        """The belief of a subset of requests (e.g. those with prompts of one length): this
+        belief worth ``strength`` outputs as its prior, and the subset's own ``counts`` per
+        bin as its data (hierarchical shrinkage: a subset with few outputs yet follows the
+        whole; one with many, its own)."""
+        prior = tuple(float(v) for v in self.probabilities() * strength)
+        data = tuple(float(v) for v in counts) if counts is not None else ()
+        return LengthHistogram(prior, data)
+
+    def with_censored(self, generated: npt.ArrayLike) -> LengthHistogram:
+        """The belief that also counts requests still running, each known only to exceed the
+        tokens it has ``generated`` (right-censored): one expected count spread over the bins
+        above that, as the current belief spreads them (one step of the Kaplan–Meier / EM
+        estimate).
+
+        Without them the belief is biased short whenever a queue builds up: short outputs
+        complete first, so the completions seen so far under-represent the long ones still
+        decoding. The counts are not kept: the request adds its true bin when it completes."""
+        g = np.asarray(generated, np.float64)
+        if g.size == 0:
+            return self
+        counts = np.asarray(self.prior, np.float64)
+        data = np.asarray(self.data, np.float64) if self.data else np.zeros(HIST_BINS)
+        p = (counts + data) / float((counts + data).sum())
+        x = np.minimum(np.log1p(np.maximum(g, 0.0)), _HIST_EDGES[-1] - 1e-9)
+        bins = np.minimum((x / _HIST_EDGES[-1] * HIST_BINS).astype(np.int64), HIST_BINS - 1)
+        censored = np.bincount(bins, minlength=HIST_BINS).astype(np.float64)
+        tail = np.cumsum(p[::-1])[::-1]  # P(bin ≥ b)
+        alive = tail > 1e-12
+        spread = p * np.cumsum(np.where(alive, censored / np.where(alive, tail, 1.0), 0.0))
+        spread += np.where(alive, 0.0, censored)  # past all the mass: their own bin
+        return LengthHistogram(self.prior, tuple(float(v) for v in data + spread))
 
     def moments(self, *, cap: int, generated: int = 0) -> tuple[float, float]:
         """Mean and variance of the tokens still to generate, ``min(O, cap) − g``, given
@@ -323,6 +363,12 @@ class LengthHistogram:
         if tail < 1e-12:
             return 1.0
         return min(1.0, max(0.0, (fb - fa) / tail))
+
+
+def length_bin(output_tokens: int) -> int:
+    """The ``LengthHistogram`` bin an output of ``output_tokens`` falls in."""
+    x = min(math.log1p(max(0, output_tokens)), float(_HIST_EDGES[-1]) - 1e-9)
+    return min(int(x / _HIST_EDGES[-1] * HIST_BINS), HIST_BINS - 1)
 
 
 def _normal_quantiles() -> npt.NDArray[np.float64]:

@@ -9,13 +9,21 @@ import math
 from dataclasses import asdict, replace
 from typing import Any
 
+import numpy as np
 import pytest
 
 from qlm.domain import SLO, Request
 from qlm.engines.perf_model import default_catalog
 from qlm.errors import ConfigError
-from qlm.rct.estimator import Estimate, InstanceView, Queued, RCTEstimator
-from qlm.rct.output_model import NIG, LengthHistogram
+from qlm.rct.estimator import (
+    POOL_STRENGTH,
+    Estimate,
+    InstanceView,
+    Queued,
+    RCTEstimator,
+    prompt_bin,
+)
+from qlm.rct.output_model import HIST_BINS, NIG, LengthHistogram, length_bin
 from qlm.rct.profile import HardwareProfile, RctProfile, dump_profile, parse_profile
 from qlm.rct.profiling import profile_sim_hardware
 from tests.builders import make_hardware, make_request
@@ -82,12 +90,33 @@ def test_requests_behind_running_ones_only_do_not_wait() -> None:
     decode = m * hw.decode_per_token_s * hw.inefficiency
     assert behind_running.mean == pytest.approx(NOW + hw.prefill_s(500) + decode, rel=1e-9)
 
-    # The same request behind the same two requests, still waiting, waits for their work.
+    # The same request behind the same two requests, still waiting and with no free slot, waits
+    # for their work.
+    full = estimator(input_token_work_s=0.0, saturation_batch=1.0, max_num_seqs=1)
     ahead = [make_request(i) for i in range(2)]
-    *_, behind_waiting = est.estimate_requests(instance(), waiting([*ahead, req]), NOW)
-    work_ahead = sum(est.output_moments(r)[0] for r in ahead) / hw.throughput_tps
+    *_, behind_waiting = full.estimate_requests(instance(), waiting([*ahead, req]), NOW)
+    work_ahead = sum(full.output_moments(r)[0] for r in ahead) / hw.throughput_tps
     assert behind_waiting.start_mean - behind_running.start_mean == pytest.approx(
         work_ahead, rel=1e-9
+    )
+
+
+def test_waiting_requests_that_find_free_slots_cost_only_their_prefill() -> None:
+    # A burst into an instance with free slots: each is admitted as soon as the prompts ahead of
+    # it are prefilled; nobody waits for anyone's decode.
+    est = estimator()
+    hw = hardware()
+    reqs = [make_request(i, input_tokens=1000) for i in range(3)]
+    first, _, third = est.estimate_requests(instance(), waiting(reqs), NOW)
+    assert third.start_mean - first.start_mean == pytest.approx(
+        2 * 1000 * hw.input_token_work_s, rel=1e-9
+    )
+    # Two slots: the third needs one of the two ahead to finish (its output work too).
+    two = estimator(max_num_seqs=2)
+    first, _, third = two.estimate_requests(instance(), waiting(reqs), NOW)
+    m, _ = two.output_moments(reqs[1])
+    assert third.start_mean - first.start_mean == pytest.approx(
+        2 * 1000 * hw.input_token_work_s + m / hw.throughput_tps, rel=1e-9
     )
 
 
@@ -231,6 +260,25 @@ def test_queue_estimates_of_one_request_groups_agree_with_request_estimates() ->
     )
 
 
+def test_queue_estimates_count_free_slots_as_request_estimates_do() -> None:
+    # Two free slots behind one running request: a group's first members are admitted at once,
+    # later ones wait for the drain — group sums must say what request by request says.
+    est = estimator(max_num_seqs=3)
+    running = [Queued(make_request(90), generated=5, running=True)]
+    first = [make_request(i, input_tokens=700) for i in range(3)]
+    second = [make_request(10 + i, input_tokens=300) for i in range(2)]
+    per_request = est.estimate_requests(instance(), [*running, *waiting([*first, *second])], NOW)
+    per_group = est.estimate_queue(
+        instance(),
+        [est.group_load("g1", first), est.group_load("g2", second)],
+        NOW,
+        running=running,
+    )
+    assert [g.completion.mean - NOW for g in per_group] == pytest.approx(
+        [per_request[3].mean - NOW, per_request[5].mean - NOW], rel=1e-3
+    )
+
+
 def test_a_group_completes_with_its_last_request() -> None:
     est = estimator()
     reqs = [
@@ -277,6 +325,57 @@ def test_a_completion_updates_the_posterior_of_its_model_and_slo_class_only() ->
     assert est.expected_output(make_request(3, slo_class="chat")) > before
     assert est.posterior(same_model_other_class) == prior
     assert est.posterior(other_model_same_class) == prior
+    # By prompt length: the class-wide belief learns the output, and so does that of prompts
+    # of its length, which leans on the class-wide one (POOL_STRENGTH outputs' worth).
+    by_prompt = RCTEstimator(est.profile, by_prompt=True)
+    by_prompt.observe(chat, output_tokens=900)
+    counts = np.zeros(HIST_BINS)
+    counts[length_bin(900)] = 1.0
+    assert by_prompt.posterior(chat) == prior.update(900).conditioned(counts, POOL_STRENGTH)
+    assert by_prompt.posterior(same_model_other_class) == prior.conditioned(None, POOL_STRENGTH)
+
+
+def test_outputs_are_learnt_per_prompt_length() -> None:
+    """A templated job (1,100-token prompts, 400-token answers) mixed with short chat: each
+    request's belief follows requests with prompts of its length, not the blend."""
+    est = RCTEstimator(estimator().profile, by_prompt=True)
+    for i in range(200):
+        long_job = i % 2 == 0
+        req = make_request(i, input_tokens=1100 if long_job else 120)
+        est.observe(req, output_tokens=400 if long_job else 40)
+    templated = est.expected_output(make_request(900, input_tokens=1100))
+    chat = est.expected_output(make_request(901, input_tokens=120))
+    # 100 outputs of each against the class-wide blend worth POOL_STRENGTH outputs.
+    assert templated == pytest.approx(400, rel=0.1)
+    assert chat == pytest.approx(40, rel=0.5)
+    assert chat < 0.2 * templated
+    # A prompt length never seen falls back on the class-wide belief (the blend).
+    blend = est.expected_output(make_request(902, input_tokens=5000))
+    assert chat < blend < templated
+    pooled = RCTEstimator(est.profile)  # the default: one belief per (model, SLO class)
+    for i in range(200):
+        req = make_request(i, input_tokens=1100 if i % 2 == 0 else 120)
+        pooled.observe(req, output_tokens=400 if i % 2 == 0 else 40)
+    assert pooled.expected_output(make_request(900, input_tokens=1100)) == pytest.approx(
+        pooled.expected_output(make_request(901, input_tokens=120))
+    )
+
+
+def test_requests_seen_running_count_as_censored_outputs_at_the_next_completion() -> None:
+    est = estimator()
+    running = [Queued(make_request(i), generated=300, running=True) for i in range(50)]
+    est.estimate_requests(instance(), running, NOW)  # seen running, 300 tokens in
+    before = est.expected_output(make_request(99))
+    est.observe(make_request(100), output_tokens=20)  # a short one completes
+    # 50 requests known to exceed 300 tokens outweigh one short completion.
+    assert est.expected_output(make_request(101)) > before
+    without = estimator()
+    without.observe(make_request(100), output_tokens=20)
+    assert without.expected_output(make_request(101)) < before
+    # Once they complete they count once, as what they produced.
+    for item in running:
+        est.observe(item.request, output_tokens=310)
+    assert est._inflight[("m", make_request(0).slo_class, prompt_bin(200))] == {}
 
 
 def test_the_location_scale_model_remains_available() -> None:
@@ -329,6 +428,24 @@ def test_completions_of_a_saturated_instance_calibrate_the_waiting_to_the_observ
     # ... and enough of it all the way to the observed rate.
     assert late == pytest.approx(2.0 * work, rel=0.1)
     assert late > early
+
+
+def test_the_drain_rate_is_measured_against_the_work_that_was_predicted() -> None:
+    """While a queue builds, the short outputs complete first: the completions' own work
+    understates the work of a typical request. Measured against what was predicted for them
+    (the quantity waits are predicted from), completions at the predicted pace leave the
+    waiting uncalibrated — measured against their actual outputs they would say 'slow'."""
+    est = estimator(**SLOW)
+    hw = hardware(**SLOW)
+    reqs = [make_request(i, input_tokens=1000) for i in range(400)]
+    est.estimate_requests(instance(), waiting(reqs), 0.0, remember=True)
+    m, _ = est.output_moments(reqs[0])  # what was predicted for each (before any completion)
+    t = 0.0
+    for r in reqs:
+        t += 1000 * hw.input_token_work_s + m / hw.throughput_tps  # the predicted pace ...
+        est.observe(r, output_tokens=3, finish_s=t)  # ... of requests that said little
+    wait_f, _ = est.calibration_factors("i0")
+    assert wait_f == pytest.approx(1.0, abs=0.02)
 
 
 def test_decode_speeds_that_vary_request_to_request_widen_the_completion_distribution() -> None:

@@ -352,3 +352,39 @@ def test_sample_moments_by_suffix_sums_equal_the_direct_computation() -> None:
             left = np.minimum(alive, cap) - g
             assert m == pytest.approx(left.mean(), rel=1e-9)
             assert v == pytest.approx(left.var(), rel=1e-6, abs=1e-6)
+
+
+def test_running_requests_count_as_outputs_longer_than_what_they_generated() -> None:
+    """Right-censoring: a queue's short outputs complete first. Learning from completions alone
+    says outputs are short; counting the still-running long ones (known to exceed what they
+    generated) recovers how many are short — the Kaplan–Meier step (how far above 100 tokens
+    the long ones end, nothing has told yet: the belief above 100 tokens spreads them)."""
+    rng = np.random.default_rng(1)
+    outputs = np.where(rng.random(2000) < 0.5, 50, 400)
+    h = LengthHistogram.from_prior(PRIOR)
+    for o in outputs[outputs == 50]:  # every short one finished ...
+        h = h.update(int(o))
+    running = np.full(int((outputs == 400).sum()), 100.0)  # ... the long ones are at 100 tokens
+    assert h.p_remaining_within(100, cap=10_000) > 0.95  # completions alone: nearly all short
+    both = h.with_censored(running)
+    assert both.p_remaining_within(100, cap=10_000) == pytest.approx(0.5, abs=0.03)
+    assert both.moments(cap=10_000)[0] > 1.5 * h.moments(cap=10_000)[0]
+    assert sum(both.data) == pytest.approx(len(outputs))  # one count per request
+    assert h.with_censored(np.array([])) is h
+    # Censored at 0 tokens says nothing about the shape: the probabilities stay.
+    np.testing.assert_allclose(
+        h.with_censored(np.zeros(50)).probabilities(), h.probabilities(), atol=1e-12
+    )
+
+
+def test_a_subset_belief_follows_the_whole_until_its_own_outputs_outweigh_it() -> None:
+    whole = LengthHistogram.from_prior(PRIOR)
+    for o in (50, 60, 70):
+        whole = whole.update(o)
+    empty = whole.conditioned(None, strength=10.0)
+    np.testing.assert_allclose(empty.probabilities(), whole.probabilities(), atol=1e-12)
+    assert sum(empty.prior) == pytest.approx(10.0)
+    counts = np.zeros(HIST_BINS)
+    counts[bin_of(900)] = 90.0  # 90 outputs of ~900 tokens against a prior worth 10
+    own = whole.conditioned(counts, strength=10.0)
+    assert own.p_remaining_within(800, cap=10_000) == pytest.approx(0.1, abs=0.02)
