@@ -368,6 +368,11 @@ class RCTEstimator:
         self._conditional[ck] = (version, belief)
         return belief
 
+    def _bin(self, request: Request) -> int:
+        """The prompt bin a request's belief (and its cached moments) is kept under: one for
+        all without ``by_prompt``, so that moments are shared and batched across prompts."""
+        return prompt_bin(request.input_tokens) if self.by_prompt else 0
+
     def _pooled(self, key: tuple[str, str], model: str) -> OutputBelief:
         post = self._effective.get(key)
         if post is None:
@@ -384,7 +389,7 @@ class RCTEstimator:
         key = (
             request.model,
             request.slo_class,
-            prompt_bin(request.input_tokens),
+            self._bin(request),
             self._versions.get((request.model, request.slo_class), 0),
             request.max_tokens,
             generated,
@@ -404,7 +409,7 @@ class RCTEstimator:
         moments, versions = self._moments, self._versions
         for item in items:
             req = item.request
-            ib = prompt_bin(req.input_tokens)
+            ib = self._bin(req)
             if item.running:
                 self._inflight.setdefault((req.model, req.slo_class, ib), {})[req.id] = (
                     item.generated
@@ -627,7 +632,7 @@ class RCTEstimator:
         mix_prompt = mix_output = 0.0
         # Sums over the running requests (the hot loop after a completion: thousands of them).
         work_in: dict[str, float] = {}
-        moments, versions = self._moments, self._versions
+        moments, versions, by_prompt = self._moments, self._versions, self.by_prompt
         for item in running:
             req = item.request
             w_in = work_in.get(req.model)
@@ -635,7 +640,8 @@ class RCTEstimator:
                 hw = self.profile.hardware_for(req.model, instance.gpu, instance.gpu_count)
                 w_in = work_in[req.model] = hw.input_token_work_s
             version = versions.get((req.model, req.slo_class), 0)
-            ib = int(math.log1p(req.input_tokens) / PROMPT_BIN_WIDTH)  # prompt_bin, inlined
+            # prompt_bin, inlined (one bin for all without by_prompt)
+            ib = int(math.log1p(req.input_tokens) / PROMPT_BIN_WIDTH) if by_prompt else 0
             hit = moments.get(
                 (req.model, req.slo_class, ib, version, req.max_tokens, item.generated)
             )
@@ -710,7 +716,7 @@ class RCTEstimator:
         """A request finished: update the output posterior and, if its completion was predicted
         with ``remember``, the instance's calibration (waiting, decode and error spread)."""
         key = (request.model, request.slo_class)
-        ck = (*key, prompt_bin(request.input_tokens))
+        ck = (*key, self._bin(request))
         self._pooled(key, request.model)  # the prior, on the first observation
         post = self._posteriors[key] = self._posteriors[key].update(output_tokens)
         self._inflight.get(ck, {}).pop(request.id, None)

@@ -21,7 +21,6 @@ from qlm.rct.estimator import (
     InstanceView,
     Queued,
     RCTEstimator,
-    prompt_bin,
 )
 from qlm.rct.output_model import HIST_BINS, NIG, LengthHistogram, length_bin
 from qlm.rct.profile import HardwareProfile, RctProfile, dump_profile, parse_profile
@@ -375,7 +374,7 @@ def test_requests_seen_running_count_as_censored_outputs_at_the_next_completion(
     # Once they complete they count once, as what they produced.
     for item in running:
         est.observe(item.request, output_tokens=310)
-    assert est._inflight[("m", make_request(0).slo_class, prompt_bin(200))] == {}
+    assert est._inflight[("m", make_request(0).slo_class, 0)] == {}  # one bin: no by_prompt
 
 
 def test_the_location_scale_model_remains_available() -> None:
