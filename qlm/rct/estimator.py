@@ -338,7 +338,6 @@ class RCTEstimator:
     )
     # ... and the requests seen running: id -> tokens generated when last seen.
     _inflight: dict[tuple[str, str, int], dict[str, int]] = field(default_factory=dict, init=False)
-    _bins: dict[tuple[str, str], set[int]] = field(default_factory=dict, init=False)
     _calibration: dict[str, _Calibration] = field(default_factory=dict, init=False)
     _pending: dict[str, _Prediction] = field(default_factory=dict, init=False)
     _moments: dict[tuple[str, str, int, int, int, int], tuple[float, float]] = field(
@@ -724,12 +723,11 @@ class RCTEstimator:
             counts = self._bin_counts.get(ck)
             if counts is None:
                 counts = self._bin_counts[ck] = np.zeros(HIST_BINS)
-                self._bins.setdefault(key, set()).add(ck[2])
             counts[length_bin(output_tokens)] += 1.0
-            running = [
-                np.fromiter(self._inflight[(*key, b)].values(), np.float64)
-                for b in self._bins.get(key, ())
-                if self._inflight.get((*key, b))
+            running = [  # every prompt bin's, whether or not one of its requests completed yet
+                np.fromiter(seen.values(), np.float64)
+                for (model, slo_class, _), seen in self._inflight.items()
+                if (model, slo_class) == key and seen
             ]
             if running:
                 self._effective[key] = post.with_censored(np.concatenate(running))

@@ -552,3 +552,18 @@ def test_estimating_only_the_newest_request_gives_the_same_answer_as_estimating_
     everyone = est.estimate_requests(instance(), queue, NOW)
     assert est.estimate_requests(instance(), queue, NOW, only=[-1]) == [everyone[-1]]
     assert est.estimate_requests(instance(), queue, NOW, only=[0, 4]) == [everyone[0], everyone[4]]
+
+
+def test_running_requests_of_every_prompt_bin_count_in_the_class_wide_belief() -> None:
+    # By prompt length: 50 long-prompt requests run, 300 tokens in, before any of their prompt
+    # bin completes; a short-prompt request completes. The class-wide belief (what a prompt
+    # length never seen falls back on) still counts the 50.
+    est = RCTEstimator(estimator().profile, by_prompt=True)
+    running = [
+        Queued(make_request(i, input_tokens=1100), generated=300, running=True) for i in range(50)
+    ]
+    est.estimate_requests(instance(), running, NOW)
+    unseen = make_request(99, input_tokens=5000)
+    before = est.expected_output(unseen)
+    est.observe(make_request(100, input_tokens=120), output_tokens=20)
+    assert est.expected_output(unseen) > before
