@@ -402,7 +402,9 @@ class RCTEstimator:
 
     def _prefetch_moments(self, items: Iterable[Queued]) -> None:
         """Fill the moments cache for many (request, generated) at once: after a completion
-        changes a posterior, every running request misses the cache together."""
+        changes a posterior, every running request misses the cache together. Also notes the
+        running ones and what they generated (the censored outputs ``observe`` counts): every
+        estimate passes through here with the instance's running requests."""
         misses: dict[tuple[str, str, int, int, int], list[int]] = {}
         requests: dict[tuple[str, str, int, int, int], Request] = {}
         moments, versions = self._moments, self._versions
