@@ -558,7 +558,8 @@ def profile_hardware_cmd(
     console.print(
         f"{hw.model} on {hw.gpu_count}x{hw.gpu}: prefill {hw.prefill_base_s * 1000:.1f} ms + "
         f"{hw.prefill_per_token_s * 1e6:.1f} µs/token, d {hw.decode_alone_s * 1000:.1f} ms alone / "
-        f"{hw.decode_per_token_s * 1000:.1f} ms at batch {hw.saturation_batch:.0f}, "
+        f"{hw.decode_per_token_s * 1000:.1f} ms at batch {hw.saturation_batch:.0f} "
+        f"(+{hw.decode_per_ctx_token_s * 1e9:.1f} ms per million tokens of context), "
         f"Θ {hw.throughput_tps:,.0f} tok/s, ε {hw.inefficiency:.3f} -> {out}",
         highlight=False,
         soft_wrap=True,

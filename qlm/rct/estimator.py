@@ -189,6 +189,15 @@ _GH_NODES = tuple(
 )
 
 
+def _context(hw: HardwareProfile, batch: int, slots: int, per_request: float) -> float:
+    """KV footprint (tokens) of a batch of ``batch`` requests of ``per_request`` tokens each. A
+    batch the KV cache limits is a full cache: the engine admits until it is, and preempts to
+    keep it so as outputs grow."""
+    if batch >= slots and slots < hw.max_num_seqs:
+        return float(hw.kv_capacity_tokens)
+    return min(float(hw.kv_capacity_tokens), batch * per_request)
+
+
 @dataclass(frozen=True, slots=True)
 class Queued:
     """A request on an instance, with the output tokens it has generated so far; ``running`` when
@@ -267,6 +276,9 @@ class _Calibration:
     work_done: float = 0.0  # profile-seconds of work completed while saturated ...
     busy_time: float = 0.0  # ... the wall time it took ...
     done: float = 0.0  # ... and how many completions that was
+    # What is left of the profile's pseudo-evidence on decode speed: forgotten at the rate of the
+    # observations (else, where decodes are short, 600 s of profile would outweigh them forever).
+    decode_prior: float = 1.0
 
     def wait_factor(self) -> float:
         """Seconds per profile-second of work: the observed drain rate of a saturated instance
@@ -283,8 +295,10 @@ class _Calibration:
     def eps_factor(self) -> float:
         """Observed over predicted decode time, shrunk toward 1 (the profile) by
         ``PRIOR_DECODE_S`` seconds of pseudo-evidence: decode speed depends on the load regime,
-        and a few early completions must not set it for everyone after them."""
-        ratio = (self.decode_obs + PRIOR_DECODE_S) / (self.decode_pred + PRIOR_DECODE_S)
+        and a few early completions must not set it for everyone after them. The pseudo-evidence
+        is forgotten like the observations, so it fades once they are many."""
+        prior = self.decode_prior * PRIOR_DECODE_S
+        ratio = (self.decode_obs + prior) / (self.decode_pred + prior)
         return min(2.0, max(0.5, ratio))
 
     def speed_sd(self) -> float:
@@ -503,6 +517,8 @@ class RCTEstimator:
         cum_var = np.concatenate(([0.0], np.cumsum(work_var)))
         cum_switch = np.cumsum(switch)
         slots = self.slots(hws[0], float(tokens.mean()))
+        # KV footprint of a request over its decode (its prompt and half its output, on average).
+        ctx_per = float(tokens.mean() - 0.5 * out_mean.mean())
         n_running = sum(1 for item in queue if item.running)
         # Waiting requests that find a free slot are admitted as fast as their prompts prefill;
         # the rest wait for running requests to finish (the drain, at the rate of output work).
@@ -529,13 +545,17 @@ class RCTEstimator:
             var_raw = float(cum_var[i] - cum_var[drained])
             wait = wait_raw * wf + float(cum_switch[i])
             wait_var = var_raw * wf * wf + (wait_rel * wait_raw * wf) ** 2
-            batch = min(i + 1, slots)
+            # Arriving faster than it serves, the instance fills its batch before long: the
+            # request decodes in a full one, whatever it finds on arrival (unless requests are
+            # pulled: then the planner, not the arrivals, sets the batch).
+            batch = slots if overloaded and not refilled else min(i + 1, slots)
+            ctx = _context(hw, batch, slots, ctx_per)
             # While others wait, admissions go on as requests finish (refill); otherwise new
             # arrivals are admitted as they come.
             if i - n_running >= 1 or overloaded or refilled:
-                d_batch = hw.decode_s(batch if not overloaded else slots) + batch * refill
+                d_batch = hw.decode_s(batch, ctx) + batch * refill
             else:
-                d_batch = hw.decode_s(batch) / (1.0 - arrival_share)
+                d_batch = hw.decode_s(batch, ctx) / (1.0 - arrival_share)
             d = d_batch * hw.inefficiency
             start = now + wait + float(own[i])
             mean = start + float(out_mean[i]) * d * ef
@@ -629,7 +649,7 @@ class RCTEstimator:
         rel_sd = max(cal.wait_rel_sd(), self.min_rel_sd)
         waiting = waiting_var = 0.0  # work of the groups ahead, all of it waiting
         count = 0
-        tokens = 0.0
+        tokens = remaining_running = 0.0
         mix_prompt = mix_output = 0.0
         # Sums over the running requests (the hot loop after a completion: thousands of them).
         work_in: dict[str, float] = {}
@@ -648,6 +668,7 @@ class RCTEstimator:
             )
             m = hit[0] if hit is not None else self.output_moments(req, item.generated)[0]
             tokens += req.input_tokens + item.generated + m
+            remaining_running += m
             mix_prompt += req.input_tokens * w_in
             mix_output += item.generated + m
             count += 1
@@ -659,6 +680,9 @@ class RCTEstimator:
         refill = mix_prompt / max(mix_output, 1.0)
         total_tokens = tokens + sum(g.input_tokens + g.output_mean for g in groups)
         total_count = count + sum(g.size for g in groups)
+        # Outputs yet to come count half toward the KV footprint over a request's decode.
+        remaining = sum(g.output_mean for g in groups) + remaining_running
+        ctx_per = (total_tokens - 0.5 * remaining) / max(total_count, 1)
         model = instance.active_model
         switches = 0.0
         out: list[GroupEstimate] = []
@@ -686,7 +710,11 @@ class RCTEstimator:
             wait_var = (waiting_var + own_var - exempt_var - share * own_var) * wf * wf
             batch = min(before_last + 1, slots)
             refilling = before_last - n_running >= 1
-            d = (hw.decode_s(batch) + (batch * refill if refilling else 0.0)) * hw.inefficiency * ef
+            # _context, inlined (once per group at every re-estimate)
+            kv = hw.kv_capacity_tokens
+            ctx = kv if batch >= slots and slots < hw.max_num_seqs else batch * ctx_per
+            dec = hw.decode_s(batch, ctx if ctx < kv else kv)
+            d = (dec + (batch * refill if refilling else 0.0)) * hw.inefficiency * ef
             mean = now + wait + hw.prefill_s(g.last_input_tokens) + g.last_output_mean * d
             var = wait_var + (rel_sd * wait) ** 2 + g.last_output_var * d * d
             out.append(
@@ -759,6 +787,7 @@ class RCTEstimator:
         if first_token_s is not None and finish_s is not None and output_tokens > 1:
             cal.decode_obs = RATE_FORGETTING * cal.decode_obs + (finish_s - first_token_s)
             cal.decode_pred = RATE_FORGETTING * cal.decode_pred + pred.d_eff * (output_tokens - 1)
+            cal.decode_prior *= RATE_FORGETTING
             observed = (finish_s - first_token_s) / (output_tokens - 1)
             if observed > 0 and pred.per_token_s > 0:
                 r = math.log(observed / pred.per_token_s)

@@ -43,8 +43,18 @@ class HardwareProfile:
     warm_load_s: float
     cold_load_s: float
     source: str = ""
+    # Decode attention reads every running request's KV cache: the extra time per decode step per
+    # token of context, and the context per request at which ``decode_alone_s`` and
+    # ``decode_per_token_s`` were measured (0: decode time depends on the batch size alone).
+    decode_per_ctx_token_s: float = 0.0
+    decode_ctx_tokens: float = 0.0
 
     def __post_init__(self) -> None:
+        if self.decode_per_ctx_token_s < 0 or self.decode_ctx_tokens < 0:
+            raise ConfigError(
+                f"hardware profile {self.key}: decode_per_ctx_token_s and decode_ctx_tokens "
+                "must be >= 0"
+            )
         positive = {
             "throughput_tps": self.throughput_tps,
             "decode_per_token_s": self.decode_per_token_s,
@@ -62,14 +72,27 @@ class HardwareProfile:
     def prefill_s(self, input_tokens: float) -> float:
         return self.prefill_base_s + self.prefill_per_token_s * input_tokens
 
-    def decode_s(self, batch: float) -> float:
+    def decode_s(self, batch: float, context_tokens: float | None = None) -> float:
         """Time per output token with ``batch`` requests running: from running alone to the
         saturated batch, linear in the batch size (decode is memory-bound: each step reads the
-        weights once and every running request's KV cache)."""
-        if self.saturation_batch <= 1:
-            return self.decode_per_token_s
-        frac = min(1.0, max(0.0, (batch - 1) / (self.saturation_batch - 1)))
-        return self.decode_alone_s + (self.decode_per_token_s - self.decode_alone_s) * frac
+        weights once and every running request's KV cache). With ``context_tokens`` — the KV
+        footprint of the batch — the KV read is counted for that context rather than for the
+        profile's context per request: a batch of few long requests that fill the KV cache
+        decodes as slowly as a full batch of short ones."""
+        # (Comparisons rather than min/max: this runs once per group at every re-estimate.)
+        sat = self.saturation_batch
+        if sat <= 1:
+            base = self.decode_per_token_s
+        else:
+            frac = (batch - 1) / (sat - 1)
+            frac = 0.0 if frac < 0.0 else 1.0 if frac > 1.0 else frac
+            base = self.decode_alone_s + (self.decode_per_token_s - self.decode_alone_s) * frac
+        per_ctx = self.decode_per_ctx_token_s
+        if context_tokens is None or per_ctx <= 0:
+            return base
+        b = 1.0 if batch < 1 else sat if batch > sat else batch
+        ctx = context_tokens if context_tokens > 0 else 0.0
+        return base + per_ctx * (ctx - b * self.decode_ctx_tokens)
 
 
 @dataclass(frozen=True, slots=True)

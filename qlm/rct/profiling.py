@@ -4,7 +4,9 @@
 engine's own performance model:
 
 1. a request alone at several prompt lengths (one output token): its TTFT gives the prefill line
-   ``P(I) = a + b·I`` (least squares);
+   ``P(I) = a + b·I`` (least squares); a request alone decoding after a prompt of the workload's
+   length and after one four times as long: its time per token alone, and what each token of
+   context adds to a decode step;
 2. one saturating batch — more requests of the workload's typical lengths than the instance can run
    at once, submitted together — run to completion: ``Θ`` is the output tokens per second once the
    prompt work is taken out, ``ε`` the mean time per output token over all requests divided by that
@@ -102,9 +104,14 @@ def profile_sim_hardware(
 
     if output_tokens < 2:
         raise ConfigError("profiling needs output_tokens >= 2 to measure decode time")
-    engine = SimEngine("profile", {name: perf}, cfg)
-    alone = _run(engine, [EngineRequest("d", name, input_tokens, output_tokens)])["d"]
-    d_alone = (alone["finish"] - alone["first"]) / (output_tokens - 1)
+    d_alone = _decode_alone(perf, cfg, input_tokens, output_tokens)
+    # The same request with a longer prompt: the slope is what a token of context adds to a
+    # decode step (attention reads the whole KV cache).
+    long_prompt = min(4 * input_tokens, ctx - output_tokens)
+    per_ctx = 0.0
+    if long_prompt > input_tokens:
+        d_long = _decode_alone(perf, cfg, long_prompt, output_tokens)
+        per_ctx = max(0.0, (d_long - d_alone) / (long_prompt - input_tokens))
 
     engine = SimEngine("profile", {name: perf}, cfg)
     capacity = engine.stats().kv_capacity_tokens
@@ -145,6 +152,8 @@ def profile_sim_hardware(
         inefficiency=max(eps, 1.0),
         saturation_batch=batch_size,
         max_num_seqs=cfg.max_num_seqs,
+        decode_per_ctx_token_s=per_ctx,
+        decode_ctx_tokens=input_tokens + output_tokens / 2,
         kv_bytes_per_token=perf.model.kv_bytes_per_token,
         kv_capacity_tokens=capacity,
         warm_load_s=perf.warm_load_s,
@@ -154,6 +163,13 @@ def profile_sim_hardware(
             f"and prefill at {len(lengths)} lengths"
         ),
     )
+
+
+def _decode_alone(perf: PerfModel, cfg: SimEngineConfig, prompt: int, output: int) -> float:
+    """Time per output token of one request running alone."""
+    engine = SimEngine("profile", {perf.model.name: perf}, cfg)
+    alone = _run(engine, [EngineRequest("d", perf.model.name, prompt, output)])["d"]
+    return (alone["finish"] - alone["first"]) / (output - 1)
 
 
 def _line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:

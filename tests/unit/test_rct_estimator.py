@@ -29,6 +29,8 @@ from tests.builders import make_hardware, make_request
 
 NOW = 100.0
 PRIOR = NIG(mu=4.0, kappa=20.0, alpha=11.0, beta=5.0)  # outputs of ~70 tokens
+KV = {"decode_per_ctx_token_s": 1e-7, "decode_ctx_tokens": 1000.0}
+"""A profile whose decode steps cost 0.1 µs more per token of context in the batch."""
 
 
 def hardware(model: str = "m", **overrides: Any) -> HardwareProfile:
@@ -241,8 +243,13 @@ def test_an_empty_group_has_no_load() -> None:
         estimator().group_load("g9", [])
 
 
-def test_queue_estimates_of_one_request_groups_agree_with_request_estimates() -> None:
-    est = estimator()
+@pytest.mark.parametrize(
+    "kv", [pytest.param({}, id="batch-size"), pytest.param(KV, id="kv-footprint")]
+)
+def test_queue_estimates_of_one_request_groups_agree_with_request_estimates(
+    kv: dict[str, float],
+) -> None:
+    est = estimator(**kv)
     running = [Queued(make_request(90 + i), generated=10 * i, running=True) for i in range(2)]
     reqs = [
         make_request(i, input_tokens=n, max_tokens=cap)
@@ -388,16 +395,21 @@ SLOW = {"max_num_seqs": 1, "throughput_tps": 100.0}
 """A profile that runs one request at a time, slowly enough that 30 requests take > 5 s."""
 
 
-def saturated_run(est: RCTEstimator, reqs: list[Request], slowdown: float) -> None:
-    """Predict ``reqs`` as one queue (all waiting: the instance is saturated), then let them finish
-    one after another, each ``slowdown`` times the profile's work for it after the one before."""
-    est.estimate_requests(instance(), waiting(reqs), 0.0, remember=True)
+def saturated_run(
+    est: RCTEstimator, reqs: list[Request], slowdown: float, start: float = 0.0
+) -> float:
+    """Predict ``reqs`` as one queue (all waiting: the instance is saturated) at ``start``, then
+    let them finish one after another, each ``slowdown`` times the profile's work for it after
+    the one before (the work predicted for it: the drain rate is measured against that); returns
+    the last finish."""
+    est.estimate_requests(instance(), waiting(reqs), start, remember=True)
     hw = hardware(**SLOW)
-    t = 0.0
-    for r in reqs:
-        out = r.replay_output_tokens or 1
-        t += slowdown * (r.input_tokens * hw.input_token_work_s + out / hw.throughput_tps)
-        est.observe(r, output_tokens=out, finish_s=t)
+    predicted = [est.output_moments(r)[0] for r in reqs]
+    t = start
+    for r, m in zip(reqs, predicted, strict=True):
+        t += slowdown * (r.input_tokens * hw.input_token_work_s + m / hw.throughput_tps)
+        est.observe(r, output_tokens=r.replay_output_tokens or 1, finish_s=t)
+    return t
 
 
 def wait_of_third(est: RCTEstimator) -> tuple[float, float]:
@@ -417,12 +429,12 @@ def test_completions_of_a_saturated_instance_calibrate_the_waiting_to_the_observ
     wait, work = wait_of_third(est)
     assert wait == pytest.approx(work, rel=1e-9)  # uncalibrated: the profile's rate
     reqs = [make_request(i, input_tokens=1000, replay_output_tokens=80) for i in range(30)]
-    saturated_run(est, reqs, slowdown=2.0)  # ~50 s of observed service for ~25 s of work
+    end = saturated_run(est, reqs, slowdown=2.0)  # ~50 s of observed service for ~25 s of work
     early, work = wait_of_third(est)
     # A little evidence moves it part of the way (shrunk toward the profile) ...
     assert work < early < 2.0 * work
-    more = [make_request(100 + i, input_tokens=1000, replay_output_tokens=80) for i in range(400)]
-    saturated_run(est, more, slowdown=2.0)
+    more = [make_request(100 + i, input_tokens=1000, replay_output_tokens=80) for i in range(600)]
+    saturated_run(est, more, slowdown=2.0, start=end)
     late, work = wait_of_third(est)
     # ... and enough of it all the way to the observed rate.
     assert late == pytest.approx(2.0 * work, rel=0.1)
@@ -489,7 +501,7 @@ def test_a_profile_survives_a_json_round_trip() -> None:
         hardware={
             h.key: h
             for h in (
-                hardware("m", source="hand-made"),
+                hardware("m", source="hand-made", **KV),
                 hardware("n", gpu_count=2, prefill_per_token_s=1 / 3, throughput_tps=1e4 / 7),
             )
         },
@@ -543,6 +555,10 @@ def test_profiling_the_simulated_a100_gives_sane_values() -> None:
     # Saturated throughput is about a full batch over the time per token of a full batch.
     assert hw.throughput_tps == pytest.approx(hw.saturation_batch / hw.decode_per_token_s, rel=0.5)
     assert math.isfinite(hw.prefill_base_s) and hw.prefill_base_s >= 0
+    # Decode attention: what a token of context adds to a step, measured from two requests
+    # decoding alone after prompts of 1,024 and 4,096 tokens.
+    assert hw.decode_per_ctx_token_s == pytest.approx(perf.step.per_ctx_token_ms / 1000, rel=0.05)
+    assert hw.decode_ctx_tokens == 1024 + 256 / 2
 
 
 def test_estimating_only_the_newest_request_gives_the_same_answer_as_estimating_all() -> None:
@@ -567,3 +583,86 @@ def test_running_requests_of_every_prompt_bin_count_in_the_class_wide_belief() -
     before = est.expected_output(unseen)
     est.observe(make_request(100, input_tokens=120), output_tokens=20)
     assert est.expected_output(unseen) > before
+
+
+# --- decode speed and the KV footprint -----------------------------------------------------------
+
+
+def test_decode_time_counts_the_context_of_the_batch_beyond_the_profiles() -> None:
+    hw = hardware(**KV)
+    # At the profile's own context per request, the batch size alone decides ...
+    assert hw.decode_s(4, 4 * 1000.0) == pytest.approx(hw.decode_s(4), rel=1e-12)
+    # ... and every token of context beyond it adds its read.
+    assert hw.decode_s(2, 50_000.0) == pytest.approx(hw.decode_s(2) + 1e-7 * 48_000, rel=1e-12)
+    # A profile without the measurement ignores the context.
+    assert hardware().decode_s(2, 50_000.0) == hardware().decode_s(2)
+
+
+def test_a_batch_that_fills_the_kv_cache_decodes_at_the_speed_of_a_full_cache() -> None:
+    est = estimator(**KV)
+    hw = hardware(**KV)
+
+    def per_token(prompt: int) -> float:
+        running = [Queued(make_request(i, input_tokens=prompt), running=True) for i in range(3)]
+        queue = [*running, Queued(make_request(3, input_tokens=prompt))]
+        (new,) = est.estimate_requests(instance(), queue, NOW, only=[-1])
+        return new.per_token_s
+
+    m, _ = est.output_moments(make_request(0))
+    # Short prompts: four requests of ~535 tokens of context each (prompt and half the output).
+    short = (hw.decode_s(4) + 1e-7 * (4 * (500 + m / 2) - 4 * 1000)) * hw.inefficiency
+    assert per_token(500) == pytest.approx(short, rel=1e-9)
+    # Prompts of 20,000 tokens: four of them fill the 100,000-token cache, which then stays full.
+    full = (hw.decode_s(4) + 1e-7 * (100_000 - 4 * 1000)) * hw.inefficiency
+    assert per_token(20_000) == pytest.approx(full, rel=1e-9)
+
+
+def test_requests_arriving_faster_than_served_are_predicted_to_decode_in_a_full_batch() -> None:
+    """An instance about to saturate: whatever batch a request finds, it decodes in a full one,
+    with the prompts of the requests that keep it full interleaved — unless the planner pulls
+    requests, and so decides how full the batch gets."""
+    est = estimator()
+    hw = hardware()
+    running = Queued(make_request(0, input_tokens=1000), running=True)
+    req = make_request(1, input_tokens=1000)
+    (calm,) = est.estimate_requests(instance(), [running, Queued(req)], NOW, only=[-1])
+    assert calm.per_token_s == pytest.approx(hw.decode_s(2) * hw.inefficiency, rel=1e-9)
+    for k in range(10):  # 100 requests per second, ~0.085 s of work each: 8.5 times too many
+        burst = make_request(100 + k, input_tokens=1000)
+        est.estimate_requests(instance(), waiting([burst]), NOW + 0.01 * k, remember=True)
+    (busy,) = est.estimate_requests(instance(), [running, Queued(req)], NOW + 0.1, only=[-1])
+    m, _ = est.output_moments(req)
+    refill = 1000 * hw.input_token_work_s / m  # prompt work per output token of the mix
+    slots = hw.max_num_seqs
+    expected = (hw.decode_s(slots) + slots * refill) * hw.inefficiency
+    assert busy.per_token_s == pytest.approx(expected, rel=1e-9)
+    # Pulled from a virtual queue, it decodes in the batch the planner keeps: the one it joins.
+    (pulled,) = est.estimate_requests(
+        instance(), [running, Queued(req)], NOW + 0.1, only=[-1], refilled=True
+    )
+    assert pulled.per_token_s == pytest.approx(
+        (hw.decode_s(2) + 2 * refill) * hw.inefficiency, rel=1e-9
+    )
+
+
+def test_the_decode_speed_calibration_forgets_the_profile_as_evidence_accumulates() -> None:
+    """Requests that all decode 1.5 times slower than predicted: the profile's pseudo-evidence
+    holds the factor back at first and is forgotten like any old observation after that."""
+    est = estimator()
+    probe = make_request(0, arrival_s=NOW, input_tokens=500)
+    (profile,) = est.estimate_requests(instance(), waiting([probe]), NOW)
+    actual = 1.5 * profile.per_token_s  # the instance's true time per token
+
+    def run(n: int, start: int) -> None:
+        for i in range(start, start + n):
+            r = make_request(i, arrival_s=NOW, input_tokens=500)
+            (pred,) = est.estimate_requests(instance(), waiting([r]), NOW, remember=True)
+            t0 = pred.start_mean
+            est.observe(r, output_tokens=70, first_token_s=t0, finish_s=t0 + 69 * actual)
+
+    run(20, 0)
+    _, early = est.calibration_factors("i0")
+    assert 1.0 < early < 1.25  # ~15 s of decode observed against 600 s of profile
+    run(1500, 20)
+    _, late = est.calibration_factors("i0")
+    assert late == pytest.approx(1.5, rel=0.02)
