@@ -18,8 +18,11 @@ kept in [1/4, 4]) is the observed drain rate: seconds between completions of a s
 instance per second of the work *predicted* for them — not of their actual work: while a queue
 builds the short outputs complete first, and their actual work would call the instance slow.
 
-*Decode* (Eq. 4): ``O · ε · d`` with ``d = d(B) + B · Ī · w_in / Ō``. ``d(B)`` is the pure decode
-time per token with ``B`` requests running (from a request alone to a full batch, profiled). The
+*Decode* (Eq. 4): ``O · ε · d`` with ``d = d(B, K) + B · Ī · w_in / Ō``. ``d(B, K)`` is the pure
+decode time per token with ``B`` requests running (from a request alone to a full batch, profiled)
+whose KV cache holds ``K`` tokens (each step reads all of it; the whole cache once it limits the
+batch). An instance receiving more work than it serves is about to fill its batch: ``B`` is then
+the full batch, whatever a request finds on arrival (unless requests are pulled). The
 second term is the prefill of the requests that replace finishing ones: in steady state ``B / (Ō d)``
 requests finish per second and as many are admitted, each costing ``Ī · w_in`` of GPU time that
 every running request waits through (``Ī``, ``Ō``: mean prompt and output of the mix). ``ε``
