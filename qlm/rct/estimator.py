@@ -713,10 +713,7 @@ class RCTEstimator:
             wait_var = (waiting_var + own_var - exempt_var - share * own_var) * wf * wf
             batch = min(before_last + 1, slots)
             refilling = before_last - n_running >= 1
-            # _context, inlined (once per group at every re-estimate)
-            kv = hw.kv_capacity_tokens
-            ctx = kv if batch >= slots and slots < hw.max_num_seqs else batch * ctx_per
-            dec = hw.decode_s(batch, ctx if ctx < kv else kv)
+            dec = hw.decode_s(batch, _context(hw, batch, slots, ctx_per))
             d = (dec + (batch * refill if refilling else 0.0)) * hw.inefficiency * ef
             mean = now + wait + hw.prefill_s(g.last_input_tokens) + g.last_output_mean * d
             var = wait_var + (rel_sd * wait) ** 2 + g.last_output_var * d * d
