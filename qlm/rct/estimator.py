@@ -4,19 +4,24 @@ For a request ``q`` on one instance (Eq. 1): ``C_q = W_q + P(I_q) + O_q · ε ·
 
 *Work.* The paper divides the output tokens ahead by the throughput Θ (Eq. 2). Prompt tokens cost
 GPU time too — with Azure-conversation prompts (1,155 tokens on average against 211 output tokens)
-prefill is most of it — so a request's work is ``I · w_in + O / Θ`` seconds of a saturated
-instance, ``w_in`` and ``Θ`` measured by hardware profiling. A running request has only its
-remaining output left.
+prefill is most of it — so a request's work is ``I · w_in + O · s / Θ`` seconds of a saturated
+instance, ``w_in`` and ``Θ`` measured by hardware profiling. Θ is measured in a full batch of the
+profile's requests; ``s = (d(B, K) / B) / (d(B₀, K₀) / B₀)`` carries it to the batch ``B`` the
+mix on the instance fills (KV footprint ``K``): long requests fill the KV cache with fewer of them,
+and each step's time is shared by fewer tokens (ShareGPT on an A100: 151 requests, ``s`` = 1.9).
+A running request has only its remaining output left.
 
 *Waiting* (Eq. 2, for continuous batching). A request does not wait for the running batch to
 finish, only for the requests *waiting* ahead of it to be admitted. Those that find a free slot
 (of the ``max_num_seqs`` / KV-cache slots the running requests leave) are admitted as fast as
 their prompts prefill; the rest one as another completes, at the rate the instance does work. So
-``W_q = κ_W · (Σ I · w_in + Σ' O / Θ)``: the prompt work of every waiting request ahead, and the
-output work of those ahead that had no free slot (0 when none wait). ``κ_W`` (1 until learnt,
-kept in [1/4, 4]) is the observed drain rate: seconds between completions of a saturated
-instance per second of the work *predicted* for them — not of their actual work: while a queue
-builds the short outputs complete first, and their actual work would call the instance slow.
+``W_q = κ_W · (Σ I · w_in + Σ' O · s / Θ)``: the prompt work of every waiting request ahead, and
+the output work of those ahead that had no free slot (0 when none wait). ``κ_W`` (1 until learnt,
+kept in [1/4, 4]) is the observed drain rate: seconds between completions while requests wait
+for a slot, per second of the work *predicted* for them — not of their actual work: while a
+queue builds the short outputs complete first, and their actual work would call the instance
+slow. Requests that wait only for the prompts ahead to prefill (slots free) do not count: the
+instance is filling its batch then, and completions are few.
 
 *Decode* (Eq. 4): ``O · ε · d`` with ``d = d(B, K) + B · Ī · w_in / Ō``. ``d(B, K)`` is the pure
 decode time per token with ``B`` requests running (from a request alone to a full batch, profiled)
@@ -199,6 +204,21 @@ def _context(hw: HardwareProfile, batch: int, slots: int, per_request: float) ->
     if batch >= slots and slots < hw.max_num_seqs:
         return float(hw.kv_capacity_tokens)
     return min(float(hw.kv_capacity_tokens), batch * per_request)
+
+
+def _output_work_scale(hw: HardwareProfile, slots: int, per_request: float) -> float:
+    """GPU time of an output token in the batch this mix fills, relative to the profile's ``1 / Θ``
+    (measured in a batch of the profile's requests): a saturated instance decodes ``B`` tokens
+    per step of ``d(B, K)``, and a mix of long requests fills its KV cache with fewer of them.
+    (ShareGPT's 2,340 + 439-token requests: 151 to an A100's cache, each output token 1.9× the
+    profile's GPU time; Azure conversation's: 1.05×.)"""
+    sat = hw.saturation_batch
+    if sat <= 0:
+        return 1.0
+    ref_ctx = sat * hw.decode_ctx_tokens if hw.decode_ctx_tokens > 0 else None
+    ref = hw.decode_s(sat, ref_ctx) / sat
+    cur = hw.decode_s(slots, _context(hw, slots, slots, per_request)) / slots
+    return cur / ref if ref > 0 else 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -515,19 +535,27 @@ class RCTEstimator:
             # The mix of whole requests (prompt work per output token) sets the refill cost.
             mix_prompt += req.input_tokens * hw.input_token_work_s
             mix_output += item.generated + m
+        slots = self.slots(hws[0], float(tokens.mean()))
+        # KV footprint of a request over its decode (its prompt and half its output, on average).
+        ctx_per = float(tokens.mean() - 0.5 * out_mean.mean())
+        # Output work in the batch this mix fills (the profile's Θ is for its own requests).
+        if len(by_model) == 1:
+            factor = np.full(n, _output_work_scale(hws[0], slots, ctx_per))
+        else:
+            scales = {m: _output_work_scale(h, slots, ctx_per) for m, h in by_model.items()}
+            factor = np.fromiter((scales[h.model] for h in hws), float, n)
+        work_out *= factor
+        work_var *= factor * factor
         cum_in = np.concatenate(([0.0], np.cumsum(work_in)))
         cum_out = np.concatenate(([0.0], np.cumsum(work_out)))
         cum_var = np.concatenate(([0.0], np.cumsum(work_var)))
         cum_switch = np.cumsum(switch)
-        slots = self.slots(hws[0], float(tokens.mean()))
-        # KV footprint of a request over its decode (its prompt and half its output, on average).
-        ctx_per = float(tokens.mean() - 0.5 * out_mean.mean())
         n_running = sum(1 for item in queue if item.running)
         # Waiting requests that find a free slot are admitted as fast as their prompts prefill;
         # the rest wait for running requests to finish (the drain, at the rate of output work).
         free = 0 if refilled else max(slots - n_running, 0)
         drain_from = n_running + max(free - 1, 0)
-        cal.saturated = n - n_running > 1  # someone besides the newest is waiting
+        cal.saturated = n - n_running - 1 > free  # someone besides the newest waits for a slot
         refill = mix_prompt / max(mix_output, 1.0)
         # Unsaturated, new arrivals' prefills interrupt decoding: the share of time they take.
         # Arriving faster than it serves (ρ ≥ 1), the instance is about to saturate.
@@ -587,7 +615,7 @@ class RCTEstimator:
                     per_token_s=d * ef,
                     mean_latency=mean - now,
                     work_in=(req.input_tokens + item.generated) * hw.input_token_work_s,
-                    work_per_output=1.0 / hw.throughput_tps,
+                    work_per_output=float(factor[i]) / hw.throughput_tps,
                     output_mean=float(out_mean[i]),
                 )
         return out
@@ -693,6 +721,7 @@ class RCTEstimator:
         # prefill (their output work is ``exempt``); the rest wait for the drain.
         free: int | None = None
         exempt = exempt_var = 0.0
+        theta_by_model: dict[str, float] = {}  # Θ in the batch this mix fills
         for pos, g in enumerate(groups):
             hw = self.profile.hardware_for(g.model, instance.gpu, instance.gpu_count)
             slots = self.slots(hw, total_tokens / max(total_count, 1))
@@ -701,7 +730,10 @@ class RCTEstimator:
             if g.model != model:
                 switches += self._load_s(hw, instance)
                 model = g.model
-            theta = hw.throughput_tps
+            theta = theta_by_model.get(g.model)
+            if theta is None:
+                scale = _output_work_scale(hw, slots, ctx_per)
+                theta = theta_by_model[g.model] = hw.throughput_tps / scale
             # Everything of the group but its last request ...
             own_out = (g.output_mean - g.last_output_mean) / theta
             own = (g.input_tokens - g.last_input_tokens) * hw.input_token_work_s + own_out

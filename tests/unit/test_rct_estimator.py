@@ -38,6 +38,13 @@ def hardware(model: str = "m", **overrides: Any) -> HardwareProfile:
     return make_hardware(model, **({"inefficiency": 1.2} | overrides))
 
 
+def token_work(hw: HardwareProfile, batch: int) -> float:
+    """GPU time of an output token in a batch of ``batch``: the profile's 1 / Θ, measured in its
+    full batch, scaled by the time per token per request of this batch against that one."""
+    per_token_per_request = hw.decode_s(batch) / batch
+    return per_token_per_request / (hw.decode_per_token_s / hw.saturation_batch) / hw.throughput_tps
+
+
 def estimator(**overrides: Any) -> RCTEstimator:
     """Models ``m`` and ``n`` with the same hardware profile and the same output prior."""
     hw = {h.key: h for h in (hardware("m", **overrides), hardware("n", **overrides))}
@@ -73,11 +80,37 @@ def test_a_request_behind_waiting_requests_waits_for_their_prompt_and_output_wor
     reqs = [make_request(i, input_tokens=1000) for i in range(3)]
     first, _, third = est.estimate_requests(instance(), waiting(reqs), NOW)
     m, _ = est.output_moments(reqs[0])
-    work_each = 1000 * hw.input_token_work_s + m / hw.throughput_tps  # 0.05 s + ~0.036 s
+    # One request at a time: an output token costs a whole step, d(1) = decode_alone_s, against
+    # the d(8) / 8 of the full batch of the profile's requests in which Θ was measured.
+    work_each = 1000 * hw.input_token_work_s + m * token_work(hw, 1)
     # Decode starts after the waiting work (the decode itself also slows down while others
     # wait to be admitted, so compare the starts).
     assert third.start_mean - first.start_mean == pytest.approx(2 * work_each, rel=1e-9)
     assert third.mean - third.start_mean > first.mean - first.start_mean
+
+
+def test_output_work_is_counted_in_the_batch_a_long_mix_fills() -> None:
+    # Deep in a queue each request waits for the work of the one ahead of it. Requests of 20,000
+    # prompt tokens fill the 100,000-token KV cache four at a time, not eight: each step makes
+    # four output tokens in d(4) instead of eight in d(8), so an output token costs more GPU time
+    # than the profile's 1 / Θ (measured in full batches of its own, shorter, requests).
+    est = estimator()
+    hw = hardware()
+
+    def gap(input_tokens: int) -> tuple[float, float]:
+        reqs = [make_request(i, input_tokens=input_tokens) for i in range(30)]
+        ests = est.estimate_requests(instance(), waiting(reqs), NOW)
+        m, _ = est.output_moments(reqs[0])
+        return ests[21].start_mean - ests[20].start_mean, m
+
+    short_gap, m = gap(1000)  # eight fit: the profile's own batch
+    assert short_gap == pytest.approx(1000 * hw.input_token_work_s + m / hw.throughput_tps)
+    long_gap, m = gap(20_000)
+    slots = int(hw.kv_capacity_tokens / (20_000 + m))
+    assert slots == 4
+    assert token_work(hw, slots) * hw.throughput_tps == pytest.approx(1.238, abs=1e-3)
+    expected = 20_000 * hw.input_token_work_s + m * token_work(hw, slots)
+    assert long_gap == pytest.approx(expected, rel=1e-9)
 
 
 def test_requests_behind_running_ones_only_do_not_wait() -> None:
@@ -117,7 +150,7 @@ def test_waiting_requests_that_find_free_slots_cost_only_their_prefill() -> None
     first, _, third = two.estimate_requests(instance(), waiting(reqs), NOW)
     m, _ = two.output_moments(reqs[1])
     assert third.start_mean - first.start_mean == pytest.approx(
-        2 * 1000 * hw.input_token_work_s + m / hw.throughput_tps, rel=1e-9
+        2 * 1000 * hw.input_token_work_s + m * token_work(hw, 2), rel=1e-9
     )
 
 
@@ -391,14 +424,14 @@ def test_the_location_scale_model_remains_available() -> None:
     assert est.posterior(chat) == PRIOR.update(900)
 
 
-SLOW = {"max_num_seqs": 1, "throughput_tps": 100.0}
+SLOW = {"max_num_seqs": 1, "saturation_batch": 1.0, "throughput_tps": 100.0}
 """A profile that runs one request at a time, slowly enough that 30 requests take > 5 s."""
 
 
 def saturated_run(
     est: RCTEstimator, reqs: list[Request], slowdown: float, start: float = 0.0
 ) -> float:
-    """Predict ``reqs`` as one queue (all waiting: the instance is saturated) at ``start``, then
+    """Predict ``reqs`` as one queue (all waiting: with ``SLOW``, for a slot) at ``start``, then
     let them finish one after another, each ``slowdown`` times the profile's work for it after
     the one before (the work predicted for it: the drain rate is measured against that); returns
     the last finish."""
@@ -439,6 +472,23 @@ def test_completions_of_a_saturated_instance_calibrate_the_waiting_to_the_observ
     # ... and enough of it all the way to the observed rate.
     assert late == pytest.approx(2.0 * work, rel=0.1)
     assert late > early
+
+
+def test_the_drain_rate_is_learnt_only_while_requests_wait_for_a_slot() -> None:
+    """Requests that wait only for the prompts ahead of them to prefill (slots are free) say
+    nothing about how fast the instance drains a queue: bursts of three into eight free slots,
+    however slowly they complete, leave the waiting uncalibrated; into one slot they teach it."""
+    roomy, single = estimator(throughput_tps=100.0), estimator(**SLOW)
+    for est in (roomy, single):
+        t = 0.0
+        for b in range(40):
+            burst = [
+                make_request(3 * b + i, input_tokens=1000, replay_output_tokens=80)
+                for i in range(3)
+            ]
+            t = saturated_run(est, burst, slowdown=2.0, start=t)
+    assert roomy.calibration_factors("i0")[0] == 1.0
+    assert single.calibration_factors("i0")[0] > 1.2
 
 
 def test_the_drain_rate_is_measured_against_the_work_that_was_predicted() -> None:
