@@ -11,7 +11,8 @@ predicted ``P(meet SLO)`` with parts of the prediction replaced by what actually
 
 Prints, for each, the calibration deciles (predicted / observed, bins of at least 50 requests, the
 number off by more than 10 points), then the predicted and actual time per token over eight
-slices of the run (median, and the mean log ratio), and the instances' calibration factors at the
+slices of the run (median, the mean log ratio and the decode-speed factor ``ε`` at arrival; the
+mean predicted and actual start of decoding after arrival), and the instances' calibration factors at the
 end (waiting, decode speed).
 
 Reproduce: .venv/bin/python experiments/rct_diagnose.py sharegpt 12 --fleet 2xA100:llama-3-8b
@@ -35,6 +36,7 @@ import rct_accuracy as ra
 from qlm.domain import Request
 from qlm.engines.sim import SimEngine
 from qlm.rct.estimator import Estimate
+from qlm.rct.output_model import _phi
 
 
 @dataclass
@@ -42,6 +44,7 @@ class DiagnosingRecorder(ra.Recorder):
     """``rct_accuracy``'s recorder that also keeps each request's whole estimate."""
 
     estimates: dict[str, tuple[Estimate, float]] = field(default_factory=dict)
+    factors: dict[str, tuple[float, float]] = field(default_factory=dict)  # at arrival
 
     def on_dispatch(self, now: float, request: Request, engine: SimEngine) -> None:
         super().on_dispatch(now, request, engine)
@@ -52,6 +55,7 @@ class DiagnosingRecorder(ra.Recorder):
         # Estimating again does not learn anything: the prediction to learn from is remembered.
         (est,) = self.estimator.estimate_requests(self.views[engine.name], queue, now, only=[-1])
         self.estimates[request.id] = (est, now)
+        self.factors[request.id] = self.estimator.calibration_factors(engine.name)
 
 
 def calibration(p: np.ndarray, met: np.ndarray) -> tuple[int, str]:  # type: ignore[type-arg]
@@ -72,11 +76,12 @@ def main() -> int:
     parser.add_argument("--fleet", default="2xA100:llama-3-8b")
     parser.add_argument("--sharegpt-duration", type=float, default=400.0)
     parser.add_argument("--by-prompt", action="store_true")
+    parser.add_argument("--sample", type=int, default=0, help="as rct_accuracy.py's samples")
     args = parser.parse_args()
     if args.workload == "azure":
-        requests, prior = ra.azure_case(args.rate)
+        requests, prior = ra.azure_case(args.rate, sample=args.sample)
     else:
-        requests, prior = ra.sharegpt_case(args.rate, args.sharegpt_duration)
+        requests, prior = ra.sharegpt_case(args.rate, args.sharegpt_duration, args.sample)
     kept: list[DiagnosingRecorder] = []
 
     def recorder(*a: object, **k: object) -> DiagnosingRecorder:
@@ -108,6 +113,9 @@ def main() -> int:
                 rec.actual[rid] <= req.deadline_s - req.arrival_s,
                 est.per_token_s,
                 per_token,
+                rec.factors[rid][1],
+                est.start_mean - now,
+                start - now,
             )
         )
     a = np.array(rows, dtype=float)
@@ -115,7 +123,8 @@ def main() -> int:
     for col, name in ((1, "p"), (2, "p_start"), (3, "p_speed"), (4, "p_both")):
         off, cells = calibration(a[:, col], met)
         print(f"{name:8s} {off} off   {cells}")
-    t, pred_pt, act_pt = a[:, 0], a[:, 6], a[:, 7]
+    t, pred_pt, act_pt, eps = a[:, 0], a[:, 6], a[:, 7], a[:, 8]
+    pred_start, act_start = a[:, 9], a[:, 10]
     log_ratio = np.log(act_pt / pred_pt)
     rms = float(np.sqrt(np.mean(log_ratio**2)))
     print(f"time per token, log(actual / predicted): mean {log_ratio.mean():+.3f}, RMS {rms:.3f}")
@@ -127,8 +136,21 @@ def main() -> int:
                 f"  arrivals {lo:7.0f}-{hi:7.0f} s  n={int(sel.sum()):5d}  predicted "
                 f"{np.median(pred_pt[sel]) * 1000:6.1f} ms  actual "
                 f"{np.median(act_pt[sel]) * 1000:6.1f} ms  mean log ratio "
-                f"{log_ratio[sel].mean():+.3f}"
+                f"{log_ratio[sel].mean():+.3f}  eps {np.median(eps[sel]):.2f}  start "
+                f"{pred_start[sel].mean():6.1f} / {act_start[sel].mean():6.1f} s"
             )
+    # Where the actual start and speed fall in the predictive the estimate used for them (PIT
+    # deciles, 10 % each when that part is calibrated; the start is normal, the speed log-normal).
+    starts = [rec.estimates[rid][0] for rid in ids]
+    sd_start = np.array([max(e.start_sd, 1e-9) for e in starts])
+    pit_start = np.array(
+        [_phi(z) for z in (act_start + t - np.array([e.start_mean for e in starts])) / sd_start]
+    )
+    sd_speed = np.array([max(e.speed_sd, 1e-9) for e in starts])
+    pit_speed = np.array([_phi(z) for z in (log_ratio + sd_speed**2 / 2) / sd_speed])
+    for name, pit in (("start", pit_start), ("speed", pit_speed)):
+        hist = np.histogram(pit, bins=np.linspace(0, 1, 11))[0] / len(pit) * 100
+        print(f"PIT of the actual {name}, % per decile: " + " ".join(f"{h:.0f}" for h in hist))
     for name in rec.views:
         wait_f, eps_f = rec.estimator.calibration_factors(name)
         print(f"{name}: waiting factor {wait_f:.3f}, decode-speed factor {eps_f:.3f}")
