@@ -7,8 +7,9 @@ GPU time too — with Azure-conversation prompts (1,155 tokens on average agains
 prefill is most of it — so a request's work is ``I · w_in + O · s / Θ`` seconds of a saturated
 instance, ``w_in`` and ``Θ`` measured by hardware profiling. Θ is measured in a full batch of the
 profile's requests; ``s = (d(B, K) / B) / (d(B₀, K₀) / B₀)`` carries it to the batch ``B`` the
-mix on the instance fills (KV footprint ``K``): long requests fill the KV cache with fewer of them,
-and each step's time is shared by fewer tokens (ShareGPT on an A100: 151 requests, ``s`` = 1.9).
+mix on the instance fills (KV footprint ``K``, per request as the running batch shows it): long
+requests fill the KV cache with fewer of them, and each step's time is shared by fewer tokens
+(ShareGPT on an A100: 151 requests, ``s`` = 1.9).
 A running request has only its remaining output left.
 
 *Waiting* (Eq. 2, for continuous batching). A request does not wait for the running batch to
@@ -511,7 +512,7 @@ class RCTEstimator:
         out_var = np.empty(n)
         tokens = np.empty(n)
         switch = np.zeros(n)
-        mix_prompt = mix_output = 0.0
+        mix_prompt = mix_output = live_ctx = 0.0
         hws: list[HardwareProfile] = []
         by_model: dict[str, HardwareProfile] = {}
         model = instance.active_model
@@ -535,14 +536,20 @@ class RCTEstimator:
             # The mix of whole requests (prompt work per output token) sets the refill cost.
             mix_prompt += req.input_tokens * hw.input_token_work_s
             mix_output += item.generated + m
+            if item.running:
+                live_ctx += req.input_tokens + item.generated
         slots = self.slots(hws[0], float(tokens.mean()))
         # KV footprint of a request over its decode (its prompt and half its output, on average).
         ctx_per = float(tokens.mean() - 0.5 * out_mean.mean())
-        # Output work in the batch this mix fills (the profile's Θ is for its own requests).
+        n_running = sum(1 for item in queue if item.running)
+        # Output work in the batch this mix fills (the profile's Θ is for its own requests), at
+        # the KV footprint per request the running batch shows now (prompt and tokens generated
+        # so far): the queue's expected outputs lag a drifting mix.
+        footprint = live_ctx / n_running if n_running else ctx_per
         if len(by_model) == 1:
-            factor = np.full(n, _output_work_scale(hws[0], slots, ctx_per))
+            factor = np.full(n, _output_work_scale(hws[0], slots, footprint))
         else:
-            scales = {m: _output_work_scale(h, slots, ctx_per) for m, h in by_model.items()}
+            scales = {m: _output_work_scale(h, slots, footprint) for m, h in by_model.items()}
             factor = np.fromiter((scales[h.model] for h in hws), float, n)
         work_out *= factor
         work_var *= factor * factor
@@ -550,7 +557,6 @@ class RCTEstimator:
         cum_out = np.concatenate(([0.0], np.cumsum(work_out)))
         cum_var = np.concatenate(([0.0], np.cumsum(work_var)))
         cum_switch = np.cumsum(switch)
-        n_running = sum(1 for item in queue if item.running)
         # Waiting requests that find a free slot are admitted as fast as their prompts prefill;
         # the rest wait for running requests to finish (the drain, at the rate of output work).
         free = 0 if refilled else max(slots - n_running, 0)
@@ -714,6 +720,10 @@ class RCTEstimator:
         # Outputs yet to come count half toward the KV footprint over a request's decode.
         remaining = sum(g.output_mean for g in groups) + remaining_running
         ctx_per = (total_tokens - 0.5 * remaining) / max(total_count, 1)
+        # The KV footprint per request the batch shows now (prompt and tokens generated so far):
+        # what the output work is scaled by (as for requests; the queue's own expected outputs
+        # lag a drifting mix).
+        footprint = (tokens - remaining_running) / n_running if n_running else ctx_per
         model = instance.active_model
         switches = 0.0
         out: list[GroupEstimate] = []
@@ -732,7 +742,7 @@ class RCTEstimator:
                 model = g.model
             theta = theta_by_model.get(g.model)
             if theta is None:
-                scale = _output_work_scale(hw, slots, ctx_per)
+                scale = _output_work_scale(hw, slots, footprint)
                 theta = theta_by_model[g.model] = hw.throughput_tps / scale
             # Everything of the group but its last request ...
             own_out = (g.output_mean - g.last_output_mean) / theta

@@ -113,6 +113,31 @@ def test_output_work_is_counted_in_the_batch_a_long_mix_fills() -> None:
     assert long_gap == pytest.approx(expected, rel=1e-9)
 
 
+def test_output_work_follows_the_kv_footprint_the_running_batch_shows() -> None:
+    # max_num_seqs, not the cache, limits the batch: every decode step reads the running
+    # requests' KV cache, so a batch of long contexts makes each output token cost more. The
+    # footprint per request is read from the running batch (prompt + tokens generated), not from
+    # the expected outputs of the queue.
+    est = estimator(kv_capacity_tokens=10_000_000, **KV)
+    hw = hardware(kv_capacity_tokens=10_000_000, **KV)
+
+    def gap(running_prompt: int) -> float:
+        running = [
+            Queued(make_request(100 + i, input_tokens=running_prompt), generated=50, running=True)
+            for i in range(8)
+        ]
+        reqs = [make_request(i, input_tokens=1000) for i in range(30)]
+        ests = est.estimate_requests(instance(), [*running, *waiting(reqs)], NOW)
+        return ests[8 + 21].start_mean - ests[8 + 20].start_mean
+
+    m, _ = est.output_moments(make_request(0, input_tokens=1000))
+    ref = hw.decode_s(8, 8 * 1000.0) / 8  # the profile's batch: 8 requests of 1,000 tokens
+    for prompt in (950, 7950):
+        per_token = hw.decode_s(8, 8 * (prompt + 50.0)) / 8 / ref / hw.throughput_tps
+        assert gap(prompt) == pytest.approx(1000 * hw.input_token_work_s + m * per_token)
+    assert gap(7950) > gap(950)
+
+
 def test_requests_behind_running_ones_only_do_not_wait() -> None:
     # No prompt work and a flat decode speed: completion is exactly prefill + decode.
     est = estimator(input_token_work_s=0.0, saturation_batch=1.0)
