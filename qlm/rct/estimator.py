@@ -9,8 +9,8 @@ instance, ``w_in`` and ``Θ`` measured by hardware profiling. Θ is measured in 
 profile's requests; ``s = (d(B, K) / B) / (d(B₀, K₀) / B₀)`` carries it to the batch ``B`` the
 mix on the instance fills (KV footprint ``K``, per request as the running batch shows it): long
 requests fill the KV cache with fewer of them, and each step's time is shared by fewer tokens
-(ShareGPT on an A100: 151 requests, ``s`` = 1.9).
-A running request has only its remaining output left.
+(ShareGPT on an A100: 151 requests, ``s`` = 1.9). A running request has only its remaining output
+left.
 
 *Waiting* (Eq. 2, for continuous batching). A request does not wait for the running batch to
 finish, only for the requests *waiting* ahead of it to be admitted. Those that find a free slot
