@@ -13,7 +13,7 @@ Prints, for each, the calibration deciles (predicted / observed, bins of at leas
 number off by more than 10 points), then the predicted and actual time per token over eight
 slices of the run (median, the mean log ratio and the decode-speed factor ``ε`` at arrival; the
 mean predicted and actual start of decoding after arrival), and the instances' calibration factors at the
-end (waiting, decode speed).
+end (waiting, decode speed, the slope the time per token is regressed by).
 
 Reproduce: .venv/bin/python experiments/rct_diagnose.py sharegpt 12 --fleet 2xA100:llama-3-8b
 """
@@ -153,7 +153,10 @@ def main() -> int:
         print(f"PIT of the actual {name}, % per decile: " + " ".join(f"{h:.0f}" for h in hist))
     for name in rec.views:
         wait_f, eps_f = rec.estimator.calibration_factors(name)
-        print(f"{name}: waiting factor {wait_f:.3f}, decode-speed factor {eps_f:.3f}")
+        print(
+            f"{name}: waiting factor {wait_f:.3f}, decode-speed factor {eps_f:.3f}, "
+            f"speed slope {rec.estimator.speed_slope(name):.2f}"
+        )
     print(
         "reproduce: .venv/bin/python experiments/rct_diagnose.py "
         + " ".join(sys.argv[1:] or [args.workload, str(args.rate)])

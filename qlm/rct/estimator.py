@@ -32,7 +32,12 @@ the full batch, whatever a request finds on arrival (unless requests are pulled)
 second term is the prefill of the requests that replace finishing ones: in steady state ``B / (Ō d)``
 requests finish per second and as many are admitted, each costing ``Ī · w_in`` of GPU time that
 every running request waits through (``Ī``, ``Ō``: mean prompt and output of the mix). ``ε``
-(1 until learnt, kept in [1/2, 2]) is learnt online.
+(1 until learnt, kept in [1/2, 2]) is learnt online. The state an instance is in on arrival says
+less about a request's decode than the model makes of it: unsaturated, the batch turns over while
+the request runs. So the time per token is regressed toward the mean of what the last ~64
+arrivals were told (log scale), by the slope ``β`` of the actual on the predicted departures from
+that mean, learnt from completions (1 until they say otherwise; at the end of the ShareGPT
+replays 0–0.2, on Azure conv 1).
 
 *Output lengths* (Eq. 3, made Bayesian): ``O`` has the posterior predictive of the request's
 (model, SLO class) — a ``LengthHistogram`` (a Dirichlet over bins of log length whose prior is the
@@ -82,6 +87,8 @@ from qlm.rct.profile import HardwareProfile, RctProfile
 PRIOR_COMPLETIONS = 30.0  # weight of the profile in the drain-rate calibration, in completions
 RATE_FORGETTING = 0.995  # per completion, for drain rate and decode speed: remember ~200
 PRIOR_DECODE_S = 600.0  # weight of the profile in the decode-speed calibration, in seconds
+SLOPE_PRIOR = 20.0  # weight of "predictions come true" (slope 1), in departures of 10 %
+SLOPE_CENTER_ARRIVALS = 64.0  # the recent mean of predicted times per token: ~64 arrivals
 
 PROMPT_BIN_WIDTH = 0.125  # output beliefs per bin of log(1 + prompt tokens): bins 13 % wide
 POOL_STRENGTH = 10.0  # weight of the class-wide belief in a prompt bin's belief, in outputs
@@ -222,6 +229,16 @@ def _output_work_scale(hw: HardwareProfile, slots: int, per_request: float) -> f
     return cur / ref if ref > 0 else 1.0
 
 
+def _shrunk(per_token: float, center: float | None, slope: float) -> float:
+    """A time per token predicted from the instance's state now, regressed toward the recent
+    predictions' mean (log scale) by the slope observed: unsaturated, the batch a request decodes
+    in turns over while it runs, and how much of today's departure from the usual lasts is an
+    empirical matter (ShareGPT replays: 0–0.2; Azure conv: 1)."""
+    if center is None or per_token <= 0 or slope >= 1.0:
+        return per_token
+    return math.exp(center + slope * (math.log(per_token) - center))
+
+
 @dataclass(frozen=True, slots=True)
 class Queued:
     """A request on an instance, with the output tokens it has generated so far; ``running`` when
@@ -288,6 +305,12 @@ class _Calibration:
     saturated: bool = False  # had waiting requests at the last estimate
 
     arrivals: deque[float] = field(default_factory=lambda: deque(maxlen=64))
+    # Regression of the actual log time per token on the predicted one, both about the recent
+    # predictions' mean (``speed_center``): how much of a prediction's departure from what recent
+    # arrivals were told comes true.
+    speed_center: float | None = None
+    slope_xy: float = 0.0
+    slope_xx: float = 0.0
 
     def arrival_rate(self) -> float:
         """Requests per second recently sent to this instance (0 until a few arrived)."""
@@ -325,6 +348,17 @@ class _Calibration:
         ratio = (self.decode_obs + prior) / (self.decode_pred + prior)
         return min(2.0, max(0.5, ratio))
 
+    def speed_slope(self) -> float:
+        """Share of a predicted departure from the recent mean that actually happens (1 until
+        observations say otherwise: pseudo-evidence of ``SLOPE_PRIOR`` departures of 10 %)."""
+        prior = SLOPE_PRIOR * 0.01
+        return min(1.0, max(0.0, (self.slope_xy + prior) / (self.slope_xx + prior)))
+
+    def shrink(self) -> tuple[float | None, float]:
+        """(centre, slope) for ``_shrunk``: what the time per token predicted from the state an
+        instance is in now is regressed by toward what recent arrivals were predicted."""
+        return self.speed_center, self.speed_slope()
+
     def speed_sd(self) -> float:
         """Spread of the time per output token around what was predicted for it when the
         request arrived (the batch a request decodes in changes under it, and the calibration
@@ -348,6 +382,8 @@ class _Prediction:
     wait_raw: float  # work ahead in seconds, before calibration
     d_eff: float  # ε · d from the profile, before calibration
     per_token_s: float  # the time per output token predicted (calibrated)
+    log_raw: float  # log of the time per token before the slope: the regressor ...
+    center: float  # ... and the recent mean it departed from
     mean_latency: float
     work_in: float  # its own prompt work (s) and the work per output token (s)
     work_per_output: float
@@ -570,6 +606,7 @@ class RCTEstimator:
         overloaded = rate * (mix_prompt + mix_output / hws[0].throughput_tps) / max(n, 1) >= 1.0
         wait_rel = cal.wait_rel_sd()
         speed_sd = cal.speed_sd()
+        center, slope = cal.shrink()
         out: list[Estimate] = []
         positions = range(n) if only is None else [i % n for i in only]
         for i in positions:
@@ -584,8 +621,9 @@ class RCTEstimator:
             wait_var = var_raw * wf * wf + (wait_rel * wait_raw * wf) ** 2
             # Arriving faster than it serves, the instance fills its batch before long: the
             # request decodes in a full one, whatever it finds on arrival (unless requests are
-            # pulled: then the planner, not the arrivals, sets the batch).
-            batch = slots if overloaded and not refilled else min(i + 1, slots)
+            # pulled: then the planner, not the arrivals, sets the batch). A running request
+            # shares the batch with all the running ones, whatever its place in the queue.
+            batch = slots if overloaded and not refilled else min(max(i + 1, n_running), slots)
             ctx = _context(hw, batch, slots, ctx_per)
             # While others wait, admissions go on as requests finish (refill); otherwise new
             # arrivals are admitted as they come.
@@ -595,8 +633,9 @@ class RCTEstimator:
                 d_batch = hw.decode_s(batch, ctx) / (1.0 - arrival_share)
             d = d_batch * hw.inefficiency
             start = now + wait + float(own[i])
-            mean = start + float(out_mean[i]) * d * ef
-            var = wait_var + float(out_var[i]) * (d * ef) ** 2
+            per_token = _shrunk(d * ef, center, slope)
+            mean = start + float(out_mean[i]) * per_token
+            var = wait_var + float(out_var[i]) * per_token**2
             post = self.posterior(req)
             out.append(
                 Estimate(
@@ -607,18 +646,23 @@ class RCTEstimator:
                     output=post,
                     generated=item.generated,
                     cap=req.max_tokens,
-                    per_token_s=d * ef,
+                    per_token_s=per_token,
                     speed_sd=speed_sd,
                 )
             )
             if remember and not item.running and req.id not in self._pending:
                 cal.arrivals.append(now)
+                log_raw = math.log(max(d * ef, 1e-12))
+                c = log_raw if center is None else center
+                cal.speed_center = c + (log_raw - c) / SLOPE_CENTER_ARRIVALS
                 # Learn from the prediction made when the request arrived, not from later ones.
                 self._pending[req.id] = _Prediction(
                     instance=instance.name,
                     wait_raw=wait_raw,
                     d_eff=d,
-                    per_token_s=d * ef,
+                    per_token_s=per_token,
+                    log_raw=log_raw,
+                    center=log_raw if center is None else center,
                     mean_latency=mean - now,
                     work_in=(req.input_tokens + item.generated) * hw.input_token_work_s,
                     work_per_output=float(factor[i]) / hw.throughput_tps,
@@ -634,6 +678,11 @@ class RCTEstimator:
         than the profile it has drained its queue and decoded (1.0 before any observation)."""
         cal = self._cal(instance)
         return cal.wait_factor(), cal.eps_factor()
+
+    def speed_slope(self, instance: str) -> float:
+        """Share of a predicted departure of the time per token from the recent mean that came
+        true on ``instance`` (1 before any observation)."""
+        return self._cal(instance).speed_slope()
 
     def _cal(self, instance: str) -> _Calibration:
         cal = self._calibration.get(instance)
@@ -683,6 +732,7 @@ class RCTEstimator:
         self._prefetch_moments(running)
         cal = self._cal(instance.name)
         wf, ef = cal.wait_factor(), cal.eps_factor()
+        center, slope = cal.shrink()
         rel_sd = max(cal.wait_rel_sd(), self.min_rel_sd)
         waiting = waiting_var = 0.0  # work of the groups ahead, all of it waiting
         count = 0
@@ -756,7 +806,9 @@ class RCTEstimator:
             batch = min(before_last + 1, slots)
             refilling = before_last - n_running >= 1
             dec = hw.decode_s(batch, _context(hw, batch, slots, ctx_per))
-            d = (dec + (batch * refill if refilling else 0.0)) * hw.inefficiency * ef
+            d = _shrunk(
+                (dec + (batch * refill if refilling else 0.0)) * hw.inefficiency * ef, center, slope
+            )
             mean = now + wait + hw.prefill_s(g.last_input_tokens) + g.last_output_mean * d
             var = wait_var + (rel_sd * wait) ** 2 + g.last_output_var * d * d
             out.append(
@@ -827,14 +879,18 @@ class RCTEstimator:
             cal.wait_obs = lam * cal.wait_obs + (scheduled_s - request.arrival_s)
             cal.wait_pred = lam * cal.wait_pred + pred.wait_raw
         if first_token_s is not None and finish_s is not None and output_tokens > 1:
-            cal.decode_obs = RATE_FORGETTING * cal.decode_obs + (finish_s - first_token_s)
+            decoding = finish_s - first_token_s
+            cal.decode_obs = RATE_FORGETTING * cal.decode_obs + decoding
             cal.decode_pred = RATE_FORGETTING * cal.decode_pred + pred.d_eff * (output_tokens - 1)
             cal.decode_prior *= RATE_FORGETTING
-            observed = (finish_s - first_token_s) / (output_tokens - 1)
+            observed = decoding / (output_tokens - 1)
             if observed > 0 and pred.per_token_s > 0:
                 r = math.log(observed / pred.per_token_s)
                 cal.speed_n = lam * cal.speed_n + 1
                 cal.speed_sq = lam * cal.speed_sq + r * r
+                dx, dy = pred.log_raw - pred.center, math.log(observed) - pred.center
+                cal.slope_xy = lam * cal.slope_xy + dx * dy
+                cal.slope_xx = lam * cal.slope_xx + dx * dx
         if scheduled_s is not None and pred.wait_raw > 1e-3:
             predicted = pred.wait_raw * cal.wait_factor()
             error = scheduled_s - request.arrival_s - predicted

@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+from collections.abc import Callable
 from dataclasses import asdict, replace
 from typing import Any
 
@@ -741,3 +742,62 @@ def test_the_decode_speed_calibration_forgets_the_profile_as_evidence_accumulate
     run(1500, 20)
     _, late = est.calibration_factors("i0")
     assert late == pytest.approx(1.5, rel=0.02)
+
+
+def _speed_run(est: RCTEstimator, actual: Callable[[float], float], n: int) -> None:
+    """``n`` requests arriving 10 s apart onto an instance running 0 or 40 others, each decoding
+    at ``actual(predicted time per token)``."""
+    for i in range(n):
+        others = [Queued(make_request(10_000 + k), running=True) for k in range(40 * (i % 2))]
+        r = make_request(i, arrival_s=NOW + 10 * i, input_tokens=500)
+        (pred,) = est.estimate_requests(
+            instance(), [*others, Queued(r)], NOW + 10 * i, remember=True, only=[-1]
+        )
+        t0 = pred.start_mean
+        est.observe(
+            r, output_tokens=70, first_token_s=t0, finish_s=t0 + 69 * actual(pred.per_token_s)
+        )
+
+
+def _per_token(est: RCTEstimator, running: int) -> float:
+    others = [Queued(make_request(20_000 + k), running=True) for k in range(running)]
+    probe = make_request(30_000, arrival_s=NOW, input_tokens=500)
+    (e,) = est.estimate_requests(instance(), [*others, Queued(probe)], NOW, only=[-1])
+    return e.per_token_s
+
+
+def test_a_departure_from_the_usual_speed_that_never_comes_true_is_regressed_away() -> None:
+    """The state on arrival (alone, or behind 40 running requests) predicts different speeds, but
+    every request decodes at the same one (the batch turned over while it ran): the estimator
+    learns that the departures do not come true and predicts close to the recent mean."""
+    est = estimator()
+    alone, crowded = _per_token(est, 0), _per_token(est, 40)
+    assert crowded > 1.5 * alone  # the profile's prediction from the state
+    typical = math.sqrt(alone * crowded)
+    _speed_run(est, lambda _: typical, 400)
+    shrunk_alone, shrunk_crowded = _per_token(est, 0), _per_token(est, 40)
+    assert shrunk_crowded / shrunk_alone < 1.1
+    assert alone < shrunk_alone < shrunk_crowded < crowded
+
+
+def test_departures_that_come_true_are_kept() -> None:
+    """Same states, but each request decodes at the speed its state predicted: nothing to regress."""
+    est = estimator()
+    alone, crowded = _per_token(est, 0), _per_token(est, 40)
+    _speed_run(est, lambda predicted: predicted, 400)
+    # ε learns nothing (the profile was right); the ratio of the two predictions is untouched.
+    assert _per_token(est, 40) / _per_token(est, 0) == pytest.approx(crowded / alone, rel=0.02)
+
+
+def test_running_requests_all_decode_in_the_batch_they_share() -> None:
+    """The first of five running requests decodes in the batch of five, not alone; a request
+    admitted behind them in the batch of six."""
+    est = estimator()
+    hw = hardware()
+    queue = [Queued(make_request(k), running=True) for k in range(5)] + waiting([make_request(9)])
+    estimates = est.estimate_requests(instance(), queue, NOW)
+    for e in estimates[:5]:
+        assert e.per_token_s == pytest.approx(
+            hw.decode_s(5, 5 * hw.decode_ctx_tokens) * hw.inefficiency, rel=0.05
+        )
+    assert estimates[5].per_token_s > estimates[0].per_token_s
