@@ -28,7 +28,9 @@ instance is filling its batch then, and completions are few.
 decode time per token with ``B`` requests running (from a request alone to a full batch, profiled)
 whose KV cache holds ``K`` tokens (each step reads all of it; the whole cache once it limits the
 batch). An instance receiving more work than it serves is about to fill its batch: ``B`` is then
-the full batch, whatever a request finds on arrival (unless requests are pulled). The
+the full batch, whatever a request finds on arrival (unless requests are pulled) — its slots, or
+the ``T / (1 + Ī / Ō)`` requests its token budget per step ``T`` sustains when the prompts that
+replace finishing requests take the rest of each step (``_sustained``). The
 second term is the prefill of the requests that replace finishing ones: in steady state ``B / (Ō d)``
 requests finish per second and as many are admitted, each costing ``Ī · w_in`` of GPU time that
 every running request waits through (``Ī``, ``Ō``: mean prompt and output of the mix). ``ε``
@@ -227,6 +229,19 @@ def _output_work_scale(hw: HardwareProfile, slots: int, per_request: float) -> f
     ref = hw.decode_s(sat, ref_ctx) / sat
     cur = hw.decode_s(slots, _context(hw, slots, slots, per_request)) / slots
     return cur / ref if ref > 0 else 1.0
+
+
+def _sustained(hw: HardwareProfile, refill: float) -> float:
+    """Requests a busy instance keeps running under its token budget per step ``T``: each
+    step decodes one token of each of ``B`` requests and prefills the prompts of those that
+    replace the finished ones, ``B · Ī / Ō`` tokens, so ``B (1 + Ī / Ō) ≤ T``. (Azure conv's
+    1,155-token prompts and 211-token answers on an A100's 2,048: 316, above its 256 slots; in a
+    stretch of longer prompts and shorter answers the batch stays near 200.) Unbounded when the
+    budget is unknown."""
+    budget = hw.max_num_batched_tokens
+    if budget <= 0 or hw.input_token_work_s <= 0:
+        return math.inf
+    return max(1.0, budget / (1.0 + refill / hw.input_token_work_s))
 
 
 def _shrunk(per_token: float, center: float | None, slope: float) -> float:
@@ -575,6 +590,10 @@ class RCTEstimator:
             if item.running:
                 live_ctx += req.input_tokens + item.generated
         slots = self.slots(hws[0], float(tokens.mean()))
+        refill = mix_prompt / max(mix_output, 1.0)
+        # The batch a busy instance runs: its slots, or fewer when its token budget per step is
+        # spent on the prompts that replace finishing requests (``_sustained``).
+        full = int(min(slots, _sustained(hws[0], refill)))
         # KV footprint of a request over its decode (its prompt and half its output, on average).
         ctx_per = float(tokens.mean() - 0.5 * out_mean.mean())
         n_running = sum(1 for item in queue if item.running)
@@ -598,7 +617,6 @@ class RCTEstimator:
         free = 0 if refilled else max(slots - n_running, 0)
         drain_from = n_running + max(free - 1, 0)
         cal.saturated = n - n_running - 1 > free  # someone besides the newest waits for a slot
-        refill = mix_prompt / max(mix_output, 1.0)
         # Unsaturated, new arrivals' prefills interrupt decoding: the share of time they take.
         # Arriving faster than it serves (ρ ≥ 1), the instance is about to saturate.
         rate = cal.arrival_rate()
@@ -623,11 +641,15 @@ class RCTEstimator:
             # request decodes in a full one, whatever it finds on arrival (unless requests are
             # pulled: then the planner, not the arrivals, sets the batch). A running request
             # shares the batch with all the running ones, whatever its place in the queue.
-            batch = slots if overloaded and not refilled else min(max(i + 1, n_running), slots)
+            busy = i - n_running >= 1 or overloaded or refilled
+            if overloaded and not refilled:
+                batch = full
+            else:
+                batch = min(max(i + 1, n_running), full if busy else slots)
             ctx = _context(hw, batch, slots, ctx_per)
             # While others wait, admissions go on as requests finish (refill); otherwise new
             # arrivals are admitted as they come.
-            if i - n_running >= 1 or overloaded or refilled:
+            if busy:
                 d_batch = hw.decode_s(batch, ctx) + batch * refill
             else:
                 d_batch = hw.decode_s(batch, ctx) / (1.0 - arrival_share)
@@ -785,6 +807,7 @@ class RCTEstimator:
         for pos, g in enumerate(groups):
             hw = self.profile.hardware_for(g.model, instance.gpu, instance.gpu_count)
             slots = self.slots(hw, total_tokens / max(total_count, 1))
+            full = int(min(slots, _sustained(hw, refill)))
             if free is None:
                 free = max(slots - n_running, 0)
             if g.model != model:
@@ -803,8 +826,8 @@ class RCTEstimator:
             before_last = count + g.size - 1  # requests ahead of the group's last request
             wait = (waiting + own - exempt - share * own_out) * wf + switches
             wait_var = (waiting_var + own_var - exempt_var - share * own_var) * wf * wf
-            batch = min(before_last + 1, slots)
             refilling = before_last - n_running >= 1
+            batch = min(before_last + 1, full if refilling else slots)
             dec = hw.decode_s(batch, _context(hw, batch, slots, ctx_per))
             d = _shrunk(
                 (dec + (batch * refill if refilling else 0.0)) * hw.inefficiency * ef, center, slope

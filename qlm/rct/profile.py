@@ -48,8 +48,16 @@ class HardwareProfile:
     # ``decode_per_token_s`` were measured (0: decode time depends on the batch size alone).
     decode_per_ctx_token_s: float = 0.0
     decode_ctx_tokens: float = 0.0
+    # The engine's token budget per step (vLLM's ``max_num_batched_tokens``: decodes and prompt
+    # chunks together); 0 when unknown. Long prompts can keep a batch below its slots with it.
+    max_num_batched_tokens: int = 0
 
     def __post_init__(self) -> None:
+        if self.max_num_batched_tokens < 0:
+            raise ConfigError(
+                f"hardware profile {self.key}: max_num_batched_tokens must be >= 0 (0: unknown), "
+                f"got {self.max_num_batched_tokens}"
+            )
         if self.decode_per_ctx_token_s < 0 or self.decode_ctx_tokens < 0:
             raise ConfigError(
                 f"hardware profile {self.key}: decode_per_ctx_token_s and decode_ctx_tokens "

@@ -152,6 +152,7 @@ def profile_sim_hardware(
         inefficiency=max(eps, 1.0),
         saturation_batch=batch_size,
         max_num_seqs=cfg.max_num_seqs,
+        max_num_batched_tokens=cfg.max_num_batched_tokens,
         decode_per_ctx_token_s=per_ctx,
         decode_ctx_tokens=input_tokens + output_tokens / 2,
         kv_bytes_per_token=perf.model.kv_bytes_per_token,

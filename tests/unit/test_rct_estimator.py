@@ -22,6 +22,7 @@ from qlm.rct.estimator import (
     InstanceView,
     Queued,
     RCTEstimator,
+    _sustained,
 )
 from qlm.rct.output_model import HIST_BINS, NIG, LengthHistogram, length_bin
 from qlm.rct.profile import HardwareProfile, RctProfile, dump_profile, parse_profile
@@ -607,6 +608,12 @@ def test_a_profile_survives_a_json_round_trip() -> None:
             ),
             id="invalid-hardware-value",
         ),
+        pytest.param(
+            json.dumps(
+                {"version": 1, "hardware": [asdict(hardware(max_num_batched_tokens=7))]}
+            ).replace('"max_num_batched_tokens": 7', '"max_num_batched_tokens": -1'),
+            id="negative-token-budget",
+        ),
     ],
 )
 def test_a_broken_profile_is_refused_naming_its_file(text: str) -> None:
@@ -621,6 +628,7 @@ def test_profiling_the_simulated_a100_gives_sane_values() -> None:
     perf = default_catalog().perf_model("llama-3-8b", "A100", 1)
     hw = profile_sim_hardware(perf)
     assert hw.key == ("llama-3-8b", "A100", 1)
+    assert hw.max_num_batched_tokens == 2048  # vLLM's online-serving default on an A100
     assert 0 < hw.decode_alone_s < hw.decode_per_token_s
     assert hw.throughput_tps > 0
     per_token_s = perf.step.per_token_ms / 1000
@@ -801,3 +809,33 @@ def test_running_requests_all_decode_in_the_batch_they_share() -> None:
             hw.decode_s(5, 5 * hw.decode_ctx_tokens) * hw.inefficiency, rel=0.05
         )
     assert estimates[5].per_token_s > estimates[0].per_token_s
+
+
+def test_the_batch_a_token_budget_sustains_is_the_budget_over_one_plus_prompt_per_output() -> None:
+    """Azure conv's mix (1,155-token prompts, 211-token answers) on an A100's 2,048 tokens per
+    step: each step decodes B tokens and prefills B · 1155 / 211 of the prompts replacing them."""
+    hw = hardware(max_num_batched_tokens=2048)
+    refill = 1155 * hw.input_token_work_s / 211
+    assert _sustained(hw, refill) == pytest.approx(2048 / (1 + 1155 / 211), rel=1e-12)
+    assert _sustained(hardware(), refill) == math.inf  # budget unknown
+
+
+def test_a_busy_instance_whose_budget_goes_to_prompts_runs_fewer_requests_than_its_slots() -> None:
+    """Eight slots, 1,000-token prompts, ~70-token outputs, 64 tokens per step: the budget
+    sustains four running requests. With four running and seven waiting, a new request decodes
+    in the batch of four (refilled as they finish), not of eight."""
+    free_est, tight_est = estimator(), estimator(max_num_batched_tokens=64)
+    queue = [Queued(make_request(k, input_tokens=1000), running=True) for k in range(4)]
+    queue += waiting([make_request(10 + k, input_tokens=1000) for k in range(7)])
+    (free,) = free_est.estimate_requests(instance(), queue, NOW, only=[-1])
+    (tight,) = tight_est.estimate_requests(instance(), queue, NOW, only=[-1])
+    hw = hardware()
+    m, _ = free_est.output_moments(queue[-1].request)
+    refill = 1000 * hw.input_token_work_s / m
+    assert int(_sustained(hardware(max_num_batched_tokens=64), refill)) == 4
+    assert free.per_token_s == pytest.approx(
+        (hw.decode_s(8) + 8 * refill) * hw.inefficiency, rel=1e-9
+    )
+    assert tight.per_token_s == pytest.approx(
+        (hw.decode_s(4) + 4 * refill) * hw.inefficiency, rel=1e-9
+    )
