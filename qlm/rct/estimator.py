@@ -34,7 +34,10 @@ replace finishing requests take the rest of each step (``_sustained``). The
 second term is the prefill of the requests that replace finishing ones: in steady state ``B / (Ō d)``
 requests finish per second and as many are admitted, each costing ``Ī · w_in`` of GPU time that
 every running request waits through (``Ī``, ``Ō``: mean prompt and output of the mix). ``ε``
-(1 until learnt, kept in [1/2, 2]) is learnt online. The state an instance is in on arrival says
+(1 until learnt, kept in [1/2, 2]) is learnt online — a factor of its own for requests that
+arrive while the batch fills (requests waiting to be admitted, fewer than ``FILL_SHARE`` of the
+batch running): then each step also prefills the prompts being admitted, and those slow decodes
+must not teach the full batch's factor. The state an instance is in on arrival says
 less about a request's decode than the model makes of it: unsaturated, the batch turns over while
 the request runs. So the time per token is regressed toward the mean of what the last ~64
 arrivals were told (log scale), by the slope ``β`` of the actual on the predicted departures from
@@ -89,6 +92,7 @@ from qlm.rct.profile import HardwareProfile, RctProfile
 PRIOR_COMPLETIONS = 30.0  # weight of the profile in the drain-rate calibration, in completions
 RATE_FORGETTING = 0.995  # per completion, for drain rate and decode speed: remember ~200
 PRIOR_DECODE_S = 600.0  # weight of the profile in the decode-speed calibration, in seconds
+FILL_SHARE = 0.75  # filling: fewer running than this share of the batch it will hold
 SLOPE_PRIOR = 20.0  # weight of "predictions come true" (slope 1), in departures of 10 %
 SLOPE_CENTER_ARRIVALS = 64.0  # the recent mean of predicted times per token: ~64 arrivals
 
@@ -312,6 +316,12 @@ class _Calibration:
     wait_pred: float = 0.0
     decode_obs: float = 0.0
     decode_pred: float = 0.0
+    # The same for requests that arrived while the batch was filling (slots free, others waiting
+    # to be admitted): each step then also prefills the prompts being admitted, a regime of its
+    # own that must not teach the full batch's factor.
+    fill_obs: float = 0.0
+    fill_pred: float = 0.0
+    fill_prior: float = 1.0
     speed_n: float = 0.0  # observed log(actual / predicted time per token): count ...
     speed_sq: float = 0.0  # ... and sum of squares
     n_wait: float = 0.0
@@ -354,11 +364,15 @@ class _Calibration:
         ratio = self.wait_obs / self.wait_pred if self.wait_pred > 1.0 else 1.0
         return min(4.0, max(0.25, ratio))
 
-    def eps_factor(self) -> float:
+    def eps_factor(self, filling: bool = False) -> float:
         """Observed over predicted decode time, shrunk toward 1 (the profile) by
         ``PRIOR_DECODE_S`` seconds of pseudo-evidence: decode speed depends on the load regime,
         and a few early completions must not set it for everyone after them. The pseudo-evidence
         is forgotten like the observations, so it fades once they are many."""
+        if filling:
+            prior = self.fill_prior * PRIOR_DECODE_S
+            ratio = (self.fill_obs + prior) / (self.fill_pred + prior)
+            return min(2.0, max(0.5, ratio))
         prior = self.decode_prior * PRIOR_DECODE_S
         ratio = (self.decode_obs + prior) / (self.decode_pred + prior)
         return min(2.0, max(0.5, ratio))
@@ -403,6 +417,7 @@ class _Prediction:
     work_in: float  # its own prompt work (s) and the work per output token (s)
     work_per_output: float
     output_mean: float  # the output it was expected to generate
+    filling: bool = False  # arrived while the batch was filling
 
 
 @dataclass
@@ -625,6 +640,8 @@ class RCTEstimator:
         wait_rel = cal.wait_rel_sd()
         speed_sd = cal.speed_sd()
         center, slope = cal.shrink()
+        filling = not refilled and n - n_running > 1 and n_running < FILL_SHARE * full
+        ef_fill = cal.eps_factor(filling=True) if filling else ef
         out: list[Estimate] = []
         positions = range(n) if only is None else [i % n for i in only]
         for i in positions:
@@ -655,7 +672,9 @@ class RCTEstimator:
                 d_batch = hw.decode_s(batch, ctx) / (1.0 - arrival_share)
             d = d_batch * hw.inefficiency
             start = now + wait + float(own[i])
-            per_token = _shrunk(d * ef, center, slope)
+            fills = filling and not item.running
+            e_i = ef_fill if fills else ef
+            per_token = _shrunk(d * e_i, center, slope)
             mean = start + float(out_mean[i]) * per_token
             var = wait_var + float(out_var[i]) * per_token**2
             post = self.posterior(req)
@@ -674,7 +693,7 @@ class RCTEstimator:
             )
             if remember and not item.running and req.id not in self._pending:
                 cal.arrivals.append(now)
-                log_raw = math.log(max(d * ef, 1e-12))
+                log_raw = math.log(max(d * e_i, 1e-12))
                 c = log_raw if center is None else center
                 cal.speed_center = c + (log_raw - c) / SLOPE_CENTER_ARRIVALS
                 # Learn from the prediction made when the request arrived, not from later ones.
@@ -689,6 +708,7 @@ class RCTEstimator:
                     work_in=(req.input_tokens + item.generated) * hw.input_token_work_s,
                     work_per_output=float(factor[i]) / hw.throughput_tps,
                     output_mean=float(out_mean[i]),
+                    filling=fills,
                 )
         return out
 
@@ -903,9 +923,16 @@ class RCTEstimator:
             cal.wait_pred = lam * cal.wait_pred + pred.wait_raw
         if first_token_s is not None and finish_s is not None and output_tokens > 1:
             decoding = finish_s - first_token_s
-            cal.decode_obs = RATE_FORGETTING * cal.decode_obs + decoding
-            cal.decode_pred = RATE_FORGETTING * cal.decode_pred + pred.d_eff * (output_tokens - 1)
-            cal.decode_prior *= RATE_FORGETTING
+            if pred.filling:
+                cal.fill_obs = RATE_FORGETTING * cal.fill_obs + decoding
+                cal.fill_pred = RATE_FORGETTING * cal.fill_pred + pred.d_eff * (output_tokens - 1)
+                cal.fill_prior *= RATE_FORGETTING
+            else:
+                cal.decode_obs = RATE_FORGETTING * cal.decode_obs + decoding
+                cal.decode_pred = RATE_FORGETTING * cal.decode_pred + pred.d_eff * (
+                    output_tokens - 1
+                )
+                cal.decode_prior *= RATE_FORGETTING
             observed = decoding / (output_tokens - 1)
             if observed > 0 and pred.per_token_s > 0:
                 r = math.log(observed / pred.per_token_s)

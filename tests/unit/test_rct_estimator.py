@@ -839,3 +839,28 @@ def test_a_busy_instance_whose_budget_goes_to_prompts_runs_fewer_requests_than_i
     assert tight.per_token_s == pytest.approx(
         (hw.decode_s(4) + 4 * refill) * hw.inefficiency, rel=1e-9
     )
+
+
+def test_slow_decodes_during_a_fill_teach_the_fill_not_the_full_batch() -> None:
+    """Requests that arrive while the batch fills (two of eight slots running, others waiting to
+    be admitted) decode 1.5 times slower than the profile says — each step also prefills the
+    prompts being admitted. They teach the factor for requests arriving in a fill; the factor of
+    the full batch, which the planner uses, stays the profile's."""
+    est = estimator()
+    running = [Queued(make_request(1000 + k, input_tokens=500), running=True) for k in range(2)]
+    ahead = waiting([make_request(2000 + k, input_tokens=500) for k in range(3)])
+    probe = make_request(9999, arrival_s=NOW, input_tokens=500)
+    (before,) = est.estimate_requests(instance(), [*running, *ahead, Queued(probe)], NOW, only=[-1])
+    for i in range(1500):
+        r = make_request(i, arrival_s=NOW, input_tokens=500)
+        (pred,) = est.estimate_requests(
+            instance(), [*running, *ahead, Queued(r)], NOW, remember=True, only=[-1]
+        )
+        t0 = pred.start_mean
+        est.observe(
+            r, output_tokens=70, first_token_s=t0, finish_s=t0 + 69 * 1.5 * before.per_token_s
+        )
+    _, full_batch = est.calibration_factors("i0")
+    assert full_batch == pytest.approx(1.0)
+    (after,) = est.estimate_requests(instance(), [*running, *ahead, Queued(probe)], NOW, only=[-1])
+    assert after.per_token_s == pytest.approx(1.5 * before.per_token_s, rel=0.03)
