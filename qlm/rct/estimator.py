@@ -368,14 +368,14 @@ class _Calibration:
         """Observed over predicted decode time, shrunk toward 1 (the profile) by
         ``PRIOR_DECODE_S`` seconds of pseudo-evidence: decode speed depends on the load regime,
         and a few early completions must not set it for everyone after them. The pseudo-evidence
-        is forgotten like the observations, so it fades once they are many."""
+        is forgotten like the observations, so it fades once they are many. ``filling``: the
+        factor of requests that arrived while the batch filled, learnt from them alone."""
         if filling:
-            prior = self.fill_prior * PRIOR_DECODE_S
-            ratio = (self.fill_obs + prior) / (self.fill_pred + prior)
-            return min(2.0, max(0.5, ratio))
-        prior = self.decode_prior * PRIOR_DECODE_S
-        ratio = (self.decode_obs + prior) / (self.decode_pred + prior)
-        return min(2.0, max(0.5, ratio))
+            obs, pred, weight = self.fill_obs, self.fill_pred, self.fill_prior
+        else:
+            obs, pred, weight = self.decode_obs, self.decode_pred, self.decode_prior
+        prior = weight * PRIOR_DECODE_S
+        return min(2.0, max(0.5, (obs + prior) / (pred + prior)))
 
     def speed_slope(self) -> float:
         """Share of a predicted departure from the recent mean that actually happens (1 until
