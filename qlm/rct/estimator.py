@@ -37,7 +37,9 @@ every running request waits through (``Ī``, ``Ō``: mean prompt and output of t
 (1 until learnt, kept in [1/2, 2]) is learnt online — a factor of its own for requests that
 arrive while the batch fills (requests waiting to be admitted, fewer than ``FILL_SHARE`` of the
 batch running): then each step also prefills the prompts being admitted, and those slow decodes
-must not teach the full batch's factor. The state an instance is in on arrival says
+must not teach the full batch's factor. With the token budget ``T`` known, such a request's first
+``(B_full − B) · Ī / (T − B)`` tokens are counted at ``d(B) + (T − B) · w_in`` (steps full of
+prompt chunks), the rest in the full batch. The state an instance is in on arrival says
 less about a request's decode than the model makes of it: unsaturated, the batch turns over while
 the request runs. So the time per token is regressed toward the mean of what the last ~64
 arrivals were told (log scale), by the slope ``β`` of the actual on the predicted departures from
@@ -642,6 +644,7 @@ class RCTEstimator:
         center, slope = cal.shrink()
         filling = not refilled and n - n_running > 1 and n_running < FILL_SHARE * full
         ef_fill = cal.eps_factor(filling=True) if filling else ef
+        prompt_tokens = mix_prompt / max(hws[0].input_token_work_s, 1e-12) / n
         out: list[Estimate] = []
         positions = range(n) if only is None else [i % n for i in only]
         for i in positions:
@@ -670,6 +673,17 @@ class RCTEstimator:
                 d_batch = hw.decode_s(batch, ctx) + batch * refill
             else:
                 d_batch = hw.decode_s(batch, ctx) / (1.0 - arrival_share)
+            # Admitted while the batch fills, a request decodes its first tokens in steps that
+            # spend the rest of the token budget on the prompts still to be admitted.
+            budget = hw.max_num_batched_tokens
+            if filling and not item.running and budget > batch:
+                b_in = min(i + 1, full)
+                steps = max(full - b_in, 0) * prompt_tokens / (budget - b_in)
+                if steps > 0:
+                    c_in = _context(hw, b_in, slots, ctx_per)
+                    t_fill = hw.decode_s(b_in, c_in) + (budget - b_in) * hw.input_token_work_s
+                    share = min(steps / max(float(out_mean[i]), 1.0), 1.0)
+                    d_batch += share * (t_fill - d_batch)
             d = d_batch * hw.inefficiency
             start = now + wait + float(own[i])
             fills = filling and not item.running

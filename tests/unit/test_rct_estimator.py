@@ -864,3 +864,23 @@ def test_slow_decodes_during_a_fill_teach_the_fill_not_the_full_batch() -> None:
     assert full_batch == pytest.approx(1.0)
     (after,) = est.estimate_requests(instance(), [*running, *ahead, Queued(probe)], NOW, only=[-1])
     assert after.per_token_s == pytest.approx(1.5 * before.per_token_s, rel=0.03)
+
+
+def test_a_request_admitted_while_the_batch_fills_decodes_its_first_tokens_in_full_steps() -> None:
+    """Two of eight slots running, four waiting with 3,000-token prompts, 4,000 tokens per step:
+    until the batch is full every step also prefills the prompts being admitted, so the newest
+    request's first ``(8 − 6) · 3000 / (4000 − 6)`` tokens take ``d(6) + 3994 · w_in`` each."""
+    hw = hardware(max_num_batched_tokens=4000)
+    queue = [Queued(make_request(k, input_tokens=3000), running=True) for k in range(2)]
+    queue += waiting([make_request(10 + k, input_tokens=3000) for k in range(4)])
+    est = estimator(max_num_batched_tokens=4000)
+    (e,) = est.estimate_requests(instance(), queue, NOW, only=[-1])
+    m, _ = est.output_moments(queue[-1].request)
+    steady = hw.decode_s(6) + 6 * 3000 * hw.input_token_work_s / m
+    fill_steps = 2 * 3000 / (4000 - 6)
+    t_fill = hw.decode_s(6) + (4000 - 6) * hw.input_token_work_s
+    expected = steady + fill_steps / m * (t_fill - steady)
+    assert e.per_token_s == pytest.approx(expected * hw.inefficiency, rel=1e-9)
+    # Unknown budget: no fill steps.
+    (plain,) = estimator().estimate_requests(instance(), queue, NOW, only=[-1])
+    assert plain.per_token_s == pytest.approx(steady * hw.inefficiency, rel=1e-9)
