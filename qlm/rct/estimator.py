@@ -675,8 +675,9 @@ class RCTEstimator:
                 d_batch = hw.decode_s(batch, ctx) / (1.0 - arrival_share)
             # Admitted while the batch fills, a request decodes its first tokens in steps that
             # spend the rest of the token budget on the prompts still to be admitted.
+            fills = filling and not item.running
             budget = hw.max_num_batched_tokens
-            if filling and not item.running and budget > batch:
+            if fills and budget > batch:
                 b_in = min(i + 1, full)
                 steps = max(full - b_in, 0) * prompt_tokens / (budget - b_in)
                 if steps > 0:
@@ -686,7 +687,6 @@ class RCTEstimator:
                     d_batch += share * (t_fill - d_batch)
             d = d_batch * hw.inefficiency
             start = now + wait + float(own[i])
-            fills = filling and not item.running
             e_i = ef_fill if fills else ef
             per_token = _shrunk(d * e_i, center, slope)
             mean = start + float(out_mean[i]) * per_token
