@@ -14,6 +14,11 @@ heavy enough that queues form — the regime the estimator exists for:
 - ``sharegpt``: ``--sharegpt-duration`` seconds of Poisson arrivals at ``--sharegpt-rate`` req/s with
   lengths sampled from one half of the ShareGPT length file; the prior is fitted on the other half.
 On H100 both rates are multiplied by 2.5 (an H100 serves about 2.5× an A100 here).
+Arrivals do not stop at the end of the measured window: ``--tail`` seconds more follow it (Azure:
+the trace goes on, from its 600th second again past its end; ShareGPT: more Poisson arrivals) and
+are served but not measured, so the window's last requests decode in a batch that keeps being
+refilled, as a running service's would, not in one draining because the replay ran out. The
+replay stops when every measured request has finished.
 Both use the W_B SLO classes (interactive 20 s, standard 60 s, batch 300 s), so the predicted
 ``P(meet SLO)`` spans the whole range.
 
@@ -31,6 +36,8 @@ Reproduce: .venv/bin/python experiments/rct_accuracy.py
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import json
 import sys
 from concurrent.futures import ProcessPoolExecutor
@@ -53,6 +60,7 @@ from qlm.sim.workload import create_workload
 
 RESULTS = Path(__file__).resolve().parent / "results"
 R2_TARGET, CAL_TOLERANCE, CAL_MIN_N = 0.95, 0.10, 50
+TAIL_S = 300.0  # arrivals go on this long after the measured window (until its requests finish)
 
 
 @dataclass
@@ -68,8 +76,18 @@ class Recorder:
     actual_wait: dict[str, float] = field(default_factory=dict)
     decode: dict[str, tuple[float, float, int]] = field(default_factory=dict)
     actual: dict[str, float] = field(default_factory=dict)
+    met: dict[str, bool] = field(default_factory=dict)
+    scored: frozenset[str] | None = None  # the measured requests (None: all of them)
+    pending: set[str] = field(default_factory=set)  # measured ones not finished yet
+
+    def __post_init__(self) -> None:
+        self.pending = set(self.scored or ())
 
     def on_dispatch(self, now: float, request: Request, engine: SimEngine) -> None:
+        if self.scored is not None and request.id not in self.scored:
+            # A tail request arrives after every measured one has been predicted: what the
+            # estimator would learn from it could only change predictions nobody measures.
+            return
         queue = [
             Queued(self.requests[rid], generated, running)
             for rid, generated, running in engine.queue_view()
@@ -99,6 +117,7 @@ class Recorder:
             first_token_s=record.first_token_s,
             finish_s=record.finish_s,
         )
+        self.met[req.id] = record.slo_met
         if record.e2e_s is not None:
             self.actual[req.id] = record.e2e_s
         if record.queue_s is not None:
@@ -110,6 +129,13 @@ class Recorder:
                 per_token,
                 record.output_tokens,
             )
+        self.pending.discard(req.id)
+        if self.scored is not None and not self.pending:
+            raise ReplayDone
+
+
+class ReplayDone(Exception):
+    """Every scored request has finished: what the tail's requests do next is not measured."""
 
 
 def run_case(
@@ -118,8 +144,12 @@ def run_case(
     prior_outputs: list[int],
     fleet: str,
     *,
+    tail: list[Request] | None = None,
     by_prompt: bool = False,
 ) -> dict[str, object]:
+    """Replay ``requests`` followed by ``tail`` (arrivals after the measured window, so that its
+    last requests are served as the trace would go on, not by a draining instance) and measure
+    the estimator on ``requests``. The replay stops once every measured request has finished."""
     specs = parse_instances(fleet)
     catalog = default_catalog()
     hardware = {}
@@ -134,11 +164,19 @@ def run_case(
         s.name: InstanceView(s.name, s.gpu, s.gpu_count, active_model=s.models[0]) for s in specs
     }
     estimator = RCTEstimator(profile, by_prompt=by_prompt)
-    recorder = Recorder(estimator, views, {r.id: r for r in requests})
+    tail = tail or []
+    recorder = Recorder(
+        estimator,
+        views,
+        {r.id: r for r in [*requests, *tail]},
+        scored=frozenset(r.id for r in requests),
+    )
     sim = ClusterSimulation(specs, create_policy("fcfs"), observer=recorder)
-    result = sim.run(requests)
-    met = {r.request.id: r.slo_met for r in result.records}
-    ids = [rid for rid in recorder.actual if rid in recorder.predicted]
+    with contextlib.suppress(ReplayDone):
+        sim.run([*requests, *tail])
+    scored = {r.id for r in requests}
+    met = recorder.met
+    ids = [rid for rid in recorder.actual if rid in recorder.predicted and rid in scored]
     pred = np.array([recorder.predicted[i][0] for i in ids])
     act = np.array([recorder.actual[i] for i in ids])
     p = np.array([recorder.predicted[i][1] for i in ids])
@@ -166,7 +204,8 @@ def run_case(
         "mean_wait_s": float(wait_act.mean()),
         "mean_abs_error_s": float(np.mean(np.abs(act - pred))),
         "mean_latency_s": float(act.mean()),
-        "slo_attainment": result.summary["slo_attainment"],
+        "slo_attainment": float(np.mean([met.get(r.id, False) for r in requests])),
+        "tail_requests": len(tail),
         "calibration": rows,
         "output_pit_deciles": pit_deciles,
         "deciles_off": deciles_off(rows),
@@ -208,11 +247,22 @@ def r_squared(pred: np.ndarray, act: np.ndarray) -> float:  # type: ignore[type-
     return 1 - float(np.sum((act - pred) ** 2) / np.sum((act - act.mean()) ** 2))
 
 
+def _after(tail: list[Request], at_s: float, prefix: str) -> list[Request]:
+    """``tail`` (arrivals from 0) moved to arrive from ``at_s`` on, with ids of their own."""
+    return [
+        dataclasses.replace(r, id=f"{prefix}-{r.id}", arrival_s=r.arrival_s + at_s) for r in tail
+    ]
+
+
 def azure_case(
-    rate: float, end_s: float = 1500.0, sample: int = 0
-) -> tuple[list[Request], list[int]]:
+    rate: float, end_s: float = 1500.0, sample: int = 0, tail_s: float = 0.0
+) -> tuple[list[Request], list[Request], list[int]]:
     """Sample ``k`` replays the ``k``-th window of the trace after its first 10 minutes (the
-    prior's), each as long as ``600 s .. end_s``; the W_B classes are drawn with seed ``k``."""
+    prior's), each as long as ``600 s .. end_s``; the W_B classes are drawn with seed ``k``.
+
+    Returns the window's requests, the ``tail_s`` seconds of arrivals (at the replay's rate) that
+    follow it in the trace — from its 600th second again past the trace's end — and the outputs
+    the prior is fitted on."""
     trace = load_trace("azure-conv")
     prior = window(trace, 0.0, 600.0)
     length = end_s - 600.0
@@ -222,14 +272,34 @@ def azure_case(
         raise SystemExit(
             f"--samples: window {start:g}-{start + length:g} s is past the trace's end ({last:.0f} s)"
         )
-    replay = scale_rate(window(trace, start, start + length), rate)
-    return create_workload("wb", replay, seed=sample), [int(x) for x in prior.output_tokens]
+    measured = window(trace, start, start + length)
+    requests = create_workload("wb", scale_rate(measured, rate), seed=sample)
+    tail: list[Request] = []
+    span = tail_s * rate  # trace seconds
+    if span > 0 and requests:
+        t0 = float(trace.arrival_s[np.searchsorted(trace.arrival_s, start)])
+        pieces = [(start + length, min(start + length + span, last + 1.0))]
+        if start + length + span > last + 1.0:
+            pieces.append((600.0, 600.0 + (start + length + span - last - 1.0)))
+        at = start + length  # where the next piece goes, in trace seconds after the window
+        for i, (lo, hi) in enumerate(pieces):
+            part = window(trace, lo, hi)
+            if len(part):
+                first = float(trace.arrival_s[np.searchsorted(trace.arrival_s, lo)])
+                offset = (at + (first - lo) - t0) / rate
+                part_reqs = create_workload(
+                    "wb", scale_rate(part, rate), seed=1000 * (i + 1) + sample
+                )
+                tail += _after(part_reqs, offset, f"tail{i}")
+            at += hi - lo
+    return requests, tail, [int(x) for x in prior.output_tokens]
 
 
 def sharegpt_case(
-    rate: float, duration_s: float, sample: int = 0
-) -> tuple[list[Request], list[int]]:
-    """Sample ``k`` draws arrivals, lengths (from the test half) and W_B classes with seed ``k``."""
+    rate: float, duration_s: float, sample: int = 0, tail_s: float = 0.0
+) -> tuple[list[Request], list[Request], list[int]]:
+    """Sample ``k`` draws arrivals, lengths (from the test half) and W_B classes with seed ``k``;
+    the ``tail_s`` seconds of arrivals after them with seed ``1000 + k``."""
     lengths = load_lengths("sharegpt")
     rng = np.random.default_rng(0)
     idx = rng.permutation(len(lengths.input_tokens))
@@ -237,7 +307,14 @@ def sharegpt_case(
     fit, test = idx[:half], idx[half:]
     sample_ = LengthSample("sharegpt-test", lengths.input_tokens[test], lengths.output_tokens[test])
     trace = synthetic(sample_, rate=rate, duration_s=duration_s, seed=sample)
-    return create_workload("wb", trace, seed=sample), [int(x) for x in lengths.output_tokens[fit]]
+    requests = create_workload("wb", trace, seed=sample)
+    tail: list[Request] = []
+    if tail_s > 0 and requests:
+        more = synthetic(sample_, rate=rate, duration_s=tail_s, seed=1000 + sample)
+        gap = float(np.random.default_rng(2000 + sample).exponential(1.0 / rate))
+        at = requests[-1].arrival_s + gap
+        tail = _after(create_workload("wb", more, seed=1000 + sample), at, "tail")
+    return requests, tail, [int(x) for x in lengths.output_tokens[fit]]
 
 
 def plot(cases: list[dict[str, object]], path: Path) -> None:
@@ -281,20 +358,23 @@ def report(c: dict[str, object], fleet: str) -> None:
             )
 
 
-def run_job(job: tuple[str, str, float, int, float, float, bool]) -> dict[str, object]:
+Job = tuple[str, str, float, int, float, float, bool, float]
+
+
+def run_job(job: Job) -> dict[str, object]:
     """One replay (in a worker process): ``(fleet, workload, rate, sample, azure_end,
-    sharegpt_duration, by_prompt)``."""
-    fleet, workload, rate, sample, azure_end, duration, by_prompt = job
+    sharegpt_duration, by_prompt, tail_s)``."""
+    fleet, workload, rate, sample, azure_end, duration, by_prompt, tail_s = job
     if workload == "azure":
         length = azure_end - 600.0
         start = 600.0 + sample * length
         span = f" {start:g}-{start + length:g} s" if (sample or azure_end != 1500.0) else ""
         name = f"azure-conv x{rate:g}{span}"
-        reqs, prior = azure_case(rate, azure_end, sample)
+        reqs, tail, prior = azure_case(rate, azure_end, sample, tail_s)
     else:
-        reqs, prior = sharegpt_case(rate, duration, sample)
+        reqs, tail, prior = sharegpt_case(rate, duration, sample, tail_s)
         name = f"sharegpt {rate:g} req/s" + (f" seed {sample}" if sample else "")
-    c = run_case(name, reqs, prior, fleet, by_prompt=by_prompt)
+    c = run_case(name, reqs, prior, fleet, tail=tail, by_prompt=by_prompt)
     c["sample"] = sample
     return c
 
@@ -371,10 +451,18 @@ def main() -> int:
         action="store_true",
         help="output beliefs per prompt-length bin (RCTEstimator(by_prompt=True))",
     )
+    parser.add_argument(
+        "--tail",
+        type=float,
+        default=TAIL_S,
+        help="seconds of arrivals replayed after each window, not measured (0: arrivals stop)",
+    )
     args = parser.parse_args()
     if args.samples < 1 or args.jobs < 1:
         parser.error("--samples and --jobs must be >= 1")
-    groups: list[tuple[str, str, list[tuple[str, str, float, int, float, float, bool]]]] = []
+    if not args.tail >= 0:
+        parser.error("--tail must be >= 0")
+    groups: list[tuple[str, str, list[Job]]] = []
     for fleet in args.fleets.split(";"):
         scale = 1.0 if "A100" in fleet else 2.5  # an H100 serves ~2.5x an A100: load it alike
         for workload, rates in (("azure", args.azure_rates), ("sharegpt", args.sharegpt_rates)):
@@ -391,6 +479,7 @@ def main() -> int:
                         args.azure_end,
                         args.sharegpt_duration,
                         args.by_prompt,
+                        args.tail,
                     )
                     for k in range(args.samples)
                 ]

@@ -77,11 +77,14 @@ def main() -> int:
     parser.add_argument("--sharegpt-duration", type=float, default=400.0)
     parser.add_argument("--by-prompt", action="store_true")
     parser.add_argument("--sample", type=int, default=0, help="as rct_accuracy.py's samples")
+    parser.add_argument("--tail", type=float, default=ra.TAIL_S, help="as rct_accuracy.py's")
     args = parser.parse_args()
     if args.workload == "azure":
-        requests, prior = ra.azure_case(args.rate, sample=args.sample)
+        requests, tail, prior = ra.azure_case(args.rate, sample=args.sample, tail_s=args.tail)
     else:
-        requests, prior = ra.sharegpt_case(args.rate, args.sharegpt_duration, args.sample)
+        requests, tail, prior = ra.sharegpt_case(
+            args.rate, args.sharegpt_duration, args.sample, args.tail
+        )
     kept: list[DiagnosingRecorder] = []
 
     def recorder(*a: object, **k: object) -> DiagnosingRecorder:
@@ -89,10 +92,10 @@ def main() -> int:
         return kept[-1]
 
     ra.Recorder = recorder  # type: ignore[misc, assignment]
-    ra.run_case(args.workload, requests, prior, args.fleet, by_prompt=args.by_prompt)
+    ra.run_case(args.workload, requests, prior, args.fleet, tail=tail, by_prompt=args.by_prompt)
     rec = kept[0]
     by_id = {r.id: r for r in requests}
-    ids = [i for i in rec.actual if i in rec.estimates and i in rec.decode]
+    ids = [i for i in rec.actual if i in rec.estimates and i in rec.decode and i in by_id]
     rows = []
     for rid in ids:
         est, now = rec.estimates[rid]
