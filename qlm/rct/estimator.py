@@ -95,6 +95,8 @@ PRIOR_COMPLETIONS = 30.0  # weight of the profile in the drain-rate calibration,
 RATE_FORGETTING = 0.995  # per completion, for drain rate and decode speed: remember ~200
 PRIOR_DECODE_S = 600.0  # weight of the profile in the decode-speed calibration, in seconds
 FILL_SHARE = 0.75  # filling: fewer running than this share of the batch it will hold
+SPEED_PRIOR_SD = 0.3  # spread of log(actual / predicted time per token) before any decode
+SPEED_PRIOR_N = 20.0  # ... worth this many observed decodes
 SLOPE_PRIOR = 20.0  # weight of "predictions come true" (slope 1), in departures of 10 %
 SLOPE_CENTER_ARRIVALS = 64.0  # the recent mean of predicted times per token: ~64 arrivals
 
@@ -324,8 +326,10 @@ class _Calibration:
     fill_obs: float = 0.0
     fill_pred: float = 0.0
     fill_prior: float = 1.0
-    speed_n: float = 0.0  # observed log(actual / predicted time per token): count ...
-    speed_sq: float = 0.0  # ... and sum of squares
+    # Observed log(actual / predicted time per token): count and sum of squares, starting from
+    # the prior's pseudo-observations (forgotten like the observations).
+    speed_n: float = SPEED_PRIOR_N
+    speed_sq: float = SPEED_PRIOR_N * SPEED_PRIOR_SD**2
     n_wait: float = 0.0
     wait_e2: float = 0.0  # sum of squared waiting errors ...
     wait_p2: float = 0.0  # ... and of squared predicted waits
@@ -393,10 +397,8 @@ class _Calibration:
     def speed_sd(self) -> float:
         """Spread of the time per output token around what was predicted for it when the
         request arrived (the batch a request decodes in changes under it, and the calibration
-        moves on while it waits); 0 until 20 were observed. Root mean square, not centred: a
-        bias the calibration has not caught up with is error too."""
-        if self.speed_n < 20:
-            return 0.0
+        moves on while it waits): ``SPEED_PRIOR_SD`` until decodes are observed. Root mean
+        square, not centred: a bias the calibration has not caught up with is error too."""
         return min(1.0, math.sqrt(max(self.speed_sq / self.speed_n, 0.0)))
 
     def wait_rel_sd(self) -> float:

@@ -18,6 +18,7 @@ from qlm.engines.perf_model import default_catalog
 from qlm.errors import ConfigError
 from qlm.rct.estimator import (
     POOL_STRENGTH,
+    SPEED_PRIOR_SD,
     Estimate,
     InstanceView,
     Queued,
@@ -555,6 +556,25 @@ def test_decode_speeds_that_vary_request_to_request_widen_the_completion_distrib
     assert after.p_before(late) < certain.p_before(late) - 0.01
     early = certain.quantile(0.05)
     assert after.p_before(early) > certain.p_before(early) + 0.01
+
+
+def test_decode_speed_is_uncertain_until_decodes_are_observed() -> None:
+    """Before any decode completes the time per token is the profile's guess, and a guess is
+    uncertain: the spread starts at the prior's, not at 0 (which made the first requests of a
+    replay confident about speeds nobody had seen), and narrows as decodes come true."""
+    est = estimator()
+    first = make_request(0, arrival_s=NOW, input_tokens=500)
+    (cold,) = est.estimate_requests(instance(), waiting([first]), NOW)
+    assert cold.speed_sd == pytest.approx(SPEED_PRIOR_SD)
+    for i in range(300):
+        r = make_request(i, arrival_s=NOW, input_tokens=500)
+        (pred,) = est.estimate_requests(instance(), waiting([r]), NOW, remember=True)
+        start = pred.start_mean
+        est.observe(
+            r, output_tokens=70, first_token_s=start, finish_s=start + 69 * pred.per_token_s
+        )
+    (warm,) = est.estimate_requests(instance(), waiting([first]), NOW)
+    assert warm.speed_sd < SPEED_PRIOR_SD / 4
 
 
 def test_completions_on_an_unsaturated_instance_leave_the_waiting_uncalibrated() -> None:
