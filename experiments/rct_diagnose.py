@@ -48,6 +48,8 @@ class DiagnosingRecorder(ra.Recorder):
 
     def on_dispatch(self, now: float, request: Request, engine: SimEngine) -> None:
         super().on_dispatch(now, request, engine)
+        if self.scored is not None and request.id not in self.scored:
+            return  # a tail request: not measured
         queue = [
             ra.Queued(self.requests[rid], generated, running)
             for rid, generated, running in engine.queue_view()
