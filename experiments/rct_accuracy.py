@@ -14,13 +14,17 @@ heavy enough that queues form — the regime the estimator exists for:
 - ``sharegpt``: ``--sharegpt-duration`` seconds of Poisson arrivals at ``--sharegpt-rate`` req/s with
   lengths sampled from one half of the ShareGPT length file; the prior is fitted on the other half.
 On H100 both rates are multiplied by 2.5 (an H100 serves about 2.5× an A100 here).
-Arrivals do not stop at the end of the measured window: ``--tail`` seconds more follow it (Azure:
-the trace goes on, from its 600th second again past its end; ShareGPT: more Poisson arrivals) and
-are served but not measured, so the window's last requests decode in a batch that keeps being
-refilled, as a running service's would, not in one draining because the replay ran out. The
-replay stops when every measured request has finished.
 Both use the W_B SLO classes (interactive 20 s, standard 60 s, batch 300 s), so the predicted
 ``P(meet SLO)`` spans the whole range.
+
+Arrivals do not stop at the end of the measured window: ``--tail`` seconds more follow it (Azure:
+the trace after its first 10 minutes taken as a loop, never reaching into the window; ShareGPT:
+more Poisson arrivals) and are served but neither predicted nor measured, so the window's last
+requests decode in a batch that keeps being refilled, as a running service's would, not in one
+draining because the replay ran out. The replay stops when every measured request has finished.
+Each window starts cold (empty instances, an estimator that has learnt nothing) unless
+``--warmup`` seconds of arrivals precede it (taken the same way; predicted and learnt from, not
+measured).
 
 Prints R² of predicted vs actual end-to-end latency, the ceiling of that R² for any estimator that
 does not know output lengths (actual time to first token and time per token, every output replaced
@@ -55,12 +59,21 @@ from qlm.rct.profile import RctProfile
 from qlm.rct.profiling import profile_sim_hardware, profile_workload
 from qlm.sim.cluster import ClusterSimulation
 from qlm.sim.instances import parse_instances
-from qlm.sim.traces import LengthSample, load_lengths, load_trace, scale_rate, synthetic, window
+from qlm.sim.traces import (
+    LengthSample,
+    Trace,
+    load_lengths,
+    load_trace,
+    scale_rate,
+    synthetic,
+    window,
+)
 from qlm.sim.workload import create_workload
 
 RESULTS = Path(__file__).resolve().parent / "results"
 R2_TARGET, CAL_TOLERANCE, CAL_MIN_N = 0.95, 0.10, 50
 TAIL_S = 300.0  # arrivals go on this long after the measured window (until its requests finish)
+WARMUP_S = 0.0  # and start this long before it (0: the window starts cold)
 
 
 @dataclass
@@ -78,13 +91,14 @@ class Recorder:
     actual: dict[str, float] = field(default_factory=dict)
     met: dict[str, bool] = field(default_factory=dict)
     scored: frozenset[str] | None = None  # the measured requests (None: all of them)
+    tail: frozenset[str] = frozenset()  # arrivals after every measured one: not predicted
     pending: set[str] = field(default_factory=set)  # measured ones not finished yet
 
     def __post_init__(self) -> None:
         self.pending = set(self.scored or ())
 
     def on_dispatch(self, now: float, request: Request, engine: SimEngine) -> None:
-        if self.scored is not None and request.id not in self.scored:
+        if request.id in self.tail:
             # A tail request arrives after every measured one has been predicted: what the
             # estimator would learn from it could only change predictions nobody measures.
             return
@@ -145,11 +159,14 @@ def run_case(
     fleet: str,
     *,
     tail: list[Request] | None = None,
+    warmup: list[Request] | None = None,
     by_prompt: bool = False,
 ) -> dict[str, object]:
-    """Replay ``requests`` followed by ``tail`` (arrivals after the measured window, so that its
-    last requests are served as the trace would go on, not by a draining instance) and measure
-    the estimator on ``requests``. The replay stops once every measured request has finished."""
+    """Replay ``warmup``, ``requests`` and ``tail`` and measure the estimator on ``requests``.
+    The warm-up's arrivals bring instances and estimator to the state a running service would
+    be in when the window starts (predicted and learnt from, not measured); the tail's keep
+    arriving after it, so that its last requests are served as the trace would go on, not by a
+    draining instance. The replay stops once every measured request has finished."""
     specs = parse_instances(fleet)
     catalog = default_catalog()
     hardware = {}
@@ -164,16 +181,18 @@ def run_case(
         s.name: InstanceView(s.name, s.gpu, s.gpu_count, active_model=s.models[0]) for s in specs
     }
     estimator = RCTEstimator(profile, by_prompt=by_prompt)
-    tail = tail or []
+    tail, warmup = tail or [], warmup or []
+    replay = [*warmup, *requests, *tail]
     recorder = Recorder(
         estimator,
         views,
-        {r.id: r for r in [*requests, *tail]},
+        {r.id: r for r in replay},
         scored=frozenset(r.id for r in requests),
+        tail=frozenset(r.id for r in tail),
     )
     sim = ClusterSimulation(specs, create_policy("fcfs"), observer=recorder)
     with contextlib.suppress(ReplayDone):
-        sim.run([*requests, *tail])
+        sim.run(replay)
     scored = {r.id for r in requests}
     met = recorder.met
     ids = [rid for rid in recorder.actual if rid in recorder.predicted and rid in scored]
@@ -206,6 +225,7 @@ def run_case(
         "mean_latency_s": float(act.mean()),
         "slo_attainment": float(np.mean([met.get(r.id, False) for r in requests])),
         "tail_requests": len(tail),
+        "warmup_requests": len(warmup),
         "calibration": rows,
         "output_pit_deciles": pit_deciles,
         "deciles_off": deciles_off(rows),
@@ -247,22 +267,48 @@ def r_squared(pred: np.ndarray, act: np.ndarray) -> float:  # type: ignore[type-
     return 1 - float(np.sum((act - pred) ** 2) / np.sum((act - act.mean()) ** 2))
 
 
-def _after(tail: list[Request], at_s: float, prefix: str) -> list[Request]:
-    """``tail`` (arrivals from 0) moved to arrive from ``at_s`` on, with ids of their own."""
+def _after(requests: list[Request], at_s: float, prefix: str = "") -> list[Request]:
+    """``requests`` moved ``at_s`` later, with ids of their own when ``prefix`` is given."""
     return [
-        dataclasses.replace(r, id=f"{prefix}-{r.id}", arrival_s=r.arrival_s + at_s) for r in tail
+        dataclasses.replace(
+            r, id=f"{prefix}-{r.id}" if prefix else r.id, arrival_s=r.arrival_s + at_s
+        )
+        for r in requests
     ]
 
 
+def _loop(
+    trace: Trace, lo: float, hi: float, rate: float, t0: float, seed: int, prefix: str
+) -> list[Request]:
+    """The requests arriving in ``[lo, hi)`` of the trace after its first 600 s taken as a loop
+    (``lo`` below 600 s or ``hi`` past the trace's end wrap around), at ``(t - t0) / rate`` on
+    the replay's clock; W_B classes drawn with ``seed`` (one more per wrap)."""
+    begin, end = 600.0, float(trace.arrival_s[-1]) + 1.0
+    period = end - begin
+    out: list[Request] = []
+    a, i = lo, 0
+    while a < hi:
+        real = begin + (a - begin) % period  # where ``a`` falls in the trace
+        b = min(hi, a + (end - real))
+        part = window(trace, real, real + (b - a)) if b > a else None
+        if part is not None and len(part):
+            first = float(trace.arrival_s[np.searchsorted(trace.arrival_s, real)])
+            reqs = create_workload("wb", scale_rate(part, rate), seed=seed + 1000 * i)
+            out += _after(reqs, (a + (first - real) - t0) / rate, f"{prefix}{i}")
+        a, i = b, i + 1
+    return out
+
+
 def azure_case(
-    rate: float, end_s: float = 1500.0, sample: int = 0, tail_s: float = 0.0
-) -> tuple[list[Request], list[Request], list[int]]:
+    rate: float, end_s: float = 1500.0, sample: int = 0, tail_s: float = 0.0, warmup_s: float = 0.0
+) -> tuple[list[Request], list[Request], list[Request], list[int]]:
     """Sample ``k`` replays the ``k``-th window of the trace after its first 10 minutes (the
     prior's), each as long as ``600 s .. end_s``; the W_B classes are drawn with seed ``k``.
 
-    Returns the window's requests, the ``tail_s`` seconds of arrivals (at the replay's rate) that
-    follow it in the trace — from its 600th second again past the trace's end — and the outputs
-    the prior is fitted on."""
+    Returns the ``warmup_s`` seconds of arrivals (at the replay's rate) that precede the window
+    in the trace, the window's requests, the ``tail_s`` seconds that follow it — the trace after
+    its first 600 s taken as a loop, never reaching into the window — and the outputs the prior
+    is fitted on. The first arrival is at 0."""
     trace = load_trace("azure-conv")
     prior = window(trace, 0.0, 600.0)
     length = end_s - 600.0
@@ -274,32 +320,25 @@ def azure_case(
         )
     measured = window(trace, start, start + length)
     requests = create_workload("wb", scale_rate(measured, rate), seed=sample)
-    tail: list[Request] = []
-    span = tail_s * rate  # trace seconds
-    if span > 0 and requests:
-        t0 = float(trace.arrival_s[np.searchsorted(trace.arrival_s, start)])
-        pieces = [(start + length, min(start + length + span, last + 1.0))]
-        if start + length + span > last + 1.0:
-            pieces.append((600.0, 600.0 + (start + length + span - last - 1.0)))
-        at = start + length  # where the next piece goes, in trace seconds after the window
-        for i, (lo, hi) in enumerate(pieces):
-            part = window(trace, lo, hi)
-            if len(part):
-                first = float(trace.arrival_s[np.searchsorted(trace.arrival_s, lo)])
-                offset = (at + (first - lo) - t0) / rate
-                part_reqs = create_workload(
-                    "wb", scale_rate(part, rate), seed=1000 * (i + 1) + sample
-                )
-                tail += _after(part_reqs, offset, f"tail{i}")
-            at += hi - lo
-    return requests, tail, [int(x) for x in prior.output_tokens]
+    if not requests:
+        return [], [], [], [int(x) for x in prior.output_tokens]
+    t0 = float(trace.arrival_s[np.searchsorted(trace.arrival_s, start)])
+    room = last + 1.0 - 600.0 - length  # trace seconds outside the window
+    before = min(warmup_s * rate, room / 2)
+    after = min(tail_s * rate, room - before)
+    tail = _loop(trace, start + length, start + length + after, rate, t0, 1000 + sample, "tail")
+    warm = _loop(trace, start - before, start, rate, t0, 5000 + sample, "warm")
+    shift = -warm[0].arrival_s if warm else 0.0
+    warm, requests, tail = (_after(part, shift) for part in (warm, requests, tail))
+    return warm, requests, tail, [int(x) for x in prior.output_tokens]
 
 
 def sharegpt_case(
-    rate: float, duration_s: float, sample: int = 0, tail_s: float = 0.0
-) -> tuple[list[Request], list[Request], list[int]]:
+    rate: float, duration_s: float, sample: int = 0, tail_s: float = 0.0, warmup_s: float = 0.0
+) -> tuple[list[Request], list[Request], list[Request], list[int]]:
     """Sample ``k`` draws arrivals, lengths (from the test half) and W_B classes with seed ``k``;
-    the ``tail_s`` seconds of arrivals after them with seed ``1000 + k``."""
+    the ``tail_s`` seconds of arrivals after them with seed ``1000 + k`` and the ``warmup_s``
+    seconds before them with seed ``5000 + k``. Returned as ``azure_case``'s."""
     lengths = load_lengths("sharegpt")
     rng = np.random.default_rng(0)
     idx = rng.permutation(len(lengths.input_tokens))
@@ -314,7 +353,14 @@ def sharegpt_case(
         gap = float(np.random.default_rng(2000 + sample).exponential(1.0 / rate))
         at = requests[-1].arrival_s + gap
         tail = _after(create_workload("wb", more, seed=1000 + sample), at, "tail")
-    return requests, tail, [int(x) for x in lengths.output_tokens[fit]]
+    warm: list[Request] = []
+    if warmup_s > 0 and requests:
+        before = synthetic(sample_, rate=rate, duration_s=warmup_s, seed=5000 + sample)
+        warm = _after(create_workload("wb", before, seed=5000 + sample), 0.0, "warm")
+        gap = float(np.random.default_rng(6000 + sample).exponential(1.0 / rate))
+        at = warm[-1].arrival_s + gap
+        requests, tail = _after(requests, at), _after(tail, at)
+    return warm, requests, tail, [int(x) for x in lengths.output_tokens[fit]]
 
 
 def plot(cases: list[dict[str, object]], path: Path) -> None:
@@ -358,23 +404,23 @@ def report(c: dict[str, object], fleet: str) -> None:
             )
 
 
-Job = tuple[str, str, float, int, float, float, bool, float]
+Job = tuple[str, str, float, int, float, float, bool, float, float]
 
 
 def run_job(job: Job) -> dict[str, object]:
     """One replay (in a worker process): ``(fleet, workload, rate, sample, azure_end,
-    sharegpt_duration, by_prompt, tail_s)``."""
-    fleet, workload, rate, sample, azure_end, duration, by_prompt, tail_s = job
+    sharegpt_duration, by_prompt, tail_s, warmup_s)``."""
+    fleet, workload, rate, sample, azure_end, duration, by_prompt, tail_s, warmup_s = job
     if workload == "azure":
         length = azure_end - 600.0
         start = 600.0 + sample * length
         span = f" {start:g}-{start + length:g} s" if (sample or azure_end != 1500.0) else ""
         name = f"azure-conv x{rate:g}{span}"
-        reqs, tail, prior = azure_case(rate, azure_end, sample, tail_s)
+        warm, reqs, tail, prior = azure_case(rate, azure_end, sample, tail_s, warmup_s)
     else:
-        reqs, tail, prior = sharegpt_case(rate, duration, sample, tail_s)
+        warm, reqs, tail, prior = sharegpt_case(rate, duration, sample, tail_s, warmup_s)
         name = f"sharegpt {rate:g} req/s" + (f" seed {sample}" if sample else "")
-    c = run_case(name, reqs, prior, fleet, tail=tail, by_prompt=by_prompt)
+    c = run_case(name, reqs, prior, fleet, tail=tail, warmup=warm, by_prompt=by_prompt)
     c["sample"] = sample
     return c
 
@@ -457,11 +503,17 @@ def main() -> int:
         default=TAIL_S,
         help="seconds of arrivals replayed after each window, not measured (0: arrivals stop)",
     )
+    parser.add_argument(
+        "--warmup",
+        type=float,
+        default=WARMUP_S,
+        help="seconds of arrivals replayed before each window, not measured (0: a cold start)",
+    )
     args = parser.parse_args()
     if args.samples < 1 or args.jobs < 1:
         parser.error("--samples and --jobs must be >= 1")
-    if not args.tail >= 0:
-        parser.error("--tail must be >= 0")
+    if not (args.tail >= 0 and args.warmup >= 0):
+        parser.error("--tail and --warmup must be >= 0")
     groups: list[tuple[str, str, list[Job]]] = []
     for fleet in args.fleets.split(";"):
         scale = 1.0 if "A100" in fleet else 2.5  # an H100 serves ~2.5x an A100: load it alike
@@ -480,6 +532,7 @@ def main() -> int:
                         args.sharegpt_duration,
                         args.by_prompt,
                         args.tail,
+                        args.warmup,
                     )
                     for k in range(args.samples)
                 ]

@@ -48,8 +48,8 @@ class DiagnosingRecorder(ra.Recorder):
 
     def on_dispatch(self, now: float, request: Request, engine: SimEngine) -> None:
         super().on_dispatch(now, request, engine)
-        if self.scored is not None and request.id not in self.scored:
-            return  # a tail request: not measured
+        if request.id in self.tail:
+            return  # a tail request: not predicted
         queue = [
             ra.Queued(self.requests[rid], generated, running)
             for rid, generated, running in engine.queue_view()
@@ -80,12 +80,15 @@ def main() -> int:
     parser.add_argument("--by-prompt", action="store_true")
     parser.add_argument("--sample", type=int, default=0, help="as rct_accuracy.py's samples")
     parser.add_argument("--tail", type=float, default=ra.TAIL_S, help="as rct_accuracy.py's")
+    parser.add_argument("--warmup", type=float, default=ra.WARMUP_S, help="as rct_accuracy.py's")
     args = parser.parse_args()
     if args.workload == "azure":
-        requests, tail, prior = ra.azure_case(args.rate, sample=args.sample, tail_s=args.tail)
+        warm, requests, tail, prior = ra.azure_case(
+            args.rate, sample=args.sample, tail_s=args.tail, warmup_s=args.warmup
+        )
     else:
-        requests, tail, prior = ra.sharegpt_case(
-            args.rate, args.sharegpt_duration, args.sample, args.tail
+        warm, requests, tail, prior = ra.sharegpt_case(
+            args.rate, args.sharegpt_duration, args.sample, args.tail, args.warmup
         )
     kept: list[DiagnosingRecorder] = []
 
@@ -94,7 +97,15 @@ def main() -> int:
         return kept[-1]
 
     ra.Recorder = recorder  # type: ignore[misc, assignment]
-    ra.run_case(args.workload, requests, prior, args.fleet, tail=tail, by_prompt=args.by_prompt)
+    ra.run_case(
+        args.workload,
+        requests,
+        prior,
+        args.fleet,
+        tail=tail,
+        warmup=warm,
+        by_prompt=args.by_prompt,
+    )
     rec = kept[0]
     by_id = {r.id: r for r in requests}
     ids = [i for i in rec.actual if i in rec.estimates and i in rec.decode and i in by_id]
