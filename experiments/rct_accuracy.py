@@ -130,6 +130,7 @@ class Recorder:
             scheduled_s=record.scheduled_s,
             first_token_s=record.first_token_s,
             finish_s=record.finish_s,
+            instance=record.instance or None,
         )
         self.met[req.id] = record.slo_met
         if record.e2e_s is not None:

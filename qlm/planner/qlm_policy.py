@@ -433,6 +433,7 @@ class QlmPolicy:
                 scheduled_s=done.scheduled_s,
                 first_token_s=done.first_token_s,
                 finish_s=done.finish_s,
+                instance=done.instance,
             )
         self._slots = {}  # the queues may have changed since the last step
         self._family_cache = None

@@ -894,9 +894,13 @@ class RCTEstimator:
         scheduled_s: float | None = None,
         first_token_s: float | None = None,
         finish_s: float | None = None,
+        instance: str | None = None,
     ) -> None:
         """A request finished: update the output posterior and, if its completion was predicted
-        with ``remember``, the instance's calibration (waiting, decode and error spread)."""
+        with ``remember``, the instance's calibration (waiting, decode and error spread).
+        ``instance``: where it ran, so that a completion nothing was predicted for (a request in
+        flight when this estimator started, e.g. after a controller failover) still ends the
+        interval the next completion's service time is measured from."""
         key = (request.model, request.slo_class)
         ck = (*key, self._bin(request))
         self._pooled(key, request.model)  # the prior, on the first observation
@@ -919,6 +923,10 @@ class RCTEstimator:
         self._versions[key] = self._versions.get(key, 0) + 1
         pred = self._pending.pop(request.id, None)
         if pred is None:
+            if instance is not None and finish_s is not None:
+                cal = self._cal(instance)
+                if cal.last_finish is None or finish_s > cal.last_finish:
+                    cal.last_finish = finish_s  # its work is unknown: the interval is not counted
             return
         cal = self._cal(pred.instance)
         lam = self.forgetting

@@ -473,6 +473,33 @@ def saturated_run(
     return t
 
 
+def test_a_completion_nothing_was_predicted_for_ends_the_measured_interval() -> None:
+    """Requests in flight when an estimator starts (a new controller after a failover) complete
+    without a prediction. Their time must not be charged to the next predicted completion: that
+    would read the instance as draining several times slower than it does."""
+    hw = hardware(**SLOW)
+
+    def drain_factor(report_unpredicted: bool) -> float:
+        est = estimator(**SLOW)
+        reqs = [make_request(i, input_tokens=1000, replay_output_tokens=80) for i in range(200)]
+        est.estimate_requests(instance(), waiting(reqs), 0.0, remember=True)
+        m = est.output_moments(reqs[0])[0]  # what was predicted for each
+        work = 1000 * hw.input_token_work_s + m / hw.throughput_tps
+        t = 0.0
+        for i, r in enumerate(reqs):
+            if i % 2:  # before every other one, a completion nothing was predicted for
+                t += 5 * work
+                if report_unpredicted:
+                    unknown = make_request(10_000 + i, input_tokens=1000)
+                    est.observe(unknown, output_tokens=80, finish_s=t, instance="i0")
+            t += work  # predicted completions at the predicted pace
+            est.observe(r, output_tokens=80, finish_s=t)
+        return est.calibration_factors("i0")[0]
+
+    assert drain_factor(report_unpredicted=True) == pytest.approx(1.0, abs=0.05)
+    assert drain_factor(report_unpredicted=False) > 2.0
+
+
 def wait_of_third(est: RCTEstimator) -> tuple[float, float]:
     """Predicted waiting of the third of three identical requests, and the profile's work ahead
     of it (two requests); with ``SLOW`` decode speed is the same at every position."""
