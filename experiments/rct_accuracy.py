@@ -97,17 +97,24 @@ class Recorder:
     def __post_init__(self) -> None:
         self.pending = set(self.scored or ())
 
+    def view(self, engine: SimEngine) -> InstanceView:
+        """The instance as an agent sees it now (with the engine's preemption counter)."""
+        return dataclasses.replace(
+            self.views[engine.name], preemptions_total=engine.preemptions_total
+        )
+
     def on_dispatch(self, now: float, request: Request, engine: SimEngine) -> None:
         if request.id in self.tail:
             # A tail request arrives after every measured one has been predicted: what the
             # estimator would learn from it could only change predictions nobody measures.
+            self.estimator.watch(self.view(engine))
             return
         queue = [
             Queued(self.requests[rid], generated, running)
             for rid, generated, running in engine.queue_view()
         ]
         estimates = self.estimator.estimate_requests(
-            self.views[engine.name], queue, now, remember=True, only=[-1]
+            self.view(engine), queue, now, remember=True, only=[-1]
         )
         est = estimates[-1]  # the request just dispatched is the last in FCFS order
         self.predicted[request.id] = (

@@ -55,7 +55,7 @@ class DiagnosingRecorder(ra.Recorder):
             for rid, generated, running in engine.queue_view()
         ]
         # Estimating again does not learn anything: the prediction to learn from is remembered.
-        (est,) = self.estimator.estimate_requests(self.views[engine.name], queue, now, only=[-1])
+        (est,) = self.estimator.estimate_requests(self.view(engine), queue, now, only=[-1])
         self.estimates[request.id] = (est, now)
         self.factors[request.id] = self.estimator.calibration_factors(engine.name)
 

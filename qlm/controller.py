@@ -85,6 +85,7 @@ class InstanceView:
     model_tiers: tuple[tuple[str, ModelTier], ...] = ()
     model_weights_gb: tuple[tuple[str, float], ...] = ()
     cpu_cache_gb: float = 0.0
+    preemptions_total: int | None = None  # the engine's own preemptions so far (None: unread)
 
 
 class Controller:
@@ -350,4 +351,5 @@ class Controller:
             model_weights_gb=view.model_weights_gb,
             cpu_cache_gb=view.cpu_cache_gb,
             up=view.up,
+            preemptions_total=view.preemptions_total,
         )

@@ -109,6 +109,7 @@ class _Instance:
     weights_gb: tuple[tuple[str, float], ...] = ()
     cpu_cache_gb: float = 0.0
     max_running: int | None = None  # configured; overrides what the engine says
+    preemptions_total: int | None = None  # the engine's counter, read with each health check
 
 
 @dataclass(slots=True)
@@ -311,6 +312,7 @@ class AgentRuntime:
             model_tiers=tuple(inst.tiers.items()),
             model_weights_gb=inst.weights_gb,
             cpu_cache_gb=inst.cpu_cache_gb,
+            preemptions_total=inst.preemptions_total,
         )
 
     def _apply(self, decision: Decision, now: float) -> None:
@@ -498,6 +500,7 @@ class AgentRuntime:
         except EngineError as exc:
             log.warning("%s does not answer (%s): down until it does", inst.spec.name, exc)
             return
+        inst.preemptions_total = stats.preemptions_total
         inst.tiers = dict(stats.model_tiers) or {
             m: ModelTier.ACTIVE if i == 0 else ModelTier.COLD
             for i, m in enumerate(inst.spec.models)
@@ -523,6 +526,16 @@ class AgentRuntime:
                     await self._attach(inst)
                 elif not ok and inst.up:
                     self._mark_down(inst, "health check failed")
+                elif ok:
+                    await self._read_counters(inst)
+
+    async def _read_counters(self, inst: _Instance) -> None:
+        """The engine's preemption counter, for the estimator (vLLM preempts when its KV cache
+        is full, and recomputes what it threw away: work the estimator must count)."""
+        try:
+            inst.preemptions_total = (await inst.engine.stats()).preemptions_total
+        except EngineError as exc:  # the next health check decides whether it is down
+            log.debug("%s: stats not read (%s)", inst.spec.name, exc)
 
     def _mark_down(self, inst: _Instance, reason: str) -> None:
         """Fault isolation: everything sent to ``inst`` returns to the policy with its output."""

@@ -43,6 +43,9 @@ class InstanceLoad:
     model_tiers: tuple[tuple[str, ModelTier], ...] = ()  # where each model's weights are
     model_weights_gb: tuple[tuple[str, float], ...] = ()
     cpu_cache_gb: float = 0.0  # CPU memory for warm models' weights
+    # The engine's count of its own preemptions (vLLM's ``vllm:num_preemptions_total``: KV cache
+    # full, the newest request's blocks freed and recomputed later); None when not read.
+    preemptions_total: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -421,6 +421,8 @@ class QlmPolicy:
                 self.queues.drop_instance(inst.name)
                 self._batch.pop(inst.name, None)
         self._started.update(ctx.started)
+        for inst in ctx.instances:  # preemptions counted before the completions they come with
+            self.estimator.watch(self._view(inst))
         for done in ctx.finished:
             self._inflight.get(done.instance, {}).pop(done.request.id, None)
             self._swapped.get(done.instance, {}).pop(done.request.id, None)
@@ -943,6 +945,18 @@ class QlmPolicy:
                 decisions.extend(self._tiers(load))
         return decisions
 
+    @staticmethod
+    def _view(load: InstanceLoad) -> InstanceView:
+        warm = frozenset(m for m, tier in load.model_tiers if tier is ModelTier.WARM)
+        return InstanceView(
+            load.name,
+            load.gpu,
+            load.gpu_count,
+            load.active_model,
+            warm,
+            preemptions_total=load.preemptions_total,
+        )
+
     def _remember(self, now: float, load: InstanceLoad, req: Request) -> None:
         """Predict the completion of a request as it is pulled, behind what runs on the
         instance, and keep the prediction: its outcome teaches the estimator's online
@@ -955,8 +969,7 @@ class QlmPolicy:
             Queued(x.request, x.generated, running=True)
             for x in self._inflight.get(load.name, {}).values()
         ]
-        warm = frozenset(m for m, tier in load.model_tiers if tier is ModelTier.WARM)
-        view = InstanceView(load.name, load.gpu, load.gpu_count, load.active_model, warm)
+        view = self._view(load)
         self.estimator.forget([req.id])
         queued = Queued(req, self._generated.get(req.id, 0))
         self.estimator.estimate_requests(

@@ -46,6 +46,13 @@ arrivals were told (log scale), by the slope ``β`` of the actual on the predict
 that mean, learnt from completions (1 until they say otherwise; at the end of the ShareGPT
 replays 0–0.2, on Azure conv 1).
 
+*Preemption.* With its KV cache full, vLLM preempts the newest running request and later
+recomputes what it had computed (usually a prompt being prefilled in chunks: about one prompt
+of the mix). From the engine's counter (``InstanceView.preemptions_total``) each instance learns
+its preemptions per completed request ``ρ``, and every prompt's work counts ``1 + ρ`` times (the
+waiting requests' and the refill's). A completion is judged against the rate it met, not the
+one known at its arrival, so that ``κ_W`` and ``ε`` do not learn the preemptions a second time.
+
 *Output lengths* (Eq. 3, made Bayesian): ``O`` has the posterior predictive of the request's
 (model, SLO class) — a ``LengthHistogram`` (a Dirichlet over bins of log length whose prior is the
 workload profile's ``NIG``; ``shape_free=False`` keeps the location–scale ``NIG`` itself) — capped
@@ -99,6 +106,7 @@ SPEED_PRIOR_SD = 0.3  # spread of log(actual / predicted time per token) before 
 SPEED_PRIOR_N = 20.0  # ... worth this many observed decodes
 SLOPE_PRIOR = 20.0  # weight of "predictions come true" (slope 1), in departures of 10 %
 SLOPE_CENTER_ARRIVALS = 64.0  # the recent mean of predicted times per token: ~64 arrivals
+PREEMPT_PRIOR = 10.0  # weight of "no preemptions" in an instance's preemption rate, in completions
 
 PROMPT_BIN_WIDTH = 0.125  # output beliefs per bin of log(1 + prompt tokens): bins 13 % wide
 POOL_STRENGTH = 10.0  # weight of the class-wide belief in a prompt bin's belief, in outputs
@@ -281,6 +289,8 @@ class InstanceView:
     gpu_count: int
     active_model: str | None
     warm_models: frozenset[str] = frozenset()
+    # The engine's preemption counter (vLLM's ``vllm:num_preemptions_total``); None: not read.
+    preemptions_total: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -357,6 +367,33 @@ class _Calibration:
     # What is left of the profile's pseudo-evidence on decode speed: forgotten at the rate of the
     # observations (else, where decodes are short, 600 s of profile would outweigh them forever).
     decode_prior: float = 1.0
+    # Preemptions per completion: the engine's counter when last read, the preemptions since
+    # the last completion, and their sums over completions (forgotten like the drain rate).
+    preempt_seen: int | None = None
+    preempt_new: float = 0.0
+    preempt_sum: float = 0.0
+    preempt_done: float = 0.0
+
+    def count_preemptions(self, total: int | None) -> None:
+        """Read the engine's preemption counter (a counter that went down is a restarted
+        engine: counted from there)."""
+        if total is None:
+            return
+        if self.preempt_seen is not None and total >= self.preempt_seen:
+            self.preempt_new += total - self.preempt_seen
+        self.preempt_seen = total
+
+    def completed(self) -> None:
+        """A request finished on this instance: the preemptions since the last one are its."""
+        self.preempt_sum = RATE_FORGETTING * self.preempt_sum + self.preempt_new
+        self.preempt_done = RATE_FORGETTING * self.preempt_done + 1.0
+        self.preempt_new = 0.0
+
+    def preemption_rate(self) -> float:
+        """Preemptions per completed request (0 until the engine is seen preempting). Each one
+        throws away what the victim — the newest admitted, usually a prompt being prefilled in
+        chunks — had computed, about one prompt of the mix, recomputed when it is readmitted."""
+        return (self.preempt_sum + self.preempt_new) / (self.preempt_done + PREEMPT_PRIOR)
 
     def wait_factor(self) -> float:
         """Seconds per profile-second of work: the observed drain rate of a saturated instance
@@ -414,6 +451,8 @@ class _Prediction:
     instance: str
     wait_raw: float  # work ahead in seconds, before calibration
     d_eff: float  # ε · d from the profile, before calibration
+    redo: float  # 1 + the preemption rate it was predicted with ...
+    d_prefill: float  # ... and the prefill per token in d_eff it multiplied (refilled prompts)
     per_token_s: float  # the time per output token predicted (calibrated)
     log_raw: float  # log of the time per token before the slope: the regressor ...
     center: float  # ... and the recent mean it departed from
@@ -572,6 +611,7 @@ class RCTEstimator:
         if n == 0:
             return []
         self._prefetch_moments(queue)
+        self.watch(instance)
         cal = self._cal(instance.name)
         wf, ef = cal.wait_factor(), cal.eps_factor()
         work_in = np.empty(n)  # prefill work (s of a saturated instance)
@@ -609,7 +649,11 @@ class RCTEstimator:
             if item.running:
                 live_ctx += req.input_tokens + item.generated
         slots = self.slots(hws[0], float(tokens.mean()))
-        refill = mix_prompt / max(mix_output, 1.0)
+        # A preempted request's computed tokens (about a prompt of the mix) are recomputed: each
+        # completion costs its prompt and that many more prompts' worth of prefill.
+        redo = 1.0 + cal.preemption_rate()
+        work_in *= redo
+        refill = redo * mix_prompt / max(mix_output, 1.0)
         # The batch a busy instance runs: its slots, or fewer when its token budget per step is
         # spent on the prompts that replace finishing requests (``_sustained``).
         full = int(min(slots, _sustained(hws[0], refill)))
@@ -671,8 +715,10 @@ class RCTEstimator:
             ctx = _context(hw, batch, slots, ctx_per)
             # While others wait, admissions go on as requests finish (refill); otherwise new
             # arrivals are admitted as they come.
+            d_prefill = 0.0
             if busy:
                 d_batch = hw.decode_s(batch, ctx) + batch * refill
+                d_prefill = batch * refill / redo
             else:
                 d_batch = hw.decode_s(batch, ctx) / (1.0 - arrival_share)
             # Admitted while the batch fills, a request decodes its first tokens in steps that
@@ -687,6 +733,7 @@ class RCTEstimator:
                     t_fill = hw.decode_s(b_in, c_in) + (budget - b_in) * hw.input_token_work_s
                     share = min(steps / max(float(out_mean[i]), 1.0), 1.0)
                     d_batch += share * (t_fill - d_batch)
+                    d_prefill *= 1.0 - share
             d = d_batch * hw.inefficiency
             start = now + wait + float(own[i])
             e_i = ef_fill if fills else ef
@@ -717,11 +764,13 @@ class RCTEstimator:
                     instance=instance.name,
                     wait_raw=wait_raw,
                     d_eff=d,
+                    redo=redo,
+                    d_prefill=d_prefill * hw.inefficiency,
                     per_token_s=per_token,
                     log_raw=log_raw,
                     center=log_raw if center is None else center,
                     mean_latency=mean - now,
-                    work_in=(req.input_tokens + item.generated) * hw.input_token_work_s,
+                    work_in=redo * (req.input_tokens + item.generated) * hw.input_token_work_s,
                     work_per_output=float(factor[i]) / hw.throughput_tps,
                     output_mean=float(out_mean[i]),
                     filling=fills,
@@ -730,6 +779,16 @@ class RCTEstimator:
 
     def _load_s(self, hw: HardwareProfile, instance: InstanceView) -> float:
         return hw.warm_load_s if hw.model in instance.warm_models else hw.cold_load_s
+
+    def watch(self, instance: InstanceView) -> None:
+        """Read what ``instance`` says of its engine (the preemption counter) without
+        predicting anything: callers that predict seldom call it as often as they look, so
+        that preemptions are counted against the completions they come with."""
+        self._cal(instance.name).count_preemptions(instance.preemptions_total)
+
+    def preemption_rate(self, instance: str) -> float:
+        """Preemptions per completed request the engine of ``instance`` has been seen making."""
+        return self._cal(instance).preemption_rate()
 
     def calibration_factors(self, instance: str) -> tuple[float, float]:
         """(waiting-time factor, decode-speed factor) learned for ``instance``: how much slower
@@ -925,18 +984,25 @@ class RCTEstimator:
         if pred is None:
             if instance is not None and finish_s is not None:
                 cal = self._cal(instance)
+                cal.completed()
                 if cal.last_finish is None or finish_s > cal.last_finish:
                     cal.last_finish = finish_s  # its work is unknown: the interval is not counted
             return
         cal = self._cal(pred.instance)
+        # Judged against the preemptions it met, not those known when it arrived: else the
+        # calibration learns them too, and counts them twice once the rate is known.
+        redo = 1.0 + cal.preemption_rate()
+        cal.completed()
         lam = self.forgetting
+        d_eff = pred.d_eff + pred.d_prefill * (redo - pred.redo)
+        work_in = pred.work_in * redo / pred.redo
         if finish_s is not None:
             if cal.saturated and cal.last_finish is not None and finish_s >= cal.last_finish:
                 # While requests wait, completions happen at the instance's service rate.
                 rf = RATE_FORGETTING
                 cal.done = rf * cal.done + 1
                 cal.work_done = (
-                    rf * cal.work_done + pred.work_in + pred.output_mean * pred.work_per_output
+                    rf * cal.work_done + work_in + pred.output_mean * pred.work_per_output
                 )
                 cal.busy_time = rf * cal.busy_time + (finish_s - cal.last_finish)
             cal.last_finish = (
@@ -949,13 +1015,11 @@ class RCTEstimator:
             decoding = finish_s - first_token_s
             if pred.filling:
                 cal.fill_obs = RATE_FORGETTING * cal.fill_obs + decoding
-                cal.fill_pred = RATE_FORGETTING * cal.fill_pred + pred.d_eff * (output_tokens - 1)
+                cal.fill_pred = RATE_FORGETTING * cal.fill_pred + d_eff * (output_tokens - 1)
                 cal.fill_prior *= RATE_FORGETTING
             else:
                 cal.decode_obs = RATE_FORGETTING * cal.decode_obs + decoding
-                cal.decode_pred = RATE_FORGETTING * cal.decode_pred + pred.d_eff * (
-                    output_tokens - 1
-                )
+                cal.decode_pred = RATE_FORGETTING * cal.decode_pred + d_eff * (output_tokens - 1)
                 cal.decode_prior *= RATE_FORGETTING
             observed = decoding / (output_tokens - 1)
             if observed > 0 and pred.per_token_s > 0:

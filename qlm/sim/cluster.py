@@ -251,6 +251,7 @@ class ClusterSimulation:
                 model_tiers=tuple(engine.tiers.items()),
                 model_weights_gb=self._weights[i],
                 cpu_cache_gb=engine.config.cpu_model_cache_gb,
+                preemptions_total=engine.preemptions_total,
             )
             for i, (spec, engine) in enumerate(zip(self.specs, self.engines, strict=True))
         ]

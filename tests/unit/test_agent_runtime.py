@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -430,5 +431,52 @@ def test_two_cancels_of_one_request_report_it_once_with_its_partial_output() -> 
         await e.close()
         assert sorted([first, second]) == [False, True]
         assert len(rec.cancels) == 1 and rec.cancels[0][1] > 0  # once, with its partial output
+
+    run(scenario)
+
+
+class Preempting:
+    """An engine whose counter says it has preempted ``count`` requests of its own (vLLM's
+    ``vllm:num_preemptions_total``)."""
+
+    def __init__(self, inner: WallClockEngine, count: int) -> None:
+        self.inner = inner
+        self.name = inner.name
+        self.count = count
+
+    def __getattr__(self, item: str) -> Any:
+        return getattr(self.inner, item)
+
+    async def stats(self) -> Any:
+        return replace(await self.inner.stats(), preemptions_total=self.count)
+
+
+class Watching:
+    """FCFS that records the preemption counters it is shown."""
+
+    name = "watching"
+
+    def __init__(self) -> None:
+        self.inner = create_policy("fcfs")
+        self.seen: list[int | None] = []
+
+    def decide(self, ctx: DispatchContext) -> list[Decision]:
+        self.seen.extend(i.preemptions_total for i in ctx.instances)
+        return self.inner.decide(ctx)
+
+
+def test_the_engines_preemption_counter_reaches_the_policy_and_follows_the_engine() -> None:
+    async def scenario() -> None:
+        rec = Recorder()
+        e = Preempting(engine("i0"), 3)
+        policy = Watching()
+        rt = start(policy, [e], rec)
+        await rt.start()
+        await eventually(lambda: 3 in policy.seen, "the counter read at attach reached a step")
+        e.count = 11  # the engine preempted more since: the next health check reads it
+        await eventually(lambda: 11 in policy.seen, "the new count reached a step")
+        await rt.stop()
+        await e.inner.close()
+        assert None not in policy.seen[policy.seen.index(3) :]
 
     run(scenario)

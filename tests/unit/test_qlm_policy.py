@@ -11,7 +11,7 @@ from builders import make_catalog, make_profile, make_request
 from qlm.domain import SLO, InstanceSpec, Pull, Request, RequestStatus, Tier
 from qlm.errors import ConfigError
 from qlm.planner import PlannerConfig, QlmPolicy, create_policy
-from qlm.planner.policy import DispatchContext, InstanceLoad
+from qlm.planner.policy import Completion, DispatchContext, InstanceLoad
 from qlm.planner.program import PlanGroup, PlanInstance, PlanProblem
 from qlm.planner.qlm_policy import hopeless, in_time, pick_limit
 from qlm.rct.estimator import RCTEstimator
@@ -40,6 +40,17 @@ def test_pulls_only_while_the_instance_has_room() -> None:
     assert [type(d) for d in out] == [Pull, Pull]
     busy = load(max_running=2, outstanding_requests=2, outstanding_tokens=400)
     assert qlm.decide(DispatchContext(0.5, (), (busy,))) == []
+
+
+def test_the_engines_preemptions_reach_the_estimator_with_the_completions_they_came_with() -> None:
+    qlm = policy()
+    reqs = [make_request(i, arrival_s=0.0) for i in range(2)]
+    qlm.decide(DispatchContext(0.0, tuple(reqs), (load(preemptions_total=4),)))
+    assert qlm.estimator.preemption_rate("i0") == 0.0  # what it did before is not counted
+    done = Completion(reqs[0], "i0", 50, 0.1, 0.2, 5.0)
+    later = load(preemptions_total=10, outstanding_requests=1, outstanding_tokens=200)
+    qlm.decide(DispatchContext(5.0, (), (later,), finished=(done,)))
+    assert qlm.estimator.preemption_rate("i0") > 0.0  # six since, with one completion
 
 
 def test_urgent_group_is_pulled_before_a_lax_one_that_arrived_first() -> None:

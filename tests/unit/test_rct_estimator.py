@@ -18,6 +18,8 @@ from qlm.engines.perf_model import default_catalog
 from qlm.errors import ConfigError
 from qlm.rct.estimator import (
     POOL_STRENGTH,
+    PREEMPT_PRIOR,
+    RATE_FORGETTING,
     SPEED_PRIOR_SD,
     Estimate,
     InstanceView,
@@ -199,6 +201,81 @@ def test_a_request_pulled_from_a_backlog_decodes_while_the_batch_is_refilled() -
         (hw.decode_s(4) + 4 * refill) * hw.inefficiency, rel=1e-9
     )
     assert refilled.start_mean == alone.start_mean  # it waits for nothing either way
+
+
+def preempting(est: RCTEstimator, completions: int, per_completion: int, start: int = 0) -> int:
+    """``completions`` requests nothing was predicted for finish on i0, the engine's counter
+    (read before each) going up by ``per_completion`` each time; returns the counter."""
+    count = start
+    est.watch(replace(instance(), preemptions_total=count))
+    for k in range(completions):
+        count += per_completion
+        est.watch(replace(instance(), preemptions_total=count))
+        done = make_request(90_000 + k, model="n", input_tokens=800)  # m's outputs unlearnt
+        est.observe(done, output_tokens=50, finish_s=float(k), instance="i0")
+    return count
+
+
+def test_preemptions_the_engine_reports_are_priced_as_prompts_recomputed() -> None:
+    """vLLM preempts the newest request when its KV cache is full and later recomputes what it
+    had computed (about a prompt): each preemption per completion is one more prompt of prefill
+    in the steps that refill the batch, and in the work of the requests waiting ahead."""
+    est = estimator()
+    hw = hardware()
+    running = [Queued(make_request(i, input_tokens=800), running=True) for i in range(3)]
+    req = make_request(3, input_tokens=800)
+    queue = [*running, Queued(req)]
+    (before,) = est.estimate_requests(instance(), queue, NOW, only=[-1], refilled=True)
+    preempting(est, 40, 1)  # one preemption per completion
+    done = (1 - RATE_FORGETTING**40) / (1 - RATE_FORGETTING)  # completions, forgotten
+    rate = done / (done + PREEMPT_PRIOR)
+    view = replace(instance(), preemptions_total=40)
+    (after,) = est.estimate_requests(view, queue, NOW, only=[-1], refilled=True)
+    m, _ = est.output_moments(req)
+    refill = 800 * hw.input_token_work_s / m
+    assert before.per_token_s == pytest.approx(
+        (hw.decode_s(4) + 4 * refill) * hw.inefficiency, rel=1e-9
+    )
+    assert after.per_token_s == pytest.approx(
+        (hw.decode_s(4) + 4 * refill * (1 + rate)) * hw.inefficiency, rel=1e-9
+    )
+    # Waiting: the prompt work of the requests ahead grows by the same share.
+    reqs = [make_request(10 + i, input_tokens=1000) for i in range(3)]
+    fresh = estimator(max_num_seqs=1)
+    first, _, third = fresh.estimate_requests(instance(), waiting(reqs), NOW)
+    preempting(fresh, 40, 1)
+    first2, _, third2 = fresh.estimate_requests(view, waiting(reqs), NOW)
+    grown = (third2.start_mean - first2.start_mean) - (third.start_mean - first.start_mean)
+    assert grown == pytest.approx(2 * 1000 * hw.input_token_work_s * rate, rel=1e-9)
+
+
+def test_an_engine_counter_that_starts_again_is_counted_from_there() -> None:
+    est = estimator()
+    preempting(est, 10, 0, start=500)  # a restarted controller meets an old count: not its own
+    assert est.preemption_rate("i0") == 0.0
+    preempting(est, 10, 2, start=0)  # the engine restarted: its counter starts again
+    assert 0.0 < est.preemption_rate("i0") <= 1.0  # never negative, two per completion
+
+
+def test_preemptions_met_after_a_prediction_are_not_learnt_as_a_slow_decode() -> None:
+    """A request predicted before the engine started preempting decodes in steps that
+    recompute preempted prompts. Judged against the prediction it got, its decode would teach
+    ε the preemptions, which the preemption rate already prices: counted twice."""
+    est = estimator()
+    hw = hardware()
+    running = [Queued(make_request(i, input_tokens=800), running=True) for i in range(3)]
+    req = make_request(3, input_tokens=800)
+    est.estimate_requests(
+        instance(), [*running, Queued(req)], NOW, only=[-1], refilled=True, remember=True
+    )
+    preempting(est, 40, 1)
+    rate = est.preemption_rate("i0")
+    assert rate > 0.5
+    m, _ = est.output_moments(req)
+    refill = 800 * hw.input_token_work_s / m
+    per_token = (hw.decode_s(4) + 4 * refill * (1 + rate)) * hw.inefficiency  # as it decoded
+    est.observe(req, output_tokens=101, first_token_s=NOW + 1, finish_s=NOW + 1 + 100 * per_token)
+    assert est.calibration_factors("i0")[1] == pytest.approx(1.0, rel=1e-9)
 
 
 def test_a_model_switch_along_the_queue_adds_the_warm_or_cold_load_time() -> None:
