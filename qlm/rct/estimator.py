@@ -847,8 +847,10 @@ class RCTEstimator:
         for the work of every group ahead and of its own group but itself.
         """
         self._prefetch_moments(running)
+        self.watch(instance)
         cal = self._cal(instance.name)
         wf, ef = cal.wait_factor(), cal.eps_factor()
+        redo = 1.0 + cal.preemption_rate()  # prompts recomputed after preemptions, as for requests
         center, slope = cal.shrink()
         rel_sd = max(cal.wait_rel_sd(), self.min_rel_sd)
         waiting = waiting_var = 0.0  # work of the groups ahead, all of it waiting
@@ -881,7 +883,7 @@ class RCTEstimator:
             hw = self.profile.hardware_for(g.model, instance.gpu, instance.gpu_count)
             mix_prompt += g.input_tokens * hw.input_token_work_s
             mix_output += g.output_mean
-        refill = mix_prompt / max(mix_output, 1.0)
+        refill = redo * mix_prompt / max(mix_output, 1.0)
         total_tokens = tokens + sum(g.input_tokens + g.output_mean for g in groups)
         total_count = count + sum(g.size for g in groups)
         # Outputs yet to come count half toward the KV footprint over a request's decode.
@@ -914,7 +916,8 @@ class RCTEstimator:
                 theta = theta_by_model[g.model] = hw.throughput_tps / scale
             # Everything of the group but its last request ...
             own_out = (g.output_mean - g.last_output_mean) / theta
-            own = (g.input_tokens - g.last_input_tokens) * hw.input_token_work_s + own_out
+            w_in = hw.input_token_work_s * redo
+            own = (g.input_tokens - g.last_input_tokens) * w_in + own_out
             own_var = (g.output_var - g.last_output_var) / theta**2
             room = max(free - 1 - (count - n_running), 0)  # exempt places left before it
             share = min(room, g.size - 1) / (g.size - 1) if g.size > 1 else 0.0
@@ -936,7 +939,7 @@ class RCTEstimator:
             )
             # ... then the last request itself.
             last_out, last_var = g.last_output_mean / theta, g.last_output_var / theta**2
-            waiting += own + g.last_input_tokens * hw.input_token_work_s + last_out
+            waiting += own + g.last_input_tokens * w_in + last_out
             waiting_var += own_var + last_var
             exempt += share * own_out + (last_out if room > g.size - 1 else 0.0)
             exempt_var += share * own_var + (last_var if room > g.size - 1 else 0.0)

@@ -384,10 +384,12 @@ def test_an_empty_group_has_no_load() -> None:
 @pytest.mark.parametrize(
     "kv", [pytest.param({}, id="batch-size"), pytest.param(KV, id="kv-footprint")]
 )
+@pytest.mark.parametrize("preempted", [0, 1], ids=["no-preemptions", "preempting"])
 def test_queue_estimates_of_one_request_groups_agree_with_request_estimates(
-    kv: dict[str, float],
+    kv: dict[str, float], preempted: int
 ) -> None:
     est = estimator(**kv)
+    preempting(est, 30, preempted)  # the engine preempting once per completion, or never
     running = [Queued(make_request(90 + i), generated=10 * i, running=True) for i in range(2)]
     reqs = [
         make_request(i, input_tokens=n, max_tokens=cap)
