@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import shlex
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any, Literal, NoReturn, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, Literal, NoReturn, TypeVar
 
 import typer
 from rich.console import Console
@@ -28,6 +29,9 @@ from qlm.sim.instances import parse_instances
 from qlm.sim.metrics import write_outputs
 from qlm.sim.traces import load_lengths, load_trace, scale_rate, synthetic, window
 from qlm.sim.workload import PRESETS, create_workload
+
+if TYPE_CHECKING:
+    from qlm.engines.profiling import ServerSettings
 
 app = typer.Typer(
     help="QLM: queue management for LLM serving with SLOs.",
@@ -555,6 +559,116 @@ def profile_hardware_cmd(
     """Run profiling batches on a simulated instance and fit its hardware parameters."""
     hw = _guard(lambda: profile_hardware_service(model, gpu, gpus, input_tokens, output_tokens))
     _guard(lambda: _merge_into(out, RctProfile(hardware={hw.key: hw})))
+    _print_hardware(hw, out)
+
+
+def profile_server_service(
+    url: str,
+    model: str,
+    gpu: str,
+    gpus: int,
+    settings: ServerSettings,
+    input_tokens: int,
+    output_tokens: int,
+    time_scale: float,
+) -> HardwareProfile:
+    from qlm.clock import WallClock
+    from qlm.engines.profiling import profile_engine
+    from qlm.engines.vllm import VllmEngine
+
+    async def run() -> HardwareProfile:
+        engine = VllmEngine("server", url, model, timeout_s=60.0, tier_timeout_s=1800.0)
+        try:
+            return await profile_engine(
+                engine,
+                model=model,
+                gpu=gpu,
+                gpu_count=gpus,
+                settings=settings,
+                input_tokens=input_tokens,
+                output_tokens=output_tokens,
+                clock=WallClock(time_scale),
+            )
+        finally:
+            await engine.close()
+
+    return asyncio.run(run())
+
+
+@profile_app.command("server")
+def profile_server_cmd(
+    url: Annotated[str, typer.Option(help="The vLLM server, e.g. http://gpu-0:8000.")],
+    model: Annotated[str, typer.Option(help="Served model name to profile.")],
+    gpu: Annotated[str, typer.Option(help="GPU type the profile is for, e.g. A100.")],
+    max_num_seqs: Annotated[
+        int, typer.Option(help="The server's --max-num-seqs (its API does not say it).")
+    ],
+    out: Annotated[Path, typer.Option(help="Profile file to write or update.")],
+    gpus: Annotated[int, typer.Option(help="GPUs of the instance.")] = 1,
+    max_num_batched_tokens: Annotated[
+        int, typer.Option(help="The server's --max-num-batched-tokens (0: unknown).")
+    ] = 0,
+    max_context: Annotated[int, typer.Option(help="The model's context length.")] = 8192,
+    warm_load_s: Annotated[
+        float | None, typer.Option(help="Wake-up time from sleep level 1 (default: measured).")
+    ] = None,
+    cold_load_s: Annotated[
+        float | None, typer.Option(help="Wake-up time from sleep level 2 (default: measured).")
+    ] = None,
+    input_tokens: Annotated[int, typer.Option(help="Prompt length of the profiling batch.")] = 1024,
+    output_tokens: Annotated[int, typer.Option(help="Output length of the profiling batch.")] = 256,
+    time_scale: Annotated[
+        float,
+        typer.Option(
+            help="Server seconds per real second: 1 for vLLM (a simulated server's --time-scale)."
+        ),
+    ] = 1.0,
+) -> None:
+    """Run profiling batches on a vLLM server over its HTTP API and fit its hardware parameters
+    (prompts are random, so its prefix cache cannot help; a few minutes on a GPU)."""
+    from qlm.engines.profiling import ServerSettings
+
+    for name, value in (
+        ("--max-num-seqs", max_num_seqs),
+        ("--gpus", gpus),
+        ("--max-context", max_context),
+    ):
+        if value < 1:
+            _fail(f"{name} must be >= 1, got {value}")
+    if max_num_batched_tokens < 0:
+        _fail(f"--max-num-batched-tokens must be >= 0 (0: unknown), got {max_num_batched_tokens}")
+    if input_tokens < 1 or output_tokens < 4:
+        _fail(
+            "--input-tokens must be >= 1 and --output-tokens >= 4 (decode time is measured "
+            f"between two output lengths), got {input_tokens} and {output_tokens}"
+        )
+    if time_scale <= 0:
+        _fail(f"--time-scale must be > 0, got {time_scale}")
+    for name, load in (("--warm-load-s", warm_load_s), ("--cold-load-s", cold_load_s)):
+        if load is not None and load < 0:
+            _fail(f"{name} must be >= 0, got {load}")
+    try:  # KV bytes per token, for swap costs, where the catalog knows the model
+        kv_bytes = default_catalog().model(model).kv_bytes_per_token
+    except QLMError:
+        kv_bytes = 0
+    settings = ServerSettings(
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_context=max_context,
+        warm_load_s=warm_load_s,
+        cold_load_s=cold_load_s,
+        kv_bytes_per_token=kv_bytes,
+    )
+    hw = _guard(
+        lambda: profile_server_service(
+            url, model, gpu, gpus, settings, input_tokens, output_tokens, time_scale
+        )
+    )
+    _guard(lambda: _merge_into(out, RctProfile(hardware={hw.key: hw})))
+    _print_hardware(hw, out)
+
+
+def _print_hardware(hw: HardwareProfile, out: Path) -> None:
     console.print(
         f"{hw.model} on {hw.gpu_count}x{hw.gpu}: prefill {hw.prefill_base_s * 1000:.1f} ms + "
         f"{hw.prefill_per_token_s * 1e6:.1f} µs/token, d {hw.decode_alone_s * 1000:.1f} ms alone / "
@@ -648,12 +762,20 @@ def sim_engine_serve_cmd(
         ),
     ] = "sharegpt",
     seed: Annotated[int, typer.Option(help="Seed of the output-length draw.")] = 0,
+    max_num_seqs: Annotated[
+        int | None,
+        typer.Option(
+            help="Requests run at once (vLLM's --max-num-seqs; default: vLLM's for the GPU)."
+        ),
+    ] = None,
 ) -> None:
     """Serve one simulated instance with the same HTTP API as `vllm serve`."""
     from qlm.engines.server import serve
 
     if time_scale <= 0:
         _fail(f"--time-scale must be > 0, got {time_scale}")
+    if max_num_seqs is not None and max_num_seqs < 1:
+        _fail(f"--max-num-seqs must be >= 1, got {max_num_seqs}")
     err_console.print(
         f"simulated vLLM: {model} on {f'{gpus}x' if gpus else ''}{gpu} at http://{host}:{port} "
         f"(time x{time_scale:g}{', dev mode' if dev_mode else ''})",
@@ -671,6 +793,7 @@ def sim_engine_serve_cmd(
             dev_mode=dev_mode,
             eos_lengths=eos_lengths,
             seed=seed,
+            max_num_seqs=max_num_seqs,
         )
     )
 

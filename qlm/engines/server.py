@@ -323,6 +323,7 @@ def serve(
     dev_mode: bool,
     eos_lengths: str,
     seed: int,
+    max_num_seqs: int | None = None,
 ) -> None:
     """Run the server until interrupted (``qlm sim-engine serve``)."""
     import uvicorn
@@ -330,7 +331,12 @@ def serve(
     from qlm.sim.traces import load_lengths
 
     engine = WallClockEngine.from_catalog(
-        f"sim-{model}-{port}", model, gpu, gpu_count, time_scale=time_scale
+        f"sim-{model}-{port}",
+        model,
+        gpu,
+        gpu_count,
+        time_scale=time_scale,
+        max_num_seqs=max_num_seqs,
     )
     lengths: Sequence[int] = ()
     if eos_lengths != "max_tokens":

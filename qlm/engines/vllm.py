@@ -164,6 +164,28 @@ class VllmEngine:
         finally:
             self._flights.pop(rid, None)
 
+    async def complete(self, request: EngineRequest, *, timeout_s: float = 3600.0) -> EngineOutput:
+        """Run ``request`` without streaming (one answer when it ends): what profiling uses, so
+        that the time it measures is the server's, not the client's parsing of every token."""
+        body = self._body(request) | {"stream": False}
+        body.pop("stream_options")
+        resp = await self._call(
+            "POST",
+            "/v1/completions",
+            json=body,
+            headers={"X-Request-Id": request.request_id},
+            timeout=timeout_s,
+        )
+        try:
+            data = resp.json()
+            choice = data["choices"][0]
+            tokens = int(data["usage"]["completion_tokens"])
+        except (ValueError, KeyError, IndexError, TypeError) as exc:
+            raise self._fail("POST /v1/completions sent a bad answer", repr(exc)) from exc
+        reason = choice.get("finish_reason") or "stop"
+        finish: FinishReason = "length" if reason == "length" else "stop"
+        return EngineOutput(request.request_id, str(choice.get("text", "")), tokens, finish)
+
     async def abort(self, request_id: str) -> EngineOutput:
         flight = self._flights.get(request_id)
         if flight is None or flight.task is None:

@@ -98,10 +98,11 @@ class WallClockEngine:
         time_scale: float = 1.0,
         max_macro_steps: int = 4,
         catalog: HardwareCatalog | None = None,
+        max_num_seqs: int | None = None,
     ) -> WallClockEngine:
         """One model on ``gpu_count`` x ``gpu`` (default: fewest that fit) with vLLM's defaults
         for that GPU; decode runs are cut every ``max_macro_steps`` iterations so that tokens
-        stream steadily."""
+        stream steadily. ``max_num_seqs``: vLLM's setting of that name, instead of its default."""
         cat = catalog or default_catalog()
         count = gpu_count if gpu_count is not None else cat.default_gpu_count(model, gpu)
         pm = cat.perf_model(model, gpu, count)
@@ -111,6 +112,7 @@ class WallClockEngine:
             max_macro_steps=max_macro_steps,
             emit_token_events=True,
             model_switching="explicit",
+            **({"max_num_seqs": max_num_seqs} if max_num_seqs is not None else {}),
         )
         sim = SimEngine(name, {pm.model.name: pm}, config)
         return cls(sim, WallClock(time_scale))

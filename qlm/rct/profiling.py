@@ -100,7 +100,7 @@ def profile_sim_hardware(
         engine = SimEngine("profile", {name: perf}, cfg)
         res = _run(engine, [EngineRequest("p", name, n, max_tokens=1)])
         ttfts.append(res["p"]["first"])
-    b, a = _line(lengths, ttfts)
+    b, a = fit_line(lengths, ttfts)
 
     if output_tokens < 2:
         raise ConfigError("profiling needs output_tokens >= 2 to measure decode time")
@@ -173,7 +173,7 @@ def _decode_alone(perf: PerfModel, cfg: SimEngineConfig, prompt: int, output: in
     return (alone["finish"] - alone["first"]) / (output - 1)
 
 
-def _line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
+def fit_line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
     """Least-squares slope and intercept."""
     n = len(xs)
     mx, my = sum(xs) / n, sum(ys) / n

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Callable
 
 import httpx
@@ -11,7 +12,7 @@ from typer.testing import CliRunner
 
 from qlm.cli import app
 from qlm.domain import ModelTier
-from qlm.engines.base import Engine, UnsupportedOperation
+from qlm.engines.base import Engine, EngineRequest, UnsupportedOperation
 from qlm.engines.vllm import VllmEngine, vllm_serve_command
 from qlm.errors import EngineError
 
@@ -143,3 +144,35 @@ def test_instance_launch_prints_the_command_or_says_vllm_is_missing(
     assert result.exit_code == 1
     assert "vLLM is not installed" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_complete_asks_for_one_answer_with_random_prompts_kept_and_reads_its_token_count() -> None:
+    seen: list[dict[str, object]] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        seen.append(body)
+        answer = {"choices": [{"text": "ab", "finish_reason": "length"}]}
+        return httpx.Response(200, json=answer | {"usage": {"completion_tokens": 5}})
+
+    async def scenario() -> None:
+        engine = engine_with(handler)
+        req = EngineRequest("p1", "llama", 3, max_tokens=5, output_tokens=5, prompt=(7, 8, 9))
+        out = await engine.complete(req)
+        await engine.close()
+        assert (out.tokens, out.finish_reason, out.text) == (5, "length", "ab")
+        (body,) = seen
+        assert body["stream"] is False and "stream_options" not in body
+        assert body["prompt"] == [7, 8, 9] and body["ignore_eos"] is True
+
+    asyncio.run(scenario())
+
+
+def test_a_completion_answer_without_usage_is_an_engine_error_naming_the_instance() -> None:
+    async def scenario() -> None:
+        engine = engine_with(lambda r: httpx.Response(200, json={"choices": [{"text": ""}]}))
+        with pytest.raises(EngineError, match=r"gpu-3.*bad answer"):
+            await engine.complete(EngineRequest("p1", "llama", 3, max_tokens=5))
+        await engine.close()
+
+    asyncio.run(scenario())
