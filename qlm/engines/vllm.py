@@ -7,7 +7,9 @@ docs/engines.md records what was checked and where.
   server runs ``--scheduling-policy priority``; lower runs first) and an ``X-Request-Id`` header.
   ``stream_options.continuous_usage_stats`` puts the running ``completion_tokens`` in every chunk,
   so the token count is the server's, not a guess from the text. A replayed request
-  (``output_tokens`` set) is sent ``ignore_eos`` with ``max_tokens`` = its true length.
+  (``output_tokens`` set) is sent ``ignore_eos`` with ``max_tokens`` = its true length; one
+  without prompt text gets ``filler_prompt`` token ids.
+* ``complete``: the same request unstreamed (``qlm profile server``).
 * ``abort``: closing the stream. vLLM aborts a streaming request whose client disconnects.
   (vLLM 0.14's ``POST /abort_requests`` exists only with ``--tokens-only`` and takes engine-internal
   ids, so it is not used.)
@@ -25,7 +27,9 @@ import asyncio
 import contextlib
 import json
 import math
+import random
 import shutil
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -52,6 +56,19 @@ VLLM_VERSION = "0.14.0"
 FILLER_TOKEN_ID = 1000
 """Token id of the synthetic prompt sent for a request without prompt text: any id inside every
 modern vocabulary will do; only the prompt's length matters to a replay."""
+FILLER_HEAD = 16  # vLLM's default KV block: the tokens that make each synthetic prompt its own
+
+
+def filler_prompt(request_id: str, tokens: int) -> list[int]:
+    """The synthetic prompt of a request without prompt text: ``tokens`` ids, the first
+    ``FILLER_HEAD`` drawn from the request id. vLLM's prefix cache (on by default) hashes the KV
+    blocks of a prompt from its first; were every replayed prompt the same filler, each would be
+    served from the first one's cached blocks and its prefill would cost next to nothing. The
+    same id gets the same prompt (a resumed request still meets its own cached prefix)."""
+    rng = random.Random(zlib.crc32(request_id.encode()))
+    head = [rng.randrange(FILLER_TOKEN_ID, 30_000) for _ in range(min(tokens, FILLER_HEAD))]
+    return head + [FILLER_TOKEN_ID] * (tokens - len(head))
+
 
 _FINISH: dict[str, FinishReason] = {"length": "length", "stop": "stop", "abort": "abort"}
 
@@ -271,7 +288,7 @@ class VllmEngine:
             if isinstance(request.prompt, tuple)
             else request.prompt
             if request.prompt is not None
-            else [FILLER_TOKEN_ID] * request.prompt_tokens
+            else filler_prompt(request.request_id, request.prompt_tokens)
         )
         body: dict[str, Any] = dict(request.sampling)
         body |= {

@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 from qlm.cli import app
 from qlm.domain import ModelTier
 from qlm.engines.base import Engine, EngineRequest, UnsupportedOperation
-from qlm.engines.vllm import VllmEngine, vllm_serve_command
+from qlm.engines.vllm import VllmEngine, filler_prompt, vllm_serve_command
 from qlm.errors import EngineError
 
 METRICS = """\
@@ -176,3 +176,12 @@ def test_a_completion_answer_without_usage_is_an_engine_error_naming_the_instanc
         await engine.close()
 
     asyncio.run(scenario())
+
+
+def test_synthetic_prompts_of_different_requests_share_no_prefix_and_keep_their_length() -> None:
+    """vLLM's prefix cache would serve identical filler prompts from the first one's blocks."""
+    a, b = filler_prompt("r0001", 2000), filler_prompt("r0002", 2000)
+    assert len(a) == len(b) == 2000
+    assert a[:16] != b[:16]  # the first KV block differs, so every block's hash does
+    assert filler_prompt("r0001", 2000) == a  # the same request, the same prompt
+    assert len(filler_prompt("r0003", 5)) == 5
