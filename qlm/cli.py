@@ -19,6 +19,7 @@ from rich.table import Table
 
 from qlm.engines.perf_model import default_catalog
 from qlm.errors import QLMError
+from qlm.ops import ops_app
 from qlm.planner import POLICIES, PlannerConfig, create_policy
 from qlm.rct.output_model import NIG
 from qlm.rct.profile import HardwareProfile, RctProfile, dump_profile, parse_profile
@@ -734,6 +735,7 @@ sim_engine_app = typer.Typer(
     rich_markup_mode=None,
 )
 app.add_typer(sim_engine_app, name="sim-engine")
+app.add_typer(ops_app, name="ops")
 
 
 @sim_engine_app.command("serve")

@@ -1,0 +1,175 @@
+"""``qlm ops``, the operator CLI, against the REST API served by uvicorn on a free port with a
+controller service and simulated instances in process: it lists instances, drains and undrains
+one, shows a request, plans, queues and controllers, and reports SLO attainment that agrees with
+the API's own records; bad input and a missing key fail in one line. Nothing asserts on timing:
+the CLI runs after the requests it looks at are final."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+from typer.testing import CliRunner, Result
+
+from qlm.api import create_app
+from qlm.api.server import ApiServer
+from qlm.cli import app
+from qlm.global_queue import MemoryBroker, MemoryGlobalQueue
+from qlm.ops import parse_span, slo_report
+from qlm.settings import Settings
+from qlm.store import Store
+from tests.unit.test_controller_service import make_service
+
+N = 6
+
+
+def run(scenario: Callable[[str, str, str, list[str]], Awaitable[None]]) -> None:
+    async def main() -> None:
+        store = Store.open("sqlite://")
+        broker = MemoryBroker()
+        service = make_service(store, broker)
+        await service.start()
+        admin = store.create_api_key("ops", admin=True)
+        tenant = store.create_api_key("acme")
+        api = create_app(
+            Settings(),
+            queue=MemoryGlobalQueue(broker=broker),
+            store=store,
+            controller=service,
+            clock=service.runtime.clock.now,
+        )
+        server = ApiServer(api, host="127.0.0.1", port=0, log_level="warning")
+        await server.start()
+        try:
+            async with httpx.AsyncClient(base_url=server.url) as client:
+                auth = {"Authorization": f"Bearer {tenant}"}
+                ids = []
+                for i in range(N):
+                    body = {"model": "m", "prompt": "hi", "max_tokens": 20 + i, "slo_seconds": 60}
+                    body["tier"] = "interactive" if i % 2 else "batch"
+                    r = await client.post("/v1/requests", json=body, headers=auth)
+                    assert r.status_code in (200, 201, 202), r.text
+                    ids.append(r.json()["id"])
+                deadline = time.monotonic() + 60
+                for rid in ids:
+                    while True:
+                        r = await client.get(f"/v1/requests/{rid}", headers=auth)
+                        if r.json()["status"] in ("finished", "failed", "cancelled"):
+                            break
+                        assert time.monotonic() < deadline, f"{rid} never became final"
+                        await asyncio.sleep(0.02)
+            await scenario(server.url, admin, tenant, ids)
+        finally:
+            await server.stop()
+            await service.stop()
+            store.close()
+
+    asyncio.run(main())
+
+
+async def ops(url: str, key: str | None, *args: str) -> Result:
+    base = ["ops", "--url", url, *(["--key", key] if key else [])]
+    return await asyncio.to_thread(CliRunner().invoke, app, [*base, *args], env={"QLM_API_KEY": ""})
+
+
+def test_operators_inspect_and_steer_a_running_qlm() -> None:
+    async def scenario(url: str, admin: str, tenant: str, ids: list[str]) -> None:
+        r = await ops(url, admin, "instances")
+        assert r.exit_code == 0, r.output
+        assert "i0" in r.output and "i1" in r.output and "m (active)" in r.output
+        r = await ops(url, admin, "drain", "i0")
+        assert (r.exit_code, r.output.strip()) == (0, "i0: draining")
+        r = await ops(url, admin, "--json", "instances")
+        states = {i["name"]: i["state"] for i in json.loads(r.output)["data"]}
+        assert states == {"i0": "draining", "i1": "up"}
+        r = await ops(url, admin, "undrain", "i0")
+        assert (r.exit_code, r.output.strip()) == (0, "i0: up")
+
+        r = await ops(url, admin, "request", ids[1])
+        assert r.exit_code == 0, r.output
+        assert (
+            ids[1] in r.output and "acme / m / interactive" in r.output and "finished" in r.output
+        )
+
+        for command in ("queues", "groups", "plans", "controllers"):
+            r = await ops(url, admin, command)
+            assert r.exit_code == 0, (command, r.output)
+        r = await ops(url, admin, "--json", "plans")
+        assert json.loads(r.output)["data"], "the QLM policy planned at least once"
+
+    run(scenario)
+
+
+def test_the_slo_report_agrees_with_the_requests_the_api_records(tmp_path: Path) -> None:
+    async def scenario(url: str, admin: str, tenant: str, ids: list[str]) -> None:
+        async with httpx.AsyncClient(base_url=url) as client:
+            rows = [
+                (await client.get(f"/v1/requests/{i}", headers={"Authorization": f"Bearer {admin}"})).json()
+                for i in ids
+            ]  # fmt: skip
+        met = sum(bool(r["slo_met"]) for r in rows)
+        out = tmp_path / "slo.md"
+        # This API runs on the controller's sped-up clock, not unix time: say when the span ends.
+        until = str(max(r["submitted_at"] for r in rows) + 1.0)
+        r = await ops(
+            url, admin, "--json", "report", "--since", "1h", "--until", until, "--out", str(out)
+        )
+        assert r.exit_code == 0, r.output
+        doc = json.loads(r.output.split("\nwrote ")[0])
+        [overall] = doc["sections"]["all"]
+        assert overall[1] == str(N) and overall[5] == f"{100.0 * met / N:.1f} %"
+        tiers = {row[0]: row for row in doc["sections"]["tier"]}
+        assert set(tiers) == {"batch", "interactive"} and tiers["batch"][1] == str(N // 2)
+        assert [row[0] for row in doc["sections"]["tenant"]] == ["acme"]
+        text = out.read_text(encoding="utf-8")
+        assert text.startswith("# SLO attainment") and "## By tier" in text
+        r = await ops(url, admin, "report", "--until", until, "--tenant", "nobody")
+        assert r.exit_code == 0 and "overall" in r.output  # an empty span reports zeros
+
+    run(scenario)
+
+
+def test_without_an_admin_key_or_with_bad_input_the_cli_fails_in_one_line() -> None:
+    async def scenario(url: str, admin: str, tenant: str, ids: list[str]) -> None:
+        cases: list[tuple[str | None, tuple[str, ...], str]] = [
+            (None, ("queues",), "401"),
+            (tenant, ("instances",), "admin key"),
+            (admin, ("drain", "nope"), "nope"),
+            (admin, ("report", "--since", "yesterday"), "--since"),
+            (admin, ("request", "no-such-id"), "404"),
+        ]
+        for key, args, named in cases:
+            r = await ops(url, key, *args)
+            assert r.exit_code == 1, (args, r.output)
+            assert named in r.output and len(r.output.strip().splitlines()) == 1, (args, r.output)
+        r = await ops("http://127.0.0.1:1", admin, "instances")
+        assert r.exit_code == 1 and "cannot reach QLM" in r.output
+        r = await ops("localhost:8000", admin, "instances")
+        assert r.exit_code == 1 and "--url" in r.output
+
+    run(scenario)
+
+
+def test_spans_and_the_report_arithmetic() -> None:
+    assert [parse_span(s) for s in ("30m", "24h", "7d", "90s", "1.5h")] == [
+        1800.0, 86400.0, 604800.0, 90.0, 5400.0,
+    ]  # fmt: skip
+    rows: list[dict[str, Any]] = [
+        {"status": "finished", "slo_met": True, "ttft_met": None, "tier": "batch"},
+        {"status": "finished", "slo_met": False, "ttft_met": True, "tier": "batch"},
+        {"status": "failed", "slo_met": False, "ttft_met": None, "tier": "interactive"},
+        {"status": "cancelled", "slo_met": None, "ttft_met": None, "tier": "interactive"},
+        {"status": "queued", "slo_met": None, "ttft_met": None, "tier": "interactive"},
+    ]
+    for r in rows:
+        r |= {"tenant": "t", "model": "m"}
+    report = slo_report(rows)
+    # 5 requests, 1 not final, 1 failed, 1 cancelled; judged: 2 finished + 1 failed -> 1 of 3 met.
+    assert report["all"] == [["all", "5", "1", "1", "1", "33.3 %", "100.0 %"]]
+    assert report["tier"][0] == ["batch", "2", "0", "0", "0", "50.0 %", "100.0 %"]
+    assert report["tier"][1] == ["interactive", "3", "1", "1", "1", "0.0 %", "-"]
