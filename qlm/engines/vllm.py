@@ -111,8 +111,13 @@ class VllmEngine:
         self.max_num_seqs = max_num_seqs
         self.timeout_s = timeout_s
         self.tier_timeout_s = tier_timeout_s
+        # Every request streaming holds a connection: the agent, not the pool, bounds how many
+        # run at once (httpx's default pool of 100 would hold the rest back until they time out).
         self._client = httpx.AsyncClient(
-            base_url=self.base_url, timeout=httpx.Timeout(timeout_s), transport=transport
+            base_url=self.base_url,
+            timeout=httpx.Timeout(timeout_s),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
+            transport=transport,
         )
         self._flights: dict[str, _Flight] = {}
         self._tiers = {m: ModelTier.ACTIVE for m in self.models}

@@ -181,3 +181,30 @@ def test_vllm_client_errors_name_the_instance_and_url(server_url: str) -> None:
             await dead.close()
 
     asyncio.run(scenario())
+
+
+def test_the_client_runs_as_many_requests_at_once_as_the_agent_sends(server_url: str) -> None:
+    """An agent keeps up to max_num_seqs requests streaming on one server (256 on an A100, 1,024
+    on an H100); every one holds its connection until it ends. A connection pool capped below
+    that (httpx's default is 100) would hold the rest back and time them out."""
+    n = 150
+
+    async def scenario() -> None:
+        engine = VllmEngine("sim-0", server_url, MODEL)
+        peak = 0
+        try:
+            runs = [asyncio.create_task(engine.submit(request(f"c-{i}", 400))) for i in range(n)]
+
+            async def all_running() -> bool:
+                nonlocal peak
+                peak = max(peak, (await engine.stats()).running)
+                return peak >= n or all(r.done() for r in runs)
+
+            await eventually(all_running, f"{n} requests run at once or all ended")
+            outs = await asyncio.gather(*runs)
+        finally:
+            await engine.close()
+        assert peak == n, f"at most {peak} of {n} ran at once"
+        assert all(o.tokens == 400 for o in outs)
+
+    asyncio.run(scenario())
