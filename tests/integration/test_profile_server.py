@@ -1,9 +1,9 @@
 """End to end: ``qlm profile server`` profiles a vLLM server over its HTTP API — here a
 ``qlm sim-engine serve`` process, whose hardware the in-process profiler of the simulated engine
 measures directly, so the two must agree. The server runs 16 requests at once and 5x faster than
-real time (a 256-request batch streams more tokens than a 2-core test machine serves on time);
-the tolerances leave room for HTTP jitter, which the speed-up magnifies. No assertion is about
-how long anything took."""
+real time, so the whole profile takes seconds (at vLLM's 256 and real time it takes a minute:
+docs/estimator.md); the tolerances leave room for HTTP jitter, which the speed-up magnifies, and
+the noisy context slope is not compared. No assertion is about how long anything took."""
 
 from __future__ import annotations
 
