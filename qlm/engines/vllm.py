@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import math
 import random
 import shutil
@@ -52,6 +53,11 @@ from qlm.errors import EngineError, RequestRejected, UnknownRequest
 
 VLLM_VERSION = "0.14.0"
 """The vLLM release whose API this client and ``qlm sim-engine serve`` follow."""
+
+log = logging.getLogger(__name__)
+
+PRIORITY_OFF = "Priority scheduling is not enabled"
+"""vLLM's answer to a request with ``priority`` != 0 when the server runs FCFS scheduling."""
 
 FILLER_TOKEN_ID = 1000
 """Token id of the synthetic prompt sent for a request without prompt text: any id inside every
@@ -121,6 +127,7 @@ class VllmEngine:
         )
         self._flights: dict[str, _Flight] = {}
         self._tiers = {m: ModelTier.ACTIVE for m in self.models}
+        self._priority = True  # False once the server said it does not schedule by priority
 
     def _fail(self, what: str, detail: object) -> EngineError:
         return EngineError(f"{self.name} ({self.base_url}): {what}: {detail}")
@@ -189,15 +196,21 @@ class VllmEngine:
     async def complete(self, request: EngineRequest, *, timeout_s: float = 3600.0) -> EngineOutput:
         """Run ``request`` without streaming (one answer when it ends): what profiling uses, so
         that the time it measures is the server's, not the client's parsing of every token."""
-        body = self._body(request) | {"stream": False}
-        body.pop("stream_options")
-        resp = await self._call(
-            "POST",
-            "/v1/completions",
-            json=body,
-            headers={"X-Request-Id": request.request_id},
-            timeout=timeout_s,
-        )
+        while True:
+            body = self._body(request) | {"stream": False}
+            body.pop("stream_options")
+            try:
+                resp = await self._call(
+                    "POST",
+                    "/v1/completions",
+                    json=body,
+                    headers={"X-Request-Id": request.request_id},
+                    timeout=timeout_s,
+                )
+                break
+            except EngineError as exc:
+                if not self._priority_refused(str(exc), body["priority"]):
+                    raise
         try:
             data = resp.json()
             choice = data["choices"][0]
@@ -300,7 +313,7 @@ class VllmEngine:
             "model": request.model,
             "prompt": prompt,
             "max_tokens": request.max_tokens,
-            "priority": request.priority,
+            "priority": request.priority if self._priority else 0,
             "stream": True,
             "stream_options": {"include_usage": True, "continuous_usage_stats": True},
         }
@@ -309,7 +322,32 @@ class VllmEngine:
             body["ignore_eos"] = True
         return body
 
+    def _priority_refused(self, message: str, sent_priority: int) -> bool:
+        """True (and priorities off from now on) when the server refused a request's priority
+        because it schedules FCFS: the request is sent again without it. QLM's order does not
+        depend on it (requests are pulled in plan order); it only orders what waits inside vLLM."""
+        if PRIORITY_OFF not in message or not sent_priority:
+            return False
+        if self._priority:
+            self._priority = False
+            log.warning(
+                "%s (%s) schedules FCFS: requests are sent without priority (start vLLM with "
+                "--scheduling-policy priority, as `qlm instance launch` does, to use it)",
+                self.name,
+                self.base_url,
+            )
+        return True
+
     async def _stream(self, flight: _Flight, on_chunk: ChunkCallback | None) -> EngineOutput:
+        while True:
+            sent = flight.request.priority if self._priority else 0
+            try:
+                return await self._stream_once(flight, on_chunk)
+            except RequestRejected as exc:
+                if not self._priority_refused(str(exc), sent):
+                    raise
+
+    async def _stream_once(self, flight: _Flight, on_chunk: ChunkCallback | None) -> EngineOutput:
         rid = flight.request.request_id
         what = "POST /v1/completions"
         timeout = httpx.Timeout(self.timeout_s, read=None)  # a queued request may wait long

@@ -14,7 +14,7 @@ from qlm.cli import app
 from qlm.domain import ModelTier
 from qlm.engines.base import Engine, EngineRequest, UnsupportedOperation
 from qlm.engines.vllm import VllmEngine, filler_prompt, vllm_serve_command
-from qlm.errors import EngineError
+from qlm.errors import EngineError, RequestRejected
 
 METRICS = """\
 # HELP vllm:num_requests_running Number of requests in model execution batches.
@@ -185,3 +185,58 @@ def test_synthetic_prompts_of_different_requests_share_no_prefix_and_keep_their_
     assert a[:16] != b[:16]  # the first KV block differs, so every block's hash does
     assert filler_prompt("r0001", 2000) == a  # the same request, the same prompt
     assert len(filler_prompt("r0003", 5)) == 5
+
+
+def test_a_server_without_priority_scheduling_gets_the_request_again_without_priority(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """vLLM refuses priority != 0 unless started with --scheduling-policy priority. Requests are
+    sent again without it (QLM pulls in plan order anyway), and once the server said so, every
+    later one goes without: one warning naming the instance and the flag, nothing fails."""
+    sent: list[int] = []
+    refusal = {"error": {"message": "Got priority 2 but Priority scheduling is not enabled.",
+                         "type": "BadRequestError", "param": None, "code": 400}}  # fmt: skip
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        sent.append(body["priority"])
+        if body["priority"]:
+            return httpx.Response(400, json=refusal)
+        if not body["stream"]:
+            answer = {"choices": [{"text": "x", "finish_reason": "length"}]}
+            return httpx.Response(200, json=answer | {"usage": {"completion_tokens": 1}})
+        chunk = {"choices": [{"text": "x", "finish_reason": "length"}],
+                 "usage": {"completion_tokens": 1}}  # fmt: skip
+        text = f"data: {json.dumps(chunk)}\n\ndata: [DONE]\n\n"
+        return httpx.Response(200, text=text, headers={"content-type": "text/event-stream"})
+
+    async def scenario() -> None:
+        engine = engine_with(handler)
+        first = await engine.submit(EngineRequest("a", "llama", 3, max_tokens=1, priority=2))
+        second = await engine.submit(EngineRequest("b", "llama", 3, max_tokens=1, priority=1))
+        third = await engine.complete(EngineRequest("c", "llama", 3, max_tokens=1, priority=2))
+        await engine.close()
+        assert [o.tokens for o in (first, second, third)] == [1, 1, 1]
+
+    with caplog.at_level("WARNING", logger="qlm.engines.vllm"):
+        asyncio.run(scenario())
+    assert sent == [2, 0, 0, 0]
+    [warning] = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert "gpu-3" in warning and "--scheduling-policy priority" in warning
+
+
+def test_other_rejections_are_not_retried() -> None:
+    calls: list[int] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        calls.append(1)
+        return httpx.Response(400, json={"error": {"message": "too long", "type": "x"}})
+
+    async def scenario() -> None:
+        engine = engine_with(handler)
+        with pytest.raises(RequestRejected, match="too long"):
+            await engine.submit(EngineRequest("a", "llama", 3, max_tokens=1, priority=2))
+        await engine.close()
+
+    asyncio.run(scenario())
+    assert len(calls) == 1
