@@ -82,6 +82,7 @@ _FINISH: dict[str, FinishReason] = {"length": "length", "stop": "stop", "abort":
 @dataclass(slots=True)
 class _Flight:
     request: EngineRequest
+    wire_id: str  # the X-Request-Id vLLM gets: the request id, with ".n" from its n-th sending
     parts: list[str] = field(default_factory=list)
     tokens: int = 0
     aborted: bool = False
@@ -90,6 +91,8 @@ class _Flight:
     def partial(self) -> EngineOutput:
         return EngineOutput(self.request.request_id, "".join(self.parts), self.tokens, "abort")
 
+
+MAX_REMEMBERED = 100_000  # request ids remembered as sent (in flight, or aborted and not back)
 
 REJECTED = frozenset({400, 404, 413, 422})
 """Answers that say the request is bad (too long, unknown model, bad parameter), not the server."""
@@ -128,6 +131,10 @@ class VllmEngine:
         self._flights: dict[str, _Flight] = {}
         self._tiers = {m: ModelTier.ACTIVE for m in self.models}
         self._priority = True  # False once the server said it does not schedule by priority
+        # Requests sent and not yet finished here, with how many times: one sent again after an
+        # abort gets its own id, as vLLM may still hold the aborted one (it frees it once it
+        # notices the closed stream) and refuses an id already running.
+        self._sent: dict[str, int] = {}
 
     def _fail(self, what: str, detail: object) -> EngineError:
         return EngineError(f"{self.name} ({self.base_url}): {what}: {detail}")
@@ -180,11 +187,18 @@ class VllmEngine:
         rid = request.request_id
         if rid in self._flights:
             raise self._fail("duplicate request", f"{rid!r} is already in flight")
-        flight = _Flight(request)
+        n = self._sent.pop(rid, 0) + 1
+        self._sent[rid] = n
+        while len(self._sent) > MAX_REMEMBERED:
+            del self._sent[next(iter(self._sent))]
+        flight = _Flight(request, rid if n == 1 else f"{rid}.{n}")
         flight.task = asyncio.create_task(self._stream(flight, on_chunk), name=f"vllm-{rid}")
         self._flights[rid] = flight
         try:
-            return await flight.task
+            out = await flight.task
+            if not out.aborted:
+                self._sent.pop(rid, None)
+            return out
         except asyncio.CancelledError:
             current = asyncio.current_task()
             if flight.aborted and (current is None or current.cancelling() == 0):
@@ -357,7 +371,7 @@ class VllmEngine:
                 "POST",
                 "/v1/completions",
                 json=self._body(flight.request),
-                headers={"X-Request-Id": rid},
+                headers={"X-Request-Id": flight.wire_id},
                 timeout=timeout,
             ) as resp:
                 if resp.status_code != 200:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 
 import httpx
 import pytest
@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from qlm.cli import app
 from qlm.domain import ModelTier
-from qlm.engines.base import Engine, EngineRequest, UnsupportedOperation
+from qlm.engines.base import Engine, EngineRequest, TokenChunk, UnsupportedOperation
 from qlm.engines.vllm import VllmEngine, filler_prompt, vllm_serve_command
 from qlm.errors import EngineError, RequestRejected
 
@@ -240,3 +240,44 @@ def test_other_rejections_are_not_retried() -> None:
 
     asyncio.run(scenario())
     assert len(calls) == 1
+
+
+def test_a_request_sent_again_after_an_abort_gets_its_own_id_on_the_wire() -> None:
+    """vLLM frees an aborted request only once it notices the closed stream, and refuses an id
+    that is still running: the same request sent again goes as ``id.2``; once one finishes, the
+    next sending uses the plain id again."""
+    wire: list[str] = []
+    hold = asyncio.Event()
+    done = {
+        "choices": [{"text": "x", "finish_reason": "length"}],
+        "usage": {"completion_tokens": 1},
+    }
+
+    async def held() -> AsyncIterator[bytes]:
+        yield f"data: {json.dumps({'choices': [{'text': 'x'}], 'usage': {'completion_tokens': 1}})}\n\n".encode()
+        await hold.wait()
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        wire.append(request.headers["X-Request-Id"])
+        if len(wire) == 1:
+            return httpx.Response(
+                200, content=held(), headers={"content-type": "text/event-stream"}
+            )
+        text = f"data: {json.dumps(done)}\n\ndata: [DONE]\n\n"
+        return httpx.Response(200, text=text, headers={"content-type": "text/event-stream"})
+
+    async def scenario() -> None:
+        engine = engine_with(handler)
+        seen: list[TokenChunk] = []
+        first = asyncio.create_task(engine.submit(EngineRequest("r1", "llama", 3, 5), seen.append))
+        while not seen:
+            await asyncio.sleep(0.001)
+        partial = await engine.abort("r1")
+        assert partial.aborted and partial.tokens == 1 and (await first).aborted
+        again = await engine.submit(EngineRequest("r1", "llama", 3, 5))
+        third = await engine.submit(EngineRequest("r1", "llama", 3, 5))
+        await engine.close()
+        assert not again.aborted and not third.aborted
+
+    asyncio.run(scenario())
+    assert wire == ["r1", "r1.2", "r1"]
