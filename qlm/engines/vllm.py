@@ -231,8 +231,7 @@ class VllmEngine:
             tokens = int(data["usage"]["completion_tokens"])
         except (ValueError, KeyError, IndexError, TypeError) as exc:
             raise self._fail("POST /v1/completions sent a bad answer", repr(exc)) from exc
-        reason = choice.get("finish_reason") or "stop"
-        finish: FinishReason = "length" if reason == "length" else "stop"
+        finish = self._finish_reason(choice.get("finish_reason") or "stop", [choice])
         return EngineOutput(request.request_id, str(choice.get("text", "")), tokens, finish)
 
     async def abort(self, request_id: str) -> EngineOutput:
@@ -398,12 +397,17 @@ class VllmEngine:
     def _take(
         self, flight: _Flight, event: dict[str, Any], on_chunk: ChunkCallback | None
     ) -> FinishReason | None:
-        """Apply one SSE event; returns its finish reason if it has one."""
+        """Apply one SSE event; returns its finish reason if it has one. An error event (vLLM
+        sends one inside the 200 stream when generation fails) or a finish reason other than
+        length / stop / abort (vLLM's ``error``) fails this request alone, with vLLM's message:
+        the server is up."""
+        if "error" in event:
+            raise RequestRejected(str(self._fail("the stream sent an error", _error_text(event))))
         usage = event.get("usage") or {}
         choices = event.get("choices") or []
         text = "".join(str(c.get("text") or "") for c in choices)
         raw = next((c.get("finish_reason") for c in choices if c.get("finish_reason")), None)
-        finish = _FINISH.get(str(raw), "stop") if raw else None
+        finish = self._finish_reason(raw, choices) if raw else None
         if "completion_tokens" in usage:
             tokens = int(usage["completion_tokens"])
         else:
@@ -415,6 +419,14 @@ class VllmEngine:
         flight.tokens = max(flight.tokens, tokens)
         if on_chunk is not None and (text or finish):
             on_chunk(TokenChunk(flight.request.request_id, text, flight.tokens, finish))
+        return finish
+
+    def _finish_reason(self, raw: object, choices: list[Any]) -> FinishReason:
+        finish = _FINISH.get(str(raw))
+        if finish is None:
+            stop = next((c.get("stop_reason") for c in choices if c.get("stop_reason")), None)
+            detail = f"finish_reason {raw!r}" + (f" ({stop})" if stop else "")
+            raise RequestRejected(str(self._fail("the request ended in error", detail)))
         return finish
 
     async def _metrics(self) -> dict[str, list[tuple[dict[str, str], float]]]:
@@ -441,14 +453,27 @@ def _values(
 
 
 def _cache_capacity_tokens(families: dict[str, list[tuple[dict[str, str], float]]]) -> int | None:
-    """KV capacity from ``vllm:cache_config_info`` (num_gpu_blocks x block_size), if known."""
-    total = 0
+    """KV capacity from ``vllm:cache_config_info`` (num_gpu_blocks x block_size), if known. With
+    data parallelism every engine's sample carries the blocks of all of them (vLLM sums them at
+    startup, ``wait_for_engine_startup``): one sample, not their sum."""
+    best = 0
     for labels, _ in families.get("vllm:cache_config_info", []):
         try:
-            total += int(labels["num_gpu_blocks"]) * int(labels["block_size"])
+            best = max(best, int(labels["num_gpu_blocks"]) * int(labels["block_size"]))
         except (KeyError, ValueError):
             return None
-    return total or None
+    return best or None
+
+
+def _error_text(body: object) -> str:
+    """The message of a vLLM error body, ``{"error": {"message", ...}}`` or ``{"message"}``."""
+    if isinstance(body, dict):
+        err = body.get("error", body)
+        if isinstance(err, dict) and "message" in err:
+            return str(err["message"])
+        if isinstance(err, str):
+            return err
+    return str(body)[:300]
 
 
 def _message(resp: httpx.Response) -> str:
@@ -457,13 +482,9 @@ def _message(resp: httpx.Response) -> str:
         body = resp.json()
     except ValueError:
         return resp.text[:300] or resp.reason_phrase
-    if isinstance(body, dict):
-        err = body.get("error", body)
-        if isinstance(err, dict) and "message" in err:
-            return str(err["message"])
-        if "detail" in body:
-            return str(body["detail"])
-    return str(body)[:300]
+    if isinstance(body, dict) and "detail" in body and "error" not in body:
+        return str(body["detail"])
+    return _error_text(body)
 
 
 # --- launching vLLM ------------------------------------------------------------------------------

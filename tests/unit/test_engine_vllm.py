@@ -281,3 +281,57 @@ def test_a_request_sent_again_after_an_abort_gets_its_own_id_on_the_wire() -> No
 
     asyncio.run(scenario())
     assert wire == ["r1", "r1.2", "r1"]
+
+
+def sse(*events: object) -> httpx.Response:
+    text = "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
+    return httpx.Response(200, text=text, headers={"content-type": "text/event-stream"})
+
+
+def test_a_generation_that_fails_inside_the_stream_fails_that_request_alone() -> None:
+    """vLLM reports a failed generation inside the 200 stream (an error event, or finish_reason
+    ``error``): that request is rejected with vLLM's words — the server is not down, and the
+    output is not taken for a finished answer (streamed or not)."""
+    first = {"choices": [{"text": "a"}], "usage": {"completion_tokens": 1}}
+    oom = {"error": {"message": "CUDA error: out of memory", "type": "Internal", "code": 500}}
+    failed = {
+        "choices": [{"text": "a", "finish_reason": "error"}],
+        "usage": {"completion_tokens": 1},
+    }
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        if not body["stream"]:
+            return httpx.Response(200, json=failed)
+        return sse(first, oom) if body["prompt"] == [1] else sse(failed)
+
+    async def scenario() -> None:
+        engine = engine_with(handler)
+        with pytest.raises(RequestRejected, match="CUDA error: out of memory"):
+            await engine.submit(EngineRequest("a", "llama", 1, max_tokens=5, prompt=(1,)))
+        with pytest.raises(RequestRejected, match="finish_reason 'error'"):
+            await engine.submit(EngineRequest("b", "llama", 1, max_tokens=5, prompt=(2,)))
+        with pytest.raises(RequestRejected, match="finish_reason 'error'"):
+            await engine.complete(EngineRequest("c", "llama", 1, max_tokens=5, prompt=(2,)))
+        await engine.close()
+
+    asyncio.run(scenario())
+
+
+def test_kv_capacity_under_data_parallelism_is_one_engines_sample() -> None:
+    """vLLM sums the KV blocks of its data-parallel engines at startup and every engine's
+    cache_config_info carries that sum."""
+    two = METRICS.replace(
+        'vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="1000"} 1.0\n',
+        'vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="1000"} 1.0\n'
+        'vllm:cache_config_info{block_size="16",engine="1",num_gpu_blocks="1000"} 1.0\n',
+    )
+    assert two != METRICS
+
+    async def scenario() -> None:
+        engine = engine_with(lambda r: httpx.Response(200, text=two))
+        stats = await engine.stats()
+        await engine.close()
+        assert stats.kv_capacity_tokens == 16_000
+
+    asyncio.run(scenario())
