@@ -111,6 +111,12 @@ class _SimCollector(Collector):
         yield gauge
 
 
+WEIGHTS_EMPTY = (
+    "the model's weights were discarded by sleep level 2 and not reloaded: wake with "
+    'tags=weights, POST /collective_rpc {"method": "reload_weights"}, then tags=kv_cache'
+)
+
+
 def create_app(
     engine: WallClockEngine,
     *,
@@ -122,6 +128,8 @@ def create_app(
     models = tuple(engine.sim.perf_models)
     max_model_len = {m: pm.model.max_context for m, pm in engine.sim.perf_models.items()}
     started = int(time.time())
+    # Level-2 sleep: reload_weights seen since, and weights woken without it (answers refused).
+    weights = {"reloaded": False, "empty": False}
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -169,6 +177,8 @@ def create_app(
             return _error(400, "prompt must not be empty")
         if engine.is_sleeping:
             return _error(503, "the engine is sleeping", "ServiceUnavailableError")
+        if weights["empty"]:
+            return _error(500, WEIGHTS_EMPTY, "InternalServerError")
         rid = request.headers.get("X-Request-Id") or uuid.uuid4().hex
         max_tokens = body.max_tokens or 16
         output = max_tokens if body.ignore_eos else _eos_length(rid, max_tokens, eos_lengths, seed)
@@ -223,9 +233,31 @@ def create_app(
             return Response(status_code=200)
 
         @app.post("/wake_up")
-        async def wake_up() -> Response:
+        async def wake_up(tags: Annotated[list[str] | None, Query()] = None) -> Response:
+            # vLLM: level 2 discarded the weights; waking reallocates them empty, and they are
+            # loaded in place by POST /collective_rpc reload_weights (between a wake_up of
+            # tags=weights and one of tags=kv_cache). Woken without that, vLLM answers
+            # nonsense; this server answers 500 (``WEIGHTS_EMPTY``) so that the mistake shows.
+            if tags and "kv_cache" not in tags:
+                return Response(status_code=200)  # weights memory back; nothing to simulate
+            if engine.sleep_level == 2 and not weights["reloaded"]:
+                weights["empty"] = True
+            weights["reloaded"] = False
             await engine.wake_up()
             return Response(status_code=200)
+
+        @app.post("/collective_rpc")
+        async def collective_rpc(request: Request) -> Response:
+            try:
+                body = await request.json()
+            except json.JSONDecodeError as exc:
+                return _error(400, f"JSON decode error: {exc}")
+            if not isinstance(body, dict) or body.get("method") != "reload_weights":
+                return _error(400, "the simulated server runs only method reload_weights")
+            if engine.sleep_level == 2:
+                weights["reloaded"] = True
+            weights["empty"] = False
+            return JSONResponse({"results": [None]})
 
         @app.get("/is_sleeping")
         async def is_sleeping() -> dict[str, bool]:

@@ -148,7 +148,12 @@ class VllmEngine:
             )
         except httpx.HTTPError as exc:
             raise self._fail(f"{method} {path} failed", repr(exc)) from exc
-        if resp.status_code == 404 and path in ("/sleep", "/wake_up", "/is_sleeping"):
+        if resp.status_code == 404 and path in (
+            "/sleep",
+            "/wake_up",
+            "/is_sleeping",
+            "/collective_rpc",
+        ):
             raise self._fail(
                 f"{method} {path} is not served",
                 "start vLLM with VLLM_SERVER_DEV_MODE=1 and --enable-sleep-mode",
@@ -278,7 +283,16 @@ class VllmEngine:
     async def set_model_tier(self, model: str, tier: ModelTier) -> None:
         if model not in self.models:
             raise self._fail("unknown model", f"{model!r}; serves {list(self.models)}")
-        if tier is ModelTier.ACTIVE:
+        if tier is ModelTier.ACTIVE and self._tiers.get(model) is ModelTier.COLD:
+            # Level 2 discarded the weights: reallocate them, load them in place, then the KV
+            # cache (vLLM's sleep-mode recipe; a bare wake_up would run on empty weights).
+            t = self.tier_timeout_s
+            await self._call("POST", "/wake_up", params={"tags": "weights"}, timeout=t)
+            await self._call(
+                "POST", "/collective_rpc", json={"method": "reload_weights"}, timeout=t
+            )
+            await self._call("POST", "/wake_up", params={"tags": "kv_cache"}, timeout=t)
+        elif tier is ModelTier.ACTIVE:
             await self._call("POST", "/wake_up", timeout=self.tier_timeout_s)
         else:
             level = 1 if tier is ModelTier.WARM else 2

@@ -239,6 +239,10 @@ class WallClockEngine:
     def is_sleeping(self) -> bool:
         return self._sleep_level is not None
 
+    @property
+    def sleep_level(self) -> int | None:
+        return self._sleep_level
+
     def sleep(self, level: int) -> None:
         """vLLM sleep mode: level 1 keeps the weights in CPU memory, level 2 drops them. The
         instance must be drained (QLM only sleeps an instance it has emptied)."""

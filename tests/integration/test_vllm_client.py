@@ -156,6 +156,12 @@ def test_vllm_client_streams_aborts_reads_metrics_and_sleeps(server_url: str) ->
             await engine.set_model_tier(MODEL, ModelTier.ACTIVE)
             assert not await engine.is_sleeping()
             assert (await engine.submit(request("r-2", 3))).tokens == 3
+
+            # Level 2 (cold): the client wakes it the way vLLM needs, weights reloaded.
+            await engine.set_model_tier(MODEL, ModelTier.COLD)
+            assert await engine.is_sleeping()
+            await engine.set_model_tier(MODEL, ModelTier.ACTIVE)
+            assert (await engine.submit(request("r-3", 3))).tokens == 3
         finally:
             await engine.close()
 

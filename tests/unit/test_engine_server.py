@@ -145,13 +145,34 @@ def test_dev_mode_endpoints_exist_only_in_dev_mode() -> None:
 
 def test_sleep_and_wake_up_as_in_vllm_dev_mode(client: TestClient) -> None:
     assert client.get("/is_sleeping").json() == {"is_sleeping": False}
-    assert client.post("/sleep", params={"level": 2}).status_code == 200
+    assert client.post("/sleep", params={"level": 1}).status_code == 200
     assert client.get("/is_sleeping").json() == {"is_sleeping": True}
     assert client.post("/v1/completions", json={"prompt": "x"}).status_code == 503
     assert client.post("/wake_up").status_code == 200
     assert client.get("/is_sleeping").json() == {"is_sleeping": False}
     assert complete(client, max_tokens=2)["usage"]["completion_tokens"] == 2
     assert client.post("/sleep", params={"level": 3}).status_code == 400
+
+
+def test_level_2_sleep_needs_the_weights_reloaded_as_vllm_does(client: TestClient) -> None:
+    """Level 2 discards the weights: vLLM's recipe wakes the weights, reloads them in place and
+    wakes the KV cache. A bare wake_up leaves them empty (vLLM then answers nonsense; this server
+    refuses, so the mistake shows) until reload_weights."""
+    assert client.post("/sleep", params={"level": 2}).status_code == 200
+    assert client.post("/wake_up", params={"tags": "weights"}).status_code == 200
+    assert client.get("/is_sleeping").json() == {"is_sleeping": True}  # the KV cache is not back
+    assert client.post("/collective_rpc", json={"method": "reload_weights"}).status_code == 200
+    assert client.post("/wake_up", params={"tags": "kv_cache"}).status_code == 200
+    assert client.get("/is_sleeping").json() == {"is_sleeping": False}
+    assert complete(client, max_tokens=2)["usage"]["completion_tokens"] == 2
+
+    assert client.post("/sleep", params={"level": 2}).status_code == 200
+    assert client.post("/wake_up").status_code == 200  # the weights stay empty
+    refused = client.post("/v1/completions", json={"prompt": "x"})
+    assert refused.status_code == 500 and "reload_weights" in refused.text
+    assert client.post("/collective_rpc", json={"method": "reload_weights"}).status_code == 200
+    assert complete(client, max_tokens=2)["usage"]["completion_tokens"] == 2
+    assert client.post("/collective_rpc", json={"method": "other"}).status_code == 400
 
 
 class _Client:

@@ -67,12 +67,22 @@ def test_model_tiers_map_to_vllm_sleep_levels_and_wake_up() -> None:
     async def scenario() -> None:
         engine = engine_with(handler)
         await engine.set_model_tier("llama", ModelTier.WARM)
+        await engine.set_model_tier("llama", ModelTier.ACTIVE)
         await engine.set_model_tier("llama", ModelTier.COLD)
         await engine.set_model_tier("llama", ModelTier.ACTIVE)
         await engine.close()
 
     asyncio.run(scenario())
-    assert calls == ["POST /sleep?level=1", "POST /sleep?level=2", "POST /wake_up?"]
+    # Level 1 keeps the weights in CPU memory: a wake_up brings them back. Level 2 discarded
+    # them: reallocate, reload in place, then the KV cache (vLLM's sleep-mode recipe).
+    assert calls == [
+        "POST /sleep?level=1",
+        "POST /wake_up?",
+        "POST /sleep?level=2",
+        "POST /wake_up?tags=weights",
+        "POST /collective_rpc?",
+        "POST /wake_up?tags=kv_cache",
+    ]
 
 
 def test_sleep_without_dev_mode_says_how_to_start_vllm() -> None:
