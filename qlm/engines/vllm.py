@@ -458,12 +458,12 @@ class VllmEngine:
 def _values(
     families: dict[str, list[tuple[dict[str, str], float]]], name: str, models: Sequence[str]
 ) -> list[float]:
-    """Sample values of ``name`` for our models (all engines of a data-parallel server)."""
-    return [
-        v
-        for labels, v in families.get(name, [])
-        if "model_name" not in labels or labels["model_name"] in models
-    ]
+    """Sample values of ``name`` for our models (all engines of a data-parallel server). vLLM
+    labels them with the first of its served model names only: when none carries one of
+    ``models`` (the instance is known by another of its names), all of them are the server's."""
+    samples = families.get(name, [])
+    ours = [v for labels, v in samples if labels.get("model_name", models[0]) in models]
+    return ours or [v for _, v in samples]
 
 
 def _cache_capacity_tokens(families: dict[str, list[tuple[dict[str, str], float]]]) -> int | None:

@@ -345,3 +345,19 @@ def test_kv_capacity_under_data_parallelism_is_one_engines_sample() -> None:
         assert stats.kv_capacity_tokens == 16_000
 
     asyncio.run(scenario())
+
+
+def test_metrics_labelled_with_another_served_name_are_still_the_servers() -> None:
+    """vLLM labels its metrics with the first --served-model-name only; an instance known to QLM
+    by another of its names must not read zeros."""
+    lines = [line for line in METRICS.splitlines() if 'model_name="other"' not in line]
+    other = "\n".join(lines).replace('model_name="llama"', 'model_name="meta-llama/Llama-3.1-8B"')
+    assert 'model_name="llama"' not in other
+
+    async def scenario() -> None:
+        engine = engine_with(lambda r: httpx.Response(200, text=other))
+        stats = await engine.stats()
+        await engine.close()
+        assert (stats.running, stats.waiting, stats.preemptions_total) == (5, 4, 7)
+
+    asyncio.run(scenario())
