@@ -7,8 +7,9 @@ least every ``tick_s`` (the planner's period and violation triggers need the tim
 each decision becomes engine calls:
 
 - ``Pull``: a task streams the request (``Engine.submit``); its first chunk marks it started, its
-  end finishes it. A resumed request is sent as prompt + partial output with ``max_tokens``
-  reduced (``Controller.engine_request``), so the client still receives one whole answer.
+  end finishes it. A resumed request is sent as prompt + partial output (a chat: its messages
+  and the partial output as the assistant's message to continue) with ``max_tokens`` reduced
+  (``Controller.engine_request``), so the client still receives one whole answer.
 - ``Evict``: ``Engine.abort``; the partial output is kept and the request goes back to the policy.
 - ``SwapOut`` / ``SwapIn``: the engine's KV swap; an engine that cannot swap gets an eviction.
 - ``SetModelTier``: sleep / wake-up, one change at a time per instance.
@@ -50,6 +51,7 @@ from qlm.engines.base import (
     EngineCapabilities,
     EngineEvent,
     EngineOutput,
+    EngineRequest,
     EventKind,
     TokenChunk,
 )
@@ -65,11 +67,32 @@ DEFAULT_TOKEN_CAPACITY = 1 << 30
 @dataclass(slots=True)
 class Job:
     """What an engine needs to run a request besides what the controller plans with: the prompt
-    text (``None``: filler tokens, for replays), sampling parameters, and the output so far."""
+    text (``None``: filler tokens, for replays), a chat's messages (``prompt`` is then their
+    rendering), sampling parameters, and the output so far."""
 
     prompt: str | None = None
     sampling: Mapping[str, Any] = field(default_factory=dict)
     partial_text: str = ""
+    messages: Sequence[Mapping[str, Any]] | None = None
+
+    def fill(self, request: EngineRequest) -> EngineRequest:
+        """``request`` with this job's input. Output so far is resumed, not restarted: it follows
+        the prompt, and a chat gets it as the assistant's message to continue."""
+        prompt = None if self.prompt is None else self.prompt + self.partial_text
+        messages: tuple[Mapping[str, Any], ...] | None = None
+        resume = False
+        if self.messages is not None:
+            messages = tuple(self.messages)
+            if self.partial_text:
+                messages += ({"role": "assistant", "content": self.partial_text},)
+                resume = True
+        return replace(
+            request,
+            prompt=prompt,
+            messages=messages,
+            continue_final_message=resume,
+            sampling=tuple(self.sampling.items()),
+        )
 
 
 class RuntimeListener:
@@ -348,9 +371,7 @@ class AgentRuntime:
         flight = _Flight(instance)
         flight.task = asyncio.current_task()
         self._flights[rid] = flight
-        request = self.controller.engine_request(rid)
-        prompt = None if job.prompt is None else job.prompt + job.partial_text
-        request = replace(request, prompt=prompt, sampling=tuple(job.sampling.items()))
+        request = job.fill(self.controller.engine_request(rid))
         self.listener.dispatched(rid, instance, now)
         if request.tokens_to_generate <= 0:  # all its output came back with it: nothing to run
             self._finish(rid, flight, EngineOutput(rid, "", 0, "length"))

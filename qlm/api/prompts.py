@@ -7,16 +7,16 @@ estimate for planning, not billing: code and non-Latin scripts run denser, which
 Bayesian correction absorbs only for outputs, so a deployment that cares should put a tokenizer
 here.
 
-**Chat.** The engine seam speaks ``/v1/completions``, so chat messages are rendered to one prompt
-with the ChatML layout (one block per message, then the assistant's turn opened)::
+**Chat.** The messages themselves are kept as sent, in the store and the queue message, and reach
+vLLM as ``messages`` on ``/v1/chat/completions``, which applies the model's own chat template.
+QLM renders them once more with the ChatML layout (one block per message, then the assistant's
+turn opened) only to estimate their tokens, and as the prompt of an engine without a chat API::
 
     <|im_start|>system
     You are terse.<|im_end|>
     <|im_start|>user
     Hi<|im_end|>
     <|im_start|>assistant
-
-The messages themselves are kept as sent, in the store and the queue message.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def message_text(content: Any) -> str:
 
 
 def render_chat(messages: Iterable[Mapping[str, Any]]) -> str:
-    """The prompt for a chat (module docstring: ChatML)."""
+    """A chat as one ChatML prompt, for estimates (module docstring)."""
     blocks = [
         f"<|im_start|>{message.get('role', 'user')}\n{message_text(message.get('content'))}"
         "<|im_end|>\n"

@@ -9,8 +9,8 @@ protocol is what an agent talks to on the wall clock: ``VllmEngine`` (``vllm.py`
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Literal, Protocol, runtime_checkable
 
@@ -38,7 +38,16 @@ class EngineRequest:
     replayed request has exactly its recorded prompt length. The simulated engine ignores it."""
     sampling: tuple[tuple[str, Any], ...] = ()
     """Sampling parameters passed through to an HTTP engine (temperature, top_p, stop, seed, ...);
-    the fields the agent owns (model, prompt, max_tokens, priority, stream) are never overridden."""
+    the fields the agent owns (model, prompt, messages, max_tokens, priority, stream) are never
+    overridden."""
+    messages: tuple[Mapping[str, Any], ...] | None = field(default=None, hash=False)
+    """A chat request's messages (OpenAI's ``{"role", "content"}`` objects, as submitted). Set,
+    an HTTP engine sends them to the chat endpoint, so the server applies the model's own chat
+    template; ``prompt`` then holds QLM's rendering of them, for engines without one. Left out
+    of the hash: messages hold JSON objects."""
+    continue_final_message: bool = False
+    """The last of ``messages`` is the assistant's answer so far (a resumed request): the engine
+    continues it instead of starting a new turn (vLLM's ``continue_final_message``)."""
 
     @property
     def tokens_to_generate(self) -> int:

@@ -2,13 +2,20 @@
 
 It answers the part of ``vllm serve``'s API that QLM uses, with the same paths, fields and
 formats (docs/engines.md lists them and the deviations), so that ``VllmEngine`` is tested end to
-end without a GPU: ``POST /v1/completions`` (plain and SSE streaming), ``GET /v1/models``,
-``GET /health``, ``GET /metrics`` (vLLM's metric names) and, with ``dev_mode`` (vLLM:
-``VLLM_SERVER_DEV_MODE=1``), ``POST /sleep``, ``POST /wake_up``, ``GET /is_sleeping``.
+end without a GPU: ``POST /v1/completions`` and ``POST /v1/chat/completions`` (plain and SSE
+streaming), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (vLLM's metric names) and, with
+``dev_mode`` (vLLM: ``VLLM_SERVER_DEV_MODE=1``), ``POST /sleep``, ``POST /wake_up``,
+``GET /is_sleeping``.
 
 Output length: with ``ignore_eos`` the request generates exactly ``max_tokens`` tokens. Without
 it, the "end of sequence" comes after a length drawn from ``eos_lengths`` (by default the shipped
 ShareGPT output lengths), deterministically from the request id, capped at ``max_tokens``.
+
+Both endpoints run the same generation (``generate``) and stream the same chunks, worded per
+endpoint (``_Format``). A chat has no tokenizer or chat template here: its prompt length is
+counted as the words of its messages' text, as a prompt's are (``count_tokens``); the template's
+own tokens are not counted. So a resumed chat (the partial answer as its last message) is longer
+by exactly the tokens generated, as a resumed prompt is.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import uuid
 import zlib
 from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Annotated, Any
 
 from fastapi import FastAPI, Query, Request
@@ -28,7 +36,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from qlm.engines.base import EngineOutput, EngineRequest, TokenChunk
 from qlm.engines.wallclock import WallClockEngine, count_tokens
@@ -42,19 +50,107 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool | None = False
 
 
-class CompletionBody(BaseModel):
-    """The fields of vLLM's ``CompletionRequest`` the simulation honours; others are accepted
-    and ignored (sampling parameters do not change a simulated output)."""
+class _GenerationBody(BaseModel):
+    """The fields of both endpoints that the simulation honours; others are accepted and
+    ignored (sampling parameters do not change a simulated output)."""
 
     model_config = ConfigDict(extra="allow")
 
     model: str | None = None
-    prompt: str | list[int]
-    max_tokens: int | None = Field(default=16, ge=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
     priority: int = 0
     ignore_eos: bool = False
+
+
+class CompletionBody(_GenerationBody):
+    """vLLM's ``CompletionRequest``, as far as simulated."""
+
+    prompt: str | list[int]
+    max_tokens: int | None = Field(default=16, ge=1)
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: str
+    content: str | list[ContentPart] | None = None
+
+    def text(self) -> str:
+        """The message's string, or its text parts joined."""
+        if isinstance(self.content, list):
+            return "".join(p.text or "" for p in self.content if p.type == "text")
+        return self.content or ""
+
+
+class ChatBody(_GenerationBody):
+    """vLLM's ``ChatCompletionRequest``, as far as simulated: ``max_completion_tokens`` wins over
+    the deprecated ``max_tokens``; with neither, the rest of the context (as in vLLM)."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+    @model_validator(mode="after")
+    def _one_way_to_end_the_prompt(self) -> ChatBody:
+        if self.continue_final_message and self.add_generation_prompt:  # as vLLM, in its words
+            raise ValueError(
+                "Cannot set both `continue_final_message` and `add_generation_prompt` to True."
+            )
+        return self
+
+    def role(self) -> str:
+        """The role of the answer (vLLM's ``get_chat_request_role``): the assistant's, or, when
+        the last message is continued, that message's."""
+        return "assistant" if self.add_generation_prompt else self.messages[-1].role
+
+    def prompt_tokens(self) -> int:
+        """The words of the messages' text (module docstring)."""
+        return count_tokens(" ".join(m.text() for m in self.messages))
+
+
+@dataclass(frozen=True, slots=True)
+class _Format:
+    """How an endpoint words its answer: id prefix, object names, choices. ``role`` is set for a
+    chat: its answer is a message, streamed as deltas after one that announces the role."""
+
+    id_prefix: str
+    answer_object: str
+    chunk_object: str
+    role: str | None = None
+
+    def choice(self, text: str, finish: str | None, *, stream: bool) -> dict[str, Any]:
+        out: dict[str, Any] = {"index": 0}
+        if self.role is None:
+            out["text"] = text
+        elif stream:
+            out["delta"] = {"content": text}
+        else:
+            out["message"] = {"role": self.role, "content": text}
+        return out | {"logprobs": None, "finish_reason": finish, "stop_reason": None}
+
+    def opening(self) -> dict[str, Any] | None:
+        """A chat stream's first choice, before any token: the role and empty content."""
+        if self.role is None:
+            return None
+        delta = {"role": self.role, "content": ""}
+        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}
+
+
+COMPLETION = _Format("cmpl-", "text_completion", "text_completion")
+
+
+def chat_format(role: str) -> _Format:
+    return _Format("chatcmpl-", "chat.completion", "chat.completion.chunk", role)
 
 
 def _error(status: int, message: str, kind: str = "BadRequestError") -> JSONResponse:
@@ -164,28 +260,28 @@ def create_app(
     async def metrics() -> Response:
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        try:
-            body = CompletionBody.model_validate(await request.json())
-        except (ValidationError, json.JSONDecodeError) as exc:
-            return _error(400, str(exc))
+    async def generate(
+        request: Request,
+        body: _GenerationBody,
+        prompt_tokens: int,
+        max_tokens: int | None,
+        fmt: _Format,
+    ) -> Response:
+        """Run one request of either endpoint; ``max_tokens`` None: the rest of the context."""
         model = body.model or models[0]
         if model not in models:
             return _error(404, f"The model `{model}` does not exist.", "NotFoundError")
-        if isinstance(body.prompt, list) and not body.prompt:
-            return _error(400, "prompt must not be empty")
         if engine.is_sleeping:
             return _error(503, "the engine is sleeping", "ServiceUnavailableError")
         if weights["empty"]:
             return _error(500, WEIGHTS_EMPTY, "InternalServerError")
         rid = request.headers.get("X-Request-Id") or uuid.uuid4().hex
-        max_tokens = body.max_tokens or 16
+        max_tokens = max_tokens or max(1, max_model_len[model] - prompt_tokens)
         output = max_tokens if body.ignore_eos else _eos_length(rid, max_tokens, eos_lengths, seed)
         req = EngineRequest(
             request_id=rid,
             model=model,
-            prompt_tokens=count_tokens(body.prompt),
+            prompt_tokens=prompt_tokens,
             max_tokens=max_tokens,
             priority=body.priority,
             output_tokens=output,
@@ -196,31 +292,44 @@ def create_app(
         except EngineError as exc:
             return _error(400, str(exc))
         headers = {"X-Request-Id": rid}
-        meta = {"id": f"cmpl-{rid}", "object": "text_completion", "created": int(time.time())}
-        meta["model"] = model
+        meta = {
+            "id": fmt.id_prefix + rid,
+            "object": fmt.chunk_object if body.stream else fmt.answer_object,
+            "created": int(time.time()),
+            "model": model,
+        }
         if body.stream:
-            events = _stream(engine, request, req, chunks, meta, body.stream_options)
+            events = _stream(engine, request, req, chunks, meta, body.stream_options, fmt)
             return StreamingResponse(events, media_type="text/event-stream", headers=headers)
         result = await _wait_or_abort(engine, request, rid, done)
         if result is None:
             return Response(status_code=499)  # the client is gone; nobody reads this
-        return JSONResponse(
-            {
-                **meta,
-                "choices": [
-                    {
-                        "index": 0,
-                        "text": result.text,
-                        "logprobs": None,
-                        "finish_reason": result.finish_reason,
-                        "stop_reason": None,
-                        "prompt_logprobs": None,
-                    }
-                ],
-                "usage": _usage(req.prompt_tokens, result.tokens),
-            },
-            headers=headers,
-        )
+        choice = fmt.choice(result.text, result.finish_reason, stream=False)
+        if fmt.role is None:
+            choice["prompt_logprobs"] = None
+        usage = _usage(req.prompt_tokens, result.tokens)
+        return JSONResponse({**meta, "choices": [choice], "usage": usage}, headers=headers)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        try:
+            body = CompletionBody.model_validate(await request.json())
+        except (ValidationError, json.JSONDecodeError) as exc:
+            return _error(400, str(exc))
+        if isinstance(body.prompt, list) and not body.prompt:
+            return _error(400, "prompt must not be empty")
+        tokens = count_tokens(body.prompt)
+        return await generate(request, body, tokens, body.max_tokens or 16, COMPLETION)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        try:
+            body = ChatBody.model_validate(await request.json())
+        except (ValidationError, json.JSONDecodeError) as exc:
+            return _error(400, str(exc))
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        fmt = chat_format(body.role())
+        return await generate(request, body, body.prompt_tokens(), max_tokens, fmt)
 
     if dev_mode:
 
@@ -303,12 +412,19 @@ async def _stream(
     chunks: asyncio.Queue[TokenChunk],
     meta: dict[str, Any],
     options: StreamOptions | None,
+    fmt: _Format = COMPLETION,
 ) -> AsyncIterator[str]:
     """SSE events as vLLM sends them; aborts the engine request if the client goes away."""
     include_usage = bool(options and options.include_usage)
     continuous = include_usage and bool(options and options.continuous_usage_stats)
     finished = False
     try:
+        opening = fmt.opening()
+        if opening is not None:
+            first: dict[str, Any] = {**meta, "choices": [opening]}
+            if continuous:
+                first["usage"] = _usage(req.prompt_tokens, 0)
+            yield f"data: {json.dumps(first)}\n\n"
         while True:
             try:
                 async with asyncio.timeout(DISCONNECT_POLL_S):
@@ -317,18 +433,8 @@ async def _stream(
                 if await request.is_disconnected():
                     return
                 continue
-            event: dict[str, Any] = {
-                **meta,
-                "choices": [
-                    {
-                        "index": 0,
-                        "text": chunk.text,
-                        "logprobs": None,
-                        "finish_reason": chunk.finish_reason,
-                        "stop_reason": None,
-                    }
-                ],
-            }
+            choice = fmt.choice(chunk.text, chunk.finish_reason, stream=True)
+            event: dict[str, Any] = {**meta, "choices": [choice]}
             if continuous:
                 event["usage"] = _usage(req.prompt_tokens, chunk.tokens)
             yield f"data: {json.dumps(event)}\n\n"

@@ -8,7 +8,11 @@ docs/engines.md records what was checked and where.
   ``stream_options.continuous_usage_stats`` puts the running ``completion_tokens`` in every chunk,
   so the token count is the server's, not a guess from the text. A replayed request
   (``output_tokens`` set) is sent ``ignore_eos`` with ``max_tokens`` = its true length; one
-  without prompt text gets ``filler_prompt`` token ids.
+  without prompt text gets ``filler_prompt`` token ids. A chat (``messages`` set) goes to
+  ``POST /v1/chat/completions`` instead, so that vLLM applies the model's own chat template; the
+  same fields, streaming and errors, text in ``delta.content``. Resumed, it ends with the partial
+  answer as an assistant message, sent ``continue_final_message`` (and
+  ``add_generation_prompt: false``: vLLM refuses both) so the model continues it.
 * ``complete``: the same request unstreamed (``qlm profile server``).
 * ``abort``: closing the stream. vLLM aborts a streaming request whose client disconnects.
   (vLLM 0.14's ``POST /abort_requests`` exists only with ``--tokens-only`` and takes engine-internal
@@ -77,6 +81,27 @@ def filler_prompt(request_id: str, tokens: int) -> list[int]:
 
 
 _FINISH: dict[str, FinishReason] = {"length": "length", "stop": "stop", "abort": "abort"}
+
+COMPLETIONS = "/v1/completions"
+CHAT = "/v1/chat/completions"
+
+
+def _path(request: EngineRequest) -> str:
+    """The endpoint of a request: a chat's messages go to the chat endpoint, so that vLLM
+    applies the model's chat template; a prompt (or a replay's filler) to completions."""
+    return COMPLETIONS if request.messages is None else CHAT
+
+
+def _choice_text(choice: Any) -> str:
+    """The text of one choice of either endpoint: ``text`` (completions), ``delta.content`` (a
+    chat stream chunk) or ``message.content`` (a chat answer). A chat's other parts (the first
+    chunk's ``role``, a reasoning parser's ``reasoning``) are not the answer's text."""
+    if not isinstance(choice, dict):
+        return ""
+    if "text" in choice:
+        return str(choice["text"] or "")
+    part = choice.get("delta") or choice.get("message") or {}
+    return str(part.get("content") or "") if isinstance(part, dict) else ""
 
 
 @dataclass(slots=True)
@@ -215,13 +240,14 @@ class VllmEngine:
     async def complete(self, request: EngineRequest, *, timeout_s: float = 3600.0) -> EngineOutput:
         """Run ``request`` without streaming (one answer when it ends): what profiling uses, so
         that the time it measures is the server's, not the client's parsing of every token."""
+        path = _path(request)
         while True:
             body = self._body(request) | {"stream": False}
             body.pop("stream_options")
             try:
                 resp = await self._call(
                     "POST",
-                    "/v1/completions",
+                    path,
                     json=body,
                     headers={"X-Request-Id": request.request_id},
                     timeout=timeout_s,
@@ -235,9 +261,9 @@ class VllmEngine:
             choice = data["choices"][0]
             tokens = int(data["usage"]["completion_tokens"])
         except (ValueError, KeyError, IndexError, TypeError) as exc:
-            raise self._fail("POST /v1/completions sent a bad answer", repr(exc)) from exc
+            raise self._fail(f"POST {path} sent a bad answer", repr(exc)) from exc
         finish = self._finish_reason(choice.get("finish_reason") or "stop", [choice])
-        return EngineOutput(request.request_id, str(choice.get("text", "")), tokens, finish)
+        return EngineOutput(request.request_id, _choice_text(choice), tokens, finish)
 
     async def abort(self, request_id: str) -> EngineOutput:
         flight = self._flights.get(request_id)
@@ -328,22 +354,28 @@ class VllmEngine:
     # --- internals -----------------------------------------------------------------------------------
 
     def _body(self, request: EngineRequest) -> dict[str, Any]:
-        prompt: str | list[int] = (
-            list(request.prompt)
-            if isinstance(request.prompt, tuple)
-            else request.prompt
-            if request.prompt is not None
-            else filler_prompt(request.request_id, request.prompt_tokens)
-        )
+        """The JSON of a streaming request to ``_path(request)``. A chat sends ``max_tokens``:
+        vLLM's chat endpoint reads it whenever ``max_completion_tokens`` (its newer name, which
+        older servers ignore) is absent, so it is dropped from the sampling parameters."""
         body: dict[str, Any] = dict(request.sampling)
         body |= {
             "model": request.model,
-            "prompt": prompt,
             "max_tokens": request.max_tokens,
             "priority": request.priority if self._priority else 0,
             "stream": True,
             "stream_options": {"include_usage": True, "continuous_usage_stats": True},
         }
+        if request.messages is not None:
+            body.pop("max_completion_tokens", None)
+            body["messages"] = [dict(m) for m in request.messages]
+            if request.continue_final_message:
+                body |= {"continue_final_message": True, "add_generation_prompt": False}
+        elif isinstance(request.prompt, tuple):
+            body["prompt"] = list(request.prompt)
+        elif request.prompt is not None:
+            body["prompt"] = request.prompt
+        else:
+            body["prompt"] = filler_prompt(request.request_id, request.prompt_tokens)
         if request.output_tokens is not None:
             body["max_tokens"] = request.tokens_to_generate
             body["ignore_eos"] = True
@@ -376,13 +408,14 @@ class VllmEngine:
 
     async def _stream_once(self, flight: _Flight, on_chunk: ChunkCallback | None) -> EngineOutput:
         rid = flight.request.request_id
-        what = "POST /v1/completions"
+        path = _path(flight.request)
+        what = f"POST {path}"
         timeout = httpx.Timeout(self.timeout_s, read=None)  # a queued request may wait long
         finish: FinishReason | None = None
         try:
             async with self._client.stream(
                 "POST",
-                "/v1/completions",
+                path,
                 json=self._body(flight.request),
                 headers={"X-Request-Id": flight.wire_id},
                 timeout=timeout,
@@ -419,7 +452,7 @@ class VllmEngine:
             raise RequestRejected(str(self._fail("the stream sent an error", _error_text(event))))
         usage = event.get("usage") or {}
         choices = event.get("choices") or []
-        text = "".join(str(c.get("text") or "") for c in choices)
+        text = "".join(_choice_text(c) for c in choices)
         raw = next((c.get("finish_reason") for c in choices if c.get("finish_reason")), None)
         finish = self._finish_reason(raw, choices) if raw else None
         if "completion_tokens" in usage:

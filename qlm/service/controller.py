@@ -221,7 +221,12 @@ class ControllerService(RuntimeListener):
             partial_text, partial_tokens = row.partial_text, row.partial_tokens
         partial_tokens = min(partial_tokens, msg.max_tokens - 1)
         request = msg.to_request(arrival_s=msg.submitted_at)
-        job = Job(prompt=msg.prompt, sampling=dict(msg.sampling), partial_text=partial_text)
+        job = Job(
+            prompt=msg.prompt,
+            sampling=dict(msg.sampling),
+            partial_text=partial_text,
+            messages=msg.messages,
+        )
         failovers = 1 if row.status is RequestStatus.RUNNING else 0  # a controller died
         self.runtime.submit(request, job, generated=partial_tokens, failovers=failovers)
 

@@ -8,6 +8,7 @@ with a generous deadline.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import socket
 import subprocess
@@ -19,6 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from qlm.agents.executor import Job
 from qlm.domain import ModelTier
 from qlm.engines.base import Engine, EngineRequest, TokenChunk
 from qlm.engines.vllm import VllmEngine
@@ -214,3 +216,67 @@ def test_the_client_runs_as_many_requests_at_once_as_the_agent_sends(server_url:
         assert all(o.tokens == 400 for o in outs)
 
     asyncio.run(scenario())
+
+
+class Recording(httpx.AsyncHTTPTransport):
+    """The client's transport, keeping the path and body of every POST."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.posts: list[tuple[str, dict[str, object]]] = []
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if request.method == "POST":
+            self.posts.append((request.url.path, json.loads(request.content)))
+        return await super().handle_async_request(request)
+
+
+def test_a_chat_reaches_the_chat_endpoint_and_a_resumed_one_continues_its_answer(
+    server_url: str,
+) -> None:
+    """A chat is sent as its messages to /v1/chat/completions (vLLM applies the model's chat
+    template), streams its answer and ends; evicted and sent again, it carries its partial answer
+    as the assistant's message to continue, which the server accepts and continues."""
+    messages = [{"role": "user", "content": "Tell me about queues."}]
+    wire = Recording()
+
+    async def scenario() -> None:
+        engine = VllmEngine("sim-0", server_url, MODEL, transport=wire)
+        try:
+            chunks: list[TokenChunk] = []
+            chat = Job(prompt="<|im_start|>user ...", messages=messages).fill(
+                EngineRequest("chat-1", MODEL, prompt_tokens=8, max_tokens=40)
+            )
+            out = await engine.submit(chat, chunks.append)
+            assert out.finish_reason in ("stop", "length") and 1 <= out.tokens <= 40
+            assert out.text == filler_text(out.tokens) == "".join(c.text for c in chunks)
+
+            job = Job(messages=messages)
+            seen: list[TokenChunk] = []
+            first = EngineRequest("chat-2", MODEL, 8, max_tokens=4000, output_tokens=4000)
+            running = asyncio.create_task(engine.submit(job.fill(first), seen.append))
+
+            async def streaming() -> bool:
+                return bool(seen) and seen[-1].tokens >= 5
+
+            await eventually(streaming, "the long chat streams tokens")
+            partial = await engine.abort("chat-2")
+            assert partial.aborted and await running == partial
+            job.partial_text = partial.text
+            done = partial.tokens  # the rest is cut to 20 tokens (a replay's), to end soon
+            rest = EngineRequest("chat-2", MODEL, 8 + done, 4000 - done, output_tokens=20)
+            out = await engine.submit(job.fill(rest))
+            assert (out.tokens, out.finish_reason) == (20, "length")
+            assert partial.text + out.text == filler_text(done + 20)
+        finally:
+            await engine.close()
+
+    asyncio.run(scenario())
+    (path, body), (_, long_run), (_, resumed) = wire.posts
+    assert path == "/v1/chat/completions" and body["messages"] == messages
+    assert "prompt" not in body and "continue_final_message" not in body
+    assert long_run["messages"] == messages
+    assert resumed["messages"][:-1] == messages
+    assert resumed["messages"][-1]["role"] == "assistant"  # type: ignore[index]
+    assert resumed["continue_final_message"] is True
+    assert resumed["add_generation_prompt"] is False

@@ -18,7 +18,7 @@ from qlm.clock import WallClock
 from qlm.controller import Controller
 from qlm.domain import SLO, Decision, Evict, InstanceSpec, Pull, RequestRecord, RequestStatus
 from qlm.engines.base import EngineOutput, EngineRequest
-from qlm.engines.wallclock import WallClockEngine, count_tokens
+from qlm.engines.wallclock import WallClockEngine, count_tokens, filler_text
 from qlm.errors import EngineError
 from qlm.planner import PlannerConfig, create_policy
 from qlm.planner.policy import DispatchContext, Policy
@@ -183,6 +183,45 @@ def test_an_evicted_request_resumes_with_its_partial_output_and_the_right_token_
         assert record.evictions == 1
         assert len(rec.back) == 1 and 0 < rec.back[0][1] < 300
         assert record.output_tokens == 300 == count_tokens(text)  # partial + the rest, once
+
+    run(scenario)
+
+
+class Seen:
+    """An engine that keeps every request it was asked to run."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.name = inner.name
+        self.requests: list[EngineRequest] = []
+
+    def __getattr__(self, item: str) -> Any:
+        return getattr(self.inner, item)
+
+    async def submit(self, request: EngineRequest, on_chunk: Any = None) -> EngineOutput:
+        self.requests.append(request)
+        return await self.inner.submit(request, on_chunk)
+
+
+def test_an_evicted_chat_resumes_as_its_messages_and_the_partial_answer_to_continue() -> None:
+    async def scenario() -> None:
+        rec = Recorder()
+        e = Seen(engine("i0"))
+        rt = start(EvictOnce("r0000"), [e], rec)
+        await rt.start()
+        messages = [{"role": "user", "content": "Tell me a story"}]
+        job = Job(prompt="<|im_start|>user ...", messages=messages, sampling={"seed": 7})
+        rt.submit(make_request(0, arrival_s=rt.clock.now(), replay_output_tokens=300), job)
+        await eventually(lambda: rt.idle, "the evicted chat finished")
+        await rt.stop()
+        await e.inner.close()
+        first, resumed = e.requests
+        assert first.messages == tuple(messages) and not first.continue_final_message
+        partial = filler_text(rec.back[0][1])  # what it had generated when evicted
+        assert resumed.messages == (*messages, {"role": "assistant", "content": partial})
+        assert resumed.continue_final_message and resumed.sampling == (("seed", 7),)
+        assert resumed.prompt == first.prompt + partial  # for an engine without a chat API
+        assert rec.done["r0000"][1] == filler_text(300)  # one whole answer
 
     run(scenario)
 

@@ -15,6 +15,7 @@ from qlm.engines.wallclock import count_tokens
 from qlm.global_queue import MemoryBroker, MemoryGlobalQueue
 from qlm.service import ControllerService
 from qlm.store import Store
+from tests.unit.test_agent_runtime import Seen
 from tests.unit.test_api import Harness, api_harness
 from tests.unit.test_controller_service import eventually, make_service
 
@@ -87,7 +88,12 @@ def test_events_stream_tokens_then_the_result() -> None:
 
 
 def test_openai_completion_and_chat_wait_behind_the_queue() -> None:
-    async def scenario(h: Harness, _service: ControllerService) -> None:
+    async def scenario(h: Harness, service: ControllerService) -> None:
+        seen = []
+        for inst in service.runtime._instances.values():
+            engine = Seen(inst.engine)
+            inst.engine = engine  # type: ignore[assignment]
+            seen.append(engine)
         r = await h.client.post(
             "/v1/completions",
             json={"model": "m", "prompt": "Once upon a time", "max_tokens": 9},
@@ -118,8 +124,13 @@ def test_openai_completion_and_chat_wait_behind_the_queue() -> None:
             choice["message"]["role"] == "assistant"
             and count_tokens(choice["message"]["content"]) == 5
         )
-        row = h.store.get(r.headers["x-qlm-request-id"])
+        rid = r.headers["x-qlm-request-id"]
+        row = h.store.get(rid)
         assert row is not None and (row.slo_e2e_s, row.slo_ttft_s) == (500, 400)
+        # The engine is given the messages (an HTTP engine sends them to vLLM's chat endpoint).
+        [sent] = [q for e in seen for q in e.requests if q.request_id == rid]
+        assert sent.messages == ({"role": "user", "content": [{"type": "text", "text": "Hi"}]},)
+        assert not sent.continue_final_message
 
     run(scenario)
 

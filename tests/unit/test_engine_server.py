@@ -202,3 +202,87 @@ def test_a_client_that_leaves_mid_stream_aborts_its_engine_request() -> None:
         await engine.close()
 
     asyncio.run(scenario())
+
+
+CHAT = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": [{"type": "text", "text": "say hi"}]},
+]
+
+
+def chat_sse(client: TestClient, **body: Any) -> list[Any]:
+    payload = {"model": "m", "messages": CHAT, "stream": True} | body
+    with client.stream("POST", "/v1/chat/completions", json=payload) as resp:
+        assert resp.status_code == 200, resp.read()
+        lines = [line for line in resp.iter_lines() if line]
+    return [line[6:] if line == "data: [DONE]" else json.loads(line[6:]) for line in lines]
+
+
+def test_a_streamed_chat_opens_with_the_role_then_deltas_usage_and_done(
+    client: TestClient,
+) -> None:
+    """vLLM's chat stream: chat.completion.chunk objects, the role in the first delta, the
+    text in delta.content, the finish reason on the last, a usage chunk, [DONE]. The prompt is
+    counted as the words of the messages' text (no tokenizer or template here)."""
+    options = {"include_usage": True}
+    events = chat_sse(client, max_tokens=7, ignore_eos=True, stream_options=options)
+    assert events[-1] == "[DONE]"
+    first, chunks, usage_event = events[0], events[1:-2], events[-2]
+    assert {e["object"] for e in events[:-1]} == {"chat.completion.chunk"}
+    assert len({e["id"] for e in events[:-1]}) == 1 and events[0]["id"].startswith("chatcmpl-")
+    assert first["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert "".join(c["choices"][0]["delta"]["content"] for c in chunks) == filler_text(7)
+    assert [c["choices"][0]["finish_reason"] for c in chunks][-1] == "length"
+    assert usage_event["choices"] == []
+    assert usage_event["usage"] == {"prompt_tokens": 5, "completion_tokens": 7, "total_tokens": 12}
+
+
+def test_a_chat_answer_is_one_assistant_message_and_max_completion_tokens_wins(
+    client: TestClient,
+) -> None:
+    body = {"messages": CHAT, "max_tokens": 9, "max_completion_tokens": 4, "ignore_eos": True}
+    resp = client.post("/v1/chat/completions", json=body, headers={"X-Request-Id": "c-1"})
+    assert resp.status_code == 200, resp.text
+    answer = resp.json()
+    assert (answer["id"], answer["object"]) == ("chatcmpl-c-1", "chat.completion")
+    choice = answer["choices"][0]
+    assert choice["message"] == {"role": "assistant", "content": filler_text(4)}
+    assert choice["finish_reason"] == "length" and answer["usage"]["completion_tokens"] == 4
+    # Without a cap the rest of the context is the limit, as in vLLM: the sampled end comes first.
+    free = client.post("/v1/chat/completions", json={"messages": CHAT}).json()
+    assert free["usage"]["completion_tokens"] == 3 and free["choices"][0]["finish_reason"] == "stop"
+
+
+def test_a_chat_continues_its_final_message_only_without_a_generation_prompt(
+    client: TestClient,
+) -> None:
+    """vLLM refuses continue_final_message with add_generation_prompt (on by default) with 400;
+    without it, the answer continues the last message (its role opens the stream), and the
+    partial answer counts in the prompt as the tokens it was."""
+    resumed = [*CHAT, {"role": "assistant", "content": filler_text(3).strip()}]
+    refused = client.post(
+        "/v1/chat/completions", json={"messages": resumed, "continue_final_message": True}
+    )
+    assert refused.status_code == 400
+    assert "Cannot set both `continue_final_message` and `add_generation_prompt`" in refused.text
+    events = chat_sse(
+        client,
+        messages=resumed,
+        continue_final_message=True,
+        add_generation_prompt=False,
+        max_tokens=2,
+        ignore_eos=True,
+        stream_options={"include_usage": True},
+    )
+    assert events[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert events[-2]["usage"]["prompt_tokens"] == 5 + 3
+
+
+def test_bad_chats_get_vllm_style_errors(client: TestClient) -> None:
+    assert client.post("/v1/chat/completions", json={"messages": []}).status_code == 400
+    assert client.post("/v1/chat/completions", json={"model": "m"}).status_code == 400
+    unknown = client.post("/v1/chat/completions", json={"model": "x", "messages": CHAT})
+    assert unknown.status_code == 404
+    too_long = {"messages": CHAT, "max_tokens": 9000, "ignore_eos": True}
+    resp = client.post("/v1/chat/completions", json=too_long)
+    assert resp.status_code == 400 and "max context" in resp.json()["error"]["message"]

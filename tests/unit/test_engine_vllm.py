@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import httpx
 import pytest
@@ -361,3 +362,97 @@ def test_metrics_labelled_with_another_served_name_are_still_the_servers() -> No
         assert (stats.running, stats.waiting, stats.preemptions_total) == (5, 4, 7)
 
     asyncio.run(scenario())
+
+
+def chat_sse(*texts: str, finish: str = "length") -> httpx.Response:
+    """A chat stream as vLLM sends it: the role first, content deltas (the last one with the
+    finish reason), the usage chunk. Every chunk carries the running usage."""
+
+    def usage(n: int) -> dict[str, int]:
+        return {"prompt_tokens": 9, "completion_tokens": n, "total_tokens": 9 + n}
+
+    def chunk(delta: dict[str, str], n: int, reason: str | None = None) -> dict[str, object]:
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+        return {"object": "chat.completion.chunk", "choices": [choice], "usage": usage(n)}
+
+    events = [chunk({"role": "assistant", "content": ""}, 0)]
+    for i, text in enumerate(texts, 1):
+        events.append(chunk({"content": text}, i, finish if i == len(texts) else None))
+    return sse(
+        *events, {"object": "chat.completion.chunk", "choices": [], "usage": usage(len(texts))}
+    )
+
+
+HI = ({"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"})
+
+
+def test_a_chat_goes_to_the_chat_endpoint_with_its_messages_and_streams_its_deltas() -> None:
+    """vLLM applies the model's own chat template only to ``messages`` on the chat endpoint; a
+    prompt (or a replay's filler) still goes to completions."""
+    seen: list[tuple[str, dict[str, Any]]] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        seen.append((request.url.path, body))
+        if request.url.path == "/v1/completions":
+            return sse({"choices": [{"text": "x", "finish_reason": "length"}]})
+        if not body["stream"]:
+            message = {"role": "assistant", "content": "Hello there"}
+            answer = {"choices": [{"index": 0, "message": message, "finish_reason": "stop"}]}
+            return httpx.Response(200, json=answer | {"usage": {"completion_tokens": 2}})
+        return chat_sse("Hel", "lo", " there", finish="stop")
+
+    async def scenario() -> None:
+        engine = engine_with(handler)
+        chunks: list[TokenChunk] = []
+        chat = EngineRequest(
+            "c1", "llama", 9, max_tokens=40, priority=1, prompt="<|im_start|>...",
+            messages=HI, sampling=(("temperature", 0.5), ("max_completion_tokens", 999)),
+        )  # fmt: skip
+        out = await engine.submit(chat, chunks.append)
+        assert (out.text, out.tokens, out.finish_reason) == ("Hello there", 3, "stop")
+        assert [c.text for c in chunks] == ["Hel", "lo", " there"]
+        assert [c.tokens for c in chunks] == [1, 2, 3] and chunks[-1].finish_reason == "stop"
+        whole = await engine.complete(chat)
+        assert (whole.text, whole.tokens, whole.finish_reason) == ("Hello there", 2, "stop")
+        await engine.submit(EngineRequest("p1", "llama", 3, max_tokens=1, prompt="Once"))
+        await engine.close()
+
+    asyncio.run(scenario())
+    (path, body), (whole_path, whole), (prompt_path, prompt_body) = seen
+    assert path == whole_path == "/v1/chat/completions"
+    assert body["messages"] == list(HI) and "prompt" not in body
+    assert body["max_tokens"] == 40 and "max_completion_tokens" not in body
+    assert (body["model"], body["priority"], body["temperature"]) == ("llama", 1, 0.5)
+    assert body["stream"] is True and body["stream_options"]["include_usage"] is True
+    assert "continue_final_message" not in body and "add_generation_prompt" not in body
+    assert whole["stream"] is False and whole["messages"] == list(HI)
+    assert prompt_path == "/v1/completions" and prompt_body["prompt"] == "Once"
+    assert "messages" not in prompt_body
+
+
+def test_a_resumed_chat_asks_vllm_to_continue_the_partial_answer() -> None:
+    """Sent again after an eviction, a chat ends with its partial answer as the assistant's
+    message; ``continue_final_message`` (with ``add_generation_prompt`` off: vLLM refuses both)
+    makes the model continue that message instead of starting another."""
+    seen: list[dict[str, Any]] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(json.loads(request.content))
+        return chat_sse(" world")
+
+    async def scenario() -> None:
+        engine = engine_with(handler)
+        messages = (*HI, {"role": "assistant", "content": "Hello"})
+        resumed = EngineRequest(
+            "c1", "llama", 11, max_tokens=1, messages=messages, continue_final_message=True
+        )
+        out = await engine.submit(resumed)
+        await engine.close()
+        assert (out.text, out.tokens) == (" world", 1)
+
+    asyncio.run(scenario())
+    [body] = seen
+    assert body["messages"][-1] == {"role": "assistant", "content": "Hello"}
+    assert body["continue_final_message"] is True and body["add_generation_prompt"] is False
+    assert body["max_tokens"] == 1

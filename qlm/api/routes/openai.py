@@ -381,8 +381,9 @@ async def create_chat_completion(
     headers: SloHeadersDep,
     idempotency_key: IdempotencyKey = None,
 ) -> Response:
-    """OpenAI's chat completions, behind QLM's queue; messages are rendered with the ChatML
-    template (docs/api.md). Deviations: n=1 only; no tools, logprobs or structured output."""
+    """OpenAI's chat completions, behind QLM's queue; the messages reach vLLM's chat endpoint,
+    which applies the model's chat template (docs/api.md). Deviations: n=1 only; no tools,
+    logprobs or structured output."""
     if body.logprobs:
         raise invalid("logprobs", "logprobs is not supported", code="unsupported")
     if body.tools:
