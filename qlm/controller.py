@@ -30,7 +30,13 @@ from qlm.domain import (
 )
 from qlm.engines.base import EngineEvent, EngineRequest, EventKind
 from qlm.errors import ConfigError
-from qlm.planner.policy import Completion, DispatchContext, InstanceLoad, Policy
+from qlm.planner.policy import (
+    Completion,
+    DispatchContext,
+    InstanceLoad,
+    LearnsOutputs,
+    Policy,
+)
 
 FINAL = frozenset({RequestStatus.FINISHED, RequestStatus.FAILED, RequestStatus.CANCELLED})
 
@@ -119,6 +125,19 @@ class Controller:
         self._served.update(spec.models)
         self._outstanding[spec.name] = 0
         self._outstanding_tokens[spec.name] = 0
+
+    def learn_outputs(self, history: Iterable[tuple[Request, int]]) -> int:
+        """Completions this controller did not see — the store's most recent, when it starts or
+        takes over from another: the policy learns their output lengths (``LearnsOutputs``), of
+        the models the fleet serves. Returns how many it learnt from (0 if it learns none)."""
+        if not isinstance(self.policy, LearnsOutputs):
+            return 0
+        learnt = 0
+        for request, output_tokens in history:
+            if request.model in self._served and output_tokens > 0:
+                self.policy.learn_output(request, output_tokens)
+                learnt += 1
+        return learnt
 
     def arrive(self, request: Request, *, generated: int = 0, failovers: int = 0) -> bool:
         """Hand a request to the policy at the next step. ``generated``: output it already has

@@ -55,6 +55,9 @@ class ControllerSettings(BaseModel):
     sim_over_http: bool = False  # simulated instances as `qlm sim-engine serve` processes
     tick_s: float = Field(default=0.25, gt=0)
     health_interval_s: float = Field(default=1.0, gt=0)
+    # On becoming active, the policy learns output lengths from this many of the store's most
+    # recent completions (a restarted or failed-over controller; 0: start from the profile).
+    history_outputs: int = Field(default=1000, ge=0)
 
 
 TierName = Literal["interactive", "standard", "batch"]

@@ -111,6 +111,15 @@ class ServiceEstimates:
         self.estimator.observe(completion.request, output_tokens=completion.output_tokens)
 
 
+class _Learns:
+    """``LearnsOutputs`` for the policies that estimate service times."""
+
+    estimates: ServiceEstimates
+
+    def learn_output(self, request: Request, output_tokens: int) -> None:
+        self.estimates.estimator.observe(request, output_tokens=output_tokens)
+
+
 def _serving(ctx: DispatchContext, model: str) -> list[InstanceLoad]:
     """Instances up and serving ``model`` (all serving it if none is up)."""
     able = [i for i in ctx.instances if model in i.models]
@@ -129,7 +138,7 @@ class EdfPolicy(QueuedPolicy):
         return (request.deadline_s,)
 
 
-class SlackEdfPolicy(QueuedPolicy):
+class SlackEdfPolicy(_Learns, QueuedPolicy):
     """FlowPrefill's slack-aware EDF (FlowPrefill §5.2, Eq. 3): ``priority = sgn(slack) /
     deadline``, ``slack = deadline − now − T̂``, highest priority first.
 
@@ -296,7 +305,7 @@ class _Held:
     entry: int = 0  # seq of its live entry in the URGENT or NORMAL watch heap
 
 
-class ProservePolicy(QueuedPolicy):
+class ProservePolicy(_Learns, QueuedPolicy):
     """PROSERVE (PROSERVE §4): GoRouting places each request on an instance's queue and that
     queue is ordered by SlideBatching; the instance pulls from it while it has room.
 
@@ -604,7 +613,7 @@ def solve_batch_ilp(plan: BatchPlanInput, time_limit_s: float) -> dict[int, int]
     return chosen
 
 
-class ShepherdPolicy(QueuedPolicy):
+class ShepherdPolicy(_Learns, QueuedPolicy):
     """SHEPHERD as the QLM paper runs it as a baseline (QLM §8: "dynamic batching and an ILP
     formulation for ordering and placement ... assumes fixed batches with deterministic execution
     times"): static batches, one at a time per instance.

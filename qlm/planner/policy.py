@@ -13,7 +13,7 @@ lag (vLLM's ``num_requests_running`` is sampled once per iteration).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from qlm.domain import Decision, ModelTier, Request
 
@@ -90,6 +90,17 @@ class Policy(Protocol):
 
     def decide(self, ctx: DispatchContext) -> list[Decision]:
         """Called whenever something changed (arrival, completion, tick); returns what to do."""
+        ...
+
+
+@runtime_checkable
+class LearnsOutputs(Protocol):
+    """A policy whose estimates learn output lengths from completions, and can learn them from
+    completions it did not see (the store's, when a controller starts or takes over)."""
+
+    def learn_output(self, request: Request, output_tokens: int) -> None:
+        """``request`` finished with ``output_tokens`` before this policy started: learn its
+        output length (nothing about any instance: the policy did not predict it)."""
         ...
 
 

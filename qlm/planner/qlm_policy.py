@@ -488,6 +488,10 @@ class QlmPolicy:
         self._preemptions.pop(request_id, None)
         self.estimator.forget([request_id])
 
+    def learn_output(self, request: Request, output_tokens: int) -> None:
+        """``LearnsOutputs``: the output-length belief only."""
+        self.estimator.observe(request, output_tokens=output_tokens)
+
     # --- planning --------------------------------------------------------------------------------
 
     def _trigger(self, now: float) -> str:

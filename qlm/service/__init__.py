@@ -77,6 +77,7 @@ def build_controller(
         store if store is not None else open_store(settings),
         runtime,
         name=cs.name,
+        history_outputs=cs.history_outputs,
     )
 
 

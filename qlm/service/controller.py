@@ -34,7 +34,7 @@ from qlm.domain import RequestRecord, RequestStatus
 from qlm.engines.base import TokenChunk
 from qlm.global_queue import DeadLetter, Delivery, GlobalQueue, MessageError, QueuedRequest
 from qlm.service.hub import ResultEvent, ResultHub
-from qlm.store import NewRequest, RequestRow, Store
+from qlm.store import NewRequest, RequestRow, Store, StoreError
 from qlm.store.rows import InstanceState
 from qlm.virtual_queues import VirtualQueueSet
 
@@ -74,6 +74,7 @@ class ControllerService(RuntimeListener):
         poll_s: float = 0.5,
         publish_s: float = 1.0,
         reap_s: float = 5.0,
+        history_outputs: int = 1000,
     ) -> None:
         self.queue = queue
         self.store = store
@@ -83,6 +84,8 @@ class ControllerService(RuntimeListener):
         self.poll_s = poll_s
         self.publish_s = publish_s
         self.reap_s = reap_s
+        self.history_outputs = history_outputs
+        self._learnt = False  # from the store's recent completions, on becoming active
         self.hub = ResultHub()
         runtime.listener = self
         self._held: dict[str, _Held] = {}
@@ -182,6 +185,9 @@ class ControllerService(RuntimeListener):
             fresh.append(d)
         if not fresh:
             return
+        if not self._learnt:
+            self._learnt = True
+            await self._learn_history()
         news = [_new_request(d.message) for d in fresh if d.message is not None]
         rows = await asyncio.to_thread(self.store.ensure_requests, news)
         served = {m for spec in self.runtime.controller.specs.values() for m in spec.models}
@@ -214,6 +220,26 @@ class ControllerService(RuntimeListener):
                 continue
             self._held[msg.id] = _Held(d, msg)
             self._submit(msg, row)
+
+    async def _learn_history(self) -> None:
+        """On becoming active (its first deliveries): the output lengths of the store's
+        ``history_outputs`` most recent completions, oldest first, so that a controller that
+        restarts or takes over plans with what the fleet has been answering, not with the
+        profile's prior alone. A store that cannot answer only costs that head start."""
+        if self.history_outputs <= 0:
+            return
+        try:
+            rows, _ = await asyncio.to_thread(
+                self.store.list_requests, status=RequestStatus.FINISHED, limit=self.history_outputs
+            )
+        except StoreError as e:
+            log.warning("could not read recent completions to learn output lengths from: %s", e)
+            return
+        learnt = self.runtime.controller.learn_outputs(
+            (row.to_request(), row.output_tokens) for row in reversed(rows)
+        )
+        if learnt:
+            log.info("learnt output lengths from %d recent completions in the store", learnt)
 
     def _submit(self, msg: QueuedRequest, row: RequestRow) -> None:
         partial_text, partial_tokens = msg.partial_text, msg.partial_tokens

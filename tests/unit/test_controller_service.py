@@ -293,3 +293,73 @@ def test_a_stored_prediction_is_rewritten_only_when_it_moves_by_its_slack() -> N
     # An hour out the slack is 5 % of the time to go (180 s), not 1 s.
     assert not _moved((now + 3_600, False), (now + 3_700, False), now)
     assert _moved((now + 3_600, False), (now + 3_900, False), now)
+
+
+def test_a_controller_becoming_active_learns_output_lengths_from_recent_completions() -> None:
+    """A restarted or failed-over controller plans with what the fleet has been answering (here
+    7 tokens, against the profile's ~70), not with the profile's prior alone; completions of a
+    model no instance serves teach nothing, and ``history_outputs=0`` turns it off."""
+
+    async def expected_after_start(store: Store, history: int) -> tuple[float, float]:
+        broker = MemoryBroker()
+        service = make_service(store, broker)
+        service.history_outputs = history
+        policy = service.runtime.controller.policy
+        probe = message(999, 0.0).to_request(0.0)
+        before = policy.estimator.expected_output(probe)  # type: ignore[attr-defined]
+        await service.start()
+        now = service.runtime.clock.now()
+        await MemoryGlobalQueue(broker=broker).publish(message(1, now))
+        await eventually(lambda: final(store, ["q0001"]), "the request is final")
+        await service.wait_idle()
+        await service.stop()
+        return before, policy.estimator.expected_output(probe)  # type: ignore[attr-defined]
+
+    def history(store: Store) -> None:
+        for i in range(60):
+            model = "m" if i < 50 else "n"
+            done = message(100 + i, 0.0, model=model)
+            store.add_request(NewRequest.from_request(done.to_request(0.0)))
+            store.record_outcome(done.id, status=RequestStatus.FINISHED, at=1.0, output_tokens=7)
+
+    results: dict[int, tuple[float, float]] = {}
+
+    async def scenario(store: Store) -> None:
+        history(store)
+        results[1000] = await expected_after_start(store, 1000)
+
+    async def scenario_off(store: Store) -> None:
+        history(store)
+        results[0] = await expected_after_start(store, 0)
+
+    run(scenario)
+    run(scenario_off)
+    (before, learnt), (_, off) = results[1000], results[0]
+    assert before > 60.0 and off > 60.0  # the profile's prior, and one completion of 41 tokens
+    assert learnt < 35.0  # 50 completions of 7 tokens
+
+
+def test_only_policies_that_estimate_learn_and_only_of_the_models_served() -> None:
+    history = [(message(i, 0.0, model="m" if i < 5 else "n").to_request(0.0), 7) for i in range(8)]
+    history.append((message(9, 0.0).to_request(0.0), 0))  # nothing generated: nothing to learn
+    spec = InstanceSpec("i0", "G", ("m",))
+    for name, learnt in (("qlm", 5), ("sedf", 5), ("fcfs", 0), ("edf", 0)):
+        policy = create_policy(name, profile=make_profile())
+        assert Controller(policy, [spec]).learn_outputs(history) == learnt, name
+
+
+def test_a_store_that_cannot_give_the_history_only_costs_the_head_start() -> None:
+    async def scenario(store: Store) -> None:
+        def unavailable(**_: Any) -> Any:
+            raise StoreError("database is down")
+
+        broker = MemoryBroker()
+        service = make_service(store, broker)
+        service.store.list_requests = unavailable  # type: ignore[method-assign]
+        await service.start()
+        await MemoryGlobalQueue(broker=broker).publish(message(1, service.runtime.clock.now()))
+        await eventually(lambda: final(store, ["q0001"]), "the request is final")
+        await service.wait_idle()
+        await service.stop()
+
+    run(scenario)
