@@ -770,17 +770,27 @@ def sim_engine_serve_cmd(
             help="Requests run at once (vLLM's --max-num-seqs; default: vLLM's for the GPU)."
         ),
     ] = None,
+    scheduling_policy: Annotated[
+        str,
+        typer.Option(
+            help="vLLM's --scheduling-policy: fcfs (its default) refuses a priority other than 0, "
+            "as vLLM documents; priority accepts it (QLM sends priorities: use priority)."
+        ),
+    ] = "fcfs",
 ) -> None:
     """Serve one simulated instance with the same HTTP API as `vllm serve`."""
-    from qlm.engines.server import serve
+    from qlm.engines.server import SCHEDULING_POLICIES, SchedulingPolicy, serve
 
     if time_scale <= 0:
         _fail(f"--time-scale must be > 0, got {time_scale}")
     if max_num_seqs is not None and max_num_seqs < 1:
         _fail(f"--max-num-seqs must be >= 1, got {max_num_seqs}")
+    if scheduling_policy not in SCHEDULING_POLICIES:
+        _fail(f"--scheduling-policy must be fcfs or priority, got {scheduling_policy!r}")
+    policy: SchedulingPolicy = "priority" if scheduling_policy == "priority" else "fcfs"
     err_console.print(
         f"simulated vLLM: {model} on {f'{gpus}x' if gpus else ''}{gpu} at http://{host}:{port} "
-        f"(time x{time_scale:g}{', dev mode' if dev_mode else ''})",
+        f"(time x{time_scale:g}, {policy} scheduling{', dev mode' if dev_mode else ''})",
         highlight=False,
         soft_wrap=True,
     )
@@ -796,6 +806,7 @@ def sim_engine_serve_cmd(
             eos_lengths=eos_lengths,
             seed=seed,
             max_num_seqs=max_num_seqs,
+            scheduling_policy=policy,
         )
     )
 

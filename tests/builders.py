@@ -4,8 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
+import httpx
+
 from qlm.domain import SLO, Request, Tier
 from qlm.engines.perf_model import HardwareCatalog, parse_catalog
+from qlm.engines.server import SchedulingPolicy, create_app
+from qlm.engines.vllm import VllmEngine
+from qlm.engines.wallclock import WallClockEngine
 from qlm.rct.output_model import NIG
 from qlm.rct.profile import HardwareProfile, RctProfile
 
@@ -90,3 +95,15 @@ def make_profile(**overrides: Any) -> RctProfile:
         hardware={hw.key: hw, second.key: second},
         output_priors={"default": NIG(mu=4.0, kappa=20.0, alpha=11.0, beta=5.0)},
     )
+
+
+def simulated_vllm(
+    name: str = "s0", *, scheduling_policy: SchedulingPolicy = "priority"
+) -> tuple[VllmEngine, WallClockEngine]:
+    """The real vLLM client of a simulated instance (model ``m`` on ``G``, 50x) served in process:
+    ``VllmEngine`` over HTTP to ``qlm sim-engine serve``'s app, through ``httpx.ASGITransport``
+    (no socket; a stream is handed over once it ends). Close both."""
+    engine = WallClockEngine.from_catalog(name, "m", "G", 1, time_scale=50, catalog=make_catalog())
+    app = create_app(engine, scheduling_policy=scheduling_policy)
+    transport = httpx.ASGITransport(app)
+    return VllmEngine(name, f"http://{name}", "m", transport=transport), engine

@@ -102,10 +102,13 @@ def start_sim_engine(
     time_scale: float = 10.0,
     extra: tuple[str, ...] = (),
 ) -> tuple[subprocess.Popen[bytes], str]:
-    """A ``qlm sim-engine serve`` process on a free port, healthy; returns it and its URL."""
+    """A ``qlm sim-engine serve`` process on a free port, healthy; returns it and its URL. It
+    schedules by priority, as QLM's vLLM servers do (``extra`` may say otherwise: the last
+    ``--scheduling-policy`` wins)."""
     port = free_port()
     args = ["sim-engine", "serve", "--model", model, "--gpu", gpu, "--port", str(port)]
-    proc = start_process([*args, "--time-scale", str(time_scale), "--dev-mode", *extra])
+    args += ["--time-scale", str(time_scale), "--dev-mode", "--scheduling-policy", "priority"]
+    proc = start_process([*args, *extra])
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60.0
     while True:

@@ -7,6 +7,12 @@ streaming), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (vLLM's metric
 ``dev_mode`` (vLLM: ``VLLM_SERVER_DEV_MODE=1``), ``POST /sleep``, ``POST /wake_up``,
 ``GET /is_sleeping``.
 
+Like ``vllm serve`` before generating, it refuses a prompt that leaves no room in the model's
+context and prompt + ``max_tokens`` beyond it (400 in vLLM's words, ``_over_context``). Under
+``--scheduling-policy fcfs`` (vLLM's default) it refuses a ``priority`` other than 0, as vLLM
+documents (``PRIORITY_REFUSED``); under ``priority`` it accepts it, but the simulated scheduler
+stays FCFS (docs/simulator.md).
+
 Output length: with ``ignore_eos`` the request generates exactly ``max_tokens`` tokens. Without
 it, the "end of sequence" comes after a length drawn from ``eos_lengths`` (by default the shipped
 ShareGPT output lengths), deterministically from the request id, capped at ``max_tokens``.
@@ -29,7 +35,7 @@ import zlib
 from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from fastapi import FastAPI, Query, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -40,9 +46,20 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from qlm.engines.base import EngineOutput, EngineRequest, TokenChunk
 from qlm.engines.wallclock import WallClockEngine, count_tokens
-from qlm.errors import EngineError, UnknownRequest
+from qlm.errors import EngineError, UnknownRequest, check_setting
 
 DISCONNECT_POLL_S = 0.25
+
+SchedulingPolicy = Literal["fcfs", "priority"]
+"""vLLM's ``--scheduling-policy`` (``SchedulerPolicy`` in ``vllm/config/scheduler.py``)."""
+SCHEDULING_POLICIES: tuple[SchedulingPolicy, ...] = ("fcfs", "priority")
+
+PRIORITY_REFUSED = "Got priority {priority} but Priority scheduling is not enabled."
+"""vLLM's refusal of ``priority`` != 0 by a server without priority scheduling, word for word:
+the contract its API documents ("Any priority other than 0 will raise an error if the served model
+does not use priority scheduling"), as its V0 engine enforced it (``add_request``). vLLM 0.14's V1
+engine does not check: it ignores the priority (vllm-project/vllm#22997). Refusing here keeps the
+client's fallback (send again without priority) tested end to end."""
 
 
 class StreamOptions(BaseModel):
@@ -153,11 +170,46 @@ def chat_format(role: str) -> _Format:
     return _Format("chatcmpl-", "chat.completion", "chat.completion.chunk", role)
 
 
-def _error(status: int, message: str, kind: str = "BadRequestError") -> JSONResponse:
+def _error(
+    status: int, message: str, kind: str = "BadRequestError", param: str | None = None
+) -> JSONResponse:
     return JSONResponse(
-        {"error": {"message": message, "type": kind, "param": None, "code": status}},
+        {"error": {"message": message, "type": kind, "param": param, "code": status}},
         status_code=status,
     )
+
+
+def _over_context(
+    max_model_len: int, prompt_tokens: int, max_tokens: int | None
+) -> tuple[str, str] | None:
+    """Why vLLM refuses a generation that does not fit the model's context, in its words, and the
+    parameter at fault (``OpenAIServing._validate_input``, 0.14): the prompt must leave room for
+    one token and, when ``max_tokens`` is given, prompt + ``max_tokens`` must fit. The message
+    ends as ``VLLMValidationError`` ends it, naming the parameter and its value."""
+    if prompt_tokens >= max_model_len:
+        message = (
+            f"This model's maximum context length is {max_model_len} tokens. However, your "
+            f"request has {prompt_tokens} input tokens. Please reduce the length of the input "
+            f"messages. (parameter=input_tokens, value={prompt_tokens})"
+        )
+        return message, "input_tokens"
+    if max_tokens is not None and prompt_tokens + max_tokens > max_model_len:
+        message = (
+            f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This model's "
+            f"maximum context length is {max_model_len} tokens and your request has "
+            f"{prompt_tokens} input tokens ({max_tokens} > {max_model_len} - {prompt_tokens}). "
+            f"(parameter=max_tokens, value={max_tokens})"
+        )
+        return message, "max_tokens"
+    return None
+
+
+async def _error_stream(message: str) -> AsyncIterator[str]:
+    """A failure inside a stream, as vLLM's stream generators send it: one ``error`` event in the
+    200 response, then ``[DONE]``."""
+    error = {"message": message, "type": "BadRequestError", "param": None, "code": 400}
+    yield f"data: {json.dumps({'error': error})}\n\n"
+    yield "data: [DONE]\n\n"
 
 
 def _eos_length(request_id: str, max_tokens: int, lengths: Sequence[int], seed: int) -> int:
@@ -219,8 +271,14 @@ def create_app(
     dev_mode: bool = False,
     eos_lengths: Sequence[int] = (),
     seed: int = 0,
+    scheduling_policy: SchedulingPolicy = "fcfs",
 ) -> FastAPI:
-    """The HTTP face of one simulated instance. The engine's driver runs in the app's lifespan."""
+    """The HTTP face of one simulated instance. The engine's driver runs in the app's lifespan.
+    ``scheduling_policy`` is vLLM's ``--scheduling-policy``, with its default: under ``fcfs`` a
+    ``priority`` other than 0 is refused (``PRIORITY_REFUSED``). QLM sends priorities, so whatever
+    serves it passes ``priority``, as ``vllm serve`` for QLM gets ``--scheduling-policy priority``."""
+    ok = scheduling_policy in SCHEDULING_POLICIES
+    check_setting(ok, "scheduling_policy", "fcfs or priority", scheduling_policy)
     models = tuple(engine.sim.perf_models)
     max_model_len = {m: pm.model.max_context for m, pm in engine.sim.perf_models.items()}
     started = int(time.time())
@@ -270,13 +328,27 @@ def create_app(
         """Run one request of either endpoint; ``max_tokens`` None: the rest of the context."""
         model = body.model or models[0]
         if model not in models:
-            return _error(404, f"The model `{model}` does not exist.", "NotFoundError")
+            return _error(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
+        too_long = _over_context(max_model_len[model], prompt_tokens, max_tokens)
+        if too_long is not None:
+            message, param = too_long
+            return _error(400, message, param=param)
         if engine.is_sleeping:
             return _error(503, "the engine is sleeping", "ServiceUnavailableError")
         if weights["empty"]:
             return _error(500, WEIGHTS_EMPTY, "InternalServerError")
         rid = request.headers.get("X-Request-Id") or uuid.uuid4().hex
-        max_tokens = max_tokens or max(1, max_model_len[model] - prompt_tokens)
+        headers = {"X-Request-Id": rid}
+        if body.priority and scheduling_policy != "priority":
+            # Refused by the engine once the request is parsed: a 400, or inside a stream (already
+            # answered 200) an error event, as vLLM's stream generators report any failure.
+            refused = PRIORITY_REFUSED.format(priority=body.priority)
+            if body.stream:
+                events = _error_stream(refused)
+                return StreamingResponse(events, media_type="text/event-stream", headers=headers)
+            return _error(400, refused)
+        if max_tokens is None:
+            max_tokens = max_model_len[model] - prompt_tokens
         output = max_tokens if body.ignore_eos else _eos_length(rid, max_tokens, eos_lengths, seed)
         req = EngineRequest(
             request_id=rid,
@@ -291,7 +363,6 @@ def create_app(
             done = engine.start_request(req, chunks.put_nowait)
         except EngineError as exc:
             return _error(400, str(exc))
-        headers = {"X-Request-Id": rid}
         meta = {
             "id": fmt.id_prefix + rid,
             "object": fmt.chunk_object if body.stream else fmt.answer_object,
@@ -319,7 +390,7 @@ def create_app(
         if isinstance(body.prompt, list) and not body.prompt:
             return _error(400, "prompt must not be empty")
         tokens = count_tokens(body.prompt)
-        return await generate(request, body, tokens, body.max_tokens or 16, COMPLETION)
+        return await generate(request, body, tokens, body.max_tokens, COMPLETION)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -462,6 +533,7 @@ def serve(
     eos_lengths: str,
     seed: int,
     max_num_seqs: int | None = None,
+    scheduling_policy: SchedulingPolicy = "fcfs",
 ) -> None:
     """Run the server until interrupted (``qlm sim-engine serve``)."""
     import uvicorn
@@ -479,5 +551,11 @@ def serve(
     lengths: Sequence[int] = ()
     if eos_lengths != "max_tokens":
         lengths = [int(x) for x in load_lengths(eos_lengths).output_tokens]
-    app = create_app(engine, dev_mode=dev_mode, eos_lengths=lengths, seed=seed)
+    app = create_app(
+        engine,
+        dev_mode=dev_mode,
+        eos_lengths=lengths,
+        seed=seed,
+        scheduling_policy=scheduling_policy,
+    )
     uvicorn.run(app, host=host, port=port, log_level="warning")

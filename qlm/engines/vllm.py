@@ -61,7 +61,9 @@ VLLM_VERSION = "0.14.0"
 log = logging.getLogger(__name__)
 
 PRIORITY_OFF = "Priority scheduling is not enabled"
-"""vLLM's answer to a request with ``priority`` != 0 when the server runs FCFS scheduling."""
+"""vLLM's answer to a request with ``priority`` != 0 when the server runs FCFS scheduling ("Got
+priority N but Priority scheduling is not enabled."), as its API documents and its V0 engine
+answered. vLLM 0.14's V1 engine does not refuse: it ignores the priority (vllm#22997)."""
 
 FILLER_TOKEN_ID = 1000
 """Token id of the synthetic prompt sent for a request without prompt text: any id inside every

@@ -50,6 +50,8 @@ class SimServers:
             args = [sys.executable, "-m", "qlm.cli", "sim-engine", "serve"]
             args += ["--model", spec.models[0], "--gpu", spec.gpu, "--gpus", str(spec.gpu_count)]
             args += ["--port", str(port), "--time-scale", str(time_scale), "--dev-mode"]
+            # as `qlm instance launch` starts vLLM: the agents send priorities
+            args += ["--scheduling-policy", "priority"]
             self.procs.append(
                 subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             )

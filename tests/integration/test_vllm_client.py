@@ -52,7 +52,8 @@ def server_url() -> Iterator[str]:
     port = free_port()
     proc = subprocess.Popen(
         [qlm_executable(), "sim-engine", "serve", "--model", MODEL, "--gpu", "A100",
-         "--port", str(port), "--time-scale", TIME_SCALE, "--dev-mode"],
+         "--port", str(port), "--time-scale", TIME_SCALE, "--dev-mode",
+         "--scheduling-policy", "priority"],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
@@ -176,7 +177,7 @@ def test_vllm_client_errors_name_the_instance_and_url(server_url: str) -> None:
         try:
             with pytest.raises(RequestRejected, match=r"sim-0 \(http://127\.0\.0\.1:\d+\).*404"):
                 await engine.submit(request("r-x", 4, model="no-such-model"))
-            with pytest.raises(RequestRejected, match=r"400.*max context"):
+            with pytest.raises(RequestRejected, match=r"400.*maximum context length is 8192"):
                 await engine.submit(request("r-y", 9000))  # the request is at fault, not the server
         finally:
             await engine.close()

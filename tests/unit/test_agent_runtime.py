@@ -11,13 +11,13 @@ from dataclasses import replace
 from typing import Any
 
 import pytest
-from builders import make_catalog, make_profile, make_request
+from builders import make_catalog, make_profile, make_request, simulated_vllm
 
 from qlm.agents.executor import AgentRuntime, Job, RuntimeListener
 from qlm.clock import WallClock
 from qlm.controller import Controller
 from qlm.domain import SLO, Decision, Evict, InstanceSpec, Pull, RequestRecord, RequestStatus
-from qlm.engines.base import EngineOutput, EngineRequest
+from qlm.engines.base import Engine, EngineOutput, EngineRequest
 from qlm.engines.wallclock import WallClockEngine, count_tokens, filler_text
 from qlm.errors import EngineError
 from qlm.planner import PlannerConfig, create_policy
@@ -301,10 +301,30 @@ def test_an_engine_that_never_answers_starts_down_and_gets_nothing() -> None:
     run(scenario)
 
 
-def test_a_request_the_engine_rejects_fails_alone_and_the_instance_stays_up() -> None:
+@pytest.mark.parametrize(
+    ("over_http", "why"),
+    [
+        (False, "needs 9200 tokens, more than m's max context 8192"),
+        (True, "400: 'max_tokens' or 'max_completion_tokens' is too large: 9000. This model's "
+               "maximum context length is 8192 tokens and your request has 200 input tokens"),
+    ],
+    ids=["in-process", "vllm-api"],
+)  # fmt: skip
+def test_a_request_the_engine_rejects_fails_alone_and_the_instance_stays_up(
+    over_http: bool, why: str
+) -> None:
+    """Longer than the model's context: the engine refuses it, in process or as vLLM's API does
+    (400, through ``VllmEngine`` to the simulated server). The request fails with that message;
+    the instance is not marked down and serves the next one."""
+
     async def scenario() -> None:
         rec = Recorder()
-        e = engine("i0")
+        e: Engine
+        server: WallClockEngine
+        if over_http:
+            e, server = simulated_vllm("i0")
+        else:
+            e = server = engine("i0")
         rt = start(create_policy("qlm", profile=make_profile()), [e], rec)
         await rt.start()
         now = rt.clock.now()
@@ -313,7 +333,9 @@ def test_a_request_the_engine_rejects_fails_alone_and_the_instance_stays_up() ->
         await eventually(lambda: rt.idle, "both are over")
         await rt.stop()
         await e.close()
-        assert "max context" in rec.errors["r0000"]
+        if over_http:
+            await server.close()
+        assert why in rec.errors["r0000"]
         assert set(rec.done) == {"r0001"}
         assert rt.instances_up() == {"i0": True} and ("i0", False) not in rec.changes
         assert rt.controller.track("r0000").status is RequestStatus.FAILED

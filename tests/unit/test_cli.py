@@ -80,6 +80,20 @@ def test_bad_arguments_give_one_line_naming_the_problem_and_exit_1() -> None:
         assert len(lines) == 1 and needle in lines[0], (args, result.stderr)
 
 
+def test_sim_engine_serve_schedules_as_vllm_serve_does(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """fcfs (vLLM's default) unless --scheduling-policy priority; anything else: one line, exit 1."""
+    seen: list[str] = []
+    monkeypatch.setattr(
+        "qlm.engines.server.serve", lambda **kw: seen.append(kw["scheduling_policy"])
+    )
+    serve = ["sim-engine", "serve", "--model", "llama-3-8b", "--gpu", "A100"]
+    assert runner.invoke(app, serve).exit_code == 0
+    assert runner.invoke(app, [*serve, "--scheduling-policy", "priority"]).exit_code == 0
+    assert seen == ["fcfs", "priority"]
+    bad = runner.invoke(app, [*serve, "--scheduling-policy", "lifo"])
+    assert bad.exit_code == 1 and "--scheduling-policy must be fcfs or priority" in bad.stderr
+
+
 def test_demo_runs_on_embedded_defaults_and_reads_its_settings(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     monkeypatch.setenv("QLM_DEMO__DURATION_S", "30")
     result = runner.invoke(app, ["demo", "--json"])

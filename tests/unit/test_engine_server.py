@@ -6,24 +6,35 @@ import asyncio
 import json
 import warnings
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
+import httpx
 import pytest
-from builders import make_catalog
+from builders import make_catalog, simulated_vllm
 from prometheus_client.parser import text_string_to_metric_families
 
 from qlm.engines.base import EngineRequest, TokenChunk
-from qlm.engines.server import _stream, create_app
+from qlm.engines.server import SchedulingPolicy, _stream, create_app
+from qlm.engines.vllm import VllmEngine
 from qlm.engines.wallclock import WallClockEngine, filler_text
+from qlm.errors import ConfigError, RequestRejected
 
 with warnings.catch_warnings():  # Starlette nudges towards httpx2; httpx is what QLM uses
     warnings.simplefilter("ignore")
     from fastapi.testclient import TestClient
 
 
-def make_client(dev_mode: bool = False, eos_lengths: tuple[int, ...] = ()) -> TestClient:
+def make_client(
+    dev_mode: bool = False,
+    eos_lengths: tuple[int, ...] = (),
+    scheduling_policy: SchedulingPolicy = "priority",  # as QLM's servers run
+) -> TestClient:
     engine = WallClockEngine.from_catalog("s0", "m", "G", 1, time_scale=50, catalog=make_catalog())
-    return TestClient(create_app(engine, dev_mode=dev_mode, eos_lengths=eos_lengths))
+    app = create_app(
+        engine, dev_mode=dev_mode, eos_lengths=eos_lengths, scheduling_policy=scheduling_policy
+    )
+    return TestClient(app)
 
 
 @pytest.fixture
@@ -110,9 +121,40 @@ def test_bad_requests_get_vllm_style_errors(client: TestClient) -> None:
     assert resp.json()["error"]["message"] == "The model `nope` does not exist."
     assert client.post("/v1/completions", json={"model": "m"}).status_code == 400
     assert client.post("/v1/completions", json={"prompt": []}).status_code == 400
-    too_long = {"prompt": "x", "max_tokens": 9000, "ignore_eos": True}
-    resp = client.post("/v1/completions", json=too_long)
-    assert resp.status_code == 400 and "max context" in resp.json()["error"]["message"]
+
+
+def refusal(resp: Any) -> tuple[int, str, str | None]:
+    """Status, message and parameter of a vLLM-style error answer."""
+    error = resp.json()["error"]
+    assert error["type"] == "BadRequestError" and error["code"] == resp.status_code
+    return resp.status_code, error["message"], error["param"]
+
+
+def test_a_completion_beyond_the_context_is_refused_in_vllms_words(client: TestClient) -> None:
+    """vLLM (0.14, ``_validate_input``) checks before generating, whatever the output would
+    have been: prompt + max_tokens must fit the context (8,192 here), and the prompt must leave
+    room for one token."""
+    for ignore_eos in (True, False):  # without it this output would stop after 3 tokens: no matter
+        body = {"prompt": "x y z", "max_tokens": 8190, "ignore_eos": ignore_eos}
+        assert refusal(client.post("/v1/completions", json=body)) == (
+            400,
+            "'max_tokens' or 'max_completion_tokens' is too large: 8190. This model's maximum "
+            "context length is 8192 tokens and your request has 3 input tokens "
+            "(8190 > 8192 - 3). (parameter=max_tokens, value=8190)",
+            "max_tokens",
+        )
+    full = {"prompt": [7] * 8192, "max_tokens": None}  # None: the rest of the context, none left
+    assert refusal(client.post("/v1/completions", json=full)) == (
+        400,
+        "This model's maximum context length is 8192 tokens. However, your request has 8192 input "
+        "tokens. Please reduce the length of the input messages. "
+        "(parameter=input_tokens, value=8192)",
+        "input_tokens",
+    )
+    fits = {"prompt": [7] * 8191, "max_tokens": 1, "ignore_eos": True}
+    assert complete(client, **fits)["usage"]["completion_tokens"] == 1
+    rest = complete(client, prompt=[7] * 8190, max_tokens=None, ignore_eos=True)
+    assert rest["usage"]["completion_tokens"] == 2
 
 
 def test_models_health_and_metrics_use_vllm_names_and_labels(client: TestClient) -> None:
@@ -283,6 +325,141 @@ def test_bad_chats_get_vllm_style_errors(client: TestClient) -> None:
     assert client.post("/v1/chat/completions", json={"model": "m"}).status_code == 400
     unknown = client.post("/v1/chat/completions", json={"model": "x", "messages": CHAT})
     assert unknown.status_code == 404
-    too_long = {"messages": CHAT, "max_tokens": 9000, "ignore_eos": True}
-    resp = client.post("/v1/chat/completions", json=too_long)
-    assert resp.status_code == 400 and "max context" in resp.json()["error"]["message"]
+
+
+def test_a_chat_beyond_the_context_is_refused_in_vllms_words(client: TestClient) -> None:
+    """The same check on the chat endpoint, on ``max_completion_tokens`` or ``max_tokens``; with
+    neither, only the prompt must leave room (the answer gets the rest of the context)."""
+    for cap in ("max_tokens", "max_completion_tokens"):
+        status, message, param = refusal(
+            client.post("/v1/chat/completions", json={"messages": CHAT, cap: 8188})
+        )
+        assert (status, param) == (400, "max_tokens")
+        assert message == (
+            "'max_tokens' or 'max_completion_tokens' is too large: 8188. This model's maximum "
+            "context length is 8192 tokens and your request has 5 input tokens "
+            "(8188 > 8192 - 5). (parameter=max_tokens, value=8188)"
+        )
+    full = [{"role": "user", "content": "w " * 8192}]
+    status, message, param = refusal(client.post("/v1/chat/completions", json={"messages": full}))
+    assert (status, param) == (400, "input_tokens")
+    assert message.startswith("This model's maximum context length is 8192 tokens. However, your")
+    fits = {"messages": CHAT, "max_completion_tokens": 8187, "max_tokens": 9000}
+    resp = client.post("/v1/chat/completions", json=fits)  # max_completion_tokens wins, and fits
+    assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 3
+
+
+def test_priority_is_refused_without_priority_scheduling_as_vllm_documents() -> None:
+    """vLLM's default --scheduling-policy is fcfs, under which its API documents that a priority
+    other than 0 is an error (vLLM's V0 engine raised it; 0.14's V1 engine ignores the priority,
+    vllm-project/vllm#22997). Unstreamed: 400. Streamed: vLLM has answered 200 by the time its
+    engine refuses, so the stream carries one error event, then [DONE]."""
+    message = "Got priority 2 but Priority scheduling is not enabled."
+    with make_client(scheduling_policy="fcfs") as fcfs:
+        for path, body in (
+            ("/v1/completions", {"prompt": "hi"}),
+            ("/v1/chat/completions", {"messages": CHAT}),
+        ):
+            resp = fcfs.post(path, json=body | {"priority": 2})
+            assert refusal(resp) == (400, message, None)
+            with fcfs.stream("POST", path, json=body | {"priority": 2, "stream": True}) as resp:
+                assert resp.status_code == 200
+                lines = [line for line in resp.iter_lines() if line]
+            assert [json.loads(lines[0][6:]), lines[1]] == [
+                {
+                    "error": {
+                        "message": message,
+                        "type": "BadRequestError",
+                        "param": None,
+                        "code": 400,
+                    }
+                },
+                "data: [DONE]",
+            ]
+            assert fcfs.post(path, json=body | {"priority": 0}).status_code == 200
+    with make_client(scheduling_policy="priority") as by_priority:
+        assert complete(by_priority, priority=-3)["usage"]["completion_tokens"] == 16
+    engine = WallClockEngine.from_catalog("s", "m", "G", 1, catalog=make_catalog())
+    with pytest.raises(ConfigError, match="scheduling_policy must be fcfs or priority, got 'lifo'"):
+        create_app(engine, scheduling_policy="lifo")  # type: ignore[arg-type]
+
+
+# --- the vLLM client against this server --------------------------------------------------------
+
+
+class Recording(httpx.ASGITransport):
+    """The transport to the server, keeping the priority of every generation sent."""
+
+    def __init__(self, app: Any) -> None:
+        super().__init__(app)
+        self.priorities: list[int] = []
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if request.method == "POST":
+            self.priorities.append(json.loads(request.content)["priority"])
+        return await super().handle_async_request(request)
+
+
+def test_the_client_sends_again_without_priority_to_a_server_that_schedules_fcfs(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """``VllmEngine`` against the simulated server started with fcfs: a request with a priority
+    is refused (an error event in its stream), sent again without and completes; the next one
+    goes without at once; one warning names the instance. Unstreamed (``complete``, another
+    client), the refusal is a 400, handled the same way."""
+    engine = WallClockEngine.from_catalog("s", "m", "G", 1, time_scale=50, catalog=make_catalog())
+    app = create_app(engine, scheduling_policy="fcfs")
+    wire_1, wire_2 = Recording(app), Recording(app)
+
+    async def scenario() -> None:
+        one = VllmEngine("fcfs-1", "http://sim", "m", transport=wire_1)
+        two = VllmEngine("fcfs-2", "http://sim", "m", transport=wire_2)
+        try:
+            first = EngineRequest("a", "m", 3, max_tokens=4, priority=2, output_tokens=4)
+            second = EngineRequest("b", "m", 3, max_tokens=4, priority=1, output_tokens=4)
+            assert (await one.submit(first)).tokens == 4
+            assert (await one.submit(second)).tokens == 4
+            third = EngineRequest("c", "m", 3, max_tokens=4, priority=5, output_tokens=4)
+            assert (await two.complete(third)).tokens == 4
+        finally:
+            await one.close()
+            await two.close()
+            await engine.close()
+
+    with caplog.at_level("WARNING", logger="qlm.engines.vllm"):
+        asyncio.run(scenario())
+    assert wire_1.priorities == [2, 0, 0]
+    assert wire_2.priorities == [5, 0]
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert [w.split(" ")[0] for w in warnings] == ["fcfs-1", "fcfs-2"]
+    assert all("--scheduling-policy priority" in w for w in warnings)
+
+
+def test_the_client_rejects_a_request_beyond_the_context_with_vllms_message() -> None:
+    """The server's 400 becomes ``RequestRejected`` (the request is at fault, not the server)
+    carrying vLLM's message, from either endpoint; the server serves the next request."""
+    too_large = (
+        r"s0 \(http://s0\): POST {path} answered 400: 'max_tokens' or 'max_completion_tokens' "
+        r"is too large: {cap}\. This model's maximum context length is 8192 tokens and your "
+        r"request has {prompt} input tokens \({cap} > 8192 - {prompt}\)"
+    )
+
+    async def scenario() -> None:
+        client, engine = simulated_vllm()
+        try:
+            long = EngineRequest("long", "m", 300, max_tokens=8190, output_tokens=8190)
+            completion = too_large.format(path="/v1/completions", cap=8190, prompt=300)
+            with pytest.raises(RequestRejected, match=completion):
+                await client.submit(long)
+            words = ({"role": "user", "content": "a b"},)
+            chat = EngineRequest("chat", "m", 2, 8191, output_tokens=8191, messages=words)
+            answer = too_large.format(path="/v1/chat/completions", cap=8191, prompt=2)
+            with pytest.raises(RequestRejected, match=answer):
+                await client.submit(chat)
+            fits = replace(long, request_id="fits", max_tokens=7892, output_tokens=4)
+            assert (await client.submit(fits)).tokens == 4
+        finally:
+            await client.close()
+            await engine.close()
+
+    asyncio.run(scenario())
