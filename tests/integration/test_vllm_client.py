@@ -224,6 +224,8 @@ def test_the_client_runs_as_many_requests_at_once_as_the_agent_sends(server_url:
         assert peak == n, f"at most {peak} of {n} ran at once"
         assert all(o.tokens < 4000 for o in outs)
 
+    asyncio.run(scenario())
+
 
 class Recording(httpx.AsyncHTTPTransport):
     """The client's transport, keeping the path and body of every POST."""
