@@ -133,6 +133,11 @@ class GlobalQueue(Protocol):
         """Whether the queue can take messages now (``/readyz``); never raises."""
         ...
 
+    async def waiting(self) -> int | None:
+        """Messages the queue holds that no consumer has been handed (every shard's), or None
+        when it cannot tell now; never raises."""
+        ...
+
     async def close(self) -> None:
         """Stop consuming and disconnect. Un-acked deliveries go back to the queue."""
         ...

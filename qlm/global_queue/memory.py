@@ -204,6 +204,9 @@ class MemoryGlobalQueue:
     async def healthy(self) -> bool:
         return not self._closed
 
+    async def waiting(self) -> int | None:
+        return None if self._closed else self.broker.ready
+
     async def close(self) -> None:
         self._closed = True
         consumer, self._consumer = self._consumer, None

@@ -41,6 +41,12 @@ from qlm.virtual_queues import VirtualQueueSet
 log = logging.getLogger(__name__)
 
 
+ORPHAN_ERROR = (
+    "its message never reached the queue (the API stopped between recording it and the broker's "
+    "confirm; the client got no answer): submit it again"
+)
+
+
 def default_controller_name() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
 
@@ -75,6 +81,8 @@ class ControllerService(RuntimeListener):
         publish_s: float = 1.0,
         reap_s: float = 5.0,
         history_outputs: int = 1000,
+        orphan_after_s: float = 600.0,
+        sweep_s: float | None = None,
     ) -> None:
         self.queue = queue
         self.store = store
@@ -86,6 +94,10 @@ class ControllerService(RuntimeListener):
         self.reap_s = reap_s
         self.history_outputs = history_outputs
         self._learnt = False  # from the store's recent completions, on becoming active
+        self.orphan_after_s = orphan_after_s
+        # how often ``sweep_once`` runs: by default a quarter of orphan_after_s, at most a minute
+        self.sweep_s = sweep_s if sweep_s is not None else min(orphan_after_s / 4, 60.0)
+        self._active_since: float | None = None  # store clock, at the first delivery
         self.hub = ResultHub()
         runtime.listener = self
         self._held: dict[str, _Held] = {}
@@ -120,6 +132,7 @@ class ControllerService(RuntimeListener):
             asyncio.create_task(self._poll(), name="qlm-poll"),
             asyncio.create_task(self._publish(), name="qlm-publish"),
             asyncio.create_task(self._reap(), name="qlm-reap"),
+            asyncio.create_task(self._sweep(), name="qlm-sweep"),
         ]
         await self.queue.consume(self._on_delivery)
 
@@ -187,6 +200,7 @@ class ControllerService(RuntimeListener):
             return
         if not self._learnt:
             self._learnt = True
+            self._active_since = self.store.now()
             await self._learn_history()
         news = [_new_request(d.message) for d in fresh if d.message is not None]
         rows = await asyncio.to_thread(self.store.ensure_requests, news)
@@ -421,6 +435,43 @@ class ControllerService(RuntimeListener):
 
         await self.queue.reap_dead(record)
         return recorded
+
+    async def _sweep(self) -> None:
+        """Now and then: ``sweep_once``."""
+        if self.orphan_after_s <= 0:
+            return
+        while True:
+            await asyncio.sleep(max(self.poll_s, self.sweep_s))
+            try:
+                await self.sweep_once()
+            except Exception:
+                log.exception("could not look for requests whose message never reached the queue")
+
+    async def sweep_once(self) -> int:
+        """Fail the requests whose message never reached the queue: an API that stopped between
+        its store commit and the broker's confirm leaves a row queued with no message (its
+        client got no answer: docs/api.md, "Guarantees"); without this it would stay queued,
+        counting against its tenant's limit, until cancelled. A row is such an orphan when it was
+        submitted ``orphan_after_s`` ago and never dispatched, this controller has been active at
+        least that long and does not hold it, and the queue has no message it has not handed
+        over (it hands every message to the active consumer at once). Returns how many."""
+        if self._active_since is None or self._stopping or self._inbox:
+            return 0
+        now = self.store.now()
+        if now - self._active_since < self.orphan_after_s:
+            return 0
+        if await self.queue.waiting() != 0:
+            return 0  # a message not handed over yet may be any stale row's (or cannot tell)
+        ids = await asyncio.to_thread(self.store.never_dispatched, before=now - self.orphan_after_s)
+        orphans = [rid for rid in ids if rid not in self._held and not self.runtime.holds(rid)]
+        failed = 0
+        for rid in orphans:
+            if await asyncio.to_thread(
+                self.store.fail_never_dispatched, rid, at=now, error=ORPHAN_ERROR
+            ):
+                failed += 1
+                log.warning("request %s failed: %s", rid, ORPHAN_ERROR)
+        return failed
 
     def _record_dead(self, failures: list[tuple[NewRequest, str]]) -> None:
         self.store.ensure_requests([new for new, _ in failures])

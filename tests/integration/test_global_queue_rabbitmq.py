@@ -256,12 +256,14 @@ def test_a_sharded_queue_routes_by_request_id_and_one_consumer_holds_prefetch_pe
         shards = shard_names(names["queue"], 2)
         assert shards == [names["queue"], names["queue"] + ".1"]
         assert await ready_counts(amqp_url, shards) == [3, 3]
+        assert await queue.waiting() == 6  # every shard's
         inbox = Inbox()
         await queue.consume(inbox)
         await inbox.wait_for(4)  # two per shard: 2 × prefetch, more than one consumer's 2
         held = {shard_of(rid, 2) for rid in inbox.ids()}
         assert held == {0, 1}
         assert await ready_counts(amqp_url, shards) == [1, 1]
+        assert await queue.waiting() == 2  # handed over, un-acked: not waiting
         for delivery in list(inbox.deliveries):
             await queue.ack(delivery)
         await inbox.wait_for(6)
@@ -269,6 +271,7 @@ def test_a_sharded_queue_routes_by_request_id_and_one_consumer_holds_prefetch_pe
         for delivery in inbox.deliveries[4:]:
             await queue.ack(delivery)
         await queue.close()
+        assert await queue.waiting() is None  # closed: cannot tell
         await assert_drained(amqp_url, names, shards=2)
 
     run(scenario)

@@ -26,7 +26,7 @@ SCALE = 50.0
 
 
 def make_service(
-    store: Store, broker: MemoryBroker, policy: str = "qlm", name: str = "c0"
+    store: Store, broker: MemoryBroker, policy: str = "qlm", name: str = "c0", **kw: Any
 ) -> ControllerService:
     engines = [
         WallClockEngine.from_catalog(n, "m", "G", 1, time_scale=SCALE, catalog=make_catalog())
@@ -41,7 +41,13 @@ def make_service(
         health_interval_s=0.05,
     )
     return ControllerService(
-        MemoryGlobalQueue(broker=broker), store, runtime, name=name, flush_s=0.01, poll_s=0.02
+        MemoryGlobalQueue(broker=broker),
+        store,
+        runtime,
+        name=name,
+        flush_s=0.01,
+        poll_s=0.02,
+        **kw,
     )
 
 
@@ -360,6 +366,55 @@ def test_a_store_that_cannot_give_the_history_only_costs_the_head_start() -> Non
         await MemoryGlobalQueue(broker=broker).publish(message(1, service.runtime.clock.now()))
         await eventually(lambda: final(store, ["q0001"]), "the request is final")
         await service.wait_idle()
+        await service.stop()
+
+    run(scenario)
+
+
+def test_a_row_whose_message_never_reached_the_queue_is_failed_and_nothing_else_is() -> None:
+    """An API that died between its store commit and the broker's confirm leaves a row queued
+    with no message. Once the controller has been active ``orphan_after_s`` and the queue holds
+    nothing it has not handed over, such a row is failed with the reason; a request it holds, a
+    recent row, and anything while the queue still holds undelivered messages are left alone."""
+
+    async def scenario(store: Store) -> None:
+        broker = MemoryBroker()
+        # no background sweeps during the test: it calls sweep_once itself
+        service = make_service(store, broker, orphan_after_s=0.3, sweep_s=3600.0)
+        now = store.now()
+        orphan = message(1, now - 60.0)
+        store.add_request(NewRequest.from_request(orphan.to_request(orphan.submitted_at)))
+        fresh = message(
+            2, now + 60.0
+        )  # committed just before a sweep: its publish may be under way
+        store.add_request(NewRequest.from_request(fresh.to_request(fresh.submitted_at)))
+        held = message(3, now - 60.0)  # waits in the controller: both instances drain
+        await service.start()
+        for instance in ("i0", "i1"):  # as an operator drains them (the controller polls)
+            store.set_instance_state(instance, InstanceState.DRAINING)
+        await eventually(
+            lambda: all(i["draining"] for i in service.runtime.instance_states()), "drained"
+        )
+        assert await service.sweep_once() == 0  # not active yet
+        await MemoryGlobalQueue(broker=broker).publish(held)
+        await eventually(lambda: service.runtime.holds("q0003"), "the controller holds q0003")
+        assert await service.sweep_once() == 0  # active for less than orphan_after_s
+        await asyncio.sleep(0.4)
+
+        async def undelivered() -> int | None:
+            return 1
+
+        real_waiting = service.queue.waiting
+        service.queue.waiting = undelivered  # type: ignore[method-assign]
+        assert await service.sweep_once() == 0  # a waiting message may be the orphan's
+        service.queue.waiting = real_waiting  # type: ignore[method-assign]
+        assert await service.sweep_once() == 1
+        row = store.get("q0001")
+        assert row is not None and row.status is RequestStatus.FAILED
+        assert "never reached the queue" in (row.error or "")
+        assert store.get("q0002").status is RequestStatus.QUEUED  # type: ignore[union-attr]
+        assert store.get("q0003").status is RequestStatus.QUEUED  # type: ignore[union-attr]
+        assert await service.sweep_once() == 0  # failed once
         await service.stop()
 
     run(scenario)
