@@ -12,12 +12,18 @@ executor that turns decisions into engine calls (``SimEngine`` calls, or ``Engin
 over HTTP). An executor reports back through ``on_event`` (what the engine did), ``returned``
 (a request came back from an engine with the output it had generated: evicted, or its instance
 failed) and ``failed`` (the engine refused it).
+
+**Prompt lengths.** The API estimates a prompt's tokens without the model's tokenizer (about four
+characters per token: ``qlm.api.prompts``); code or non-Latin text runs denser. An engine that
+says how many tokens it counted (vLLM's ``usage``) teaches the controller the ratio per model
+(``observe_prompt``; a ratio of sums, forgetting, shrunk toward 1 by ``PROMPT_PRIOR_TOKENS``),
+and every request that arrives after is planned with its estimate scaled by it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from qlm.domain import (
     Decision,
@@ -39,6 +45,9 @@ from qlm.planner.policy import (
 )
 
 FINAL = frozenset({RequestStatus.FINISHED, RequestStatus.FAILED, RequestStatus.CANCELLED})
+PROMPT_PRIOR_TOKENS = 2000.0  # weight of "the estimate is right", in estimated tokens
+PROMPT_FORGETTING = 0.99  # per observed prompt: the ratio follows the last ~100
+PROMPT_SCALE_LIMITS = (0.25, 4.0)
 
 
 @dataclass(slots=True)
@@ -58,6 +67,7 @@ class RequestTrack:
     failovers: int = 0  # times the instance running it failed
     status: RequestStatus = RequestStatus.QUEUED
     error: str = ""
+    estimated_input_tokens: int = 0  # the API's estimate, before ``prompt_scale`` (0: same)
 
     def record(self) -> RequestRecord:
         return RequestRecord(
@@ -113,6 +123,7 @@ class Controller:
         self._outstanding = dict.fromkeys(names, 0)
         self._outstanding_tokens = dict.fromkeys(names, 0)
         self._on: dict[str, str] = {}  # request -> instance it was sent to, while there
+        self._prompts: dict[str, tuple[float, float]] = {}  # model -> (counted, estimated)
         self.finished = 0
 
     # --- input ------------------------------------------------------------------------------------
@@ -139,15 +150,48 @@ class Controller:
                 learnt += 1
         return learnt
 
+    def observe_prompt(self, request_id: str, sent: int, counted: int) -> None:
+        """The engine counted ``counted`` tokens in the prompt of ``request_id`` sent as
+        ``sent`` (``engine_request``: its scaled input and any output it resumes from, which
+        the engine counted itself): the ratio learns the input's part against the API's own
+        estimate (module docstring, "Prompt lengths")."""
+        track = self._tracks.get(request_id)
+        if track is None:
+            return
+        resumed = sent - track.request.input_tokens
+        estimated = track.estimated_input_tokens or track.request.input_tokens
+        counted -= resumed
+        if estimated < 1 or counted < 1:
+            return
+        model = track.request.model
+        seen_counted, seen_estimated = self._prompts.get(model, (0.0, 0.0))
+        self._prompts[model] = (
+            PROMPT_FORGETTING * seen_counted + counted,
+            PROMPT_FORGETTING * seen_estimated + estimated,
+        )
+
+    def prompt_scale(self, model: str) -> float:
+        """Tokens the engines count per estimated token of ``model``'s prompts (1 until told)."""
+        counted, estimated = self._prompts.get(model, (0.0, 0.0))
+        ratio = (counted + PROMPT_PRIOR_TOKENS) / (estimated + PROMPT_PRIOR_TOKENS)
+        low, high = PROMPT_SCALE_LIMITS
+        return min(high, max(low, ratio))
+
     def arrive(self, request: Request, *, generated: int = 0, failovers: int = 0) -> bool:
-        """Hand a request to the policy at the next step. ``generated``: output it already has
-        (a request recovered from an earlier controller resumes from it). Returns False, and
-        changes nothing, when the request is already held (a redelivered message)."""
+        """Hand a request to the policy at the next step, its prompt length scaled by what the
+        engines have counted (``prompt_scale``). ``generated``: output it already has (a request
+        recovered from an earlier controller resumes from it). Returns False, and changes
+        nothing, when the request is already held (a redelivered message)."""
         if request.id in self._tracks:
             return False
         if request.model not in self._served:
             raise ConfigError(f"request {request.id}: no instance serves model {request.model!r}")
-        track = RequestTrack(request, output_tokens=generated, failovers=failovers)
+        estimated, scale = request.input_tokens, self.prompt_scale(request.model)
+        if scale != 1.0:
+            request = replace(request, input_tokens=max(1, round(estimated * scale)))
+        track = RequestTrack(
+            request, output_tokens=generated, failovers=failovers, estimated_input_tokens=estimated
+        )
         self._tracks[request.id] = track
         self._pending[request.id] = request
         self._arrived.append(request)

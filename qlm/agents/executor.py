@@ -143,6 +143,7 @@ class _Flight:
     tokens: int = 0
     started: bool = False
     leaving: bool = False  # evicted, cancelled or failed over: its end is not a completion
+    prompt_counted: bool = False  # the engine's count of its prompt was passed on
 
 
 class AgentRuntime:
@@ -382,6 +383,10 @@ class AgentRuntime:
                 return
             flight.text.append(chunk.text)
             flight.tokens = chunk.tokens
+            if chunk.prompt_tokens is not None and not flight.prompt_counted:
+                flight.prompt_counted = True
+                if job.prompt is not None or job.messages is not None:  # text QLM estimated
+                    self.controller.observe_prompt(rid, request.prompt_tokens, chunk.prompt_tokens)
             if not flight.started:
                 flight.started = True
                 at = self.clock.now()

@@ -3,9 +3,9 @@
 **Tokens.** No tokenizer ships with QLM (they are per model and need downloads), yet the planner
 needs each prompt's length. ``estimate_tokens`` uses the common rule of about four characters of
 English text per token (OpenAI's published rule of thumb), rounded up, at least one. It is an
-estimate for planning, not billing: code and non-Latin scripts run denser, which the estimator's
-Bayesian correction absorbs only for outputs, so a deployment that cares should put a tokenizer
-here.
+estimate for planning, not billing: code and non-Latin scripts run denser. The controller learns
+per model how many tokens vLLM counts per estimated token (``Controller.prompt_scale``) and plans
+later arrivals with the scaled estimate; the API's answers keep this one.
 
 **Chat.** The messages themselves are kept as sent, in the store and the queue message, and reach
 vLLM as ``messages`` on ``/v1/chat/completions``, which applies the model's own chat template.

@@ -138,6 +138,8 @@ class TokenChunk:
     text: str
     tokens: int
     finish_reason: FinishReason | None = None
+    prompt_tokens: int | None = None
+    """The prompt's length as the engine's tokenizer counted it (vLLM's ``usage``), if said."""
 
 
 @dataclass(frozen=True, slots=True)

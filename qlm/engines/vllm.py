@@ -467,7 +467,9 @@ class VllmEngine:
         flight.parts.append(text)
         flight.tokens = max(flight.tokens, tokens)
         if on_chunk is not None and (text or finish):
-            on_chunk(TokenChunk(flight.request.request_id, text, flight.tokens, finish))
+            prompt = usage.get("prompt_tokens")
+            counted = int(prompt) if isinstance(prompt, int) and prompt > 0 else None
+            on_chunk(TokenChunk(flight.request.request_id, text, flight.tokens, finish, counted))
         return finish
 
     def _finish_reason(self, raw: object, choices: list[Any]) -> FinishReason:

@@ -541,3 +541,58 @@ def test_the_engines_preemption_counter_reaches_the_policy_and_follows_the_engin
         assert None not in policy.seen[policy.seen.index(3) :]
 
     run(scenario)
+
+
+# --- prompt lengths as the engine counts them --------------------------------------------------
+
+
+def test_the_controller_learns_how_the_engine_counts_prompts_and_scales_new_arrivals() -> None:
+    """The API estimates a prompt's tokens without a tokenizer; vLLM says how many it counted.
+    Prompts of 100 words (the simulated server counts words) estimated at 50 tokens teach a
+    ratio toward 2, and a request that arrives afterwards is planned with its estimate scaled;
+    replays (filler token ids, counted exactly) and resumed output teach nothing."""
+
+    async def scenario() -> None:
+        rec = Recorder()
+        e, server = simulated_vllm("i0")
+        rt = start(create_policy("fcfs"), [e], rec)
+        await rt.start()
+        now = rt.clock.now()
+        assert rt.controller.prompt_scale("m") == 1.0
+        for i in range(4):  # replays: the engine's count is the estimate itself
+            rt.submit(make_request(i, arrival_s=now, input_tokens=50, replay_output_tokens=5))
+        await eventually(lambda: len(rec.done) == 4, "the replays finished")
+        assert rt.controller.prompt_scale("m") == 1.0
+        text = " ".join(["word"] * 100)
+        for i in range(4, 44):
+            request = make_request(i, arrival_s=now, input_tokens=50, replay_output_tokens=5)
+            rt.submit(request, Job(prompt=text))
+        await eventually(lambda: len(rec.done) == 44, "the prompts finished")
+        scale = rt.controller.prompt_scale("m")
+        # 40 prompts, forgetting 1 % each, against 2,000 tokens of "the estimate is right"
+        weight = sum(0.99**k for k in range(40))
+        assert scale == pytest.approx((100 * weight + 2000) / (50 * weight + 2000), rel=1e-9)
+        late = make_request(99, arrival_s=rt.clock.now(), input_tokens=50, replay_output_tokens=5)
+        rt.submit(late, Job(prompt=text))
+        assert rt.controller.track("r0099").request.input_tokens == round(50 * scale)
+        await eventually(lambda: len(rec.done) == 45, "the late one finished")
+        # Sent with its scaled estimate, it taught against the API's own: no drift.
+        weight = sum(0.99**k for k in range(41))
+        assert rt.controller.prompt_scale("m") == pytest.approx(
+            (100 * weight + 2000) / (50 * weight + 2000), rel=1e-9
+        )
+        await rt.stop()
+        await e.close()
+        await server.close()
+
+    run(scenario)
+
+
+def test_a_resumed_prompt_teaches_only_its_input_part() -> None:
+    controller = Controller(create_policy("fcfs"), [InstanceSpec("i0", "G", ("m",))])
+    controller.arrive(make_request(1, input_tokens=50), generated=30)
+    controller.observe_prompt("r0001", 80, 130)  # sent: input 50 + 30 resumed; counted 100 + 30
+    counted, estimated = 100 + 2000.0, 50 + 2000.0
+    assert controller.prompt_scale("m") == pytest.approx(counted / estimated)
+    controller.observe_prompt("unknown", 10, 1000)  # nothing it holds: ignored
+    assert controller.prompt_scale("m") == pytest.approx(counted / estimated)
