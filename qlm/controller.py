@@ -177,17 +177,25 @@ class Controller:
         low, high = PROMPT_SCALE_LIMITS
         return min(high, max(low, ratio))
 
-    def arrive(self, request: Request, *, generated: int = 0, failovers: int = 0) -> bool:
-        """Hand a request to the policy at the next step, its prompt length scaled by what the
-        engines have counted (``prompt_scale``). ``generated``: output it already has (a request
-        recovered from an earlier controller resumes from it). Returns False, and changes
-        nothing, when the request is already held (a redelivered message)."""
+    def arrive(
+        self,
+        request: Request,
+        *,
+        generated: int = 0,
+        failovers: int = 0,
+        estimated_prompt: bool = False,
+    ) -> bool:
+        """Hand a request to the policy at the next step. ``generated``: output it already has
+        (a request recovered from an earlier controller resumes from it). ``estimated_prompt``:
+        its prompt is text whose length the API estimated, scaled by what the engines have
+        counted (``prompt_scale``; a replay's filler prompt is counted exactly). Returns False,
+        and changes nothing, when the request is already held (a redelivered message)."""
         if request.id in self._tracks:
             return False
         if request.model not in self._served:
             raise ConfigError(f"request {request.id}: no instance serves model {request.model!r}")
         estimated, scale = request.input_tokens, self.prompt_scale(request.model)
-        if scale != 1.0:
+        if scale != 1.0 and estimated_prompt:
             request = replace(request, input_tokens=max(1, round(estimated * scale)))
         track = RequestTrack(
             request, output_tokens=generated, failovers=failovers, estimated_input_tokens=estimated

@@ -225,7 +225,10 @@ class AgentRuntime:
         """Hand a request to the controller (``generated`` output tokens already in
         ``job.partial_text``, for one recovered from an earlier controller). False when it is
         already held."""
-        if not self.controller.arrive(request, generated=generated, failovers=failovers):
+        text = job is not None and (job.prompt is not None or job.messages is not None)
+        if not self.controller.arrive(
+            request, generated=generated, failovers=failovers, estimated_prompt=text
+        ):
             return False
         self._jobs[request.id] = job or Job()
         self._kick.set()

@@ -766,6 +766,9 @@ class RabbitGlobalQueue:
             return False
         return self._handler is None or self._consumer is not None
 
+    def lead(self) -> int | None:
+        return self._epoch if self.leader else None
+
     async def waiting(self) -> int | None:
         """Ready messages over the shards (a passive declaration of each, on a channel of the
         publisher's connection): delivered, un-acked ones are not counted."""

@@ -753,6 +753,18 @@ class Store:
         with self._tx(f"count queued requests of {tenant!r}") as session:
             return int(session.execute(query).scalar_one())
 
+    def recently_finished(self, limit: int) -> list[RequestRow]:
+        """The ``limit`` requests that finished last, latest first (by ``finished_at``: the
+        latest *submitted* ones that finished are, under load, the short ones)."""
+        query = (
+            select(RequestModel)
+            .where(_R.status == _name(RequestStatus.FINISHED))
+            .order_by(_R.finished_at.desc(), _R.id.desc())
+            .limit(limit)
+        )
+        with self._tx("list recently finished requests") as session:
+            return [_request_row(m) for m in session.scalars(query)]
+
     def never_dispatched(self, *, before: float, limit: int = 1000) -> list[str]:
         """Requests still queued that were submitted before ``before`` and never sent to an
         instance, oldest first: what a controller checks for rows whose message never reached

@@ -205,10 +205,11 @@ def test_the_standby_consumer_gets_every_unacked_message_when_the_active_one_clo
         await first.wait_for(3)
         await active.ack(first.deliveries[1])
         assert second.deliveries == []  # the leader lock: the standby waits
-        assert not standby.leader
+        assert not standby.leader and standby.lead() is None and active.lead() is not None
         await active.close()
+        assert active.lead() is None
         await second.wait_for(2)
-        assert standby.leader
+        assert standby.leader and standby.lead() is not None
         assert second.ids() == ["r0", "r2"]
         assert all(d.redelivered and d.delivery_count == 1 for d in second.deliveries)
         for delivery in second.deliveries:
@@ -318,6 +319,8 @@ def test_the_consumer_reconnects_after_the_broker_closes_its_connection(
         await queue.consume(inbox)
         await queue.publish(make_message(0))
         (before,) = await inbox.wait_for(1)
+        first_lead = queue.lead()
+        assert first_lead is not None
         consumer_name = f"qlm-consumer {names['queue']}"
         listed = subprocess.run(
             [*ctl, "-q", "list_connections", "pid", "client_properties"],
@@ -331,6 +334,7 @@ def test_the_consumer_reconnects_after_the_broker_closes_its_connection(
         (_, after) = await inbox.wait_for(2)
         assert after.message == before.message
         assert after.redelivered and after.delivery_count == 1
+        assert queue.lead() not in (None, first_lead)  # a new lead: the controller starts over
         await queue.ack(before)  # its channel is gone: a logged no-op, not a crash
         await queue.ack(after)
         await queue.close()

@@ -575,7 +575,10 @@ def test_the_controller_learns_how_the_engine_counts_prompts_and_scales_new_arri
         late = make_request(99, arrival_s=rt.clock.now(), input_tokens=50, replay_output_tokens=5)
         rt.submit(late, Job(prompt=text))
         assert rt.controller.track("r0099").request.input_tokens == round(50 * scale)
-        await eventually(lambda: len(rec.done) == 45, "the late one finished")
+        replay = make_request(98, arrival_s=rt.clock.now(), input_tokens=50, replay_output_tokens=5)
+        rt.submit(replay)  # filler token ids: counted exactly, never scaled
+        assert rt.controller.track("r0098").request.input_tokens == 50
+        await eventually(lambda: len(rec.done) == 46, "the late ones finished")
         # Sent with its scaled estimate, it taught against the API's own: no drift.
         weight = sum(0.99**k for k in range(41))
         assert rt.controller.prompt_scale("m") == pytest.approx(
@@ -590,7 +593,7 @@ def test_the_controller_learns_how_the_engine_counts_prompts_and_scales_new_arri
 
 def test_a_resumed_prompt_teaches_only_its_input_part() -> None:
     controller = Controller(create_policy("fcfs"), [InstanceSpec("i0", "G", ("m",))])
-    controller.arrive(make_request(1, input_tokens=50), generated=30)
+    controller.arrive(make_request(1, input_tokens=50), generated=30, estimated_prompt=True)
     controller.observe_prompt("r0001", 80, 130)  # sent: input 50 + 30 resumed; counted 100 + 30
     counted, estimated = 100 + 2000.0, 50 + 2000.0
     assert controller.prompt_scale("m") == pytest.approx(counted / estimated)

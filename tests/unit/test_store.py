@@ -121,6 +121,14 @@ class StoreContract:
 
     # --- requests -------------------------------------------------------------------------
 
+    def test_the_latest_finished_come_by_finish_not_by_submission(self, store: Store) -> None:
+        store.add_requests([new_request(i) for i in range(4)])
+        for i, at in ((0, 300.0), (1, 200.0), (2, 400.0)):
+            store.record_outcome(f"r{i:04d}", status=RequestStatus.FINISHED, at=at)
+        store.record_outcome("r0003", status=RequestStatus.FAILED, at=500.0)  # not finished
+        assert [r.id for r in store.recently_finished(2)] == ["r0002", "r0000"]
+        assert [r.id for r in store.recently_finished(10)] == ["r0002", "r0000", "r0001"]
+
     def test_never_dispatched_requests_are_listed_and_failed_only_while_never_dispatched(
         self, store: Store
     ) -> None:
