@@ -58,10 +58,6 @@ class ControllerSettings(BaseModel):
     # On becoming active, the policy learns output lengths from this many of the store's most
     # recent completions (a restarted or failed-over controller; 0: start from the profile).
     history_outputs: int = Field(default=1000, ge=0)
-    # A request still queued this long after its submission, never dispatched, that the active
-    # controller does not hold while the broker holds nothing undelivered, never reached the
-    # queue (an API died before the confirm): it is recorded failed (0: never).
-    orphan_after_s: float = Field(default=600.0, ge=0)
 
 
 TierName = Literal["interactive", "standard", "batch"]

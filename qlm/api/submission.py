@@ -20,8 +20,7 @@ confirmed.
 and the confirm, the row stays ``queued`` without a message. A client that retries with the same
 ``Idempotency-Key`` repairs it: a replay of a request that is still queued and was never
 dispatched is published again (the controller keys requests by id, so a duplicate message is
-harmless); without one the controller records the row failed after ``orphan_after_s``
-(``ControllerService.sweep_once``). A publish that timed out may still have reached the broker; the row is removed and the
+harmless). A publish that timed out may still have reached the broker; the row is removed and the
 client told 503, but the controller then records the request from the message and serves it.
 """
 

@@ -133,16 +133,6 @@ class GlobalQueue(Protocol):
         """Whether the queue can take messages now (``/readyz``); never raises."""
         ...
 
-    def lead(self) -> int | None:
-        """While this consumer leads (receives the queue's messages): a number that changes
-        each time it takes the lead; None while it does not."""
-        ...
-
-    async def waiting(self) -> int | None:
-        """Messages the queue holds that no consumer has been handed (every shard's), or None
-        when it cannot tell now; never raises."""
-        ...
-
     async def close(self) -> None:
         """Stop consuming and disconnect. Un-acked deliveries go back to the queue."""
         ...

@@ -204,13 +204,6 @@ class MemoryGlobalQueue:
     async def healthy(self) -> bool:
         return not self._closed
 
-    def lead(self) -> int | None:
-        consumer, consumers = self._consumer, self.broker._consumers
-        return consumer.epoch if consumer is not None and consumers[:1] == [consumer] else None
-
-    async def waiting(self) -> int | None:
-        return None if self._closed else self.broker.ready
-
     async def close(self) -> None:
         self._closed = True
         consumer, self._consumer = self._consumer, None

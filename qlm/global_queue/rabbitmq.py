@@ -766,30 +766,6 @@ class RabbitGlobalQueue:
             return False
         return self._handler is None or self._consumer is not None
 
-    def lead(self) -> int | None:
-        return self._epoch if self.leader else None
-
-    async def waiting(self) -> int | None:
-        """Ready messages over the shards (a passive declaration of each, on a channel of the
-        publisher's connection): delivered, un-acked ones are not counted."""
-        try:
-            publisher = await self._open_publisher()
-            channel = await publisher.connection.channel(publisher_confirms=False)
-        except (QueueUnavailable, *BROKER_ERRORS):
-            return None
-        try:
-            total = 0
-            for name in self.queues:
-                found = await channel.declare_queue(name, passive=True)
-                total += found.declaration_result.message_count or 0
-            return total
-        except BROKER_ERRORS as exc:
-            log.warning("could not count the messages waiting in %s: %s", self.queue, exc)
-            return None
-        finally:
-            with contextlib.suppress(*BROKER_ERRORS):
-                await channel.close()
-
     async def close(self) -> None:
         self._closing = True
         for task in (self._consumer_task, self._dispatch_task):

@@ -78,7 +78,6 @@ def build_controller(
         runtime,
         name=cs.name,
         history_outputs=cs.history_outputs,
-        orphan_after_s=cs.orphan_after_s,
     )
 
 

@@ -41,12 +41,6 @@ from qlm.virtual_queues import VirtualQueueSet
 log = logging.getLogger(__name__)
 
 
-ORPHAN_ERROR = (
-    "its message never reached the queue (the API stopped between recording it and the broker's "
-    "confirm; the client got no answer): submit it again, with a new Idempotency-Key if it had one"
-)
-
-
 def default_controller_name() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
 
@@ -81,9 +75,6 @@ class ControllerService(RuntimeListener):
         publish_s: float = 1.0,
         reap_s: float = 5.0,
         history_outputs: int = 1000,
-        orphan_after_s: float = 600.0,
-        sweep_s: float | None = None,
-        orphan_confirm_s: float = 30.0,
     ) -> None:
         self.queue = queue
         self.store = store
@@ -95,15 +86,6 @@ class ControllerService(RuntimeListener):
         self.reap_s = reap_s
         self.history_outputs = history_outputs
         self._learnt = False  # from the store's recent completions, on becoming active
-        self.orphan_after_s = orphan_after_s
-        # how often ``sweep_once`` runs: by default a quarter of orphan_after_s, at most a minute
-        self.sweep_s = sweep_s if sweep_s is not None else min(orphan_after_s / 4, 60.0)
-        # an orphan is failed only when a sweep finds it again this long after the first did
-        self.orphan_confirm_s = orphan_confirm_s
-        self._lead: int | None = None  # the queue's lead the sweeps count from ...
-        self._lead_since = 0.0  # ... since when (store clock) ...
-        self._suspects: dict[str, float] = {}  # ... and the orphans they found, first seen at
-        self._seen: dict[str, float] = {}  # request ids delivered, at (store clock)
         self.hub = ResultHub()
         runtime.listener = self
         self._held: dict[str, _Held] = {}
@@ -138,7 +120,6 @@ class ControllerService(RuntimeListener):
             asyncio.create_task(self._poll(), name="qlm-poll"),
             asyncio.create_task(self._publish(), name="qlm-publish"),
             asyncio.create_task(self._reap(), name="qlm-reap"),
-            asyncio.create_task(self._sweep(), name="qlm-sweep"),
         ]
         await self.queue.consume(self._on_delivery)
 
@@ -173,8 +154,6 @@ class ControllerService(RuntimeListener):
     # --- intake -----------------------------------------------------------------------------------
 
     async def _on_delivery(self, delivery: Delivery) -> None:
-        if delivery.message is not None:
-            self._seen[delivery.message.id] = self.store.now()
         self._inbox.append(delivery)
         self._wake.set()
 
@@ -440,68 +419,6 @@ class ControllerService(RuntimeListener):
 
         await self.queue.reap_dead(record)
         return recorded
-
-    async def _sweep(self) -> None:
-        """Now and then: ``sweep_once``."""
-        if self.orphan_after_s <= 0:
-            return
-        while True:
-            await asyncio.sleep(max(self.poll_s, self.sweep_s))
-            try:
-                await self.sweep_once()
-            except Exception:
-                log.exception("could not look for requests whose message never reached the queue")
-
-    async def sweep_once(self) -> int:
-        """Fail the requests whose message never reached the queue: an API that stopped between
-        its store commit and the broker's confirm leaves a row queued with no message (its
-        client got no answer: docs/api.md, "Guarantees"); without this it would stay queued,
-        counting against its tenant's limit, until cancelled. Such an orphan is a row submitted
-        ``orphan_after_s`` ago, never dispatched, that this controller has not been handed
-        while it led the queue for at least that long, with the queue holding no message it
-        has not handed over; it is failed when a second sweep, ``orphan_confirm_s`` later under
-        the same lead, finds it so again (a message handed over meanwhile is being taken).
-        Losing the lead forgets everything: a standby never fails anything. Returns how many."""
-        lead = self.queue.lead()
-        now = self.store.now()
-        if lead is None or self._stopping:
-            self._lead, self._suspects = None, {}
-            return 0
-        if lead != self._lead:  # took the lead (again): count from now
-            self._lead, self._lead_since, self._suspects = lead, now, {}
-            return 0
-        horizon = now - self.orphan_after_s
-        self._seen = {
-            rid: at for rid, at in self._seen.items() if at >= horizon - self.orphan_after_s
-        }
-        if now - self._lead_since < self.orphan_after_s or self._inbox:
-            return 0
-        if await self.queue.waiting() != 0:
-            self._suspects = {}  # a message not handed over yet may be any suspect's
-            return 0
-        ids = await asyncio.to_thread(self.store.never_dispatched, before=horizon, limit=10_000)
-        found = [rid for rid in ids if not self._known(rid)]
-        confirmed = [
-            rid for rid in found if now - self._suspects.get(rid, now) >= self.orphan_confirm_s
-        ]
-        self._suspects = {rid: self._suspects.get(rid, now) for rid in found}
-        failed = 0
-        for rid in confirmed:
-            if self._known(rid) or self.queue.lead() != lead:
-                continue
-            if await asyncio.to_thread(
-                self.store.fail_never_dispatched, rid, at=now, error=ORPHAN_ERROR
-            ):
-                failed += 1
-                self._suspects.pop(rid, None)
-                log.warning("request %s failed: %s", rid, ORPHAN_ERROR)
-        return failed
-
-    def _known(self, request_id: str) -> bool:
-        """Handed to this controller (recently delivered, held, or running)."""
-        return (
-            request_id in self._seen or request_id in self._held or self.runtime.holds(request_id)
-        )
 
     def _record_dead(self, failures: list[tuple[NewRequest, str]]) -> None:
         self.store.ensure_requests([new for new, _ in failures])

@@ -765,36 +765,6 @@ class Store:
         with self._tx("list recently finished requests") as session:
             return [_request_row(m) for m in session.scalars(query)]
 
-    def never_dispatched(self, *, before: float, limit: int = 1000) -> list[str]:
-        """Requests still queued that were submitted before ``before`` and never sent to an
-        instance, oldest first: what a controller checks for rows whose message never reached
-        the broker (an API that stopped between its commit and the confirm)."""
-        query = (
-            select(_R.id)
-            .where(
-                _R.status == _name(RequestStatus.QUEUED),
-                _R.dispatched_at.is_(None),
-                _R.submitted_at < before,
-            )
-            .order_by(_R.submitted_at)
-            .limit(limit)
-        )
-        with self._tx("list requests never dispatched") as session:
-            return list(session.scalars(query))
-
-    def fail_never_dispatched(self, id: str, *, at: float, error: str) -> bool:
-        """Record ``id`` failed if it is still queued and was never dispatched (checked in the
-        same statement: a request sent meanwhile is left alone). True when it was."""
-        return self._update(
-            id,
-            "fail a request never dispatched",
-            _R.status == _name(RequestStatus.QUEUED),
-            _R.dispatched_at.is_(None),
-            status=_name(RequestStatus.FAILED),
-            finished_at=at,
-            error=error,
-        )
-
     def cancel_requested_ids(self) -> set[str]:
         """Requests a client cancelled that still await the controller's abort."""
         query = select(_R.id).where(_R.cancel_requested.is_(True), _NOT_FINAL)

@@ -205,11 +205,10 @@ def test_the_standby_consumer_gets_every_unacked_message_when_the_active_one_clo
         await first.wait_for(3)
         await active.ack(first.deliveries[1])
         assert second.deliveries == []  # the leader lock: the standby waits
-        assert not standby.leader and standby.lead() is None and active.lead() is not None
+        assert not standby.leader
         await active.close()
-        assert active.lead() is None
         await second.wait_for(2)
-        assert standby.leader and standby.lead() is not None
+        assert standby.leader
         assert second.ids() == ["r0", "r2"]
         assert all(d.redelivered and d.delivery_count == 1 for d in second.deliveries)
         for delivery in second.deliveries:
@@ -257,14 +256,12 @@ def test_a_sharded_queue_routes_by_request_id_and_one_consumer_holds_prefetch_pe
         shards = shard_names(names["queue"], 2)
         assert shards == [names["queue"], names["queue"] + ".1"]
         assert await ready_counts(amqp_url, shards) == [3, 3]
-        assert await queue.waiting() == 6  # every shard's
         inbox = Inbox()
         await queue.consume(inbox)
         await inbox.wait_for(4)  # two per shard: 2 × prefetch, more than one consumer's 2
         held = {shard_of(rid, 2) for rid in inbox.ids()}
         assert held == {0, 1}
         assert await ready_counts(amqp_url, shards) == [1, 1]
-        assert await queue.waiting() == 2  # handed over, un-acked: not waiting
         for delivery in list(inbox.deliveries):
             await queue.ack(delivery)
         await inbox.wait_for(6)
@@ -272,7 +269,6 @@ def test_a_sharded_queue_routes_by_request_id_and_one_consumer_holds_prefetch_pe
         for delivery in inbox.deliveries[4:]:
             await queue.ack(delivery)
         await queue.close()
-        assert await queue.waiting() is None  # closed: cannot tell
         await assert_drained(amqp_url, names, shards=2)
 
     run(scenario)
@@ -319,8 +315,6 @@ def test_the_consumer_reconnects_after_the_broker_closes_its_connection(
         await queue.consume(inbox)
         await queue.publish(make_message(0))
         (before,) = await inbox.wait_for(1)
-        first_lead = queue.lead()
-        assert first_lead is not None
         consumer_name = f"qlm-consumer {names['queue']}"
         listed = subprocess.run(
             [*ctl, "-q", "list_connections", "pid", "client_properties"],
@@ -334,7 +328,6 @@ def test_the_consumer_reconnects_after_the_broker_closes_its_connection(
         (_, after) = await inbox.wait_for(2)
         assert after.message == before.message
         assert after.redelivered and after.delivery_count == 1
-        assert queue.lead() not in (None, first_lead)  # a new lead: the controller starts over
         await queue.ack(before)  # its channel is gone: a logged no-op, not a crash
         await queue.ack(after)
         await queue.close()

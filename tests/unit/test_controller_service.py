@@ -26,7 +26,7 @@ SCALE = 50.0
 
 
 def make_service(
-    store: Store, broker: MemoryBroker, policy: str = "qlm", name: str = "c0", **kw: Any
+    store: Store, broker: MemoryBroker, policy: str = "qlm", name: str = "c0"
 ) -> ControllerService:
     engines = [
         WallClockEngine.from_catalog(n, "m", "G", 1, time_scale=SCALE, catalog=make_catalog())
@@ -41,13 +41,7 @@ def make_service(
         health_interval_s=0.05,
     )
     return ControllerService(
-        MemoryGlobalQueue(broker=broker),
-        store,
-        runtime,
-        name=name,
-        flush_s=0.01,
-        poll_s=0.02,
-        **kw,
+        MemoryGlobalQueue(broker=broker), store, runtime, name=name, flush_s=0.01, poll_s=0.02
     )
 
 
@@ -366,112 +360,6 @@ def test_a_store_that_cannot_give_the_history_only_costs_the_head_start() -> Non
         await MemoryGlobalQueue(broker=broker).publish(message(1, service.runtime.clock.now()))
         await eventually(lambda: final(store, ["q0001"]), "the request is final")
         await service.wait_idle()
-        await service.stop()
-
-    run(scenario)
-
-
-def orphan_service(store: Store, broker: MemoryBroker, name: str = "c0") -> ControllerService:
-    """Sweeps only when the test calls ``sweep_once``: orphans after 0.3 s, confirmed 0.2 s on."""
-    return make_service(
-        store, broker, name=name, orphan_after_s=0.3, orphan_confirm_s=0.2, sweep_s=3600.0
-    )
-
-
-def add_row(store: Store, msg: QueuedRequest) -> None:
-    """What an API that died before the broker's confirm leaves: the row, no message."""
-    store.add_request(NewRequest.from_request(msg.to_request(msg.submitted_at)))
-
-
-def test_a_row_whose_message_never_reached_the_queue_is_failed_and_nothing_else_is() -> None:
-    """An API that died between its store commit and the broker's confirm leaves a row queued
-    with no message. Once the controller has led the queue ``orphan_after_s`` with nothing
-    undelivered, a row it was never handed is a suspect, failed when the next sweep
-    (``orphan_confirm_s`` later) finds it so again; a request it holds and a recent row are left
-    alone, and so is everything while the queue holds undelivered messages."""
-
-    async def scenario(store: Store) -> None:
-        broker = MemoryBroker()
-        service = orphan_service(store, broker)
-        now = store.now()
-        add_row(store, message(1, now - 60.0))
-        add_row(store, message(2, now + 60.0))  # committed just before a sweep: not yet stale
-        assert await service.sweep_once() == 0  # not consuming: it does not lead
-        await service.start()
-        for instance in ("i0", "i1"):  # as an operator drains them (the controller polls)
-            store.set_instance_state(instance, InstanceState.DRAINING)
-        await eventually(
-            lambda: all(i["draining"] for i in service.runtime.instance_states()), "drained"
-        )
-        await MemoryGlobalQueue(broker=broker).publish(message(3, now - 60.0))  # waits, held
-        await eventually(lambda: service.runtime.holds("q0003"), "the controller holds q0003")
-        assert await service.sweep_once() == 0  # took the lead: counts from now
-        await asyncio.sleep(0.4)
-
-        async def undelivered() -> int | None:
-            return 1
-
-        real_waiting = service.queue.waiting
-        service.queue.waiting = undelivered  # type: ignore[method-assign]
-        assert await service.sweep_once() == 0  # a waiting message may be the orphan's
-        service.queue.waiting = real_waiting  # type: ignore[method-assign]
-        assert await service.sweep_once() == 0  # q0001 is a suspect now
-        await asyncio.sleep(0.25)
-        assert await service.sweep_once() == 1
-        row = store.get("q0001")
-        assert row is not None and row.status is RequestStatus.FAILED
-        assert "never reached the queue" in (row.error or "")
-        assert store.get("q0002").status is RequestStatus.QUEUED  # type: ignore[union-attr]
-        assert store.get("q0003").status is RequestStatus.QUEUED  # type: ignore[union-attr]
-        assert await service.sweep_once() == 0  # failed once
-        await service.stop()
-
-    run(scenario)
-
-
-def test_a_message_being_taken_or_a_lost_lead_keeps_a_stale_row_alive() -> None:
-    """The sweep's two dangers: a message handed over but not yet recorded (its row looks
-    orphaned while the store write is slow), and a controller that lost the lead (the new
-    leader holds the requests). Neither is failed; a standby never fails anything."""
-
-    async def scenario(store: Store) -> None:
-        broker = MemoryBroker()
-        service = orphan_service(store, broker)
-        standby = orphan_service(store, broker, name="c1")
-        now = store.now()
-        slow = message(1, now - 60.0)
-        add_row(store, slow)  # its API recorded it, then (slowly) published it
-        add_row(store, message(2, now - 60.0))  # an orphan, to show the sweeps do run
-        ensure = store.ensure_requests
-
-        def slow_ensure(news: Any) -> Any:
-            time.sleep(1.0)
-            return ensure(news)
-
-        store.ensure_requests = slow_ensure  # type: ignore[method-assign]
-        await service.start()
-        await standby.start()
-        assert await service.sweep_once() == 0  # took the lead
-        await asyncio.sleep(0.4)
-        await MemoryGlobalQueue(broker=broker).publish(slow)  # _take sleeps in ensure_requests
-        for _ in range(3):
-            await service.sweep_once()
-            assert await standby.sweep_once() == 0
-            await asyncio.sleep(0.25)
-        assert store.get("q0001").status is not RequestStatus.FAILED  # type: ignore[union-attr]
-        assert store.get("q0002").status is RequestStatus.FAILED  # type: ignore[union-attr]
-        add_row(store, message(3, now - 60.0))
-        assert await service.sweep_once() == 0  # q0003 a suspect
-        lead = service.queue.lead()
-        assert lead is not None
-        service.queue.lead = lambda: lead + 1  # type: ignore[method-assign]
-        await asyncio.sleep(0.25)  # lost the lead and took it again between two sweeps
-        assert await service.sweep_once() == 0  # a new lead: forgets its suspects
-        await asyncio.sleep(0.25)
-        assert await service.sweep_once() == 0  # not orphan_after_s into the new lead yet
-        assert store.get("q0003").status is RequestStatus.QUEUED  # type: ignore[union-attr]
-        store.ensure_requests = ensure  # type: ignore[method-assign]
-        await standby.stop()
         await service.stop()
 
     run(scenario)

@@ -129,26 +129,6 @@ class StoreContract:
         assert [r.id for r in store.recently_finished(2)] == ["r0002", "r0000"]
         assert [r.id for r in store.recently_finished(10)] == ["r0002", "r0000", "r0001"]
 
-    def test_never_dispatched_requests_are_listed_and_failed_only_while_never_dispatched(
-        self, store: Store
-    ) -> None:
-        store.add_requests([new_request(1), new_request(2), new_request(3)])
-        store.record_outcome("r0003", status=RequestStatus.CANCELLED, at=150.0)
-        assert store.never_dispatched(before=150.0) == ["r0001", "r0002"]  # oldest first
-        assert store.never_dispatched(before=101.5) == ["r0001"]
-        assert store.never_dispatched(before=150.0, limit=1) == ["r0001"]
-        store.mark_dispatched("r0002", instance="i0", at=150.0)
-        assert store.never_dispatched(before=150.0) == ["r0001"]
-        assert not store.fail_never_dispatched("r0002", at=160.0, error="lost")  # sent meanwhile
-        assert not store.fail_never_dispatched("r0003", at=160.0, error="lost")  # final
-        assert store.fail_never_dispatched("r0001", at=160.0, error="lost")
-        failed = store.get("r0001")
-        assert failed is not None and failed.status is RequestStatus.FAILED
-        assert failed.error == "lost" and failed.finished_at == 160.0
-        assert store.get("r0002").status is RequestStatus.RUNNING  # type: ignore[union-attr]
-        assert store.get("r0003").status is RequestStatus.CANCELLED  # type: ignore[union-attr]
-        assert store.never_dispatched(before=200.0) == []
-
     def test_added_request_reads_back_whole(self, store: Store) -> None:
         new = new_request(
             7,
