@@ -185,9 +185,9 @@ class ControllerService(RuntimeListener):
             fresh.append(d)
         if not fresh:
             return
-        if not self._learnt:
+        if not self._learnt:  # in the background: a large store must not hold the intake up
             self._learnt = True
-            await self._learn_history()
+            self._tasks.append(asyncio.create_task(self._learn_history(), name="qlm-history"))
         news = [_new_request(d.message) for d in fresh if d.message is not None]
         rows = await asyncio.to_thread(self.store.ensure_requests, news)
         served = {m for spec in self.runtime.controller.specs.values() for m in spec.models}
@@ -225,17 +225,22 @@ class ControllerService(RuntimeListener):
         """On becoming active (its first deliveries): the output lengths of the store's
         ``history_outputs`` most recent completions, oldest first, so that a controller that
         restarts or takes over plans with what the fleet has been answering, not with the
-        profile's prior alone. A store that cannot answer only costs that head start."""
+        profile's prior alone (from the moment the store answers: the query sorts finished
+        requests by ``finished_at``, which has no index). A store that cannot answer only costs
+        that head start."""
         if self.history_outputs <= 0:
             return
         try:
             rows = await asyncio.to_thread(self.store.recently_finished, self.history_outputs)
+            learnt = self.runtime.controller.learn_outputs(
+                (row.to_request(), row.output_tokens) for row in reversed(rows)
+            )
         except StoreError as e:
             log.warning("could not read recent completions to learn output lengths from: %s", e)
             return
-        learnt = self.runtime.controller.learn_outputs(
-            (row.to_request(), row.output_tokens) for row in reversed(rows)
-        )
+        except Exception:
+            log.exception("could not learn output lengths from the recent completions")
+            return
         if learnt:
             log.info("learnt output lengths from %d recent completions in the store", learnt)
 
