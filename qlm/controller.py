@@ -346,6 +346,7 @@ class Controller:
             prompt_tokens=req.input_tokens + done,
             max_tokens=req.max_tokens - done,
             priority=int(req.tier),
+            resumed_tokens=done,
             output_tokens=None
             if req.replay_output_tokens is None
             else req.replay_output_tokens - done,

@@ -46,6 +46,10 @@ class EngineRequest:
     template; ``prompt`` then holds QLM's rendering of them, for engines without one. Left out
     of the hash: messages hold JSON objects."""
     continue_final_message: bool = False
+    resumed_tokens: int = 0
+    """Output tokens the prompt carries back (an evicted request sent again): re-tokenized they
+    may count a few more, so an HTTP engine may lower ``max_tokens`` to what the context has
+    left rather than fail a request QLM itself interrupted."""
     """The last of ``messages`` is the assistant's answer so far (a resumed request): the engine
     continues it instead of starting a new turn (vLLM's ``continue_final_message``)."""
 

@@ -33,10 +33,11 @@ import json
 import logging
 import math
 import random
+import re
 import shutil
 import zlib
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import httpx
@@ -114,9 +115,25 @@ class _Flight:
     tokens: int = 0
     aborted: bool = False
     task: asyncio.Task[EngineOutput] | None = None
+    shortened: bool = False  # sent again with the max_tokens the context had room for
 
     def partial(self) -> EngineOutput:
         return EngineOutput(self.request.request_id, "".join(self.parts), self.tokens, "abort")
+
+
+_CONTEXT = re.compile(r"maximum context length is (\d+) tokens")
+_INPUT = re.compile(r"has (\d+) input tokens|\((\d+) in the (?:messages|prompt)")
+
+
+def context_room(message: str) -> int | None:
+    """The output tokens the context has room for, from vLLM's refusal of a prompt plus
+    ``max_tokens`` longer than ``max_model_len`` (0.14: "... maximum context length is N tokens
+    and your request has P input tokens ..."; before: "... N tokens. However, you requested M
+    tokens (P in the messages, K in the completion)"), or None if it is not that refusal."""
+    limit, given = _CONTEXT.search(message), _INPUT.search(message)
+    if limit is None or given is None:
+        return None
+    return int(limit.group(1)) - int(given.group(1) or given.group(2))
 
 
 MAX_REMEMBERED = 100_000  # request ids remembered as sent (in flight, or aborted and not back)
@@ -405,8 +422,21 @@ class VllmEngine:
             try:
                 return await self._stream_once(flight, on_chunk)
             except RequestRejected as exc:
-                if not self._priority_refused(str(exc), sent):
+                if self._priority_refused(str(exc), sent):
+                    continue
+                request = flight.request
+                room = context_room(str(exc)) if request.resumed_tokens else None
+                if flight.shortened or room is None or not 1 <= room < request.max_tokens:
                     raise
+                log.info(
+                    "%s: %s resumed past the context (its partial output re-tokenized longer); "
+                    "sent again with max_tokens %d instead of %d",
+                    self.name,
+                    request.request_id,
+                    room,
+                    request.max_tokens,
+                )
+                flight.request, flight.shortened = replace(request, max_tokens=room), True
 
     async def _stream_once(self, flight: _Flight, on_chunk: ChunkCallback | None) -> EngineOutput:
         rid = flight.request.request_id

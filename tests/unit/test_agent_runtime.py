@@ -594,6 +594,7 @@ def test_the_controller_learns_how_the_engine_counts_prompts_and_scales_new_arri
 def test_a_resumed_prompt_teaches_only_its_input_part() -> None:
     controller = Controller(create_policy("fcfs"), [InstanceSpec("i0", "G", ("m",))])
     controller.arrive(make_request(1, input_tokens=50), generated=30, estimated_prompt=True)
+    assert controller.engine_request("r0001").resumed_tokens == 30
     controller.observe_prompt("r0001", 80, 130)  # sent: input 50 + 30 resumed; counted 100 + 30
     counted, estimated = 100 + 2000.0, 50 + 2000.0
     assert controller.prompt_scale("m") == pytest.approx(counted / estimated)

@@ -9,12 +9,13 @@ from typing import Any
 
 import httpx
 import pytest
+from builders import simulated_vllm
 from typer.testing import CliRunner
 
 from qlm.cli import app
 from qlm.domain import ModelTier
 from qlm.engines.base import Engine, EngineRequest, TokenChunk, UnsupportedOperation
-from qlm.engines.vllm import VllmEngine, filler_prompt, vllm_serve_command
+from qlm.engines.vllm import VllmEngine, context_room, filler_prompt, vllm_serve_command
 from qlm.errors import EngineError, RequestRejected
 
 METRICS = """\
@@ -456,3 +457,51 @@ def test_a_resumed_chat_asks_vllm_to_continue_the_partial_answer() -> None:
     assert body["messages"][-1] == {"role": "assistant", "content": "Hello"}
     assert body["continue_final_message"] is True and body["add_generation_prompt"] is False
     assert body["max_tokens"] == 1
+
+
+# --- a resumed request past the context ----------------------------------------------------------
+
+
+def test_the_room_left_in_the_context_is_read_from_vllms_refusal() -> None:
+    new = (
+        "'max_tokens' or 'max_completion_tokens' is too large: 8100. This model's maximum context "
+        "length is 8192 tokens and your request has 103 input tokens (8100 > 8192 - 103). "
+        "(parameter=max_tokens, value=8100)"
+    )
+    old = (
+        "This model's maximum context length is 8192 tokens. However, you requested 8203 tokens "
+        "(103 in the messages, 8100 in the completion). Please reduce the length of the messages "
+        "or completion."
+    )
+    too_long = (
+        "This model's maximum context length is 8192 tokens. However, your request has 9000 "
+        "input tokens. Please reduce the length of the input messages."
+    )
+    assert context_room(new) == context_room(old) == 8089
+    assert context_room(too_long) == -808
+    assert context_room("Got priority 1 but Priority scheduling is not enabled.") is None
+
+
+def test_a_resumed_request_past_the_context_is_sent_again_with_the_room_left() -> None:
+    """Sent again after an eviction, a request's partial output can re-tokenize a few tokens
+    longer, pushing prompt + max_tokens past the context: vLLM refuses it (400). QLM interrupted
+    it, so it is not failed: it goes again with max_tokens lowered to the room left. A request
+    sent as is (not resumed) that does not fit is the client's to fix: refused."""
+
+    async def scenario() -> None:
+        engine, server = simulated_vllm("s0")
+        prompt = " ".join(["word"] * 100)  # 100 tokens to the simulated server
+        try:
+            fresh = EngineRequest("r-fresh", "m", 100, max_tokens=8100, prompt=prompt)
+            with pytest.raises(RequestRejected, match="maximum context length is 8192"):
+                await engine.submit(fresh)
+            resumed = EngineRequest(
+                "r-resumed", "m", 97, max_tokens=8100, prompt=prompt, resumed_tokens=20
+            )
+            out = await engine.submit(resumed)
+            assert out.finish_reason in ("stop", "length") and 1 <= out.tokens <= 8092
+        finally:
+            await engine.close()
+            await server.close()
+
+    asyncio.run(scenario())
