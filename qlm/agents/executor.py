@@ -75,6 +75,11 @@ class Job:
     partial_text: str = ""
     messages: Sequence[Mapping[str, Any]] | None = None
 
+    @property
+    def has_text(self) -> bool:
+        """A prompt or messages the API estimated the tokens of (a replay's filler is exact)."""
+        return self.prompt is not None or self.messages is not None
+
     def fill(self, request: EngineRequest) -> EngineRequest:
         """``request`` with this job's input. Output so far is resumed, not restarted: it follows
         the prompt, and a chat gets it as the assistant's message to continue."""
@@ -225,7 +230,7 @@ class AgentRuntime:
         """Hand a request to the controller (``generated`` output tokens already in
         ``job.partial_text``, for one recovered from an earlier controller). False when it is
         already held."""
-        text = job is not None and (job.prompt is not None or job.messages is not None)
+        text = job is not None and job.has_text
         if not self.controller.arrive(
             request, generated=generated, failovers=failovers, estimated_prompt=text
         ):
@@ -388,7 +393,7 @@ class AgentRuntime:
             flight.tokens = chunk.tokens
             if chunk.prompt_tokens is not None and not flight.prompt_counted:
                 flight.prompt_counted = True
-                if job.prompt is not None or job.messages is not None:  # text QLM estimated
+                if job.has_text:
                     self.controller.observe_prompt(rid, request.prompt_tokens, chunk.prompt_tokens)
             if not flight.started:
                 flight.started = True
