@@ -282,6 +282,17 @@ class Controller:
             self._release(track)
         return instance
 
+    def forget(self, request_id: str) -> bool:
+        """Drop a finished, failed or cancelled request's track once its outcome is recorded
+        elsewhere (the service's store): a long-running controller must not keep every request
+        it ever served. A request still held is kept. Returns whether one was dropped. A
+        redelivery of a forgotten request is answered by the store, which knows it is final."""
+        track = self._tracks.get(request_id)
+        if track is None or track.status not in FINAL or request_id in self._on:
+            return False
+        del self._tracks[request_id]
+        return True
+
     # --- the step ---------------------------------------------------------------------------------
 
     @property

@@ -361,6 +361,7 @@ class ControllerService(RuntimeListener):
         for rid, how, status in writes.settle:
             self.hub.publish(ResultEvent(rid, "", 0, done=True, status=status))
             self._predicted.pop(rid, None)
+            self.runtime.controller.forget(rid)  # recorded: the store answers for it now
             held = self._held.pop(rid, None)
             if held is None:
                 continue

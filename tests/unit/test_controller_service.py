@@ -100,10 +100,28 @@ def test_published_requests_finish_are_recorded_and_acked() -> None:
             assert row.slo_met is True and row.instance in ("i0", "i1")
             assert row.dispatched_at is not None and row.first_token_at is not None
         assert service.settled == 30 and broker.ready == 0 and not broker.dead
+        # Recorded and acked: the controller keeps nothing of them (a long-running one would
+        # otherwise hold every request it ever served).
+        assert not list(service.runtime.controller.tracks())
         assert store.latest_plan() is not None  # the planner's history is in the store
         assert {r.state for r in store.instances()} == {"up"}
 
     run(scenario)
+
+
+def test_the_controller_forgets_only_requests_that_are_over() -> None:
+    controller = Controller(
+        create_policy("fcfs", profile=make_profile()), [InstanceSpec("i0", "G", ("m",))]
+    )
+    waiting, cancelled = (message(i, 0.0).to_request(0.0) for i in (1, 2))
+    assert controller.arrive(waiting) and controller.arrive(cancelled)
+    assert controller.cancel(cancelled.id) is None  # it waited: nothing to abort
+    assert not controller.forget(waiting.id)  # still held
+    assert controller.forget(cancelled.id)
+    assert not controller.forget(cancelled.id) and not controller.forget("unknown")
+    assert [t.request.id for t in controller.tracks()] == [waiting.id]
+    # Forgotten, the id is new again (a redelivery of it is answered by the store first).
+    assert not controller.arrive(waiting) and controller.arrive(cancelled)
 
 
 def test_a_request_already_final_is_acked_without_running_and_poison_is_dead_lettered() -> None:
