@@ -28,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -266,6 +266,36 @@ class AgentRuntime:
         self._jobs.pop(request_id, None)
         self.listener.cancelled(request_id, partial, tokens)
         self._kick.set()
+
+    async def release(self, request_ids: Iterable[str]) -> int:
+        """Let go of requests another controller serves now (this one lost the global queue's
+        lead, and the broker handed them over): each is stopped where it runs and forgotten, and
+        nothing is reported to the listener — their outcome is the other controller's to record.
+        Returns how many were held, once the policy has forgotten them (a step ran: so none can
+        arrive again before) and their engines were told to abort them."""
+        aborts = []
+        released = 0
+        for rid in request_ids:
+            job = self._jobs.pop(rid, None)
+            flight = self._flights.get(rid)
+            on = self.controller.cancel(rid)
+            self.controller.forget(rid)
+            if job is None and flight is None and on is None:
+                continue
+            released += 1
+            if flight is not None and not flight.leaving:
+                flight.leaving = True
+                aborts.append((rid, flight))
+        try:
+            self.step()
+        except Exception:  # the loop's next step hands the policy the same news
+            log.exception("control step failed while releasing requests")
+        await asyncio.gather(*(self._abort(flight.instance, rid) for rid, flight in aborts))
+        for rid, flight in aborts:
+            if self._flights.get(rid) is flight:
+                del self._flights[rid]
+        self._kick.set()
+        return released
 
     def holds(self, request_id: str) -> bool:
         return request_id in self._jobs

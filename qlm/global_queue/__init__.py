@@ -21,6 +21,7 @@ from qlm.global_queue.base import (
     GlobalQueue,
     Handler,
     QueueUnavailable,
+    StandbyHandler,
 )
 from qlm.global_queue.memory import MemoryBroker, MemoryGlobalQueue
 from qlm.global_queue.message import SCHEMA_VERSION, MessageError, QueuedRequest
@@ -41,6 +42,7 @@ __all__ = [
     "MessageError",
     "QueueUnavailable",
     "QueuedRequest",
+    "StandbyHandler",
     "open_global_queue",
 ]
 

@@ -73,6 +73,7 @@ class DeadLetter:
 
 
 Handler = Callable[[Delivery], Awaitable[None]]
+StandbyHandler = Callable[[], None]
 DeadHandler = Callable[[list[DeadLetter]], Awaitable[None]]
 """Called once per delivery, one at a time, in delivery order. It should return quickly (put the
 request into a virtual queue) and settle the delivery later. If it raises, the error is logged and
@@ -102,11 +103,15 @@ class GlobalQueue(Protocol):
         Never raises for a message's failure: each caller answers its own client."""
         ...
 
-    async def consume(self, handler: Handler) -> None:
+    async def consume(self, handler: Handler, *, on_standby: StandbyHandler | None = None) -> None:
         """Become a consumer: return once subscribed (raise ``QueueUnavailable`` if the queue
         cannot be reached at all), then call ``handler`` for each delivery in the background,
         reconnecting by itself. Only one consumer in the cluster receives (the leader); the others
-        wait, and one takes over with every un-acked message when it goes."""
+        wait, and one takes over with every un-acked message when it goes.
+
+        ``on_standby`` is called (in the event loop) whenever this consumer finds another one
+        leading: at the start, or after its connection dropped and another took the lead — then
+        every message it held was handed to that one, which serves them now."""
         ...
 
     async def ack(self, delivery: Delivery) -> None:

@@ -10,7 +10,9 @@ a controller), so two handles on one broker behave like two controllers on one R
 * past ``delivery_limit`` returns, or when the body does not decode, a message goes to
   ``MemoryBroker.dead`` with its reason;
 * single active consumer: only the first registered consumer receives; the next one takes over,
-  with every un-acked message, when it closes.
+  with every un-acked message, when it closes. ``drop_connection`` plays a consumer's lost
+  connection (a network partition): what it held goes to whoever leads then, and it comes back
+  behind the others — a standby, told so by ``on_standby``, unless it was alone.
 
 Nothing survives the process, which is why production uses RabbitMQ.
 """
@@ -33,6 +35,7 @@ from qlm.global_queue.base import (
     Delivery,
     Handler,
     QueueUnavailable,
+    StandbyHandler,
 )
 from qlm.global_queue.message import MessageError, QueuedRequest
 
@@ -131,6 +134,7 @@ class MemoryGlobalQueue:
     ) -> None:
         self.broker = broker if broker is not None else MemoryBroker(delivery_limit=delivery_limit)
         self._consumer: _Consumer | None = None
+        self._on_standby: StandbyHandler | None = None
         self._closed = False
 
     async def publish(self, message: QueuedRequest) -> None:
@@ -151,14 +155,32 @@ class MemoryGlobalQueue:
                 results.append(None)
         return results
 
-    async def consume(self, handler: Handler) -> None:
+    async def consume(self, handler: Handler, *, on_standby: StandbyHandler | None = None) -> None:
         if self._closed:
             raise QueueUnavailable("the in-process global queue is closed")
         if self._consumer is not None:
             raise RuntimeError("this queue client is already consuming")
+        self._on_standby = on_standby
+        self._subscribe(handler)
+
+    def _subscribe(self, handler: Handler) -> None:
         consumer = self.broker._register(handler)
         consumer.task = asyncio.create_task(self._dispatch(consumer), name="qlm-memory-consumer")
         self._consumer = consumer
+        if self.broker._consumers[0] is not consumer and self._on_standby is not None:
+            self._on_standby()
+
+    def drop_connection(self) -> None:
+        """What a lost connection does to this consumer (failover tests): the broker takes back
+        every message it held and hands them to whoever leads, and the client subscribes again
+        at once, behind any other consumer — it leads again only if it was alone."""
+        consumer = self._consumer
+        if consumer is None:
+            raise RuntimeError("this queue client is not consuming")
+        if consumer.task is not None:
+            consumer.task.cancel()
+        self.broker._unregister(consumer)
+        self._subscribe(consumer.handler)
 
     async def _dispatch(self, consumer: _Consumer) -> None:
         while True:

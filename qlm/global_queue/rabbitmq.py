@@ -79,6 +79,7 @@ from qlm.global_queue.base import (
     Delivery,
     Handler,
     QueueUnavailable,
+    StandbyHandler,
 )
 from qlm.global_queue.message import MessageError, QueuedRequest
 
@@ -238,6 +239,7 @@ class RabbitGlobalQueue:
         self._retiring: set[asyncio.Task[None]] = set()
         # Consumer side.
         self._handler: Handler | None = None
+        self._on_standby: StandbyHandler | None = None
         self._consumer: AbstractConnection | None = None
         self._consumer_task: asyncio.Task[None] | None = None
         self._dispatch_task: asyncio.Task[None] | None = None
@@ -414,12 +416,13 @@ class RabbitGlobalQueue:
 
     # --- consuming ----------------------------------------------------------------------------
 
-    async def consume(self, handler: Handler) -> None:
+    async def consume(self, handler: Handler, *, on_standby: StandbyHandler | None = None) -> None:
         if self._handler is not None:
             raise RuntimeError(f"{self!r} is already consuming")
         if self._closing:
             raise QueueUnavailable(f"{self!r} is closed")
         self._handler = handler
+        self._on_standby = on_standby
         subscribed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._consumer_task = asyncio.create_task(
             self._consume_forever(subscribed), name=f"qlm-consumer {self.queue}"
@@ -469,6 +472,11 @@ class RabbitGlobalQueue:
                 if await self._remove_stale_lock(connection):
                     continue
                 tried()
+                if waiting_since is None and self._on_standby is not None:
+                    try:  # what it held before is the leader's now
+                        self._on_standby()
+                    except Exception:
+                        log.exception("the standby callback of %s failed", self.queue)
                 now = time.monotonic()
                 if waiting_since is None or now - waiting_since > STANDBY_LOG_S:
                     log.info("standby: another consumer holds %s; waiting", self.leader_queue)

@@ -98,6 +98,9 @@ class ControllerService(RuntimeListener):
         self._predicted: dict[str, tuple[float | None, bool]] = {}  # as last written
         self._last_poll = 0.0
         self._stopping = False
+        self._standby = False  # another controller leads (told by the queue)
+        self._stepping_down: asyncio.Task[None] | None = None
+        self._lead = 0  # how many times it lost the lead: deliveries taken before are stale
         self.received = 0
         self.settled = 0
 
@@ -121,7 +124,7 @@ class ControllerService(RuntimeListener):
             asyncio.create_task(self._publish(), name="qlm-publish"),
             asyncio.create_task(self._reap(), name="qlm-reap"),
         ]
-        await self.queue.consume(self._on_delivery)
+        await self.queue.consume(self._on_delivery, on_standby=self._lost_lead)
 
     async def stop(self) -> None:
         """Graceful stop: abort what runs (partial outputs are recorded), flush the store, then
@@ -144,7 +147,7 @@ class ControllerService(RuntimeListener):
     def active(self) -> bool:
         """Serving the queue: it has received deliveries (a standby waiting behind the single
         active consumer has received none)."""
-        return self.received > 0 and not self._stopping
+        return self.received > 0 and not self._stopping and not self._standby
 
     async def wait_idle(self, poll_s: float = 0.05) -> None:
         """Until every request received has been settled (tests, replays)."""
@@ -154,8 +157,44 @@ class ControllerService(RuntimeListener):
     # --- intake -----------------------------------------------------------------------------------
 
     async def _on_delivery(self, delivery: Delivery) -> None:
+        self._standby = False
         self._inbox.append(delivery)
         self._wake.set()
+
+    def _lost_lead(self) -> None:
+        """The queue found another controller leading: this one's connection to the broker had
+        dropped (a partition, a broker restart) and the broker handed every message it held to
+        that one, which runs them now. Stop running them here — a request must not run twice
+        on the GPUs — and write nothing more for them: their outcome is the leader's to record.
+        What this one had recorded stays (an outcome is written once: the first wins)."""
+        self._standby = True
+        self._lead += 1
+        ids = list(self._held)
+        self._held.clear()
+        self._inbox.clear()  # taken from the old connection: the leader has them
+        if not ids:
+            return
+        for rid in ids:
+            self._predicted.pop(rid, None)
+        log.warning(
+            "controller %s: another controller leads the global queue now; stopping the %d "
+            "requests it took over",
+            self.name,
+            len(ids),
+        )
+        previous = self._stepping_down
+        self._stepping_down = asyncio.create_task(self._release(ids, previous))
+
+    async def _release(self, ids: list[str], previous: asyncio.Task[None] | None) -> None:
+        if previous is not None:
+            with contextlib.suppress(Exception):
+                await previous
+        try:
+            released = await self.runtime.release(ids)
+        except Exception:
+            log.exception("could not stop the requests another controller took over")
+            return
+        log.info("controller %s: stopped %d requests the leader serves now", self.name, released)
 
     async def _intake(self) -> None:
         """Batches of deliveries: recorded in one store transaction, then planned."""
@@ -173,6 +212,13 @@ class ControllerService(RuntimeListener):
                     await asyncio.sleep(self.poll_s)
 
     async def _take(self, batch: list[Delivery]) -> None:
+        while self._stepping_down is not None:  # leading again: what it let go of goes first
+            task = self._stepping_down
+            with contextlib.suppress(Exception):
+                await task
+            if self._stepping_down is task:
+                self._stepping_down = None
+        lead = self._lead
         fresh: list[Delivery] = []
         for d in batch:
             msg = d.message
@@ -190,6 +236,8 @@ class ControllerService(RuntimeListener):
             self._tasks.append(asyncio.create_task(self._learn_history(), name="qlm-history"))
         news = [_new_request(d.message) for d in fresh if d.message is not None]
         rows = await asyncio.to_thread(self.store.ensure_requests, news)
+        if lead != self._lead:
+            return  # the lead was lost meanwhile: the broker handed these to the leader
         served = {m for spec in self.runtime.controller.specs.values() for m in spec.models}
         for d in fresh:
             msg = d.message

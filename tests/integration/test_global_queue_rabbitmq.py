@@ -336,6 +336,63 @@ def test_the_consumer_reconnects_after_the_broker_closes_its_connection(
     run(scenario)
 
 
+def consumer_pids(ctl: list[str], queue: str) -> set[str]:
+    """Broker-side ids of the consumer connections on ``queue``."""
+    listed = subprocess.run(
+        [*ctl, "-q", "list_connections", "pid", "client_properties"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    return {line.split("\t")[0] for line in listed.splitlines() if f"qlm-consumer {queue}" in line}
+
+
+@pytest.mark.rabbitmq
+def test_a_consumer_is_told_when_it_stands_by_also_after_losing_the_lead(
+    amqp_url: str, names: Names
+) -> None:
+    ctl = rabbitmqctl()
+
+    async def scenario() -> None:
+        # The standby retries the lock often, so that it wins it now and then.
+        first, second = (
+            open_queue(amqp_url, names),
+            open_queue(amqp_url, names, leader_retry_s=0.002),
+        )
+        told: dict[str, int] = {"first": 0, "second": 0}
+
+        def standby(who: str) -> Callable[[], None]:
+            return lambda: told.__setitem__(who, told[who] + 1)
+
+        one, two = Inbox(), Inbox()
+        await first.consume(one, on_standby=standby("first"))
+        await poll(lambda: first.leader, 10.0, "the first consumer to lead")
+        assert told == {"first": 0, "second": 0}
+        pids = consumer_pids(ctl, names["queue"])
+        await second.consume(two, on_standby=standby("second"))
+        assert told == {"first": 0, "second": 1}  # the lock is held: it stands by
+        await first.publish(make_message(0))
+        await one.wait_for(1)
+        # The leader's connection drops; it reconnects at once and competes with the standby.
+        (pid,) = pids
+        subprocess.run([*ctl, "-q", "close_connection", pid, "test"], check=True)
+        await poll(lambda: len(one.deliveries) + len(two.deliveries) == 2, 10.0, "a redelivery")
+        if two.deliveries:  # the second took the lock: the first, back as a standby, is told
+            await poll(lambda: told["first"] == 1, 10.0, "the first to be told")
+            assert second.leader and not first.leader and told["second"] == 1
+            (delivery,) = two.deliveries
+        else:  # the first won the lock again: the message came back to it; nobody is told
+            assert first.leader and not second.leader and told == {"first": 0, "second": 1}
+            delivery = one.deliveries[1]
+        assert delivery.redelivered and delivery.message == make_message(0)
+        await (second if two.deliveries else first).ack(delivery)
+        await first.close()
+        await second.close()
+        await assert_drained(amqp_url, names)
+
+    run(scenario)
+
+
 @pytest.mark.rabbitmq
 def test_a_malformed_body_is_dead_lettered_with_its_reason(amqp_url: str, names: Names) -> None:
     async def scenario() -> None:

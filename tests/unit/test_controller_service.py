@@ -190,6 +190,79 @@ def test_a_standby_controller_takes_over_and_each_request_ends_once() -> None:
     run(scenario)
 
 
+def engines_running(service: ControllerService) -> int:
+    return sum(
+        inst.engine.stats_nowait().running  # type: ignore[attr-defined]
+        for inst in service.runtime._instances.values()
+    )
+
+
+def test_a_controller_that_lost_the_lead_stops_what_the_leader_took_over() -> None:
+    async def scenario(store: Store) -> None:
+        broker = MemoryBroker(delivery_limit=10)
+        first, second = (
+            make_service(store, broker, name="c0"),
+            make_service(store, broker, name="c1"),
+        )
+        await first.start()
+        await second.start()  # waits: single active consumer
+        producer = MemoryGlobalQueue(broker=broker)
+        now = first.runtime.clock.now()
+        ids = [f"q{i:04d}" for i in range(20)]
+        for i in range(20):
+            await producer.publish(message(i, now, replay_output_tokens=2000, max_tokens=3000))
+        await eventually(lambda: engines_running(first) >= 2, "the first controller runs some")
+        # Its connection drops: the broker hands everything it held to the second, and it comes
+        # back as a standby. It stops what it ran and writes nothing more for it.
+        reported: list[str] = []  # by the first controller's agents, from now on
+        for event in ("finished", "failed", "cancelled", "returned"):
+            setattr(first, event, lambda rid, *_, **__: reported.append(str(rid)))
+        first.queue.drop_connection()  # type: ignore[attr-defined]
+        assert not first.active and not first._held
+        await eventually(lambda: second.active, "the second controller leads")
+        await eventually(
+            lambda: engines_running(first) == 0 and first.runtime.idle, "the first let go"
+        )
+        assert not list(first.runtime.controller.tracks())
+        await eventually(lambda: final(store, ids), "the leader finished them all")
+        await second.wait_idle()
+        rows = [store.get(rid) for rid in ids]
+        assert all(r is not None and r.status is RequestStatus.FINISHED for r in rows)
+        assert all(r.output_tokens == 2000 for r in rows if r)
+        assert engines_running(first) == 0 and reported == []  # nothing ran on there
+        assert broker.ready == 0 and not broker.dead
+        await first.stop()
+        await second.stop()
+
+    run(scenario)
+
+
+def test_a_controller_whose_connection_drops_while_alone_keeps_running_what_it_held() -> None:
+    async def scenario(store: Store) -> None:
+        broker = MemoryBroker()
+        service = make_service(store, broker)
+        await service.start()
+        producer = MemoryGlobalQueue(broker=broker)
+        now = service.runtime.clock.now()
+        ids = [f"q{i:04d}" for i in range(10)]
+        for i in range(10):
+            await producer.publish(message(i, now, replay_output_tokens=1500, max_tokens=3000))
+        await eventually(lambda: engines_running(service) >= 2, "it runs some")
+        running = engines_running(service)
+        service.queue.drop_connection()  # type: ignore[attr-defined]
+        # Alone, it leads again at once: the redeliveries find their requests still running.
+        assert service.active and engines_running(service) == running
+        await eventually(lambda: final(store, ids), "all finished")
+        await service.wait_idle()
+        rows = [store.get(rid) for rid in ids]
+        assert all(r is not None and r.status is RequestStatus.FINISHED for r in rows)
+        assert all(r.output_tokens == 1500 and r.evictions == 0 for r in rows if r)
+        assert service.settled == 10 and broker.ready == 0 and not broker.dead
+        await service.stop()
+
+    run(scenario)
+
+
 def test_cancels_made_in_the_store_reach_the_controller() -> None:
     async def scenario(store: Store) -> None:
         broker = MemoryBroker()

@@ -179,6 +179,31 @@ def test_the_standby_consumer_takes_over_every_unacked_message_when_the_active_o
     run(scenario)
 
 
+def test_a_dropped_connection_hands_what_it_held_to_the_leader_and_comes_back_behind_it() -> None:
+    async def scenario() -> None:
+        broker = MemoryBroker()
+        first, second = MemoryGlobalQueue(broker=broker), MemoryGlobalQueue(broker=broker)
+        told: list[str] = []
+        one, two = Inbox(), Inbox()
+        await first.consume(one, on_standby=lambda: told.append("first"))
+        await second.consume(two, on_standby=lambda: told.append("second"))
+        assert told == ["second"]  # the first leads
+        await first.publish(make_message(0))
+        (held,) = await one.wait_for(1)
+        first.drop_connection()
+        assert told == ["second", "first"]  # the second leads now; the first stands by
+        (taken,) = await two.wait_for(1)
+        assert taken.message == held.message and taken.redelivered
+        await first.ack(held)  # from the lost connection: a no-op, the second holds it
+        await second.ack(taken)
+        second.drop_connection()  # the first, behind it, leads again
+        assert told == ["second", "first", "second"] and broker.ready == 0
+        await first.publish(make_message(1))
+        assert [d.message.id for d in await one.wait_for(2) if d.message] == ["r0", "r1"]
+
+    run(scenario)
+
+
 def test_settling_a_delivery_twice_is_a_harmless_no_op() -> None:
     async def scenario() -> None:
         queue = MemoryGlobalQueue()
