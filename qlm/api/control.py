@@ -1,9 +1,9 @@
 """What the API reads of the control plane: the controller's published state (virtual queues,
 groups, instances, counters, plan), the models the fleet serves, and the admission check.
 
-With a controller in process its ``snapshot()`` is read directly; otherwise the most recent
-*active* controller's row in the store (``Store.controller_states``), cached for
-``QLM_API__SNAPSHOT_TTL_S``. The model list comes from the store's instances, cached alike.
+With a controller in process that leads the queue its ``snapshot()`` is read directly;
+otherwise (none, or a standby) the most recent *active* controller's row in the store
+(``Store.controller_states``), cached for ``QLM_API__SNAPSHOT_TTL_S``. The model list comes from the store's instances, cached alike.
 """
 
 from __future__ import annotations
@@ -105,8 +105,9 @@ class ControlView:
         return doc
 
     async def snapshot_with_time(self) -> tuple[SnapshotDoc | None, float | None]:
-        """The document and when it was published (store time), None for an in-process one."""
-        if self.controller is not None:
+        """The document and when it was published (store time), None for an in-process one
+        (read directly while it leads the queue; a standby's is not the one to read)."""
+        if self.controller is not None and self.controller.active:
             return self.controller.snapshot(), None
         cached = self._snapshot
         if cached is not None and self._clock() - cached[0] <= self._ttl_s:

@@ -42,6 +42,12 @@ class LocalController(Protocol):
     @property
     def hub(self) -> ResultHubLike: ...
 
+    @property
+    def active(self) -> bool:
+        """Serving the global queue (else another controller does: a standby, or one that lost
+        the lead, knows nothing of the requests and publishes nothing worth reading)."""
+        ...
+
     async def cancel(self, request_id: str) -> bool:
         """Abort or dequeue at once (the store's cancel flag would reach it on its next poll)."""
         ...

@@ -3,7 +3,9 @@
 
 * **Hub.** Subscribe first, then read the store (the request may have ended before the
   subscription), then wait for the hub's final event, which comes only after the outcome is
-  committed; stream the text chunks as they arrive.
+  committed; stream the text chunks as they arrive. The store poller below watches these
+  requests too: another controller may serve them (this process's stands by, or lost the lead),
+  and then only the store says when they end.
 * **Store.** One poller task asks the store every ``QLM_API__POLL_INTERVAL_S`` which of *all*
   the awaited requests are final (``Store.final_ids``: one query however many clients wait), and
   wakes their waiters. A stream then gets the whole text at once, when it is final.
@@ -17,11 +19,14 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 from qlm.api.ports import ResultHubLike
 from qlm.store import RequestRow, Store
 
 log = logging.getLogger(__name__)
+
+FIRST = asyncio.FIRST_COMPLETED
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +101,8 @@ class Results:
         self, hub: ResultHubLike, row: RequestRow, deadline: float
     ) -> AsyncIterator[Event]:
         queue = hub.subscribe(row.id)
+        stored = self._watch(row.id)  # done once the store says it is final
+        getter: asyncio.Future[Any] | None = None
         try:
             current = await self.get(row.id) or row
             if current.is_final:
@@ -106,35 +113,51 @@ class Results:
                 if remaining <= 0:
                     yield Final(await self.get(row.id) or current, timed_out=True)
                     return
-                try:
-                    event = await asyncio.wait_for(queue.get(), remaining)
-                except TimeoutError:
+                if getter is None:
+                    getter = asyncio.ensure_future(queue.get())
+                await asyncio.wait({getter, stored}, timeout=remaining, return_when=FIRST)
+                if getter.done():
+                    event, getter = getter.result(), None
+                    if event.text:
+                        yield Chunk(event.text, event.tokens)
+                    if not event.done:
+                        continue
+                elif not stored.done():
                     continue
-                if event.done:
-                    final = await self.get(row.id) or current
-                    yield Final(final, timed_out=not final.is_final)
-                    return
-                if event.text:
-                    yield Chunk(event.text, event.tokens)
+                final = await self.get(row.id) or current
+                yield Final(final, timed_out=not final.is_final)
+                return
         finally:
+            if getter is not None:
+                getter.cancel()
+            self._unwatch(row.id, stored)
             hub.unsubscribe(row.id, queue)
 
     async def _poll_until_final(self, request_id: str, deadline: float) -> RequestRow | None:
+        future = self._watch(request_id)
+        try:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(future, max(0.0, deadline - time.monotonic()))
+        finally:
+            self._unwatch(request_id, future)
+        return await self.get(request_id)
+
+    def _watch(self, request_id: str) -> asyncio.Future[None]:
+        """A future the poller completes once the store says ``request_id`` is final."""
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._waiters.setdefault(request_id, []).append(future)
         if self._poller is None or self._poller.done():
             self._poller = asyncio.create_task(self._poll_forever(), name="qlm-api-results")
         self._wake.set()
-        try:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(future, max(0.0, deadline - time.monotonic()))
-        finally:
-            waiters = self._waiters.get(request_id, [])
-            if future in waiters:
-                waiters.remove(future)
-            if not waiters:
-                self._waiters.pop(request_id, None)
-        return await self.get(request_id)
+        return future
+
+    def _unwatch(self, request_id: str, future: asyncio.Future[None]) -> None:
+        future.cancel()
+        waiters = self._waiters.get(request_id, [])
+        if future in waiters:
+            waiters.remove(future)
+        if not waiters:
+            self._waiters.pop(request_id, None)
 
     async def _poll_forever(self) -> None:
         while True:

@@ -501,6 +501,7 @@ class FakeController:
         from qlm.service.hub import ResultHub
 
         self.hub = ResultHub()
+        self.active = True
 
     def snapshot(self) -> dict[str, Any]:
         return self._snapshot

@@ -234,3 +234,50 @@ def test_a_wait_that_runs_out_answers_504_with_the_id_and_no_retry() -> None:
         await h.client.delete(f"/v1/requests/{rid}", headers=h.auth())
 
     run(scenario, wait_timeout_s=0.3)
+
+
+def test_results_reach_the_client_when_another_controller_serves_the_request() -> None:
+    """``qlm serve`` whose own controller stands by (another process leads the broker's queue):
+    its hub never hears of the request, so the end comes from the store."""
+
+    async def main() -> None:
+        store = Store.open("sqlite://")
+        broker = MemoryBroker()
+        leader, standby = (make_service(store, broker, name=n) for n in ("c0", "c1"))
+        await leader.start()
+        await standby.start()
+        try:
+            async with api_harness(
+                store=store,
+                queue=MemoryGlobalQueue(broker=broker),
+                controller=standby,
+                clock=standby.runtime.clock.now,
+                instances=False,
+                poll_interval_s=0.02,
+                wait_timeout_s=30,
+                snapshot_ttl_s=0,
+            ) as h:
+                body = {"model": "m", "prompt": "x", "max_tokens": 30, "slo_seconds": 600}
+                r = await h.client.post(
+                    "/v1/completions", json=body | {"stream": True}, headers=h.auth()
+                )
+                data = sse_data(r.text)
+                assert data[-1] == "[DONE]", r.text
+                texts = [json.loads(d)["choices"][0]["text"] for d in data[:-1]]
+                assert count_tokens("".join(texts)) == 30
+                plain = await h.client.post("/v1/completions", json=body, headers=h.auth())
+                assert plain.status_code == 200, plain.text
+                assert count_tokens(plain.json()["choices"][0]["text"]) == 30
+                assert leader.settled == 2 and standby.received == 0
+                # What it shows of the control plane is the leader's (published in the store).
+                await eventually(
+                    lambda: any(r.active for r in store.controller_states()), "c0 publishes"
+                )
+                queues = await h.client.get("/v1/admin/queues", headers=h.auth("admin"))
+                assert queues.json()["controller"] == "c0", queues.text
+        finally:
+            await standby.stop()
+            await leader.stop()
+            store.close()
+
+    asyncio.run(main())
