@@ -58,6 +58,10 @@ class ControllerSettings(BaseModel):
     # On becoming active, the policy learns output lengths from this many of the store's most
     # recent completions (a restarted or failed-over controller; 0: start from the profile).
     history_outputs: int = Field(default=1000, ge=0)
+    # Retention: the active controller deletes requests that ended more than this many days
+    # ago (with their labels), and plans beyond the latest ``retain_plans``; 0 keeps them all.
+    retain_days: float = Field(default=30.0, ge=0)
+    retain_plans: int = Field(default=10_000, ge=0)
 
 
 TierName = Literal["interactive", "standard", "batch"]

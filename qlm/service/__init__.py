@@ -78,6 +78,8 @@ def build_controller(
         runtime,
         name=cs.name,
         history_outputs=cs.history_outputs,
+        retain_s=cs.retain_days * 86400.0,
+        retain_plans=cs.retain_plans,
     )
 
 

@@ -40,6 +40,9 @@ from qlm.virtual_queues import VirtualQueueSet
 
 log = logging.getLogger(__name__)
 
+RETAIN_BATCH = 5000
+"""Ended requests deleted per transaction by retention."""
+
 
 def default_controller_name() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
@@ -75,6 +78,9 @@ class ControllerService(RuntimeListener):
         publish_s: float = 1.0,
         reap_s: float = 5.0,
         history_outputs: int = 1000,
+        retain_s: float = 0.0,
+        retain_plans: int = 0,
+        retain_every_s: float = 600.0,
     ) -> None:
         self.queue = queue
         self.store = store
@@ -85,6 +91,9 @@ class ControllerService(RuntimeListener):
         self.publish_s = publish_s
         self.reap_s = reap_s
         self.history_outputs = history_outputs
+        self.retain_s = retain_s  # 0: keep ended requests forever
+        self.retain_plans = retain_plans  # 0: keep every plan
+        self.retain_every_s = retain_every_s
         self._learnt = False  # from the store's recent completions, on becoming active
         self.hub = ResultHub()
         runtime.listener = self
@@ -123,6 +132,7 @@ class ControllerService(RuntimeListener):
             asyncio.create_task(self._poll(), name="qlm-poll"),
             asyncio.create_task(self._publish(), name="qlm-publish"),
             asyncio.create_task(self._reap(), name="qlm-reap"),
+            asyncio.create_task(self._retain(), name="qlm-retain"),
         ]
         await self.queue.consume(self._on_delivery, on_standby=self._lost_lead)
 
@@ -440,6 +450,36 @@ class ControllerService(RuntimeListener):
             self._plans_written = len(plans)
 
     # --- messages the broker gave up on ---------------------------------------------------------
+
+    async def _retain(self) -> None:
+        """Retention, by the active controller every ``retain_every_s``: requests that ended
+        more than ``retain_s`` ago are deleted (in batches, so that no transaction holds the
+        table long), and plans beyond the latest ``retain_plans``. A failure is logged and
+        retried at the next round: it never touches a request that has not ended."""
+        if self.retain_s <= 0 and self.retain_plans <= 0:
+            return
+        while True:
+            await asyncio.sleep(self.retain_every_s)
+            if not self.active:
+                continue
+            try:
+                requests, plans = await asyncio.to_thread(self._prune)
+            except Exception:
+                log.exception("retention failed; trying again in %.0f s", self.retain_every_s)
+                continue
+            if requests or plans:
+                log.info("retention: deleted %d ended requests and %d plans", requests, plans)
+
+    def _prune(self) -> tuple[int, int]:
+        requests = 0
+        if self.retain_s > 0:
+            cut = self.runtime.clock.now() - self.retain_s
+            while (deleted := self.store.prune_requests(cut, limit=RETAIN_BATCH)) > 0:
+                requests += deleted
+                if deleted < RETAIN_BATCH:
+                    break
+        plans = self.store.prune_plans(keep=self.retain_plans) if self.retain_plans > 0 else 0
+        return requests, plans
 
     async def _reap(self) -> None:
         """Every ``reap_s``: take the dead-letter queue's messages and record each request as

@@ -104,6 +104,7 @@ class RequestModel(Base):
         Index(None, "tenant", "status"),  # the per-tenant queued limit, on every submit
         Index(None, "status"),
         Index(None, "model"),
+        Index(None, "finished_at"),  # retention and the recent completions, oldest or latest
     )
 
 

@@ -951,6 +951,22 @@ class Store:
         with self._tx("list plans") as session:
             return [_plan_row(m) for m in session.scalars(query)]
 
+    def prune_requests(self, before: float, *, limit: int = 5000) -> int:
+        """Delete up to ``limit`` requests that ended (finished, failed or cancelled) before
+        ``before``, oldest first, with their labels; returns how many. Retention calls it in
+        batches (``QLM_CONTROLLER__RETAIN_DAYS``), so that no transaction holds the table long."""
+        if limit < 1:
+            raise ValueError(f"limit must be >= 1, got {limit}")
+        oldest = (
+            select(_R.id)
+            .where(_R.finished_at < before, _R.status.in_(FINAL_STATUSES))
+            .order_by(_R.finished_at)
+            .limit(limit)
+        )
+        with self._tx("prune requests", write=True) as session:
+            deleted = delete(RequestModel).where(_R.id.in_(oldest.scalar_subquery()))
+            return _rowcount(session.execute(deleted))
+
     def prune_plans(self, *, keep: int) -> int:
         """Delete all but the latest ``keep`` plans; returns how many were deleted."""
         if keep < 0:

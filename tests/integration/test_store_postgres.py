@@ -54,7 +54,7 @@ class TestPostgresStore(StoreContract):
         with engine.connect() as connection:
             schema = connection.execute(text("SELECT current_schema()")).scalar_one()
             version = connection.execute(text("SELECT version_num FROM alembic_version"))
-            assert version.scalar_one() == "0003"  # the latest revision
+            assert version.scalar_one() == "0004"  # the latest revision
         engine.dispose()
         assert schema.startswith("qlm_test_")
 

@@ -263,6 +263,29 @@ def test_a_controller_whose_connection_drops_while_alone_keeps_running_what_it_h
     run(scenario)
 
 
+def test_retention_deletes_ended_requests_and_old_plans() -> None:
+    async def scenario(store: Store) -> None:
+        broker = MemoryBroker()
+        service = make_service(store, broker)
+        # 60 s on its clock (50x): about a second here; checked every 20 ms.
+        service.retain_s, service.retain_plans, service.retain_every_s = 60.0, 2, 0.02
+        await service.start()
+        producer = MemoryGlobalQueue(broker=broker)
+        now = service.runtime.clock.now()
+        ids = [f"q{i:04d}" for i in range(5)]
+        for i in range(5):
+            await producer.publish(message(i, now, replay_output_tokens=5))
+        await eventually(lambda: final(store, ids), "they ended")
+        ended = max(r.finished_at or 0.0 for r in map(store.get, ids) if r)
+        await eventually(lambda: all(store.get(rid) is None for rid in ids), "deleted")
+        assert service.runtime.clock.now() >= ended + 60.0  # not before their time
+        await eventually(lambda: len(store.plans(limit=10)) <= 2, "old plans deleted")
+        # (that requests still queued or running are never deleted: the store's contract)
+        await service.stop()
+
+    run(scenario)
+
+
 def test_cancels_made_in_the_store_reach_the_controller() -> None:
     async def scenario(store: Store) -> None:
         broker = MemoryBroker()

@@ -639,6 +639,28 @@ class StoreContract:
         assert store.prune_plans(keep=0) == 2
         assert store.plans() == []
 
+    def test_pruning_deletes_the_oldest_ended_requests_with_their_labels(
+        self, store: Store
+    ) -> None:
+        for i in range(6):
+            store.add_request(new_request(i, labels=(("team", "a"),)))
+        store.record_outcome("r0000", status=RequestStatus.FINISHED, at=10.0, output_tokens=1)
+        store.record_outcome("r0001", status=RequestStatus.FAILED, at=30.0, error="x")
+        store.record_outcome("r0002", status=RequestStatus.FINISHED, at=20.0, output_tokens=1)
+        assert store.cancel("r0003", at=40.0) is RequestStatus.CANCELLED
+        store.mark_dispatched("r0004", instance="i0", at=5.0)  # running: kept however old
+        # r0005 waits: kept however old.
+        assert store.prune_requests(35.0, limit=2) == 2  # the oldest two: r0000, r0002
+        assert store.get("r0000") is None and store.get("r0002") is None
+        assert store.prune_requests(35.0) == 1  # r0001; r0003 ended after the cut
+        assert store.prune_requests(35.0) == 0
+        assert sorted(r.id for r in store.list_requests()[0]) == ["r0003", "r0004", "r0005"]
+        assert len(store.list_requests(label=("team", "a"))[0]) == 3
+        store.add_request(new_request(0, labels=(("team", "a"),)))  # its labels went with it
+        assert store.get("r0000") is not None
+        with pytest.raises(ValueError, match="limit"):
+            store.prune_requests(35.0, limit=0)
+
     def test_a_plan_with_unbounded_numbers_reads_back(self, store: Store) -> None:
         record = plan_record(capacity_needed=math.inf, objective=math.inf, at_risk=())
         store.record_plan(record, controller="c1")
