@@ -283,9 +283,8 @@ class ControllerService(RuntimeListener):
         """On becoming active (its first deliveries): the output lengths of the store's
         ``history_outputs`` most recent completions, oldest first, so that a controller that
         restarts or takes over plans with what the fleet has been answering, not with the
-        profile's prior alone (from the moment the store answers: the query sorts finished
-        requests by ``finished_at``, which has no index). A store that cannot answer only costs
-        that head start."""
+        profile's prior alone (from the moment the store answers, in the background). A store
+        that cannot answer only costs that head start."""
         if self.history_outputs <= 0:
             return
         try:
