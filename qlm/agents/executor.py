@@ -64,6 +64,19 @@ DEFAULT_MAX_RUNNING = 256
 DEFAULT_TOKEN_CAPACITY = 1 << 30
 
 
+def resume_point(partial: str) -> str:
+    """Where a request's output resumes from: its partial output without trailing whitespace.
+
+    A chat resumes with its partial answer as the assistant message to continue, and chat
+    templates that trim messages (Llama 3's) drop that whitespace, so the model writes it
+    again: "Hello " + " world". A prompt that ends in whitespace also tokenizes unlike any
+    text the model wrote (its tokens carry the space before a word). So the whitespace is
+    dropped before resuming, and the stream never showed it: the agents pass trailing
+    whitespace on only once more text follows. Its tokens stay counted as generated (at most a
+    few more than the text holds: ``max_tokens`` is never exceeded)."""
+    return partial.rstrip()
+
+
 @dataclass(slots=True)
 class Job:
     """What an engine needs to run a request besides what the controller plans with: the prompt
@@ -149,6 +162,7 @@ class _Flight:
     started: bool = False
     leaving: bool = False  # evicted, cancelled or failed over: its end is not a completion
     prompt_counted: bool = False  # the engine's count of its prompt was passed on
+    held: str = ""  # trailing whitespace not passed on yet (``resume_point``)
 
 
 class AgentRuntime:
@@ -420,6 +434,11 @@ class AgentRuntime:
             if flight.leaving:
                 return
             flight.text.append(chunk.text)
+            if chunk.text:  # trailing whitespace waits for the text that follows it
+                text = flight.held + chunk.text
+                shown = text.rstrip()
+                flight.held = text[len(shown) :]
+                chunk = replace(chunk, text=shown)
             flight.tokens = chunk.tokens
             if chunk.prompt_tokens is not None and not flight.prompt_counted:
                 flight.prompt_counted = True
@@ -499,7 +518,7 @@ class AgentRuntime:
         job = self._jobs.get(rid)
         if job is None:
             return
-        job.partial_text += text
+        job.partial_text = resume_point(job.partial_text + text)
         self.controller.returned(rid, tokens, evicted=evicted)
         track = self.controller.track(rid)
         self.listener.returned(rid, job.partial_text, track.output_tokens, evicted=evicted)

@@ -29,7 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from qlm.agents.executor import AgentRuntime, Job, RuntimeListener
+from qlm.agents.executor import AgentRuntime, Job, RuntimeListener, resume_point
 from qlm.domain import RequestRecord, RequestStatus
 from qlm.engines.base import TokenChunk
 from qlm.global_queue import DeadLetter, Delivery, GlobalQueue, MessageError, QueuedRequest
@@ -306,6 +306,7 @@ class ControllerService(RuntimeListener):
         if row.partial_tokens > partial_tokens:
             partial_text, partial_tokens = row.partial_text, row.partial_tokens
         partial_tokens = min(partial_tokens, msg.max_tokens - 1)
+        partial_text = resume_point(partial_text)
         request = msg.to_request(arrival_s=msg.submitted_at)
         job = Job(
             prompt=msg.prompt,

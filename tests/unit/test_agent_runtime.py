@@ -5,6 +5,7 @@ asserts on elapsed time."""
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
@@ -17,7 +18,7 @@ from qlm.agents.executor import AgentRuntime, Job, RuntimeListener
 from qlm.clock import WallClock
 from qlm.controller import Controller
 from qlm.domain import SLO, Decision, Evict, InstanceSpec, Pull, RequestRecord, RequestStatus
-from qlm.engines.base import Engine, EngineOutput, EngineRequest
+from qlm.engines.base import Engine, EngineOutput, EngineRequest, TokenChunk
 from qlm.engines.wallclock import WallClockEngine, count_tokens, filler_text
 from qlm.errors import EngineError
 from qlm.planner import PlannerConfig, create_policy
@@ -35,6 +36,7 @@ class Recorder(RuntimeListener):
         self.cancels: list[tuple[str, int]] = []
         self.changes: list[tuple[str, bool]] = []
         self.sent: list[tuple[str, str]] = []
+        self.streamed: list[str] = []  # the text chunks passed on, of whatever request
 
     def dispatched(self, request_id: str, instance: str, at: float) -> None:
         self.sent.append((request_id, instance))
@@ -56,6 +58,9 @@ class Recorder(RuntimeListener):
 
     def instance_changed(self, name: str, up: bool) -> None:
         self.changes.append((name, up))
+
+    def chunk(self, request_id: str, chunk: TokenChunk) -> None:
+        self.streamed.append(chunk.text)
 
 
 def engine(name: str) -> WallClockEngine:
@@ -222,6 +227,71 @@ def test_an_evicted_chat_resumes_as_its_messages_and_the_partial_answer_to_conti
         assert resumed.continue_final_message and resumed.sampling == (("seed", 7),)
         assert resumed.prompt == first.prompt + partial  # for an engine without a chat API
         assert rec.done["r0000"][1] == filler_text(300)  # one whole answer
+
+    run(scenario)
+
+
+class LlamaLike:
+    """An engine whose model writes one fixed answer, ``"tok " * n`` (every token ends with a
+    space), behind a chat template that trims messages, as Llama 3's does: resumed, it goes on
+    from the trimmed partial answer and so writes the space the trim dropped, as a token of its
+    own. Timing and token counts are ``inner``'s."""
+
+    def __init__(self, inner: WallClockEngine, n: int) -> None:
+        self.inner = inner
+        self.name = inner.name
+        self.answer = "tok " * n
+        self.requests: list[EngineRequest] = []
+        self._pieces: dict[str, list[str]] = {}
+
+    def __getattr__(self, item: str) -> Any:
+        return getattr(self.inner, item)
+
+    def _text(self, request_id: str, tokens: int) -> str:
+        return "".join(self._pieces[request_id][:tokens])
+
+    async def submit(self, request: EngineRequest, on_chunk: Any = None) -> EngineOutput:
+        self.requests.append(request)
+        messages = request.messages or ()
+        done = messages[-1]["content"].strip() if request.continue_final_message else ""
+        assert self.answer.startswith(done)
+        rest = self.answer[len(done) :]
+        rid = request.request_id
+        self._pieces[rid] = re.findall(r"\S+\s*|\s+", rest)
+        sent = 0
+
+        def mapped(chunk: TokenChunk) -> None:
+            nonlocal sent
+            text = self._text(rid, chunk.tokens)[len(self._text(rid, sent)) :]
+            sent = chunk.tokens
+            on_chunk(replace(chunk, text=text))
+
+        out = await self.inner.submit(request, mapped if on_chunk is not None else None)
+        return replace(out, text=self._text(rid, out.tokens))
+
+    async def abort(self, request_id: str) -> EngineOutput:
+        out = await self.inner.abort(request_id)
+        return replace(out, text=self._text(request_id, out.tokens))
+
+
+def test_a_chat_resumes_at_its_last_word_so_a_trimming_template_leaves_no_double_space() -> None:
+    async def scenario() -> None:
+        rec = Recorder()
+        e = LlamaLike(engine("i0"), 300)
+        rt = start(EvictOnce("r0000"), [e], rec)
+        await rt.start()
+        job = Job(prompt="...", messages=[{"role": "user", "content": "Count"}])
+        rt.submit(make_request(0, arrival_s=rt.clock.now(), replay_output_tokens=300), job)
+        await eventually(lambda: rt.idle, "the evicted chat finished")
+        await rt.stop()
+        await e.inner.close()
+        _, resumed = e.requests
+        partial = resumed.messages[-1]["content"] if resumed.messages else ""
+        assert partial.startswith("tok") and partial == partial.rstrip()  # sent without it
+        text = rec.done["r0000"][1]
+        assert text.startswith(partial + " tok") and "  " not in text  # one space at the seam
+        streamed = "".join(rec.streamed)
+        assert text.startswith(streamed) and streamed == streamed.rstrip()  # never unsaid
 
     run(scenario)
 
