@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import platform
@@ -43,11 +44,10 @@ from pathlib import Path
 
 import aio_pika
 import httpx
-from sqlalchemy import create_engine, text
-from sqlalchemy.engine import make_url
 
 from qlm.domain import InstanceSpec
 from qlm.store import Store
+from qlm.store.database import scratch_schema
 
 AMQP_URL = os.environ.get("QLM_TEST_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/%2F")
 DATABASE_URL = os.environ.get(
@@ -232,10 +232,14 @@ def cpu_line(samples: list[tuple[float, dict[str, float] | None]]) -> str:
 
 
 async def queue_depth(queue: str) -> int:
+    """Messages in ``queue``; 0 before the API declared it (no submission yet)."""
     connection = await aio_pika.connect(AMQP_URL)
     async with connection:
         channel = await connection.channel()
-        declared = await channel.declare_queue(queue, passive=True)
+        try:
+            declared = await channel.declare_queue(queue, passive=True)
+        except aio_pika.exceptions.ChannelNotFoundEntity:
+            return 0
         return int(declared.declaration_result.message_count or 0)
 
 
@@ -274,19 +278,11 @@ def main() -> None:
 
     base = f"qlm.bench.{uuid.uuid4().hex[:10]}"
     workdir = Path(tempfile.mkdtemp(prefix="qlm-ingest-"))
-    schema = None
+    schema = contextlib.ExitStack()  # a PostgreSQL run's schema, dropped at the end
     if args.database == "sqlite":
         database = f"sqlite:///{workdir / 'qlm.db'}"
     else:
-        schema = f"qlm_bench_{uuid.uuid4().hex[:10]}"
-        admin = create_engine(args.database)
-        with admin.begin() as connection:
-            connection.execute(text(f'CREATE SCHEMA "{schema}"'))
-        database = (
-            make_url(args.database)
-            .update_query_dict({"options": f"-csearch_path={schema}"})
-            .render_as_string(hide_password=False)
-        )
+        database = schema.enter_context(scratch_schema(args.database, "qlm_bench"))
     with Store.open(database) as store:
         store.upsert_instance(InstanceSpec("bench-0", "A100", (MODEL,)))
         key = store.create_api_key("bench")
@@ -334,10 +330,7 @@ def main() -> None:
         server.terminate()
         server.wait(timeout=30)
         asyncio.run(delete_queue([base, f"{base}.dead"], f"{base}.dlx"))
-        if schema is not None:
-            with admin.begin() as connection:
-                connection.execute(text(f'DROP SCHEMA "{schema}" CASCADE'))
-            admin.dispose()
+        schema.close()
     rate = result["accepted"] / result["seconds"]
     print(
         f"ingest: {rate:,.0f} broker-confirmed submissions/s at concurrency {args.concurrency} "
@@ -349,7 +342,7 @@ def main() -> None:
         f"p99 {result['p99_ms']:.1f} ms, max {result['max_ms']:.1f} ms"
     )
     print(cpu_line(cpu))
-    store_kind = "PostgreSQL" if schema is not None else "SQLite"
+    store_kind = "SQLite" if args.database == "sqlite" else "PostgreSQL"
     server_kind = args.server or (
         "qlm api" if args.workers == 1 else f"{args.workers} API processes (uvicorn)"
     )
@@ -360,7 +353,7 @@ def main() -> None:
     print(f"reproduce: .venv/bin/python benchmarks/ingest.py --duration {args.duration} "
           f"--concurrency {args.concurrency} --client {client}"
           + (f" --workers {args.workers}" if args.workers > 1 else "")
-          + (" --database sqlite" if schema is None else ""))  # fmt: skip
+          + (" --database sqlite" if args.database == "sqlite" else ""))  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -162,17 +162,7 @@ def broker_names(amqp_url: str) -> Iterator[dict[str, str]]:
 def postgres_schema(postgres_url: str) -> Iterator[str]:
     """The URL of a fresh PostgreSQL schema of its own (``qlm_test_<hex>``, selected through the
     connection's ``search_path``), dropped with everything in it afterwards."""
-    from sqlalchemy import create_engine, text
-    from sqlalchemy.engine import make_url
+    from qlm.store.database import scratch_schema
 
-    schema = f"qlm_test_{uuid.uuid4().hex}"
-    admin = create_engine(postgres_url)
-    with admin.begin() as connection:
-        connection.execute(text(f'CREATE SCHEMA "{schema}"'))
-    url = make_url(postgres_url).update_query_dict({"options": f"-csearch_path={schema}"})
-    try:
-        yield url.render_as_string(hide_password=False)
-    finally:
-        with admin.begin() as connection:
-            connection.execute(text(f'DROP SCHEMA "{schema}" CASCADE'))
-        admin.dispose()
+    with scratch_schema(postgres_url, "qlm_test") as url:
+        yield url

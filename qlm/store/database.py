@@ -21,9 +21,12 @@ engine here is shared by threads, each call taking its own session:
 from __future__ import annotations
 
 import re
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
-from sqlalchemy import Engine, create_engine, event
+from sqlalchemy import Engine, create_engine, event, text
 from sqlalchemy.engine import URL, Connection, make_url
 from sqlalchemy.exc import ArgumentError, NoSuchModuleError
 from sqlalchemy.pool import StaticPool
@@ -114,6 +117,26 @@ def _sqlite_engine(url: URL) -> Engine:
         )
 
     return engine
+
+
+@contextmanager
+def scratch_schema(postgres_url: str, prefix: str = "qlm_scratch") -> Iterator[str]:
+    """The URL of a fresh PostgreSQL schema (``<prefix>_<hex>``, selected through the
+    connection's ``search_path``) for one test or benchmark run, dropped with everything in it
+    afterwards: runs never see each other's tables."""
+    schema = f"{prefix}_{uuid.uuid4().hex[:12]}"
+    admin = create_engine(postgres_url)
+    try:
+        with admin.begin() as connection:
+            connection.execute(text(f'CREATE SCHEMA "{schema}"'))
+        url = make_url(postgres_url).update_query_dict({"options": f"-csearch_path={schema}"})
+        try:
+            yield url.render_as_string(hide_password=False)
+        finally:
+            with admin.begin() as connection:
+                connection.execute(text(f'DROP SCHEMA "{schema}" CASCADE'))
+    finally:
+        admin.dispose()
 
 
 def _masked(url: str) -> str:
