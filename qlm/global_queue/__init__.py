@@ -20,8 +20,8 @@ from qlm.global_queue.base import (
     Delivery,
     GlobalQueue,
     Handler,
+    LeaderHandler,
     QueueUnavailable,
-    StandbyHandler,
 )
 from qlm.global_queue.memory import MemoryBroker, MemoryGlobalQueue
 from qlm.global_queue.message import SCHEMA_VERSION, MessageError, QueuedRequest
@@ -37,12 +37,12 @@ __all__ = [
     "Delivery",
     "GlobalQueue",
     "Handler",
+    "LeaderHandler",
     "MemoryBroker",
     "MemoryGlobalQueue",
     "MessageError",
     "QueueUnavailable",
     "QueuedRequest",
-    "StandbyHandler",
     "open_global_queue",
 ]
 

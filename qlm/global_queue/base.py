@@ -73,7 +73,7 @@ class DeadLetter:
 
 
 Handler = Callable[[Delivery], Awaitable[None]]
-StandbyHandler = Callable[[], None]
+LeaderHandler = Callable[[bool], None]
 DeadHandler = Callable[[list[DeadLetter]], Awaitable[None]]
 """Called once per delivery, one at a time, in delivery order. It should return quickly (put the
 request into a virtual queue) and settle the delivery later. If it raises, the error is logged and
@@ -103,15 +103,16 @@ class GlobalQueue(Protocol):
         Never raises for a message's failure: each caller answers its own client."""
         ...
 
-    async def consume(self, handler: Handler, *, on_standby: StandbyHandler | None = None) -> None:
+    async def consume(self, handler: Handler, *, on_leader: LeaderHandler | None = None) -> None:
         """Become a consumer: return once subscribed (raise ``QueueUnavailable`` if the queue
         cannot be reached at all), then call ``handler`` for each delivery in the background,
         reconnecting by itself. Only one consumer in the cluster receives (the leader); the others
         wait, and one takes over with every un-acked message when it goes.
 
-        ``on_standby`` is called (in the event loop) whenever this consumer finds another one
-        leading: at the start, or after its connection dropped and another took the lead — then
-        every message it held was handed to that one, which serves them now."""
+        ``on_leader`` is called (in the event loop) with True when this consumer starts leading,
+        and with False when it finds the lead taken: at the start, or after its connection
+        dropped — by another consumer, which was then handed every message this one held, or
+        (RabbitMQ) by its own old connection, until the broker notices that it is gone."""
         ...
 
     async def ack(self, delivery: Delivery) -> None:

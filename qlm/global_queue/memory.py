@@ -12,7 +12,7 @@ a controller), so two handles on one broker behave like two controllers on one R
 * single active consumer: only the first registered consumer receives; the next one takes over,
   with every un-acked message, when it closes. ``drop_connection`` plays a consumer's lost
   connection (a network partition): what it held goes to whoever leads then, and it comes back
-  behind the others — a standby, told so by ``on_standby``, unless it was alone.
+  behind the others — a standby, told so by ``on_leader(False)``, unless it was alone.
 
 Nothing survives the process, which is why production uses RabbitMQ.
 """
@@ -34,8 +34,8 @@ from qlm.global_queue.base import (
     DeadLetter,
     Delivery,
     Handler,
+    LeaderHandler,
     QueueUnavailable,
-    StandbyHandler,
 )
 from qlm.global_queue.message import MessageError, QueuedRequest
 
@@ -57,6 +57,7 @@ class _Consumer:
     inbox: asyncio.Queue[Delivery] = field(default_factory=asyncio.Queue)
     held: dict[int, _Stored] = field(default_factory=dict)
     task: asyncio.Task[None] | None = None
+    on_leader: LeaderHandler | None = None
 
 
 class MemoryBroker:
@@ -84,14 +85,19 @@ class MemoryBroker:
         heapq.heappush(self._ready, _Stored(next(self._seq), body))
         self._pump()
 
-    def _register(self, handler: Handler) -> _Consumer:
-        consumer = _Consumer(next(self._epochs), handler)
+    def _register(self, handler: Handler, on_leader: LeaderHandler | None = None) -> _Consumer:
+        consumer = _Consumer(next(self._epochs), handler, on_leader=on_leader)
         self._consumers.append(consumer)
+        if on_leader is not None:
+            on_leader(self._consumers[0] is consumer)
         self._pump()
         return consumer
 
     def _unregister(self, consumer: _Consumer) -> None:
+        led = self._consumers[0] is consumer
         self._consumers.remove(consumer)
+        if led and self._consumers and self._consumers[0].on_leader is not None:
+            self._consumers[0].on_leader(True)  # the next one takes over
         held, consumer.held = consumer.held, {}
         for tag in sorted(held):
             self._return(held[tag])
@@ -134,7 +140,7 @@ class MemoryGlobalQueue:
     ) -> None:
         self.broker = broker if broker is not None else MemoryBroker(delivery_limit=delivery_limit)
         self._consumer: _Consumer | None = None
-        self._on_standby: StandbyHandler | None = None
+        self._on_leader: LeaderHandler | None = None
         self._closed = False
 
     async def publish(self, message: QueuedRequest) -> None:
@@ -155,20 +161,18 @@ class MemoryGlobalQueue:
                 results.append(None)
         return results
 
-    async def consume(self, handler: Handler, *, on_standby: StandbyHandler | None = None) -> None:
+    async def consume(self, handler: Handler, *, on_leader: LeaderHandler | None = None) -> None:
         if self._closed:
             raise QueueUnavailable("the in-process global queue is closed")
         if self._consumer is not None:
             raise RuntimeError("this queue client is already consuming")
-        self._on_standby = on_standby
+        self._on_leader = on_leader
         self._subscribe(handler)
 
     def _subscribe(self, handler: Handler) -> None:
-        consumer = self.broker._register(handler)
+        consumer = self.broker._register(handler, self._on_leader)
         consumer.task = asyncio.create_task(self._dispatch(consumer), name="qlm-memory-consumer")
         self._consumer = consumer
-        if self.broker._consumers[0] is not consumer and self._on_standby is not None:
-            self._on_standby()
 
     def drop_connection(self) -> None:
         """What a lost connection does to this consumer (failover tests): the broker takes back

@@ -78,8 +78,8 @@ from qlm.global_queue.base import (
     DeadLetter,
     Delivery,
     Handler,
+    LeaderHandler,
     QueueUnavailable,
-    StandbyHandler,
 )
 from qlm.global_queue.message import MessageError, QueuedRequest
 
@@ -239,7 +239,7 @@ class RabbitGlobalQueue:
         self._retiring: set[asyncio.Task[None]] = set()
         # Consumer side.
         self._handler: Handler | None = None
-        self._on_standby: StandbyHandler | None = None
+        self._on_leader: LeaderHandler | None = None
         self._consumer: AbstractConnection | None = None
         self._consumer_task: asyncio.Task[None] | None = None
         self._dispatch_task: asyncio.Task[None] | None = None
@@ -416,13 +416,13 @@ class RabbitGlobalQueue:
 
     # --- consuming ----------------------------------------------------------------------------
 
-    async def consume(self, handler: Handler, *, on_standby: StandbyHandler | None = None) -> None:
+    async def consume(self, handler: Handler, *, on_leader: LeaderHandler | None = None) -> None:
         if self._handler is not None:
             raise RuntimeError(f"{self!r} is already consuming")
         if self._closing:
             raise QueueUnavailable(f"{self!r} is closed")
         self._handler = handler
-        self._on_standby = on_standby
+        self._on_leader = on_leader
         subscribed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._consumer_task = asyncio.create_task(
             self._consume_forever(subscribed), name=f"qlm-consumer {self.queue}"
@@ -472,11 +472,8 @@ class RabbitGlobalQueue:
                 if await self._remove_stale_lock(connection):
                     continue
                 tried()
-                if waiting_since is None and self._on_standby is not None:
-                    try:  # what it held before is the leader's now
-                        self._on_standby()
-                    except Exception:
-                        log.exception("the standby callback of %s failed", self.queue)
+                if waiting_since is None:
+                    self._tell_leader(False)
                 now = time.monotonic()
                 if waiting_since is None or now - waiting_since > STANDBY_LOG_S:
                     log.info("standby: another consumer holds %s; waiting", self.leader_queue)
@@ -499,8 +496,17 @@ class RabbitGlobalQueue:
         for queue in queues:
             await queue.consume(on_message, no_ack=False)
         self.leader = True
+        self._tell_leader(True)
         tried()
         log.info("leading: consuming %s on %s", ", ".join(self.queues), self._safe_url)
+
+    def _tell_leader(self, leading: bool) -> None:
+        if self._on_leader is None:
+            return
+        try:
+            self._on_leader(leading)
+        except Exception:
+            log.exception("the leader callback of %s failed", self.queue)
 
     async def _check_shard_count(self, connection: AbstractConnection) -> None:
         """Say so, loudly, when a process publishes to more shards than this consumer reads: it

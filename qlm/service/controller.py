@@ -109,6 +109,7 @@ class ControllerService(RuntimeListener):
         self._stopping = False
         self._standby = False  # another controller leads (told by the queue)
         self._stepping_down: asyncio.Task[None] | None = None
+        self._watch: asyncio.Task[None] | None = None  # for another leader, while standing by
         self._lead = 0  # how many times it lost the lead: deliveries taken before are stale
         self.received = 0
         self.settled = 0
@@ -134,12 +135,14 @@ class ControllerService(RuntimeListener):
             asyncio.create_task(self._reap(), name="qlm-reap"),
             asyncio.create_task(self._retain(), name="qlm-retain"),
         ]
-        await self.queue.consume(self._on_delivery, on_standby=self._lost_lead)
+        await self.queue.consume(self._on_delivery, on_leader=self._leading)
 
     async def stop(self) -> None:
         """Graceful stop: abort what runs (partial outputs are recorded), flush the store, then
         leave the queue, which hands every un-acked message to the next controller."""
         self._stopping = True
+        if self._watch is not None:
+            self._watch.cancel()
         await self.runtime.stop(abort=True)
         for task in self._tasks:
             task.cancel()
@@ -171,19 +174,45 @@ class ControllerService(RuntimeListener):
         self._inbox.append(delivery)
         self._wake.set()
 
-    def _lost_lead(self) -> None:
-        """The queue found another controller leading: this one's connection to the broker had
-        dropped (a partition, a broker restart) and the broker handed every message it held to
-        that one, which runs them now. Stop running them here — a request must not run twice
-        on the GPUs — and write nothing more for them: their outcome is the leader's to record.
-        What this one had recorded stays (an outcome is written once: the first wins)."""
+    def _leading(self, leading: bool) -> None:
+        """The queue says whether this controller leads. Standing by after it led, with
+        requests held (its broker connection dropped: a partition, a broker restart), it
+        watches for another controller leading (``_watch_leader``)."""
+        if leading:
+            self._standby = False
+            return
         self._standby = True
-        self._lead += 1
+        self._lead += 1  # deliveries taken before are stale: the broker delivers them again
+        self._inbox.clear()
+        if self._held:
+            if self._watch is not None:
+                self._watch.cancel()
+            self._watch = asyncio.create_task(self._watch_leader(self._lead), name="qlm-watch")
+
+    async def _watch_leader(self, lead: int) -> None:
+        """Step down once another controller is seen leading: its state in the store, published
+        after this one lost the lead. Until then this one goes on serving what it holds: the
+        lock may still be its own old connection's (RabbitMQ drops a dead connection only after
+        the heartbeat timeout), and leading again it finds its requests still running."""
+        since = self.store.now()
+        while self._standby and self._lead == lead and self._held:
+            try:
+                rows = await asyncio.to_thread(self.store.controller_states)
+            except Exception as exc:
+                log.warning("cannot read which controller leads (%s); asking again", exc)
+                rows = []
+            if any(r.active and r.name != self.name and r.updated_at >= since for r in rows):
+                self._step_down()
+                return
+            await asyncio.sleep(self.poll_s)
+
+    def _step_down(self) -> None:
+        """Another controller leads: the broker handed it every message this one held, and it
+        runs them now. Stop running them here — a request must not run twice on the GPUs — and
+        write nothing more for them: their outcome is the leader's to record. What this one had
+        recorded stays (an outcome is written once: the first wins)."""
         ids = list(self._held)
         self._held.clear()
-        self._inbox.clear()  # taken from the old connection: the leader has them
-        if not ids:
-            return
         for rid in ids:
             self._predicted.pop(rid, None)
         log.warning(
@@ -222,13 +251,15 @@ class ControllerService(RuntimeListener):
                     await asyncio.sleep(self.poll_s)
 
     async def _take(self, batch: list[Delivery]) -> None:
+        lead = self._lead  # as the batch was taken from the inbox
         while self._stepping_down is not None:  # leading again: what it let go of goes first
             task = self._stepping_down
             with contextlib.suppress(Exception):
                 await task
             if self._stepping_down is task:
                 self._stepping_down = None
-        lead = self._lead
+        if lead != self._lead:
+            return  # the lead was lost meanwhile: the broker delivers these again
         fresh: list[Delivery] = []
         for d in batch:
             msg = d.message
@@ -250,6 +281,8 @@ class ControllerService(RuntimeListener):
             return  # the lead was lost meanwhile: the broker handed these to the leader
         served = {m for spec in self.runtime.controller.specs.values() for m in spec.models}
         for d in fresh:
+            if lead != self._lead:
+                return  # lost during an ack or dead-letter below: the leader has the rest
             msg = d.message
             assert msg is not None
             self.received += 1

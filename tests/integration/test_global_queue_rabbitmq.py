@@ -348,7 +348,7 @@ def consumer_pids(ctl: list[str], queue: str) -> set[str]:
 
 
 @pytest.mark.rabbitmq
-def test_a_consumer_is_told_when_it_stands_by_also_after_losing_the_lead(
+def test_a_consumer_is_told_when_it_leads_and_when_it_stands_by(
     amqp_url: str, names: Names
 ) -> None:
     ctl = rabbitmqctl()
@@ -359,18 +359,19 @@ def test_a_consumer_is_told_when_it_stands_by_also_after_losing_the_lead(
             open_queue(amqp_url, names),
             open_queue(amqp_url, names, leader_retry_s=0.002),
         )
-        told: dict[str, int] = {"first": 0, "second": 0}
+        told: list[tuple[str, bool]] = []
 
-        def standby(who: str) -> Callable[[], None]:
-            return lambda: told.__setitem__(who, told[who] + 1)
+        def leads(who: str) -> Callable[[bool], None]:
+            return lambda leading: told.append((who, leading))
 
         one, two = Inbox(), Inbox()
-        await first.consume(one, on_standby=standby("first"))
+        await first.consume(one, on_leader=leads("first"))
         await poll(lambda: first.leader, 10.0, "the first consumer to lead")
-        assert told == {"first": 0, "second": 0}
+        assert told == [("first", True)]
         pids = consumer_pids(ctl, names["queue"])
-        await second.consume(two, on_standby=standby("second"))
-        assert told == {"first": 0, "second": 1}  # the lock is held: it stands by
+        await second.consume(two, on_leader=leads("second"))
+        assert told == [("first", True), ("second", False)]  # the lock is held: it stands by
+        told.clear()
         await first.publish(make_message(0))
         await one.wait_for(1)
         # The leader's connection drops; it reconnects at once and competes with the standby.
@@ -378,11 +379,13 @@ def test_a_consumer_is_told_when_it_stands_by_also_after_losing_the_lead(
         subprocess.run([*ctl, "-q", "close_connection", pid, "test"], check=True)
         await poll(lambda: len(one.deliveries) + len(two.deliveries) == 2, 10.0, "a redelivery")
         if two.deliveries:  # the second took the lock: the first, back as a standby, is told
-            await poll(lambda: told["first"] == 1, 10.0, "the first to be told")
-            assert second.leader and not first.leader and told["second"] == 1
+            await poll(lambda: ("first", False) in told, 10.0, "the first to be told")
+            assert second.leader and not first.leader and ("second", True) in told
+            assert ("first", True) not in told
             (delivery,) = two.deliveries
-        else:  # the first won the lock again: the message came back to it; nobody is told
-            assert first.leader and not second.leader and told == {"first": 0, "second": 1}
+        else:  # the first won the lock again (or after its old connection was dropped)
+            assert first.leader and not second.leader and told[-1] == ("first", True)
+            assert ("second", True) not in told
             delivery = one.deliveries[1]
         assert delivery.redelivered and delivery.message == make_message(0)
         await (second if two.deliveries else first).ack(delivery)

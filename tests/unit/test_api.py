@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +20,7 @@ from qlm.api.ports import LocalController
 from qlm.domain import InstanceSpec, RequestStatus
 from qlm.global_queue import GlobalQueue, MemoryGlobalQueue, QueuedRequest, QueueUnavailable
 from qlm.planner.qlm_policy import PlanRecord
+from qlm.service.hub import ResultEvent
 from qlm.settings import ApiSettings, Settings
 from qlm.store import InstanceState, Store
 
@@ -593,6 +595,41 @@ def test_cancel_tells_an_in_process_controller_at_once() -> None:
         rid = (await h.submit(slo_seconds=300)).json()["id"]
         await h.client.delete(f"/v1/requests/{rid}", headers=h.auth())
         assert controller.cancelled == [rid]
+
+    run(scenario, controller=controller, clock=lambda: 1000.0)
+
+
+def test_a_stream_whose_request_another_controller_answered_differently_ends_in_an_error() -> None:
+    """A ``qlm serve`` stream: this process's controller streamed part of the answer, then
+    stepped down; the leader served the request again and stored another answer."""
+    controller = FakeController(busy_snapshot(1000.0))
+
+    async def scenario(h: Harness) -> None:
+        body = {"model": "m", "messages": [{"role": "user", "content": "A story"}]}
+        post = asyncio.create_task(
+            h.client.post(
+                "/v1/chat/completions",
+                json=body | {"stream": True, "slo_seconds": 3600},
+                headers=h.auth(),
+            )
+        )
+        while not (rows := h.store.list_requests()[0]):
+            await asyncio.sleep(0.01)
+        rid = rows[0].id
+        while not controller.hub.watched(rid):
+            await asyncio.sleep(0.01)
+        controller.hub.publish(ResultEvent(rid, "Once upon a", 3))
+        h.store.record_outcome(
+            rid, status=RequestStatus.FINISHED, at=1000.0, output_text="In a land", output_tokens=3
+        )
+        controller.hub.publish(ResultEvent(rid, "", 0, done=True, status=RequestStatus.FINISHED))
+        r = await post
+        events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        error = json.loads(events[-2])["error"]
+        assert error["code"] == "stream_restarted" and rid in error["message"]
+        texts = [json.loads(e)["choices"][0]["delta"].get("content") for e in events[:-2]]
+        assert "".join(t for t in texts if t) == "Once upon a"  # nothing else was added
 
     run(scenario, controller=controller, clock=lambda: 1000.0)
 

@@ -204,22 +204,34 @@ def test_a_controller_that_lost_the_lead_stops_what_the_leader_took_over() -> No
             make_service(store, broker, name="c0"),
             make_service(store, broker, name="c1"),
         )
+        first.publish_s = second.publish_s = 0.05  # their state in the store: who leads
+        released: list[int] = []  # by the first controller, when it steps down
+        release = first.runtime.release
+
+        async def spy(ids: Any) -> int:
+            released.append(await release(ids))
+            return released[-1]
+
+        first.runtime.release = spy  # type: ignore[method-assign]
         await first.start()
         await second.start()  # waits: single active consumer
         producer = MemoryGlobalQueue(broker=broker)
         now = first.runtime.clock.now()
         ids = [f"q{i:04d}" for i in range(20)]
         for i in range(20):
-            await producer.publish(message(i, now, replay_output_tokens=2000, max_tokens=3000))
+            await producer.publish(message(i, now, replay_output_tokens=4000, max_tokens=5000))
         await eventually(lambda: engines_running(first) >= 2, "the first controller runs some")
         # Its connection drops: the broker hands everything it held to the second, and it comes
-        # back as a standby. It stops what it ran and writes nothing more for it.
+        # back as a standby. Once it sees the second lead (its state in the store), it stops
+        # what it ran and writes nothing more for it.
+        first.queue.drop_connection()  # type: ignore[attr-defined]
+        assert not first.active
+        await eventually(lambda: second.active, "the second controller leads")
+        await eventually(lambda: bool(released), "the first stepped down")
+        assert released[0] >= 2 and not first._held  # what ran there was stopped
         reported: list[str] = []  # by the first controller's agents, from now on
         for event in ("finished", "failed", "cancelled", "returned"):
             setattr(first, event, lambda rid, *_, **__: reported.append(str(rid)))
-        first.queue.drop_connection()  # type: ignore[attr-defined]
-        assert not first.active and not first._held
-        await eventually(lambda: second.active, "the second controller leads")
         await eventually(
             lambda: engines_running(first) == 0 and first.runtime.idle, "the first let go"
         )
@@ -228,11 +240,42 @@ def test_a_controller_that_lost_the_lead_stops_what_the_leader_took_over() -> No
         await second.wait_idle()
         rows = [store.get(rid) for rid in ids]
         assert all(r is not None and r.status is RequestStatus.FINISHED for r in rows)
-        assert all(r.output_tokens == 2000 for r in rows if r)
+        assert all(r.output_tokens == 4000 for r in rows if r)
         assert engines_running(first) == 0 and reported == []  # nothing ran on there
         assert broker.ready == 0 and not broker.dead
         await first.stop()
         await second.stop()
+
+    run(scenario)
+
+
+def test_a_standby_with_no_other_leader_in_sight_keeps_running_what_it_held() -> None:
+    """RabbitMQ can answer "locked" to a reconnect while the broker has not yet dropped the
+    controller's own old connection: no other controller leads, so nothing is stopped."""
+
+    async def scenario(store: Store) -> None:
+        broker = MemoryBroker()
+        service = make_service(store, broker)
+        await service.start()
+        producer = MemoryGlobalQueue(broker=broker)
+        now = service.runtime.clock.now()
+        ids = [f"q{i:04d}" for i in range(6)]
+        for i in range(6):
+            await producer.publish(message(i, now, replay_output_tokens=7000, max_tokens=8000))
+        await eventually(lambda: engines_running(service) >= 2, "it runs some")
+        service._leading(False)  # what the queue says when its own old connection holds the lock
+        assert not service.active
+        watch = service._watch
+        assert watch is not None and not watch.done()
+        await asyncio.sleep(0.2)  # ten looks at the store (poll_s 0.02): no other leader there
+        assert not watch.done() and len(service._held) == 6 and engines_running(service) >= 2
+        service._leading(True)
+        await eventually(lambda: final(store, ids), "all finished")
+        await service.wait_idle()
+        rows = [store.get(rid) for rid in ids]
+        assert all(r is not None and r.output_tokens == 7000 and r.evictions == 0 for r in rows)
+        assert service.active and watch.done()
+        await service.stop()
 
     run(scenario)
 

@@ -183,21 +183,23 @@ def test_a_dropped_connection_hands_what_it_held_to_the_leader_and_comes_back_be
     async def scenario() -> None:
         broker = MemoryBroker()
         first, second = MemoryGlobalQueue(broker=broker), MemoryGlobalQueue(broker=broker)
-        told: list[str] = []
+        told: list[tuple[str, bool]] = []
         one, two = Inbox(), Inbox()
-        await first.consume(one, on_standby=lambda: told.append("first"))
-        await second.consume(two, on_standby=lambda: told.append("second"))
-        assert told == ["second"]  # the first leads
+        await first.consume(one, on_leader=lambda leads: told.append(("first", leads)))
+        await second.consume(two, on_leader=lambda leads: told.append(("second", leads)))
+        assert told == [("first", True), ("second", False)]
         await first.publish(make_message(0))
         (held,) = await one.wait_for(1)
+        told.clear()
         first.drop_connection()
-        assert told == ["second", "first"]  # the second leads now; the first stands by
+        assert told == [("second", True), ("first", False)]  # back behind the second
         (taken,) = await two.wait_for(1)
         assert taken.message == held.message and taken.redelivered
         await first.ack(held)  # from the lost connection: a no-op, the second holds it
         await second.ack(taken)
+        told.clear()
         second.drop_connection()  # the first, behind it, leads again
-        assert told == ["second", "first", "second"] and broker.ready == 0
+        assert told == [("first", True), ("second", False)] and broker.ready == 0
         await first.publish(make_message(1))
         assert [d.message.id for d in await one.wait_for(2) if d.message] == ["r0", "r1"]
 

@@ -137,6 +137,20 @@ def usage(row: RequestRow) -> dict[str, int]:
     }
 
 
+def restarted_error(row: RequestRow) -> ApiError:
+    """A stream whose text is not the start of the stored answer: another controller took the
+    request over after this one had streamed part of it (a failover) and wrote its own answer.
+    The text already sent cannot be taken back; the client is told to read the result."""
+    return ApiError(
+        502,
+        f"request {row.id} was taken over by another controller after this stream began, and "
+        f"its answer differs from the text streamed: read it with GET /v1/requests/{row.id}",
+        type=UPSTREAM,
+        code="stream_restarted",
+        headers={**NO_RETRY, "x-qlm-request-id": row.id},
+    )
+
+
 def outcome_error(row: RequestRow, waited_s: float, timed_out: bool) -> ApiError | None:
     """The error a final row that is not a result turns into (None: it is a result)."""
     if timed_out:
@@ -241,6 +255,8 @@ async def _stream(
             elif isinstance(event, Final):
                 final = event.row
                 error = outcome_error(final, ctx.settings.wait_timeout_s, event.timed_out)
+                if error is None and not (final.output_text or "").startswith(sent):
+                    error = restarted_error(final)
                 if error is not None:
                     yield sse.event(
                         {
