@@ -111,3 +111,40 @@ def _alive(pid: int, url: str) -> bool:
     finally:
         engine.dispose()
     return bool(found)
+
+
+def test_an_index_built_beforehand_concurrently_is_left_be_by_the_migration(
+    postgres_url: str,
+) -> None:
+    from alembic import command
+
+    from qlm.store.store import alembic_config
+
+    with postgres_schema(postgres_url) as url:
+        engine = create_engine(url)
+        try:
+            config = alembic_config()
+            with engine.begin() as connection:
+                config.attributes["connection"] = connection
+                command.upgrade(config, "0003")
+            with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as connection:
+                connection.execute(
+                    text(
+                        "CREATE INDEX CONCURRENTLY ix_requests_finished_at "
+                        "ON requests (finished_at)"
+                    )
+                )
+            Store.open(url).close()  # migrates to the latest revision
+            with engine.connect() as connection:
+                version = connection.execute(text("SELECT version_num FROM alembic_version"))
+                assert version.scalar_one() == "0004"
+                count = connection.execute(
+                    text(
+                        "SELECT count(*) FROM pg_indexes"
+                        " WHERE indexname = :n AND schemaname = current_schema()"
+                    ),
+                    {"n": "ix_requests_finished_at"},
+                )
+                assert count.scalar_one() == 1
+        finally:
+            engine.dispose()

@@ -1,6 +1,11 @@
 """Requests: an index on ``finished_at`` (retention deletes the oldest ended requests; a
 controller taking over reads the latest completions).
 
+The store migrates in one transaction, so the index is built with a plain ``CREATE INDEX``,
+which blocks writes to ``requests`` while it builds. On a large PostgreSQL table build it first,
+without blocking, and this migration then leaves it be (docs/operations.md):
+``CREATE INDEX CONCURRENTLY IF NOT EXISTS ix_requests_finished_at ON requests (finished_at)``.
+
 Revision ID: 0004
 Revises: 0003
 Create Date: 2026-11-24
@@ -17,7 +22,9 @@ depends_on = None
 
 
 def upgrade() -> None:
-    op.create_index(op.f("ix_requests_finished_at"), "requests", ["finished_at"])
+    op.create_index(
+        op.f("ix_requests_finished_at"), "requests", ["finished_at"], if_not_exists=True
+    )
 
 
 def downgrade() -> None:
