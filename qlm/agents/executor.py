@@ -274,9 +274,16 @@ class AgentRuntime:
         if instance is not None and flight is not None:
             flight.leaving = True
             out = await self._abort(instance, request_id)
-            partial += out.text if out is not None else "".join(flight.text)
-            tokens += out.tokens if out is not None else flight.tokens
-            self._flights.pop(request_id, None)
+            if self._flights.get(request_id) is flight:
+                partial += out.text if out is not None else "".join(flight.text)
+                tokens += out.tokens if out is not None else flight.tokens
+                self._flights.pop(request_id, None)
+            elif request_id not in self._jobs:
+                return  # an eviction under way found it finished, and reported it so
+            else:  # an eviction under way gave it back: it waits again, with its output
+                self.controller.cancel(request_id)
+                partial = self._jobs[request_id].partial_text
+                tokens = self.controller.track(request_id).output_tokens
         self._jobs.pop(request_id, None)
         self.listener.cancelled(request_id, partial, tokens)
         self._kick.set()
@@ -506,6 +513,8 @@ class AgentRuntime:
             return
         flight.leaving = True
         out = await self._abort(flight.instance, rid)
+        if self._flights.get(rid) is not flight:
+            return  # a cancel or a release took it meanwhile, and reported (or dropped) it
         if out is not None and not out.aborted:  # it finished before the abort reached it
             self._finish(rid, flight, out)
             return

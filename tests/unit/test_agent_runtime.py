@@ -451,6 +451,27 @@ def test_an_eviction_that_arrives_after_the_end_finishes_the_request_once() -> N
     run(scenario)
 
 
+def test_a_cancel_during_an_eviction_ends_the_request_once() -> None:
+    async def scenario() -> None:
+        rec = Recorder()
+        e = engine("i0")
+        rt = start(EvictOnce("r0000"), [SlowAbort(e)], rec)
+        await rt.start()
+        rt.submit(
+            make_request(0, arrival_s=rt.clock.now(), replay_output_tokens=300, max_tokens=300)
+        )
+        await eventually(lambda: rt.evictions == 1, "the eviction is under way")
+        assert await rt.cancel("r0000")  # its abort, too, is answered once the request ended
+        await eventually(lambda: rt.idle and not rt._tasks, "every operation is over")
+        await rt.stop()
+        await e.close()
+        # It ended once: finished (the eviction's abort answered first) or cancelled.
+        assert len(rec.cancels) + len(rec.done) == 1 and not rec.back
+        assert rt.controller.outstanding("i0") == 0
+
+    run(scenario)
+
+
 def test_outstanding_counts_return_to_zero_when_everything_finished() -> None:
     async def scenario() -> None:
         rec = Recorder()
