@@ -190,20 +190,25 @@ class ControllerService(RuntimeListener):
             self._watch = asyncio.create_task(self._watch_leader(self._lead), name="qlm-watch")
 
     async def _watch_leader(self, lead: int) -> None:
-        """Step down once another controller is seen leading: its state in the store, published
-        after this one lost the lead. Until then this one goes on serving what it holds: the
-        lock may still be its own old connection's (RabbitMQ drops a dead connection only after
-        the heartbeat timeout), and leading again it finds its requests still running."""
-        since = self.store.now()
+        """Step down once another controller is seen leading: its state in the store says it
+        is active, and it is publishing (its ``updated_at`` moved between two reads: no clock
+        is compared, so hosts' clocks may differ). Until then this one goes on serving what it
+        holds: the lock may still be its own old connection's (RabbitMQ drops a dead connection
+        only after the heartbeat timeout), and leading again it finds its requests running."""
+        seen: dict[str, float] = {}
         while self._standby and self._lead == lead and self._held:
             try:
                 rows = await asyncio.to_thread(self.store.controller_states)
             except Exception as exc:
                 log.warning("cannot read which controller leads (%s); asking again", exc)
                 rows = []
-            if any(r.active and r.name != self.name and r.updated_at >= since for r in rows):
-                self._step_down()
-                return
+            for row in rows:
+                if row.name == self.name or not row.active:
+                    continue
+                if row.name in seen and row.updated_at != seen[row.name]:
+                    self._step_down()
+                    return
+            seen = {row.name: row.updated_at for row in rows} or seen
             await asyncio.sleep(self.poll_s)
 
     def _step_down(self) -> None:
