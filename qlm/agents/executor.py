@@ -304,7 +304,7 @@ class AgentRuntime:
             if job is None and flight is None and on is None:
                 continue
             released += 1
-            if flight is not None and not flight.leaving:
+            if flight is not None:  # also one an eviction is aborting: stopped before the end
                 flight.leaving = True
                 aborts.append((rid, flight))
         try:
@@ -513,8 +513,8 @@ class AgentRuntime:
             return
         flight.leaving = True
         out = await self._abort(flight.instance, rid)
-        if self._flights.get(rid) is not flight:
-            return  # a cancel or a release took it meanwhile, and reported (or dropped) it
+        if self._flights.get(rid) is not flight or rid in self._cancelling:
+            return  # a cancel or a release took it meanwhile: it reports (or drops) it
         if out is not None and not out.aborted:  # it finished before the abort reached it
             self._finish(rid, flight, out)
             return

@@ -180,6 +180,8 @@ class ControllerService(RuntimeListener):
         watches for another controller leading (``_watch_leader``)."""
         if leading:
             self._standby = False
+            if self._watch is not None:
+                self._watch.cancel()
             return
         self._standby = True
         self._lead += 1  # deliveries taken before are stale: the broker delivers them again
@@ -206,7 +208,8 @@ class ControllerService(RuntimeListener):
                 if row.name == self.name or not row.active:
                     continue
                 if row.name in seen and row.updated_at != seen[row.name]:
-                    self._step_down()
+                    if self._standby and self._lead == lead:  # still (not leading again)
+                        self._step_down()
                     return
             seen = {row.name: row.updated_at for row in rows} or seen
             await asyncio.sleep(self.poll_s)

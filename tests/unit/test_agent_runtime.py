@@ -472,6 +472,58 @@ def test_a_cancel_during_an_eviction_ends_the_request_once() -> None:
     run(scenario)
 
 
+class GatedAbort:
+    """An engine whose first abort (an eviction's) is answered only once ``gate`` is set, and
+    then as if the request had ended before the abort reached it."""
+
+    def __init__(self, inner: WallClockEngine) -> None:
+        self.inner = inner
+        self.name = inner.name
+        self.gate = asyncio.Event()
+        self.calls = 0
+
+    def __getattr__(self, item: str) -> Any:
+        return getattr(self.inner, item)
+
+    async def abort(self, request_id: str) -> EngineOutput:
+        self.calls += 1
+        if self.calls > 1:
+            return await self.inner.abort(request_id)
+        await self.gate.wait()
+        return EngineOutput(request_id, " old attempt", 2, "stop")
+
+
+def test_a_release_during_an_eviction_wins_over_the_evictions_late_answer() -> None:
+    """The controller lost the lead while evicting a request, released it, led again and got
+    it delivered again: the eviction's late answer must not end the new attempt."""
+
+    async def scenario() -> None:
+        rec = Recorder()
+        e = engine("i0")
+        gated = GatedAbort(e)
+        rt = start(EvictOnce("r0000"), [gated], rec)
+        await rt.start()
+        request = make_request(
+            0, arrival_s=rt.clock.now(), replay_output_tokens=3000, max_tokens=3000
+        )
+        rt.submit(request)
+        await eventually(lambda: gated.calls == 1, "the eviction is aborting it")
+        try:
+            assert await rt.release(["r0000"]) == 1
+            assert not rt.holds("r0000") and "r0000" not in rt._flights
+            assert rt.submit(request)  # led again: delivered again
+        finally:
+            gated.gate.set()  # the eviction's abort answers now, late
+        await eventually(lambda: rt.idle and not rt._tasks, "the new attempt finished")
+        await rt.stop()
+        await e.close()
+        record, text = rec.done["r0000"]
+        assert record.output_tokens == 3000 == count_tokens(text) and "old" not in text
+        assert not rec.back and not rec.cancels and rt.controller.outstanding("i0") == 0
+
+    run(scenario)
+
+
 def test_outstanding_counts_return_to_zero_when_everything_finished() -> None:
     async def scenario() -> None:
         rec = Recorder()

@@ -4,6 +4,7 @@ simulated instances on the wall clock at 50x. Waits poll with a deadline; no tim
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -245,6 +246,69 @@ def test_a_controller_that_lost_the_lead_stops_what_the_leader_took_over() -> No
         assert broker.ready == 0 and not broker.dead
         await first.stop()
         await second.stop()
+
+    run(scenario)
+
+
+class SlowLeaderRead:
+    """A store whose ``controller_states`` answers late — once, the first time it shows another
+    controller active and publishing (after ``armed``), until ``gate`` is set."""
+
+    def __init__(self, inner: Store, name: str) -> None:
+        self.inner = inner
+        self.name = name
+        self.seen: dict[str, float] | None = None
+        self.armed = False
+        self.blocked = threading.Event()
+        self.gate = threading.Event()
+
+    def __getattr__(self, item: str) -> Any:
+        return getattr(self.inner, item)
+
+    def controller_states(self) -> Any:
+        rows = self.inner.controller_states()
+        now = {r.name: r.updated_at for r in rows if r.active and r.name != self.name}
+        moved = self.seen is not None and any(
+            n in self.seen and self.seen[n] != u for n, u in now.items()
+        )
+        self.seen = {r.name: r.updated_at for r in rows}
+        if self.armed and moved:
+            self.armed = False
+            self.blocked.set()
+            self.gate.wait(30)
+        return rows
+
+
+def test_a_controller_leading_again_while_it_looked_for_the_leader_keeps_its_requests() -> None:
+    async def scenario(store: Store) -> None:
+        broker = MemoryBroker(delivery_limit=50)
+        c0, c1 = make_service(store, broker, name="c0"), make_service(store, broker, name="c1")
+        c0.publish_s = c1.publish_s = 0.05
+        slow = SlowLeaderRead(store, "c0")
+        c0.store = slow  # type: ignore[assignment]
+        await c0.start()
+        await c1.start()
+        producer = MemoryGlobalQueue(broker=broker)
+        now = c0.runtime.clock.now()
+        ids = [f"q{i:04d}" for i in range(4)]
+        for i in range(4):
+            await producer.publish(message(i, now, replay_output_tokens=3000, max_tokens=3100))
+        await eventually(lambda: engines_running(c0) >= 2, "c0 runs them")
+        slow.armed = True
+        try:
+            c0.queue.drop_connection()  # type: ignore[attr-defined]  # c1 leads, c0 watches
+            await eventually(lambda: slow.blocked.is_set(), "c0 reads that c1 leads (slowly)")
+            c1.queue.drop_connection()  # type: ignore[attr-defined]  # back to c0 meanwhile
+            await eventually(lambda: not c0._standby, "c0 leads again")
+            await asyncio.sleep(0.1)  # its requests delivered again, found running
+        finally:
+            slow.gate.set()  # the read answers, late: c1 led — but c0 leads now
+        await eventually(lambda: final(store, ids), "all finished")
+        rows = [store.get(rid) for rid in ids]
+        assert all(r is not None and r.status is RequestStatus.FINISHED for r in rows)
+        assert broker.ready == 0 and not broker.dead
+        await c0.stop()
+        await c1.stop()
 
     run(scenario)
 
