@@ -25,7 +25,13 @@ import pytest
 from services import broker_names, in_ci
 from yarl import URL
 
-from qlm.global_queue import DeadLetter, Delivery, QueuedRequest, QueueUnavailable
+from qlm.global_queue import (
+    DeadLetter,
+    Delivery,
+    MemoryBroker,
+    QueuedRequest,
+    QueueUnavailable,
+)
 from qlm.global_queue.rabbitmq import (
     DEAD_QUEUE_ARGUMENTS,
     RabbitGlobalQueue,
@@ -34,6 +40,7 @@ from qlm.global_queue.rabbitmq import (
     shard_names,
     shard_of,
 )
+from qlm.store import Store
 
 DEFINITIONS = Path(__file__).resolve().parents[2] / "broker" / "definitions.json"
 
@@ -394,6 +401,60 @@ def test_a_consumer_is_told_when_it_leads_and_when_it_stands_by(
         await assert_drained(amqp_url, names)
 
     run(scenario)
+
+
+@pytest.mark.rabbitmq
+def test_a_controller_cut_off_from_the_broker_stops_what_the_standby_took_over(
+    amqp_url: str, names: Names
+) -> None:
+    """Two controller services on the broker; the leader's connection is closed by the broker
+    (what a partition ends in). Whichever leads then, every request ends once with its whole
+    output; when the standby took the lock, the old leader stopped what it ran."""
+    from tests.unit.test_controller_service import engines_running, final, make_service, message
+
+    ctl = rabbitmqctl()
+
+    async def scenario() -> None:
+        store = Store.open("sqlite://")
+        first = make_service(store, MemoryBroker(), name="c0", queue=open_queue(amqp_url, names))
+        standby_queue = open_queue(amqp_url, names, leader_retry_s=0.002)  # quick to take over
+        second = make_service(store, MemoryBroker(), name="c1", queue=standby_queue)
+        first.publish_s = second.publish_s = 0.05
+        released: list[int] = []
+        release = first.runtime.release
+
+        async def spy(ids: Any) -> int:
+            released.append(await release(ids))
+            return released[-1]
+
+        first.runtime.release = spy  # type: ignore[method-assign]
+        producer = open_queue(amqp_url, names)
+        try:
+            await first.start()
+            await poll(lambda: bool(consumer_pids(ctl, names["queue"])), 10.0, "c0 to consume")
+            (pid,) = consumer_pids(ctl, names["queue"])
+            await second.start()
+            now = first.runtime.clock.now()
+            ids = [f"q{i:04d}" for i in range(8)]
+            for i in range(8):
+                await producer.publish(message(i, now, replay_output_tokens=6000, max_tokens=7000))
+            await poll(lambda: engines_running(first) >= 2, 30.0, "c0 to run them")
+            subprocess.run([*ctl, "-q", "close_connection", pid, "test"], check=True)
+            await poll(lambda: final(store, ids), 60.0, "every request to end")
+            rows = [store.get(rid) for rid in ids]
+            assert all(r is not None and r.status.name == "FINISHED" for r in rows)
+            assert all(r.output_tokens == 6000 for r in rows if r)
+            if second.active:  # the standby took the lock: the old leader let go of its work
+                assert released and released[0] >= 1
+                await poll(lambda: engines_running(first) == 0, 10.0, "c0's engines idle")
+        finally:
+            await first.stop()
+            await second.stop()
+            await producer.close()
+            store.close()
+        await assert_drained(amqp_url, names)
+
+    run(scenario, timeout_s=120.0)
 
 
 @pytest.mark.rabbitmq

@@ -17,7 +17,13 @@ from qlm.clock import WallClock
 from qlm.controller import Controller
 from qlm.domain import InstanceSpec, RequestStatus
 from qlm.engines.wallclock import WallClockEngine, count_tokens
-from qlm.global_queue import DeadLetter, MemoryBroker, MemoryGlobalQueue, QueuedRequest
+from qlm.global_queue import (
+    DeadLetter,
+    GlobalQueue,
+    MemoryBroker,
+    MemoryGlobalQueue,
+    QueuedRequest,
+)
 from qlm.planner import PlannerConfig, create_policy
 from qlm.service import ControllerService
 from qlm.store import NewRequest, Store, StoreError
@@ -27,7 +33,11 @@ SCALE = 50.0
 
 
 def make_service(
-    store: Store, broker: MemoryBroker, policy: str = "qlm", name: str = "c0"
+    store: Store,
+    broker: MemoryBroker,
+    policy: str = "qlm",
+    name: str = "c0",
+    queue: GlobalQueue | None = None,
 ) -> ControllerService:
     engines = [
         WallClockEngine.from_catalog(n, "m", "G", 1, time_scale=SCALE, catalog=make_catalog())
@@ -42,7 +52,12 @@ def make_service(
         health_interval_s=0.05,
     )
     return ControllerService(
-        MemoryGlobalQueue(broker=broker), store, runtime, name=name, flush_s=0.01, poll_s=0.02
+        queue if queue is not None else MemoryGlobalQueue(broker=broker),
+        store,
+        runtime,
+        name=name,
+        flush_s=0.01,
+        poll_s=0.02,
     )
 
 
