@@ -410,7 +410,13 @@ def test_a_controller_cut_off_from_the_broker_stops_what_the_standby_took_over(
     """Two controller services on the broker; the leader's connection is closed by the broker
     (what a partition ends in). Whichever leads then, every request ends once with its whole
     output; when the standby took the lock, the old leader stopped what it ran."""
-    from tests.unit.test_controller_service import engines_running, final, make_service, message
+    from tests.unit.test_controller_service import (
+        engines_running,
+        final,
+        make_service,
+        message,
+        spy_release,
+    )
 
     ctl = rabbitmqctl()
 
@@ -420,14 +426,7 @@ def test_a_controller_cut_off_from_the_broker_stops_what_the_standby_took_over(
         standby_queue = open_queue(amqp_url, names, leader_retry_s=0.002)  # quick to take over
         second = make_service(store, MemoryBroker(), name="c1", queue=standby_queue)
         first.publish_s = second.publish_s = 0.05
-        released: list[int] = []
-        release = first.runtime.release
-
-        async def spy(ids: Any) -> int:
-            released.append(await release(ids))
-            return released[-1]
-
-        first.runtime.release = spy  # type: ignore[method-assign]
+        released = spy_release(first)
         producer = open_queue(amqp_url, names)
         try:
             await first.start()

@@ -213,6 +213,34 @@ def engines_running(service: ControllerService) -> int:
     )
 
 
+def spy_release(service: ControllerService) -> list[int]:
+    """How many requests each of the service's releases (step-downs) stopped, as they happen."""
+    released: list[int] = []
+    release = service.runtime.release
+
+    async def spy(ids: Any) -> int:
+        released.append(await release(ids))
+        return released[-1]
+
+    service.runtime.release = spy  # type: ignore[method-assign]
+    return released
+
+
+async def serving(store: Store, requests: int, tokens: int) -> tuple[ControllerService, list[str]]:
+    """A started service alone on a fresh in-process broker, running some of ``requests``
+    published requests of ``tokens`` output tokens each."""
+    broker = MemoryBroker()
+    service = make_service(store, broker)
+    await service.start()
+    producer = MemoryGlobalQueue(broker=broker)
+    now = service.runtime.clock.now()
+    ids = [f"q{i:04d}" for i in range(requests)]
+    for i in range(requests):
+        await producer.publish(message(i, now, replay_output_tokens=tokens, max_tokens=8000))
+    await eventually(lambda: engines_running(service) >= 2, "it runs some")
+    return service, ids
+
+
 def test_a_controller_that_lost_the_lead_stops_what_the_leader_took_over() -> None:
     async def scenario(store: Store) -> None:
         broker = MemoryBroker(delivery_limit=10)
@@ -221,14 +249,7 @@ def test_a_controller_that_lost_the_lead_stops_what_the_leader_took_over() -> No
             make_service(store, broker, name="c1"),
         )
         first.publish_s = second.publish_s = 0.05  # their state in the store: who leads
-        released: list[int] = []  # by the first controller, when it steps down
-        release = first.runtime.release
-
-        async def spy(ids: Any) -> int:
-            released.append(await release(ids))
-            return released[-1]
-
-        first.runtime.release = spy  # type: ignore[method-assign]
+        released = spy_release(first)  # by the first controller, when it steps down
         await first.start()
         await second.start()  # waits: single active consumer
         producer = MemoryGlobalQueue(broker=broker)
@@ -333,15 +354,7 @@ def test_a_standby_with_no_other_leader_in_sight_keeps_running_what_it_held() ->
     controller's own old connection: no other controller leads, so nothing is stopped."""
 
     async def scenario(store: Store) -> None:
-        broker = MemoryBroker()
-        service = make_service(store, broker)
-        await service.start()
-        producer = MemoryGlobalQueue(broker=broker)
-        now = service.runtime.clock.now()
-        ids = [f"q{i:04d}" for i in range(6)]
-        for i in range(6):
-            await producer.publish(message(i, now, replay_output_tokens=7000, max_tokens=8000))
-        await eventually(lambda: engines_running(service) >= 2, "it runs some")
+        service, ids = await serving(store, 6, 7000)
         service._leading(False)  # what the queue says when its own old connection holds the lock
         assert not service.active
         watch = service._watch
@@ -361,15 +374,8 @@ def test_a_standby_with_no_other_leader_in_sight_keeps_running_what_it_held() ->
 
 def test_a_controller_whose_connection_drops_while_alone_keeps_running_what_it_held() -> None:
     async def scenario(store: Store) -> None:
-        broker = MemoryBroker()
-        service = make_service(store, broker)
-        await service.start()
-        producer = MemoryGlobalQueue(broker=broker)
-        now = service.runtime.clock.now()
-        ids = [f"q{i:04d}" for i in range(10)]
-        for i in range(10):
-            await producer.publish(message(i, now, replay_output_tokens=1500, max_tokens=3000))
-        await eventually(lambda: engines_running(service) >= 2, "it runs some")
+        service, ids = await serving(store, 10, 1500)
+        broker = service.queue.broker  # type: ignore[attr-defined]
         running = engines_running(service)
         service.queue.drop_connection()  # type: ignore[attr-defined]
         # Alone, it leads again at once: the redeliveries find their requests still running.
