@@ -490,7 +490,7 @@ class ControllerService(RuntimeListener):
             del plans[:-100]
             self._plans_written = len(plans)
 
-    # --- messages the broker gave up on ---------------------------------------------------------
+    # --- retention ------------------------------------------------------------------------------
 
     async def _retain(self) -> None:
         """Retention, by the active controller every ``retain_every_s``: requests that ended
@@ -521,6 +521,8 @@ class ControllerService(RuntimeListener):
                     break
         plans = self.store.prune_plans(keep=self.retain_plans) if self.retain_plans > 0 else 0
         return requests, plans
+
+    # --- messages the broker gave up on ---------------------------------------------------------
 
     async def _reap(self) -> None:
         """Every ``reap_s``: take the dead-letter queue's messages and record each request as
