@@ -31,7 +31,10 @@ does not know output lengths (actual time to first token and time per token, eve
 by the mean output), R² of the waiting part alone (arrival to first scheduled), the calibration
 of the output-length model alone (where each true output falls in the predictive the estimator
 used for it, by decile: 10 % each when calibrated), and a calibration table (predicted
-``P(meet SLO)`` in deciles vs the observed frequency). Writes ``experiments/results/rct_accuracy.json``
+``P(meet SLO)`` in deciles vs the observed frequency, with a 95 % interval of each pooled
+decile's gap that counts requests arriving within ``--cluster-s`` seconds of one replay as one
+cluster, since they share their errors). ``--prior window`` (a diagnostic, not a result) fits
+the output-length prior on the measured window's own outputs. Writes ``experiments/results/rct_accuracy.json``
 and ``rct_accuracy.png`` (scatter plots).
 
 Reproduce: .venv/bin/python experiments/rct_accuracy.py
@@ -43,12 +46,14 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import math
 import sys
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+from scipy.stats import t as student_t
 
 from qlm.domain import Request, RequestRecord
 from qlm.engines.perf_model import default_catalog
@@ -241,6 +246,7 @@ def run_case(
         "_act": act,
         "_p": p,
         "_met": obs,
+        "_arrival": np.array([recorder.requests[i].arrival_s for i in ids]),
     }
 
 
@@ -412,13 +418,13 @@ def report(c: dict[str, object], fleet: str) -> None:
             )
 
 
-Job = tuple[str, str, float, int, float, float, bool, float, float]
+Job = tuple[str, str, float, int, float, float, bool, float, float, str]
 
 
 def run_job(job: Job) -> dict[str, object]:
     """One replay (in a worker process): ``(fleet, workload, rate, sample, azure_end,
-    sharegpt_duration, by_prompt, tail_s, warmup_s)``."""
-    fleet, workload, rate, sample, azure_end, duration, by_prompt, tail_s, warmup_s = job
+    sharegpt_duration, by_prompt, tail_s, warmup_s, prior)``."""
+    fleet, workload, rate, sample, azure_end, duration, by_prompt, tail_s, warmup_s, source = job
     if workload == "azure":
         length = azure_end - 600.0
         start = 600.0 + sample * length
@@ -428,17 +434,30 @@ def run_job(job: Job) -> dict[str, object]:
     else:
         warm, reqs, tail, prior = sharegpt_case(rate, duration, sample, tail_s, warmup_s)
         name = f"sharegpt {rate:g} req/s" + (f" seed {sample}" if sample else "")
+    if source == "window":  # the oracle diagnostic: the window's own outputs
+        prior = [r.output_tokens_to_generate for r in reqs]
     c = run_case(name, reqs, prior, fleet, tail=tail, warmup=warm, by_prompt=by_prompt)
     c["sample"] = sample
     return c
 
 
-def pooled(label: str, fleet: str, runs: list[dict[str, object]]) -> dict[str, object]:
+def pooled(
+    label: str, fleet: str, runs: list[dict[str, object]], cluster_s: float = 10.0
+) -> dict[str, object]:
     """One case's samples together: the calibration table over all their requests, and how much
     each decile's observed frequency moved from sample to sample (its noise in one replay)."""
     p = np.concatenate([c["_p"] for c in runs])  # type: ignore[misc]
     met = np.concatenate([c["_met"] for c in runs])  # type: ignore[misc]
+    # Requests that arrive together share their errors (the same batch, the same belief): the
+    # clusters of the interval below are the slices of ``cluster_s`` seconds of each replay.
+    cluster = np.concatenate(
+        [k * 1e6 + np.floor(c["_arrival"] / cluster_s) for k, c in enumerate(runs)]  # type: ignore[operator]
+    )
     rows = calibration_rows(p, met)
+    for row in rows:
+        lo = float(str(row["bin"]).split("-")[0])
+        sel = (p >= lo) & ((p < lo + 0.1) if lo < 0.9 else (p <= 1.0))
+        row["gap_ci95"] = gap_interval(met[sel] - p[sel], cluster[sel])
     for row in rows:
         lo = float(str(row["bin"]).split("-")[0])
         freqs = []
@@ -461,7 +480,58 @@ def pooled(label: str, fleet: str, runs: list[dict[str, object]]) -> dict[str, o
         "deciles_off_per_sample": [c["deciles_off"] for c in runs],
         "calibration": rows,
         "deciles_off": deciles_off(rows),
+        "deciles_off_beyond_noise": deciles_off_beyond_noise(rows),
+        "deciles_shown_within": deciles_shown_within(rows),
+        "deciles_measured": sum(1 for r in rows if r["n"] >= CAL_MIN_N),  # type: ignore[operator]
     }
+
+
+def gap_interval(
+    residual: np.ndarray,  # type: ignore[type-arg]
+    cluster: np.ndarray,  # type: ignore[type-arg]
+) -> tuple[float, float] | None:
+    """95 % interval of the mean of ``residual`` (observed − predicted) with errors correlated
+    inside each cluster and independent between clusters: the cluster-robust (CR1) standard
+    error with Student's t on (clusters − 1) degrees of freedom. ``None`` below 2 clusters."""
+    if residual.size == 0:
+        return None
+    ids, inverse = np.unique(cluster, return_inverse=True)
+    g = len(ids)
+    if g < 2:
+        return None
+    gap = float(residual.mean())
+    sums = np.bincount(inverse, weights=residual - gap, minlength=g)
+    se = math.sqrt(g / (g - 1) * float(np.sum(sums**2))) / residual.size
+    half = float(student_t.ppf(0.975, g - 1)) * se
+    return gap - half, gap + half
+
+
+def deciles_off_beyond_noise(rows: list[dict[str, object]]) -> int:
+    """Deciles off (as ``deciles_off``) whose whole 95 % interval of the gap is outside the
+    tolerance too: off by more than the replays' own noise explains."""
+    count = 0
+    for r in rows:
+        ci = r.get("gap_ci95")
+        if (
+            r["n"] >= CAL_MIN_N  # type: ignore[operator]
+            and ci is not None
+            and (ci[0] > CAL_TOLERANCE or ci[1] < -CAL_TOLERANCE)  # type: ignore[index]
+        ):
+            count += 1
+    return count
+
+
+def deciles_shown_within(rows: list[dict[str, object]]) -> int:
+    """Deciles of at least ``CAL_MIN_N`` requests whose whole 95 % interval of the gap is
+    inside the tolerance: shown calibrated despite the replays' noise."""
+    return sum(
+        1
+        for r in rows
+        if r["n"] >= CAL_MIN_N  # type: ignore[operator]
+        and r.get("gap_ci95") is not None
+        and r["gap_ci95"][0] >= -CAL_TOLERANCE  # type: ignore[index]
+        and r["gap_ci95"][1] <= CAL_TOLERANCE  # type: ignore[index]
+    )
 
 
 def report_pooled(c: dict[str, object]) -> None:
@@ -471,14 +541,17 @@ def report_pooled(c: dict[str, object]) -> None:
     )
     print(
         f"  {'P(meet SLO)':>12} {'n':>6} {'predicted':>10} {'observed':>9} {'sd between samples':>19}"
+        f" {'95 % interval of the gap':>25}"
     )
     for row in c["calibration"]:  # type: ignore[attr-defined]
         if row["n"]:
             off = row["n"] >= CAL_MIN_N and abs(row["predicted"] - row["observed"]) > CAL_TOLERANCE
             sd = row["observed_sd_between_samples"]
+            ci = row["gap_ci95"]
+            band = "" if ci is None else f"{ci[0]:+.3f} .. {ci[1]:+.3f}"  # type: ignore[index]
             print(
                 f"  {row['bin']:>12} {row['n']:>6} {row['predicted']:>10.3f} "
-                f"{row['observed']:>9.3f} {'' if sd is None else f'{sd:.3f}':>19}"
+                f"{row['observed']:>9.3f} {'' if sd is None else f'{sd:.3f}':>19} {band:>25}"
                 f"{'  <-- off by more than 10 points' if off else ''}"
             )
 
@@ -517,7 +590,24 @@ def main() -> int:
         default=WARMUP_S,
         help="seconds of arrivals replayed before each window, not measured (0: a cold start)",
     )
+    parser.add_argument(
+        "--prior",
+        choices=("profile", "window"),
+        default="profile",
+        help="what the output-length prior is fitted on: the workload profile (data not replayed; "
+        "the default) or, as a diagnostic only, the measured window's own outputs (an oracle no "
+        "deployment has: it shows what is left once the prior matches the window's mix)",
+    )
+    parser.add_argument(
+        "--cluster-s",
+        type=float,
+        default=10.0,
+        help="requests arriving within this many seconds of one replay count as one cluster "
+        "(they share their errors) in the interval of each decile's calibration gap",
+    )
     args = parser.parse_args()
+    if args.cluster_s <= 0:
+        parser.error("--cluster-s must be > 0")
     if args.samples < 1 or args.jobs < 1:
         parser.error("--samples and --jobs must be >= 1")
     if not (args.tail >= 0 and args.warmup >= 0):
@@ -541,6 +631,7 @@ def main() -> int:
                         args.by_prompt,
                         args.tail,
                         args.warmup,
+                        args.prior,
                     )
                     for k in range(args.samples)
                 ]
@@ -558,7 +649,7 @@ def main() -> int:
         for c in runs:
             report(c, fleet)
         cases.extend(runs)
-        pools.append(pooled(label, fleet, runs))
+        pools.append(pooled(label, fleet, runs, args.cluster_s))
         workload = str(jobs[0][1])
         heaviest[(fleet, workload)] = pools[-1]  # the rates run lightest first
         first = runs[0]
@@ -587,9 +678,26 @@ def main() -> int:
         )
     off_samples = sum(int(c["deciles_off"]) for c in cases)  # type: ignore[call-overload]
     off_pooled = sum(int(c["deciles_off"]) for c in pools)  # type: ignore[call-overload]
+    beyond = sum(int(c["deciles_off_beyond_noise"]) for c in pools)  # type: ignore[call-overload]
     print(
         f"deciles off: {off_samples} over the {len(cases)} single replays, {off_pooled} over the "
-        f"{len(pools)} cases with their samples pooled"
+        f"{len(pools)} cases with their samples pooled; {beyond} of those pooled with the whole "
+        f"95 % interval of the gap (arrival slices of {args.cluster_s:g} s as clusters) off too"
+    )
+    other = []
+    for slice_s in (2.5, 5.0, 20.0, 40.0):  # how much that count depends on the slices
+        count, at = 0, 0
+        for fleet, label, jobs in groups:
+            again = pooled(label, fleet, results[at : at + len(jobs)], slice_s)
+            count += int(again["deciles_off_beyond_noise"])  # type: ignore[call-overload]
+            at += len(jobs)
+        other.append(f"{count} with {slice_s:g} s")
+    print(f"  (and {', '.join(other)} slices)")
+    within = sum(int(c["deciles_shown_within"]) for c in pools)  # type: ignore[call-overload]
+    measured = sum(int(c["deciles_measured"]) for c in pools)  # type: ignore[call-overload]
+    print(
+        f"deciles pooled whose whole 95 % interval is within {100 * CAL_TOLERANCE:g} points: "
+        f"{within} of {measured} (the rest cannot be told apart from the tolerance either way)"
     )
     ok = all(
         min(c["r2"]) >= R2_TARGET and c["deciles_off"] == 0  # type: ignore[call-overload, type-var]
