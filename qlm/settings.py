@@ -62,6 +62,9 @@ class ControllerSettings(BaseModel):
     # ago (with their labels), and plans beyond the latest ``retain_plans``; 0 keeps them all.
     retain_days: float = Field(default=30.0, ge=0)
     retain_plans: int = Field(default=10_000, ge=0)
+    # Orphan sweep: a request submitted more than this many seconds ago that has not ended and
+    # that no message in the global queue stands for is recorded failed (0: never).
+    orphan_after_s: float = Field(default=600.0, ge=0)
 
 
 TierName = Literal["interactive", "standard", "batch"]

@@ -135,6 +135,13 @@ class GlobalQueue(Protocol):
         raises. Returns how many were handed."""
         ...
 
+    async def backlog(self) -> int:
+        """Messages the broker holds that no consumer has been handed: ready in the queue (every
+        shard) or in the dead-letter queue, not yet reaped. 0 means every request the queue
+        holds is with the leader (the controller's orphan sweep relies on it); raises
+        ``QueueUnavailable`` when the broker cannot be asked."""
+        ...
+
     async def healthy(self) -> bool:
         """Whether the queue can take messages now (``/readyz``); never raises."""
         ...

@@ -227,6 +227,9 @@ class MemoryGlobalQueue:
                     self.broker.dead.remove(letter)
         return len(letters)
 
+    async def backlog(self) -> int:
+        return self.broker.ready + len(self.broker.dead)
+
     async def healthy(self) -> bool:
         return not self._closed
 

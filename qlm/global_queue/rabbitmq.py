@@ -769,6 +769,25 @@ class RabbitGlobalQueue:
         finally:
             await _close_quietly(connection)
 
+    async def backlog(self) -> int:
+        """Ready messages of every shard and of the dead-letter queue (passive declares on a
+        short-lived connection: un-acked deliveries are not counted)."""
+        try:
+            connection = await self._connect("backlog")
+        except BROKER_ERRORS as exc:
+            raise self._unavailable("cannot count the queue's messages", exc) from exc
+        try:
+            channel = await connection.channel(publisher_confirms=False)
+            total = 0
+            for name in (*self.queues, self.dead_letter_queue):
+                declared = await channel.declare_queue(name, passive=True)
+                total += int(declared.declaration_result.message_count or 0)
+            return total
+        except BROKER_ERRORS as exc:
+            raise self._unavailable("cannot count the queue's messages", exc) from exc
+        finally:
+            await _close_quietly(connection)
+
     # --- health and shutdown ------------------------------------------------------------------
 
     async def healthy(self) -> bool:

@@ -80,6 +80,7 @@ def build_controller(
         history_outputs=cs.history_outputs,
         retain_s=cs.retain_days * 86400.0,
         retain_plans=cs.retain_plans,
+        orphan_after_s=cs.orphan_after_s,
     )
 
 

@@ -12,6 +12,11 @@ active one dies, the broker redelivers every message it held; the standby record
 a request already final in the store is acked at once, the others resume from the partial output
 the store holds (kept at each eviction or instance failure) or restart.
 
+**Orphans.** A request row that no message stands for — its API process stopped between the
+store commit and the broker's confirm (its client got no answer), or an in-process queue was lost
+with its process — would stay queued for ever. The leader sweeps for them (``sweep_once``) and
+records them failed.
+
 **Poison.** A message the controller can never serve (no instance serves its model) is recorded
 failed with the reason and dead-lettered; the queue dead-letters undecodable bodies itself, and
 the broker's delivery limit ends any loop.
@@ -42,6 +47,18 @@ log = logging.getLogger(__name__)
 
 RETAIN_BATCH = 5000
 """Ended requests deleted per transaction by retention."""
+
+ORPHAN_PAGE = 1000
+"""Rows the orphan sweep reads per query (the oldest first)."""
+
+ORPHAN_PAGES = 20
+"""Queries per round of the orphan sweep, at most."""
+
+ORPHAN_ERROR = (
+    "lost before it reached the global queue: no message stands for it (the API that recorded "
+    "it stopped before the broker confirmed it, so its client was never answered, or an "
+    "in-process queue was lost with its process); submit it again"
+)
 
 
 def default_controller_name() -> str:
@@ -81,6 +98,8 @@ class ControllerService(RuntimeListener):
         retain_s: float = 0.0,
         retain_plans: int = 0,
         retain_every_s: float = 600.0,
+        orphan_after_s: float = 0.0,
+        orphan_every_s: float = 60.0,
     ) -> None:
         self.queue = queue
         self.store = store
@@ -94,6 +113,12 @@ class ControllerService(RuntimeListener):
         self.retain_s = retain_s  # 0: keep ended requests forever
         self.retain_plans = retain_plans  # 0: keep every plan
         self.retain_every_s = retain_every_s
+        self.orphan_after_s = orphan_after_s  # 0: no orphan sweep
+        self.orphan_every_s = orphan_every_s
+        self._suspects: set[str] = set()  # rows the last sweep found with no message
+        self._sweep_from: tuple[float, str] | None = None  # where the next sweep reads on
+        self._taking: set[str] = set()  # deliveries being recorded by ``_take``
+        self._leader = False  # the queue says this controller leads
         self._learnt = False  # from the store's recent completions, on becoming active
         self.hub = ResultHub()
         runtime.listener = self
@@ -134,6 +159,7 @@ class ControllerService(RuntimeListener):
             asyncio.create_task(self._publish(), name="qlm-publish"),
             asyncio.create_task(self._reap(), name="qlm-reap"),
             asyncio.create_task(self._retain(), name="qlm-retain"),
+            asyncio.create_task(self._sweep(), name="qlm-sweep"),
         ]
         await self.queue.consume(self._on_delivery, on_leader=self._leading)
 
@@ -178,6 +204,7 @@ class ControllerService(RuntimeListener):
         """The queue says whether this controller leads. Standing by after it led, with
         requests held (its broker connection dropped: a partition, a broker restart), it
         watches for another controller leading (``_watch_leader``)."""
+        self._leader = leading
         if leading:
             self._standby = False
             if self._watch is not None:
@@ -250,6 +277,7 @@ class ControllerService(RuntimeListener):
             self._wake.clear()
             while self._inbox:
                 batch, self._inbox = self._inbox[:2000], self._inbox[2000:]
+                self._taking = {d.message.id for d in batch if d.message is not None}
                 try:
                     await self._take(batch)
                 except Exception:
@@ -257,6 +285,8 @@ class ControllerService(RuntimeListener):
                     for d in batch:
                         await self.queue.requeue(d)
                     await asyncio.sleep(self.poll_s)
+                finally:
+                    self._taking = set()
 
     async def _take(self, batch: list[Delivery]) -> None:
         lead = self._lead  # as the batch was taken from the inbox
@@ -521,6 +551,75 @@ class ControllerService(RuntimeListener):
                     break
         plans = self.store.prune_plans(keep=self.retain_plans) if self.retain_plans > 0 else 0
         return requests, plans
+
+    # --- rows no message stands for ----------------------------------------------------------
+
+    async def _sweep(self) -> None:
+        """Every ``orphan_every_s``, while leading: ``sweep_once``."""
+        if self.orphan_after_s <= 0:
+            return
+        while True:
+            await asyncio.sleep(self.orphan_every_s)
+            try:
+                await self.sweep_once()
+            except Exception:
+                log.exception("orphan sweep failed; trying again in %.0f s", self.orphan_every_s)
+
+    async def sweep_once(self) -> list[str]:
+        """One round of the orphan sweep; returns the requests it recorded failed.
+
+        A row that has not ended, submitted more than ``orphan_after_s`` ago, which this
+        controller — the leader — does not hold while the broker has nothing left to hand out
+        (``GlobalQueue.backlog`` is 0: every message is with the leader) has no message. Found
+        so in two rounds in a row — a message on its way, such as a client's retry publishing
+        it again, is held by the next round — it is recorded failed with ``ORPHAN_ERROR``: it
+        ends, no longer counts against its tenant's queued limit, and a client looking it up
+        learns what happened. Each round reads at most ``ORPHAN_PAGES`` pages of such rows,
+        going on from where the last one stopped (a leader holding many old requests is walked
+        over several rounds). Rounds of a controller that is not leading find nothing."""
+        lead = self._lead
+        if not self._leading_now(lead) or await self.queue.backlog() > 0:
+            self._suspects, self._sweep_from = set(), None
+            return []
+        busy = self._busy()
+        # The last round's suspects still neither held nor ended: no message stands for them.
+        maybe = self._suspects - busy
+        ended = await asyncio.to_thread(self.store.final_ids, maybe) if maybe else set()
+        orphans = sorted(maybe - ended)
+        cut = self.store.now() - self.orphan_after_s
+        suspects: set[str] = set()
+        for _ in range(ORPHAN_PAGES):
+            page = await asyncio.to_thread(
+                self.store.unsettled_before, cut, after=self._sweep_from, limit=ORPHAN_PAGE
+            )
+            self._sweep_from = page[-1] if len(page) == ORPHAN_PAGE else None
+            suspects.update(rid for _, rid in page if rid not in busy and rid not in maybe)
+            if self._sweep_from is None or len(suspects) >= ORPHAN_PAGE:
+                break
+        if not self._leading_now(lead):
+            self._suspects, self._sweep_from = set(), None
+            return []
+        self._suspects = suspects
+        if orphans:
+            await asyncio.to_thread(self._record_orphans, orphans)
+        return orphans
+
+    def _busy(self) -> set[str]:
+        """The requests this controller holds or is taking from the queue."""
+        inbox = {d.message.id for d in self._inbox if d.message is not None}
+        return set(self._held) | self._taking | inbox
+
+    def _leading_now(self, lead: int) -> bool:
+        return self._leader and not self._standby and not self._stopping and lead == self._lead
+
+    def _record_orphans(self, ids: list[str]) -> None:
+        now = self.store.now()
+        for rid in ids:
+            if self.store.record_outcome(
+                rid, status=RequestStatus.FAILED, at=now, error=ORPHAN_ERROR
+            ):
+                log.warning("request %s failed: no message in the global queue stands for it", rid)
+                self.hub.publish(ResultEvent(rid, "", 0, done=True, status=RequestStatus.FAILED))
 
     # --- messages the broker gave up on ---------------------------------------------------------
 

@@ -951,6 +951,25 @@ class Store:
         with self._tx("list plans") as session:
             return [_plan_row(m) for m in session.scalars(query)]
 
+    def unsettled_before(
+        self, before: float, *, after: tuple[float, str] | None = None, limit: int = 1000
+    ) -> list[tuple[float, str]]:
+        """Up to ``limit`` requests submitted before ``before`` that have not ended (queued or
+        running), as ``(submitted_at, id)``, oldest first, starting strictly after ``after`` (the
+        last pair of the previous page): what the controller's orphan sweep checks against the
+        requests it holds."""
+        if limit < 1:
+            raise ValueError(f"limit must be >= 1, got {limit}")
+        query = select(_R.submitted_at, _R.id).where(_NOT_FINAL, _R.submitted_at < before)
+        if after is not None:
+            at, last = after
+            query = query.where(
+                or_(_R.submitted_at > at, and_(_R.submitted_at == at, _R.id > last))
+            )
+        query = query.order_by(_R.submitted_at, _R.id).limit(limit)
+        with self._tx("list unsettled requests") as session:
+            return [(float(at), str(rid)) for at, rid in session.execute(query)]
+
     def prune_requests(self, before: float, *, limit: int = 5000) -> int:
         """Delete up to ``limit`` requests that ended (finished, failed or cancelled) before
         ``before``, oldest first, with their labels; returns how many. Retention calls it in

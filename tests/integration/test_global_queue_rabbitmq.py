@@ -263,18 +263,21 @@ def test_a_sharded_queue_routes_by_request_id_and_one_consumer_holds_prefetch_pe
         shards = shard_names(names["queue"], 2)
         assert shards == [names["queue"], names["queue"] + ".1"]
         assert await ready_counts(amqp_url, shards) == [3, 3]
+        assert await queue.backlog() == 6  # every shard's ready messages
         inbox = Inbox()
         await queue.consume(inbox)
         await inbox.wait_for(4)  # two per shard: 2 × prefetch, more than one consumer's 2
         held = {shard_of(rid, 2) for rid in inbox.ids()}
         assert held == {0, 1}
         assert await ready_counts(amqp_url, shards) == [1, 1]
+        assert await queue.backlog() == 2  # the deliveries it holds are not counted
         for delivery in list(inbox.deliveries):
             await queue.ack(delivery)
         await inbox.wait_for(6)
         assert sorted(inbox.ids()) == sorted(by_shard[0] + by_shard[1])
         for delivery in inbox.deliveries[4:]:
             await queue.ack(delivery)
+        assert await queue.backlog() == 0
         await queue.close()
         await assert_drained(amqp_url, names, shards=2)
 
@@ -457,6 +460,51 @@ def test_a_controller_cut_off_from_the_broker_stops_what_the_standby_took_over(
 
 
 @pytest.mark.rabbitmq
+def test_the_leader_on_the_broker_records_a_row_with_no_message_failed(
+    amqp_url: str, names: Names
+) -> None:
+    """The orphan sweep against the real broker: a queued row whose message never reached it
+    is recorded failed at the second sweep, while a request recorded as long ago whose message
+    waited on the broker for the controller is served."""
+    from qlm.service.controller import ORPHAN_ERROR
+    from qlm.store import NewRequest
+    from tests.unit.test_controller_service import final, make_service, message
+
+    async def scenario() -> None:
+        store = Store.open("sqlite://")
+        service = make_service(store, MemoryBroker(), queue=open_queue(amqp_url, names))
+        service.orphan_after_s, service.orphan_every_s = 300.0, 3600.0  # swept by hand
+        producer = open_queue(amqp_url, names)
+        old = store.now() - 1000.0
+        store.ensure_requests(
+            [
+                NewRequest(
+                    id="orphan", tenant="acme", model="m", prompt_tokens=8, max_tokens=40,
+                    slo_e2e_s=120.0, submitted_at=old, prompt="say something",
+                )
+            ]
+        )  # fmt: skip
+        await producer.publish(message(1, old, replay_output_tokens=5))
+        store.ensure_requests([NewRequest.from_request(message(1, old).to_request(old))])
+        try:
+            await service.start()
+            await poll(lambda: final(store, ["q0001"]), 30.0, "q0001 to be served")
+            assert await service.sweep_once() == []
+            assert await service.sweep_once() == ["orphan"]
+            orphan = store.get("orphan")
+            assert orphan is not None and orphan.error == ORPHAN_ERROR
+            served = store.get("q0001")
+            assert served is not None and served.status.name == "FINISHED"
+        finally:
+            await service.stop()
+            await producer.close()
+            store.close()
+        await assert_drained(amqp_url, names)
+
+    run(scenario, timeout_s=60.0)
+
+
+@pytest.mark.rabbitmq
 def test_a_malformed_body_is_dead_lettered_with_its_reason(amqp_url: str, names: Names) -> None:
     async def scenario() -> None:
         queue = open_queue(amqp_url, names)
@@ -488,6 +536,11 @@ def test_dead_letter_parks_a_message_with_the_callers_reason(amqp_url: str, name
         await queue.publish(make_message(0, model="no-such-model"))
         (delivery,) = await inbox.wait_for(1)
         await queue.dead_letter(delivery, "unknown model 'no-such-model'")
+        for _ in range(100):  # dead-lettering is the broker's routing, after the reject
+            if await queue.backlog() == 1:
+                break
+            await asyncio.sleep(0.05)
+        assert await queue.backlog() == 1  # a dead letter not yet reaped counts
         (dead,) = await read_dead(amqp_url, names, 1)
         assert QueuedRequest.decode(dead.body) == delivery.message
         assert dead_letter_reason(dead.headers) == "unknown model 'no-such-model'"

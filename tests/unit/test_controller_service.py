@@ -26,6 +26,7 @@ from qlm.global_queue import (
 )
 from qlm.planner import PlannerConfig, create_policy
 from qlm.service import ControllerService
+from qlm.service.controller import ORPHAN_ERROR
 from qlm.store import NewRequest, Store, StoreError
 from qlm.store.rows import InstanceState
 
@@ -602,6 +603,106 @@ def test_a_store_that_cannot_give_the_history_only_costs_the_head_start() -> Non
         await MemoryGlobalQueue(broker=broker).publish(message(1, service.runtime.clock.now()))
         await eventually(lambda: final(store, ["q0001"]), "the request is final")
         await service.wait_idle()
+        await service.stop()
+
+    run(scenario)
+
+
+def row(rid: str, at: float) -> NewRequest:
+    """A request as an API records it before publishing it."""
+    return NewRequest(
+        id=rid, tenant="acme", model="m", prompt_tokens=8, max_tokens=400, slo_e2e_s=120.0,
+        submitted_at=at, prompt="say something",
+    )  # fmt: skip
+
+
+async def drain_all(service: ControllerService) -> None:
+    for name in ("i0", "i1"):
+        service.store.set_instance_state(name, InstanceState.DRAINING)
+    await eventually(
+        lambda: all(i["draining"] for i in service.runtime.instance_states()), "drained"
+    )
+
+
+def test_a_row_no_message_stands_for_is_recorded_failed_by_the_leaders_sweep() -> None:
+    """An API that died between the store commit and the broker's confirm leaves a queued row
+    with no message: the leader records it failed once two sweeps in a row found it so, and
+    never a request it holds, one whose message arrives meanwhile, a young one, or any while
+    the broker still has messages to hand out."""
+
+    async def scenario(store: Store) -> None:
+        broker = MemoryBroker()
+        service = make_service(store, broker)
+        service.orphan_after_s, service.orphan_every_s = 300.0, 3600.0  # swept by hand here
+        standby = make_service(store, broker, name="c1")
+        standby.orphan_after_s, standby.orphan_every_s = 300.0, 3600.0
+        old, now = store.now() - 1000.0, store.now()
+        store.ensure_requests([row("orphan", old), row("young", now - 10.0), row("late", old)])
+        await service.start()
+        await standby.start()
+        await drain_all(service)  # what it takes waits, held, for the whole test
+        producer = MemoryGlobalQueue(broker=broker)
+        await producer.publish(message(1, old))  # submitted as long ago as the orphan
+        await eventually(lambda: service.runtime.holds("q0001"), "q0001 is held")
+        assert await service.sweep_once() == []  # first seen: only suspected
+        assert await standby.sweep_once() == [] == await standby.sweep_once()  # never sweeps
+        # A client's retry publishes "late" after all: by the next round it is held or done.
+        await producer.publish(message(2, old, id="late"))
+        await eventually(lambda: service.runtime.holds("late"), "late is held")
+        assert await service.sweep_once() == ["orphan"]
+        orphan = store.get("orphan")
+        assert orphan is not None and orphan.status is RequestStatus.FAILED
+        assert orphan.error == ORPHAN_ERROR
+        for rid in ("young", "q0001", "late"):
+            kept = store.get(rid)
+            assert kept is not None and kept.status is RequestStatus.QUEUED, rid
+
+        # While the broker still has something to hand out (here a dead letter not yet
+        # reaped), no row is suspected: its message may be that one.
+        store.ensure_requests([row("orphan2", old)])
+        broker.dead.append(DeadLetter(b"not json", "malformed message"))
+        assert await service.sweep_once() == [] and await service.sweep_once() == []
+        broker.dead.clear()
+        assert await service.sweep_once() == []
+        assert await service.sweep_once() == ["orphan2"]
+        assert store.final_ids(["young", "q0001", "late"]) == set()
+        for rid in ("q0001", "late"):
+            assert await service.cancel(rid)
+        await eventually(lambda: final(store, ["q0001", "late"]), "cancelled")
+        await standby.stop()
+        await service.stop()
+
+    run(scenario)
+
+
+def test_the_sweep_walks_past_old_requests_it_holds_a_page_at_a_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """More old requests held than a round reads: the orphans behind them are found over
+    the next rounds, and no held request is ever recorded failed."""
+    monkeypatch.setattr("qlm.service.controller.ORPHAN_PAGE", 2)
+    monkeypatch.setattr("qlm.service.controller.ORPHAN_PAGES", 1)
+
+    async def scenario(store: Store) -> None:
+        broker = MemoryBroker()
+        service = make_service(store, broker)
+        service.orphan_after_s, service.orphan_every_s = 300.0, 3600.0
+        old = store.now() - 1000.0
+        store.ensure_requests([row(f"orphan{i}", old + i) for i in range(3)])
+        await service.start()
+        await drain_all(service)
+        producer = MemoryGlobalQueue(broker=broker)
+        held = [f"q{i:04d}" for i in range(5)]
+        for i in range(5):  # submitted before the orphans: read first
+            await producer.publish(message(i, old - 100.0 + i))
+        await eventually(lambda: all(map(service.runtime.holds, held)), "they are held")
+        failed: list[str] = []
+        for _ in range(12):
+            failed += await service.sweep_once()
+        assert sorted(failed) == ["orphan0", "orphan1", "orphan2"]
+        assert store.final_ids(held) == set()
+        for rid in held:
+            assert await service.cancel(rid)
         await service.stop()
 
     run(scenario)

@@ -661,6 +661,27 @@ class StoreContract:
         with pytest.raises(ValueError, match="limit"):
             store.prune_requests(35.0, limit=0)
 
+    def test_unsettled_requests_before_a_time_are_listed_oldest_first(self, store: Store) -> None:
+        for i in (3, 0, 2, 1, 4, 5):  # submitted at 100 + i
+            store.add_request(new_request(i))
+        store.mark_dispatched("r0001", instance="i0", at=5.0)  # running: listed
+        store.record_outcome("r0002", status=RequestStatus.FAILED, at=6.0, error="x")  # ended
+        assert store.cancel("r0003", at=7.0) is RequestStatus.CANCELLED  # ended
+        assert store.unsettled_before(104.5) == [
+            (100.0, "r0000"),
+            (101.0, "r0001"),
+            (104.0, "r0004"),
+        ]
+        first = store.unsettled_before(104.5, limit=2)
+        assert first == [(100.0, "r0000"), (101.0, "r0001")]
+        assert store.unsettled_before(104.5, after=first[-1]) == [(104.0, "r0004")]
+        assert store.unsettled_before(104.5, after=(104.0, "r0004")) == []
+        store.add_request(new_request(9, id="r0000b", submitted_at=100.0))  # same time: by id
+        assert store.unsettled_before(104.5, after=(100.0, "r0000"), limit=1) == [(100.0, "r0000b")]
+        assert store.unsettled_before(100.0) == []  # strictly before
+        with pytest.raises(ValueError, match="limit"):
+            store.unsettled_before(104.5, limit=0)
+
     def test_a_plan_with_unbounded_numbers_reads_back(self, store: Store) -> None:
         record = plan_record(capacity_needed=math.inf, objective=math.inf, at_risk=())
         store.record_plan(record, controller="c1")
