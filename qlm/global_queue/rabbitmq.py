@@ -770,8 +770,10 @@ class RabbitGlobalQueue:
             await _close_quietly(connection)
 
     async def backlog(self) -> int:
-        """Ready messages of every shard and of the dead-letter queue (passive declares on a
-        short-lived connection: un-acked deliveries are not counted)."""
+        """Ready messages of every shard and of the dead-letter queue, and of the shards past
+        this consumer's that a process with more shards writes (``_check_shard_count``: their
+        requests are nobody's yet, not orphans). Passive declares on a short-lived connection;
+        un-acked deliveries are not counted."""
         try:
             connection = await self._connect("backlog")
         except BROKER_ERRORS as exc:
@@ -782,6 +784,12 @@ class RabbitGlobalQueue:
             for name in (*self.queues, self.dead_letter_queue):
                 declared = await channel.declare_queue(name, passive=True)
                 total += int(declared.declaration_result.message_count or 0)
+            for shard in range(self.shards, 65):  # until one is missing (the channel closes)
+                try:
+                    stray = await channel.declare_queue(f"{self.queue}.{shard}", passive=True)
+                except ChannelNotFoundEntity:
+                    break
+                total += int(stray.declaration_result.message_count or 0)
             return total
         except BROKER_ERRORS as exc:
             raise self._unavailable("cannot count the queue's messages", exc) from exc

@@ -578,14 +578,14 @@ class ControllerService(RuntimeListener):
         going on from where the last one stopped (a leader holding many old requests is walked
         over several rounds). Rounds of a controller that is not leading find nothing."""
         lead = self._lead
-        if not self._leading_now(lead) or await self.queue.backlog() > 0:
+        if not self._leading_now(lead):
             self._suspects, self._sweep_from = set(), None
             return []
         busy = self._busy()
         # The last round's suspects still neither held nor ended: no message stands for them.
         maybe = self._suspects - busy
         ended = await asyncio.to_thread(self.store.final_ids, maybe) if maybe else set()
-        orphans = sorted(maybe - ended)
+        confirmed = maybe - ended
         cut = self.store.now() - self.orphan_after_s
         suspects: set[str] = set()
         for _ in range(ORPHAN_PAGES):
@@ -596,10 +596,17 @@ class ControllerService(RuntimeListener):
             suspects.update(rid for _, rid in page if rid not in busy and rid not in maybe)
             if self._sweep_from is None or len(suspects) >= ORPHAN_PAGE:
                 break
+        # Only now the broker (nothing to ask it most of the time), then who holds what again:
+        # a message it handed out before saying it has none left is held by then.
+        if not (confirmed or suspects) or await self.queue.backlog() > 0:
+            self._suspects = set()
+            return []
+        busy = self._busy()
         if not self._leading_now(lead):
             self._suspects, self._sweep_from = set(), None
             return []
-        self._suspects = suspects
+        orphans = sorted(confirmed - busy)
+        self._suspects = suspects - busy
         if orphans:
             await asyncio.to_thread(self._record_orphans, orphans)
         return orphans

@@ -837,14 +837,20 @@ def test_a_leader_reading_fewer_shards_than_a_publisher_writes_says_so(
 ) -> None:
     async def scenario() -> None:
         publisher = open_queue(amqp_url, names, shards=2)
-        await publisher.publish(make_message(0))  # declares both shards
+        (first,), (second,) = ids_by_shard(2, 1)
+        await publisher.publish(make_message(id=first))  # declares both shards
+        await publisher.publish(make_message(id=second))  # to the shard nobody reads
         consumer = open_queue(amqp_url, names)  # one shard
-        await consumer.consume(Inbox())
+        inbox = Inbox()
+        await consumer.consume(inbox)
         await poll(
             lambda: any("QLM_BROKER__SHARDS > 1" in r.getMessage() for r in caplog.records),
             10.0,
             "the mismatch to be logged",
         )
+        await inbox.wait_for(1)
+        # The stray shard's message counts as waiting: its request is nobody's yet, no orphan.
+        assert await consumer.backlog() == 1
         await consumer.close()
         await publisher.close()
 
