@@ -57,7 +57,7 @@ ORPHAN_PAGES = 20
 ORPHAN_ERROR = (
     "lost before it reached the global queue: no message stands for it (the API that recorded "
     "it stopped before the broker confirmed it, so its client was never answered, or an "
-    "in-process queue was lost with its process); submit it again"
+    "in-process queue was lost with its process); submit it again, with a new Idempotency-Key"
 )
 
 
@@ -576,7 +576,14 @@ class ControllerService(RuntimeListener):
         ends, no longer counts against its tenant's queued limit, and a client looking it up
         learns what happened. Each round reads at most ``ORPHAN_PAGES`` pages of such rows,
         going on from where the last one stopped (a leader holding many old requests is walked
-        over several rounds). Rounds of a controller that is not leading find nothing."""
+        over several rounds). Rounds of a controller that is not leading find nothing.
+
+        Left open: a message the broker hands over between the last look at what is held and
+        the commit (a retry of a real orphan, published again more than ``orphan_after_s`` after
+        it was recorded, landing in that millisecond) finds its row failed and is acked — its
+        client is told it failed, nothing is silently dropped. While the broker holds messages
+        the leader has not been handed (a backlog beyond ``shards × prefetch``, a dead letter the
+        reaper cannot record) no round finds anything."""
         lead = self._lead
         if not self._leading_now(lead):
             self._suspects, self._sweep_from = set(), None

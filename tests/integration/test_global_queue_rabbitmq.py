@@ -465,10 +465,11 @@ def test_the_leader_on_the_broker_records_a_row_with_no_message_failed(
 ) -> None:
     """The orphan sweep against the real broker: a queued row whose message never reached it
     is recorded failed at the second sweep, while a request recorded as long ago whose message
-    waited on the broker for the controller is served."""
+    waited on the broker for the controller is served, and one the controller holds, waiting,
+    is left alone."""
     from qlm.service.controller import ORPHAN_ERROR
     from qlm.store import NewRequest
-    from tests.unit.test_controller_service import final, make_service, message
+    from tests.unit.test_controller_service import drain_all, final, make_service, message
 
     async def scenario() -> None:
         store = Store.open("sqlite://")
@@ -489,8 +490,16 @@ def test_the_leader_on_the_broker_records_a_row_with_no_message_failed(
         try:
             await service.start()
             await poll(lambda: final(store, ["q0001"]), 30.0, "q0001 to be served")
+            await drain_all(service)  # what it takes now waits, held
+            await producer.publish(message(2, old))
+            store.ensure_requests([NewRequest.from_request(message(2, old).to_request(old))])
+            await poll(lambda: service.runtime.holds("q0002"), 30.0, "q0002 to be held")
             assert await service.sweep_once() == []
             assert await service.sweep_once() == ["orphan"]
+            waiting = store.get("q0002")
+            assert waiting is not None and waiting.status.name == "QUEUED"
+            assert await service.cancel("q0002")
+            await poll(lambda: final(store, ["q0002"]), 30.0, "q0002 to be cancelled")
             orphan = store.get("orphan")
             assert orphan is not None and orphan.error == ORPHAN_ERROR
             served = store.get("q0001")

@@ -706,3 +706,33 @@ def test_the_sweep_walks_past_old_requests_it_holds_a_page_at_a_time(
         await service.stop()
 
     run(scenario)
+
+
+def test_the_sweep_spares_a_request_being_taken_and_a_row_that_ended_meanwhile() -> None:
+    async def scenario(store: Store) -> None:
+        broker = MemoryBroker()
+        service = make_service(store, broker)
+        service.orphan_after_s, service.orphan_every_s = 300.0, 3600.0
+        old = store.now() - 1000.0
+        store.ensure_requests([row("q0001", old), row("gone", old), row("orphan", old)])
+        release = threading.Event()
+        real = store.ensure_requests
+
+        def slow(news: Any) -> Any:  # the intake records "q0001" for as long as the test says
+            release.wait(30.0)
+            return real(news)
+
+        store.ensure_requests = slow  # type: ignore[method-assign]
+        await service.start()
+        await MemoryGlobalQueue(broker=broker).publish(message(1, old))
+        await eventually(lambda: "q0001" in service._taking, "q0001 is being taken")
+        assert await service.sweep_once() == []
+        assert store.cancel("gone", at=store.now()) is RequestStatus.CANCELLED
+        assert await service.sweep_once() == ["orphan"]
+        release.set()
+        await eventually(lambda: final(store, ["q0001"]), "q0001 served")
+        served = store.get("q0001")
+        assert served is not None and served.status is RequestStatus.FINISHED
+        await service.stop()
+
+    run(scenario)
