@@ -18,11 +18,14 @@ pairs rather than groups × queues × positions):
   exactly, so MILP and heuristic objectives compare one to one.
 
 Solved with CBC (bundled with PuLP) or HiGHS (``highspy``) when installed, warm-started from a
-given plan, under a time limit.
+given plan, under a time limit. A solver that fails — PuLP's bundled CBC 2.10 exits with a
+segmentation fault on some warm-started problems under the planner's 0.1 s limit — yields no
+plan, so the caller keeps its heuristic one.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import warnings
 from typing import Any, Literal
@@ -32,7 +35,11 @@ import pulp
 
 from qlm.planner.program import Plan, PlanProblem
 
+log = logging.getLogger(__name__)
+
 SOLVERS = ("cbc", "highs")
+
+_failures = 0  # solver failures in this process (the first one is logged as a warning)
 
 
 def available_solvers() -> tuple[str, ...]:
@@ -260,12 +267,26 @@ def solve_milp(
     solver: str = "cbc",
 ) -> tuple[Plan, Literal["optimal", "feasible"], float | None] | None:
     """Solve exactly (or until the time limit). Returns (plan, status, gap) with status
-    ``optimal`` or ``feasible``, or ``None`` when the solver found no plan."""
+    ``optimal`` or ``feasible``, or ``None`` when the solver found no plan or failed."""
     lp, variables = build_milp(problem)
     if start is not None:
         _warm_values(problem, start, variables)
     limit = None if time_limit_s is None else max(0.05, round(time_limit_s, 2))
-    status = lp.solve(make_solver(solver, limit, start is not None))
+    try:
+        status = lp.solve(make_solver(solver, limit, start is not None))
+    except pulp.PulpSolverError as exc:
+        global _failures
+        _failures += 1
+        level = logging.WARNING if _failures == 1 else logging.DEBUG
+        log.log(
+            level,
+            "the %s solver failed (%s); the plan is the heuristic's (%d failures so far, "
+            "later ones logged at debug level)",
+            resolve_solver(solver),
+            exc,
+            _failures,
+        )
+        return None
     plan = _read_plan(problem, variables)
     if plan is None:
         return None

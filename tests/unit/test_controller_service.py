@@ -379,8 +379,9 @@ def test_a_controller_whose_connection_drops_while_alone_keeps_running_what_it_h
         broker = service.queue.broker  # type: ignore[attr-defined]
         running = engines_running(service)
         service.queue.drop_connection()  # type: ignore[attr-defined]
-        # Alone, it leads again at once: the redeliveries find their requests still running.
-        assert service.active and engines_running(service) == running
+        # Alone, it leads again at once: the redeliveries find their requests still running
+        # (none stopped; more may have started since they were counted).
+        assert service.active and engines_running(service) >= running
         await eventually(lambda: final(store, ids), "all finished")
         await service.wait_idle()
         rows = [store.get(rid) for rid in ids]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pulp
 import pytest
@@ -199,3 +201,24 @@ def test_milp_gap_is_read_from_a_solver_that_reports_one() -> None:
     assert _relative_gap(lp) is None  # CBC through PuLP: no bound in the solution file
     lp.solverModel = Model()
     assert _relative_gap(lp) == 0.25
+
+
+def test_a_solver_that_crashes_leaves_the_heuristic_plan(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """PuLP's bundled CBC exits with a segmentation fault on some warm-started problems under
+    a 0.1 s limit; PuLP raises, and the round must keep its heuristic plan, not fail."""
+
+    class Crashing(pulp.LpSolver):  # type: ignore[misc]
+        def actualSolve(self, lp: Any, **kwargs: Any) -> int:
+            raise pulp.PulpSolverError("Pulp: Error while trying to execute cbc")
+
+    monkeypatch.setattr("qlm.planner.milp.make_solver", lambda *a: Crashing(msg=False))
+    pr = random_problem(2, 6, seed=11, scenarios=4)
+    assert solve_milp(pr, solver="cbc") is None
+    with caplog.at_level("DEBUG", logger="qlm.planner.milp"):
+        sol = solve(pr, Budget(time_s=None, milp_max_groups=8), solver="cbc")
+    check_plan(pr, sol.plan)
+    assert "milp" not in sol.method and sol.status == "heuristic"
+    assert sol.objective <= sol.edf_objective + 1e-9
+    assert any("solver failed" in r.getMessage() for r in caplog.records)
