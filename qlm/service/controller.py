@@ -615,7 +615,8 @@ class ControllerService(RuntimeListener):
         orphans = sorted(confirmed - busy)
         self._suspects = suspects - busy
         if orphans:
-            await asyncio.to_thread(self._record_orphans, orphans)
+            for rid in await asyncio.to_thread(self._record_orphans, orphans):
+                self.hub.publish(ResultEvent(rid, "", 0, done=True, status=RequestStatus.FAILED))
         return orphans
 
     def _busy(self) -> set[str]:
@@ -626,14 +627,16 @@ class ControllerService(RuntimeListener):
     def _leading_now(self, lead: int) -> bool:
         return self._leader and not self._standby and not self._stopping and lead == self._lead
 
-    def _record_orphans(self, ids: list[str]) -> None:
-        now = self.store.now()
+    def _record_orphans(self, ids: list[str]) -> list[str]:
+        """Record them failed (in a worker thread); returns those this call recorded."""
+        now, recorded = self.store.now(), []
         for rid in ids:
             if self.store.record_outcome(
                 rid, status=RequestStatus.FAILED, at=now, error=ORPHAN_ERROR
             ):
                 log.warning("request %s failed: no message in the global queue stands for it", rid)
-                self.hub.publish(ResultEvent(rid, "", 0, done=True, status=RequestStatus.FAILED))
+                recorded.append(rid)
+        return recorded
 
     # --- messages the broker gave up on ---------------------------------------------------------
 

@@ -650,7 +650,10 @@ def test_a_row_no_message_stands_for_is_recorded_failed_by_the_leaders_sweep() -
         # A client's retry publishes "late" after all: by the next round it is held or done.
         await producer.publish(message(2, old, id="late"))
         await eventually(lambda: service.runtime.holds("late"), "late is held")
+        waiting = service.hub.subscribe("orphan")  # an API of `qlm serve` waiting on it
         assert await service.sweep_once() == ["orphan"]
+        event = await asyncio.wait_for(waiting.get(), 5.0)
+        assert event.done and event.status is RequestStatus.FAILED
         orphan = store.get("orphan")
         assert orphan is not None and orphan.status is RequestStatus.FAILED
         assert orphan.error == ORPHAN_ERROR
