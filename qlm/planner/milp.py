@@ -76,15 +76,21 @@ def build_milp(problem: PlanProblem) -> tuple[pulp.LpProblem, dict[str, Any]]:
     """The PuLP model of ``problem`` and its variables (for warm starts and reading plans)."""
     n, q = len(problem.groups), len(problem.instances)
     s_count = problem.scenarios
-    p, fl, dl, w = problem.proc, problem.floor, problem.deadline, problem.weight
+    p, fl, w = problem.proc, problem.floor, problem.weight
+    # Times enter relative to the earliest ready time: in production they are unix seconds
+    # (~1.8e9), and a big-M of that size times the solvers' integrality tolerance (1e-6) would let
+    # a "binary" at 0.999999 relax a head constraint by half an hour. Differences, and so every
+    # violation and the objective (``Σ_g x = 1``), are unchanged by the shift.
+    origin = _origin(problem)
+    ready, dl = problem.ready - origin, problem.deadline - origin
     elig = problem.eligible
     finite_p = np.where(np.isfinite(p), p, 0.0)
     finite_fl = np.where(np.isfinite(fl), fl, 0.0)
     max_switch = float(np.where(np.isfinite(problem.switch), problem.switch, 0.0).max(initial=0.0))
     # Per-scenario bounds on any finish time: the tighter the big-Ms, the stronger the relaxation.
-    upper = problem.ready.max() + finite_p.max(axis=1).sum(axis=0) + n * max_switch + 1e-6
+    upper = ready.max() + finite_p.max(axis=1).sum(axis=0) + n * max_switch + 1e-6
     upper = upper * (1 + 1e-9)  # (S,), with room for rounding in sums taken in another order
-    lower = np.where(elig[:, :, None], problem.ready[None, :, None] + p, np.inf).min(axis=1)
+    lower = np.where(elig[:, :, None], ready[None, :, None] + p, np.inf).min(axis=1)
     lower = lower - 1e-6 - 1e-9 * np.abs(lower)  # (n, S)
     lp = pulp.LpProblem("qlm_plan", pulp.LpMinimize)
     x = {
@@ -131,9 +137,7 @@ def build_milp(problem: PlanProblem) -> tuple[pulp.LpProblem, dict[str, Any]]:
             for i in range(n)
             for s in range(s_count)
         )
-        - pulp.lpSum(
-            problem.flow_weight * float(w[i]) * float(problem.ready[g]) * x[i, g] for (i, g) in x
-        ),
+        - pulp.lpSum(problem.flow_weight * float(w[i]) * float(ready[g]) * x[i, g] for (i, g) in x),
         "expected_weighted_violation",
     )
     allowed_misses = s_count - problem.required_ok
@@ -164,7 +168,7 @@ def build_milp(problem: PlanProblem) -> tuple[pulp.LpProblem, dict[str, Any]]:
                 sw = float(problem.switch[g, m_i]) if problem.active[g] != m_i else 0.0
                 lp += (
                     fin[i, s]
-                    >= float(problem.ready[g])
+                    >= float(ready[g])
                     + sw
                     + float(p[i, g, s])
                     - float(upper[s]) * (1 - first[g, i]),
@@ -206,14 +210,20 @@ def build_milp(problem: PlanProblem) -> tuple[pulp.LpProblem, dict[str, Any]]:
     return lp, variables
 
 
+def _origin(problem: PlanProblem) -> float:
+    """The time the model's times are measured from (the earliest ready time)."""
+    return float(problem.ready.min()) if problem.ready.size else 0.0
+
+
 def _warm_values(problem: PlanProblem, plan: Plan, variables: dict[str, Any]) -> None:
     """Set every variable's initial value to the plan's."""
     for var in (*variables["x"].values(), *variables["first"].values(), *variables["nxt"].values()):
         var.setInitialValue(0)
     s_count = problem.scenarios
+    origin = _origin(problem)
     for g, order in enumerate(plan):
         prev_model = problem.active[g]
-        t = np.full(s_count, problem.ready[g])
+        t = np.full(s_count, problem.ready[g] - origin)
         for k, i in enumerate(order):
             variables["x"][i, g].setInitialValue(1)
             if k == 0:
@@ -227,7 +237,7 @@ def _warm_values(problem: PlanProblem, plan: Plan, variables: dict[str, Any]) ->
             p = problem.proc[i, g]
             t = t + p
             c = np.maximum(t, t - p + problem.floor[i, g])
-            dl = problem.deadline[i]
+            dl = problem.deadline[i] - origin
             missed = c > dl
             for s in range(s_count):
                 variables["F"][i, s].setInitialValue(float(t[s]))
