@@ -11,7 +11,7 @@ leaks grows with every request served. Prints the growth per 1,000 requests betw
 window and the last (the first warms caches, compiles, fills pools); asserts nothing.
 
     .venv/bin/python benchmarks/soak.py [--windows 8] [--window-s 300] [--rate 3]
-        [--time-scale 20] [--policy qlm] [--database sqlite|URL] [--tracemalloc N]
+        [--time-scale 20] [--policy qlm] [--database sqlite|URL] [--tracemalloc N] [--trim]
 
 Results: docs/operations.md, "Memory over time".
 """
@@ -21,6 +21,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import ctypes
+import ctypes.util
 import gc
 import logging
 import re
@@ -53,6 +55,35 @@ def rss_mb() -> tuple[float, float]:
         k: float(v.split()[0]) for k, v in re.findall(r"^(RssAnon|RssFile):\s+(.*)$", status, re.M)
     }
     return kib.get("RssAnon", 0.0) / 1024, kib.get("RssFile", 0.0) / 1024
+
+
+def trim_heap() -> bool:
+    """Ask glibc to give the free memory at the top of its heaps back to the system
+    (``malloc_trim(0)``); False where there is no glibc."""
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return False
+    libc = ctypes.CDLL(name)
+    if not hasattr(libc, "malloc_trim"):
+        return False
+    libc.malloc_trim(0)
+    return True
+
+
+def sqlite_mb() -> float | None:
+    """What SQLite's own allocator holds now, in every connection of the process
+    (``sqlite3_memory_used``; native memory Python's tracemalloc does not see), or None where the
+    library cannot be asked."""
+    name = ctypes.util.find_library("sqlite3")
+    if name is None:
+        return None
+    try:
+        lib = ctypes.CDLL(name)
+        used = lib.sqlite3_memory_used
+    except (OSError, AttributeError):
+        return None
+    used.restype = ctypes.c_int64
+    return float(used()) / 2**20
 
 
 def held(service: object) -> dict[str, int]:
@@ -95,9 +126,10 @@ async def soak(args: argparse.Namespace, settings: Settings, store: Store) -> No
         raise SystemExit(f"--window-s: at most {end - first:.0f} s of this trace at --rate")
     served = 0
     rows: list[tuple[int, float, int]] = []
+    trimmed: list[float] = []
     print(
         f"{'window':>6} {'requests':>9} {'met SLO':>8} {'wall s':>7} {'objects':>10} "
-        f"{'RSS MB':>7} {'of heap':>7}  per-request tables"
+        f"{'RSS MB':>7} {'of heap':>7}{' trimmed' if args.trim else ''}  per-request tables"
     )
     t0 = time.monotonic()
     if args.tracemalloc:
@@ -116,10 +148,19 @@ async def soak(args: argparse.Namespace, settings: Settings, store: Store) -> No
         objects, (anon, mapped) = len(gc.get_objects()), rss_mb()
         rss = anon + mapped
         rows.append((served, rss, objects))
+        after = ""
+        if args.trim and trim_heap():
+            trimmed.append(rss_mb()[0])
+            after = f" {trimmed[-1]:>8.1f}"
+        native = sqlite_mb()
+        if native is not None:
+            after += f", SQLite {native:.1f} MB"
+        if args.tracemalloc:
+            after += f", Python {tracemalloc.get_traced_memory()[0] / 2**20:.1f} MB"
         tables = ", ".join(f"{n} {v}" for n, v in held(service).items())
         print(
             f"{k + 1:>6} {served:>9,} {result.attainment:>8.1%} {result.wall_s:>7.1f} "
-            f"{objects:>10,} {rss:>7.1f} {anon:>7.1f}  {tables}",
+            f"{objects:>10,} {rss:>7.1f} {anon:>7.1f}{after};  {tables}",
             flush=True,
         )
         if args.tracemalloc and k == 1:
@@ -141,6 +182,11 @@ async def soak(args: argparse.Namespace, settings: Settings, store: Store) -> No
             f"{(obj1 - obj0) / per:+,.0f} objects and {(rss1 - rss0) / per:+.2f} MB RSS "
             f"per 1,000 requests served"
         )
+        if len(trimmed) == len(rows):
+            print(
+                f"heap after malloc_trim: {(trimmed[-1] - trimmed[1]) / per:+.2f} MB "
+                f"per 1,000 requests"
+            )
     print(f"{served:,} requests in {time.monotonic() - t0:.0f} s")
     print("reproduce: .venv/bin/python " + " ".join(sys.argv))
 
@@ -161,6 +207,12 @@ if __name__ == "__main__":
         default=0,
         metavar="N",
         help="trace Python's allocations (slower) and print the N sites that grew most",
+    )
+    parser.add_argument(
+        "--trim",
+        action="store_true",
+        help="after each window also measure the heap after glibc's malloc_trim(0) (free "
+        "memory the allocator kept is given back; what stays is held)",
     )
     logging.basicConfig(level=logging.WARNING)
     asyncio.run(main(parser.parse_args()))

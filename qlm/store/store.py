@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar
 
 from alembic import command
 from alembic.config import Config
@@ -124,8 +124,34 @@ _RECORD_OUTCOME = _prepared_update(
     at_risk=literal(False),
 )
 _NOT_FINAL = _R.status.in_(ACTIVE_STATUSES)
-_CHUNK = 500  # ids per IN (...) list: well under SQLite's bound-parameter limit
+T = TypeVar("T")
+_CHUNK = 512  # ids per IN (...) list: well under SQLite's bound-parameter limit (32,766)
 _MIGRATION_LOCK = 0x514C4D  # PostgreSQL advisory lock: one migrating process at a time
+
+
+def _in(column: Any, ids: Sequence[str]) -> Any:
+    """``column IN (ids)`` with the list padded to a power of two (the last id repeated).
+
+    SQLAlchemy renders an ``IN`` list with one parameter per value, so every list length is a
+    statement of its own, and each database connection keeps the statements it prepared (SQLite:
+    128 per connection; psycopg: 100) — with lengths from 1 to 512 a long-running controller's
+    memory grew by tens of MB that way. Padded, a query has at most ten shapes."""
+    padded = list(ids)
+    if padded:
+        padded += [padded[-1]] * ((1 << (len(padded) - 1).bit_length()) - len(padded))
+    return column.in_(padded)
+
+
+def _pieces(items: Sequence[T]) -> Iterator[Sequence[T]]:
+    """``items`` in runs of power-of-two lengths, longest first (37 → 32, 4, 1): an
+    executemany with ``RETURNING`` is sent as one multi-row statement per run (SQLAlchemy's
+    "insertmanyvalues"), and a statement per length would fill the connections' caches of
+    prepared statements (see ``_in``)."""
+    start = 0
+    for bit in reversed(range(len(items).bit_length())):
+        if len(items) & (1 << bit):
+            yield items[start : start + (1 << bit)]
+            start += 1 << bit
 
 
 class StoreError(QLMError):
@@ -310,12 +336,14 @@ class Store:
         with self._tx(f"record {len(news)} requests", write=True) as session:
             for start in range(0, len(news), _CHUNK):
                 chunk = news[start : start + _CHUNK]
-                # executemany ("insertmanyvalues"): one cached statement, batched by the driver;
-                # a multi-row VALUES clause would be compiled afresh for every chunk.
+                # executemany with RETURNING: SQLAlchemy sends a multi-row VALUES statement per
+                # run ("insertmanyvalues"), so runs of a few lengths only (``_pieces``).
                 stmt = self._insert(RequestModel).on_conflict_do_nothing().returning(_R.id)
                 connection = session.connection()
-                params = [_request_values(n, now) for n in chunk]
-                created = set(connection.execute(stmt, params).scalars())
+                created: set[str] = set()
+                for piece in _pieces(chunk):
+                    params = [_request_values(n, now) for n in piece]
+                    created.update(connection.execute(stmt, params).scalars())
                 labels = [
                     {"request_id": n.id, "key": k, "value": v}
                     for n in chunk
@@ -329,7 +357,7 @@ class Store:
                         rows[n.id] = n.queued_row(now)
                 ids = [n.id for n in chunk if n.id not in created]
                 if ids:
-                    for model in session.scalars(select(RequestModel).where(_R.id.in_(ids))):
+                    for model in session.scalars(select(RequestModel).where(_in(_R.id, ids))):
                         rows[model.id] = _request_row(model)
         return rows
 
@@ -357,7 +385,7 @@ class Store:
             lost: set[str] = set()
             if keyed:
                 present = set(
-                    connection.execute(select(table.c.id).where(table.c.id.in_(keyed))).scalars()
+                    connection.execute(select(table.c.id).where(_in(table.c.id, keyed))).scalars()
                 )
                 lost = set(keyed) - present
             rows = [
@@ -508,7 +536,7 @@ class Store:
             for start in range(0, len(ids), _CHUNK):
                 chunk = list(ids[start : start + _CHUNK])
                 doomed = select(_R.id).where(
-                    _R.id.in_(chunk), _R.status == _name(RequestStatus.QUEUED), _R.attempts == 0
+                    _in(_R.id, chunk), _R.status == _name(RequestStatus.QUEUED), _R.attempts == 0
                 )
                 session.execute(
                     delete(RequestLabelModel).where(RequestLabelModel.request_id.in_(doomed))
@@ -686,7 +714,7 @@ class Store:
                 chunk = wanted[start : start + _CHUNK]
                 final.update(
                     session.scalars(
-                        select(_R.id).where(_R.id.in_(chunk), _R.status.in_(FINAL_STATUSES))
+                        select(_R.id).where(_in(_R.id, chunk), _R.status.in_(FINAL_STATUSES))
                     )
                 )
         return final

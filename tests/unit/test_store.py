@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
+from sqlalchemy import event
 
 from qlm.domain import InstanceSpec, ModelTier, RequestStatus, Tier
 from qlm.errors import ConfigError
@@ -334,6 +335,31 @@ class StoreContract:
         assert store.ensure_requests([]) == {}
         many = store.ensure_requests([new_request(i) for i in range(10, 1210)])
         assert len(many) == 1200 and store.get("r1209") is not None
+
+    def test_batches_of_any_size_reuse_a_few_statements(self, store: Store) -> None:
+        """Each connection keeps the statements it prepared (SQLite 128, psycopg 100): a
+        statement per batch length (a multi-row VALUES per insert, a parameter per id in an IN
+        list) grew a long-running controller's memory by tens of MB. Batches of 1 to 80
+        requests, half of them already stored, use a handful of shapes."""
+        statements: set[str] = set()
+
+        def seen(_conn: Any, _cursor: Any, statement: str, *_: Any) -> None:
+            statements.add(statement)
+
+        event.listen(store._engine, "before_cursor_execute", seen)
+        try:
+            for size in range(1, 81):
+                news = [new_request(size * 100 + i) for i in range(size)]
+                store.add_requests(news[: size // 2])
+                rows = store.ensure_requests(news)
+                assert set(rows) == {n.id for n in news}
+                assert store.final_ids([n.id for n in news]) == set()
+        finally:
+            event.remove(store._engine, "before_cursor_execute", seen)
+        inserts = {s for s in statements if s.lstrip().upper().startswith("INSERT")}
+        selects = {s for s in statements if " IN (" in s.upper()}
+        assert len(inserts) <= 12, len(inserts)  # runs of 1, 2, 4, ..., 64 rows; labels
+        assert len(selects) <= 16, len(selects)  # IN lists of 1, 2, 4, ..., 128 ids
 
     def test_the_rows_ensure_requests_returns_for_new_requests_are_what_the_store_holds(
         self, store: Store
@@ -863,3 +889,17 @@ def test_plans_recorded_before_the_deferred_column_read_back_with_zero_deferred(
         assert plan is not None and (plan.trigger, plan.deferred) == ("period", 0)
         store.record_plan(plan_record(at_s=2.0, deferred=3), controller="c0")
         assert [p.deferred for p in store.plans()] == [3, 0]
+
+
+def test_batches_are_split_in_power_of_two_runs_and_in_lists_padded() -> None:
+    from qlm.store.store import _in, _pieces
+
+    items = list(range(37))
+    runs = list(_pieces(items))
+    assert [len(r) for r in runs] == [32, 4, 1]
+    assert [x for r in runs for x in r] == items
+    assert list(_pieces([])) == []
+    column = Base.metadata.tables["requests"].c.id
+    clause = _in(column, ["a", "b", "c"])
+    assert clause.right.value == ["a", "b", "c", "c"]  # padded to 4 with the last id
+    assert _in(column, ["a"]).right.value == ["a"]
