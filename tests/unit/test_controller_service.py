@@ -39,9 +39,12 @@ def make_service(
     policy: str = "qlm",
     name: str = "c0",
     queue: GlobalQueue | None = None,
+    step_ms: float | None = None,
 ) -> ControllerService:
+    """``step_ms``: the engines' time per decode step (the catalog's base), to slow them."""
+    catalog = make_catalog() if step_ms is None else make_catalog(compute_base_ms=step_ms)
     engines = [
-        WallClockEngine.from_catalog(n, "m", "G", 1, time_scale=SCALE, catalog=make_catalog())
+        WallClockEngine.from_catalog(n, "m", "G", 1, time_scale=SCALE, catalog=catalog)
         for n in ("i0", "i1")
     ]
     pol = create_policy(policy, profile=make_profile(), planner=PlannerConfig.for_simulation(500))
@@ -245,8 +248,12 @@ async def serving(store: Store, requests: int, tokens: int) -> tuple[ControllerS
 def test_a_controller_that_lost_the_lead_stops_what_the_leader_took_over() -> None:
     async def scenario(store: Store) -> None:
         broker = MemoryBroker(delivery_limit=10)
+        # The first's engines are slow (4,000 tokens: ~4 s of wall time against ~0.5 s) so
+        # that what it runs is still running when it learns that the second leads: a loaded
+        # machine can take longer than half a second to get there, and a standby whose
+        # requests all finished meanwhile has nothing to step down from.
         first, second = (
-            make_service(store, broker, name="c0"),
+            make_service(store, broker, name="c0", step_ms=50.0),
             make_service(store, broker, name="c1"),
         )
         first.publish_s = second.publish_s = 0.05  # their state in the store: who leads
