@@ -14,28 +14,13 @@ Reproduce: .venv/bin/python experiments/milp_epoch.py [--queues 3 --groups 12 --
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 
 from qlm.planner.milp import solve_milp
-from qlm.planner.program import PlanProblem, score_plan
-from qlm.planner.synthetic import random_problem
+from qlm.planner.program import score_plan
+from qlm.planner.synthetic import random_problem, shifted
 
 UNIX_NOW = 1.8e9
-
-
-def later(problem: PlanProblem, by_s: float) -> PlanProblem:
-    groups = tuple(dataclasses.replace(g, deadline_s=g.deadline_s + by_s) for g in problem.groups)
-    instances = tuple(dataclasses.replace(i, ready_s=i.ready_s + by_s) for i in problem.instances)
-    return PlanProblem(
-        groups,
-        instances,
-        problem.proc,
-        problem.floor,
-        delta=problem.delta,
-        risk_weight=problem.risk_weight,
-        flow_weight=problem.flow_weight,
-    )
 
 
 def main() -> None:
@@ -57,7 +42,9 @@ def main() -> None:
         )
         cost: dict[float, float] = {}
         for origin in found:
-            result = solve_milp(later(base, origin), time_limit_s=args.limit_s, solver=args.solver)
+            result = solve_milp(
+                shifted(base, origin), time_limit_s=args.limit_s, solver=args.solver
+            )
             cost[origin] = score_plan(base, result[0]) if result else float("inf")
             found[origin] += result is not None
         if cost[0.0] < cost[UNIX_NOW] * (1 - 1e-3):

@@ -7,6 +7,8 @@ workload (20 s, 60 s, 300 s) minus a random age; instances are A100-like with pe
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import numpy.typing as npt
 
@@ -91,3 +93,19 @@ def random_problem(
                 proc[i, g] = samples[i]
                 floor[i, g] = floors[i]
     return PlanProblem(tuple(plan_groups), instances, proc, floor, delta=delta)
+
+
+def shifted(problem: PlanProblem, by_s: float) -> PlanProblem:
+    """The same problem with every ready time and deadline ``by_s`` later (e.g. posed at unix
+    times, as production plans, instead of from 0, as simulations do)."""
+    groups = tuple(dataclasses.replace(g, deadline_s=g.deadline_s + by_s) for g in problem.groups)
+    instances = tuple(dataclasses.replace(i, ready_s=i.ready_s + by_s) for i in problem.instances)
+    return PlanProblem(
+        groups,
+        instances,
+        problem.proc,
+        problem.floor,
+        delta=problem.delta,
+        risk_weight=problem.risk_weight,
+        flow_weight=problem.flow_weight,
+    )

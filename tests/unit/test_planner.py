@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -19,7 +18,7 @@ from qlm.planner.program import (
     score_queue,
 )
 from qlm.planner.solve import Budget, brute_force, capacity_needed, edf_plan, solve
-from qlm.planner.synthetic import random_problem
+from qlm.planner.synthetic import random_problem, shifted
 
 
 def tiny(
@@ -225,27 +224,13 @@ def test_a_solver_that_crashes_leaves_the_heuristic_plan(
     assert any("solver failed" in r.getMessage() for r in caplog.records)
 
 
-def _later(problem: PlanProblem, by_s: float) -> PlanProblem:
-    """The same problem with every ready time and deadline ``by_s`` later."""
-    groups = tuple(replace(g, deadline_s=g.deadline_s + by_s) for g in problem.groups)
-    instances = tuple(replace(i, ready_s=i.ready_s + by_s) for i in problem.instances)
-    return PlanProblem(
-        groups,
-        instances,
-        problem.proc,
-        problem.floor,
-        delta=problem.delta,
-        flow_weight=problem.flow_weight,
-    )
-
-
 @pytest.mark.parametrize("solver", ["cbc", "highs"])
 def test_milp_poses_unix_times_relative_to_the_earliest_ready_time(solver: str) -> None:
     """In production times are unix seconds: a big-M of 1.8e9 times the solvers' integrality
     tolerance would relax a constraint by half an hour. The constraints' numbers stay the size
     of the plan's horizon, and the answer is the same as for the problem at time 0."""
     base = random_problem(2, 6, seed=11, scenarios=4)
-    late = _later(base, 1.8e9)
+    late = shifted(base, 1.8e9)
     lp, variables = build_milp(late)
     numbers = [abs(c.constant) for c in lp.constraints.values()]
     numbers += [abs(a) for c in lp.constraints.values() for a in c.values()]
