@@ -242,15 +242,18 @@ class Controller:
             track.swaps += 1
         return False
 
-    def returned(self, request_id: str, generated: int, *, evicted: bool) -> None:
+    def returned(
+        self, request_id: str, generated: int, *, evicted: bool, restart: bool = False
+    ) -> None:
         """A request left its engine unfinished with ``generated`` new output tokens: evicted by
         a decision (``evicted``) or lost with its instance. It goes back to the policy, which
-        resumes it as prompt + partial output (in its group, not at the tail)."""
+        resumes it as prompt + partial output (in its group, not at the tail) — or, with
+        ``restart`` (an answer that cannot be continued), runs it again from its first token."""
         track = self._tracks[request_id]
         if self._on.get(request_id) is None:
             return  # already back (an abort and a failure of the same attempt)
         self._release(track)
-        track.output_tokens += generated
+        track.output_tokens = 0 if restart else track.output_tokens + generated
         if evicted:
             track.evictions += 1
         else:

@@ -55,6 +55,7 @@ from qlm.engines.base import (
     EventKind,
     TokenChunk,
 )
+from qlm.engines.structured import resumable
 from qlm.errors import EngineError, QLMError, RequestRejected
 
 log = logging.getLogger(__name__)
@@ -93,9 +94,16 @@ class Job:
         """A prompt or messages the API estimated the tokens of (a replay's filler is exact)."""
         return self.prompt is not None or self.messages is not None
 
+    @property
+    def resumable(self) -> bool:
+        """Whether output so far can be continued: not under a response format (a grammar
+        starts at the answer's first token, ``qlm.engines.structured``)."""
+        return resumable(self.sampling)
+
     def fill(self, request: EngineRequest) -> EngineRequest:
         """``request`` with this job's input. Output so far is resumed, not restarted: it follows
-        the prompt, and a chat gets it as the assistant's message to continue."""
+        the prompt, and a chat gets it as the assistant's message to continue. (A job that is
+        not ``resumable`` never keeps output: ``Runtime._give_back`` drops it.)"""
         prompt = None if self.prompt is None else self.prompt + self.partial_text
         messages: tuple[Mapping[str, Any], ...] | None = None
         resume = False
@@ -527,8 +535,9 @@ class AgentRuntime:
         job = self._jobs.get(rid)
         if job is None:
             return
-        job.partial_text = resume_point(job.partial_text + text)
-        self.controller.returned(rid, tokens, evicted=evicted)
+        restart = not job.resumable
+        job.partial_text = "" if restart else resume_point(job.partial_text + text)
+        self.controller.returned(rid, tokens, evicted=evicted, restart=restart)
         track = self.controller.track(rid)
         self.listener.returned(rid, job.partial_text, track.output_tokens, evicted=evicted)
         self._kick.set()

@@ -14,8 +14,9 @@ from qlm.domain import RequestStatus
 
 
 class ResultEventLike(Protocol):
-    """``qlm.service.hub.ResultEvent``: new output ``text``, or the final event (``done``) sent
-    only once the outcome is committed to the store."""
+    """``qlm.service.hub.ResultEvent``: new output ``text``, the output starting over
+    (``restarted``), or the final event (``done``) sent only once the outcome is committed to
+    the store."""
 
     @property
     def request_id(self) -> str: ...
@@ -25,6 +26,8 @@ class ResultEventLike(Protocol):
     def tokens(self) -> int: ...
     @property
     def done(self) -> bool: ...
+    @property
+    def restarted(self) -> bool: ...
     @property
     def status(self) -> RequestStatus | None: ...
 

@@ -38,6 +38,12 @@ class Chunk:
 
 
 @dataclass(frozen=True, slots=True)
+class Restart:
+    """The request's output starts over: the text of earlier chunks is not part of its answer
+    (a structured answer evicted or lost with its instance; ``qlm.service.hub.ResultEvent``)."""
+
+
+@dataclass(frozen=True, slots=True)
 class Final:
     """The request's stored row: final, or (on timeout) as it stands."""
 
@@ -45,7 +51,7 @@ class Final:
     timed_out: bool = False
 
 
-Event = Chunk | Final
+Event = Chunk | Restart | Final
 
 
 class Results:
@@ -84,7 +90,7 @@ class Results:
         return final
 
     async def events(self, row: RequestRow, timeout_s: float) -> AsyncIterator[Event]:
-        """Text chunks (hub only), then one ``Final``. ``row`` is the caller's fresh read (it
+        """Text chunks and restarts (hub only), then one ``Final``. ``row`` is the caller's fresh read (it
         checked the tenant): nothing is awaited when it is final already."""
         if row.is_final:
             yield Final(row)
@@ -118,6 +124,8 @@ class Results:
                 await asyncio.wait({getter, stored}, timeout=remaining, return_when=FIRST)
                 if getter.done():
                     event, getter = getter.result(), None
+                    if event.restarted:
+                        yield Restart()
                     if event.text:
                         yield Chunk(event.text, event.tokens)
                     if not event.done:

@@ -3,11 +3,13 @@
 
 Native bodies forbid unknown fields (a typo gets a 422 naming it). OpenAI-compatible bodies ignore
 the fields QLM does not use, as OpenAI-compatible servers do, but refuse the ones whose meaning it
-cannot honour (``n`` > 1, ``logprobs``, ``tools``, ...), naming them.
+cannot honour (``n`` > 1, ``logprobs``, ``tools``, ...), naming them. A ``response_format``
+(structured output) is passed through on every endpoint.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -16,9 +18,11 @@ from pydantic import (
     ConfigDict,
     Field,
     field_validator,
+    model_validator,
 )
 
 from qlm.domain import RequestStatus, Tier
+from qlm.engines.structured import schema_problem
 from qlm.store import RequestRow
 
 TierName = Literal["interactive", "standard", "batch"]
@@ -96,6 +100,53 @@ class ChatMessage(BaseModel):
     name: Name | None = Field(default=None, description="Optional author name.")
 
 
+MAX_SCHEMA_CHARS = 65_536
+"""The longest JSON schema accepted for structured output, as compact JSON."""
+
+
+class JsonSchemaFormat(BaseModel):
+    """OpenAI's ``response_format.json_schema``."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$", description="Letters, digits, _ and -.")
+    description: Text | None = Field(default=None, max_length=4096)
+    schema_: dict[str, Any] = Field(
+        default_factory=dict, alias="schema", description="The JSON Schema of the answer."
+    )
+    strict: bool | None = None
+
+    @field_validator("schema_")
+    @classmethod
+    def _a_schema(cls, schema: dict[str, Any]) -> dict[str, Any]:
+        size = len(json.dumps(schema, separators=(",", ":")))
+        if size > MAX_SCHEMA_CHARS:
+            raise ValueError(f"is {size} characters as JSON; at most {MAX_SCHEMA_CHARS}")
+        problem = schema_problem(schema)
+        if problem is not None:
+            raise ValueError(problem)
+        return schema
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's ``response_format``: free text (the default), any JSON object, or a JSON
+    document of a schema. vLLM enforces it with a grammar; such an answer is never resumed
+    after an eviction but started again (docs/api.md, "Structured output")."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = Field(
+        default=None, description="Required with type json_schema, refused otherwise."
+    )
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is given with type json_schema, and only then")
+        return self
+
+
 class SamplingIn(BaseModel):
     """Sampling parameters, passed through to the serving engine untouched."""
 
@@ -111,6 +162,9 @@ class SamplingIn(BaseModel):
     presence_penalty: float | None = Field(default=None, ge=-2, le=2)
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
     repetition_penalty: float | None = Field(default=None, gt=0, le=10, description="vLLM.")
+    response_format: ResponseFormat | None = Field(
+        default=None, description="Structured output (JSON, or JSON of a schema)."
+    )
 
     @field_validator("stop")
     @classmethod
@@ -120,8 +174,14 @@ class SamplingIn(BaseModel):
         return stop
 
     def sampling(self) -> dict[str, Any]:
-        """The parameters that were given, for the queue message and the store."""
-        return self.model_dump(include=set(SamplingIn.model_fields), exclude_none=True)
+        """The parameters that were given, for the queue message and the store (a ``text``
+        response format is the default: left out)."""
+        out = self.model_dump(
+            include=set(SamplingIn.model_fields), exclude_none=True, by_alias=True
+        )
+        if out.get("response_format") == {"type": "text"}:
+            del out["response_format"]
+        return out
 
 
 class SloIn(BaseModel):
@@ -281,6 +341,15 @@ class _OpenAiIn(SamplingIn, SloIn):
     stream_options: StreamOptions | None = None
     n: int | None = Field(default=None, description="Only 1 is supported.")
     user: str | None = Field(default=None, max_length=256, description="Ignored.")
+    structured_outputs: Any = Field(default=None, description="vLLM's; not supported (422).")
+    guided_json: Any = Field(default=None, description="vLLM's (old); not supported (422).")
+    guided_regex: Any = Field(default=None, description="vLLM's (old); not supported (422).")
+    guided_choice: Any = Field(default=None, description="vLLM's (old); not supported (422).")
+    guided_grammar: Any = Field(default=None, description="vLLM's (old); not supported (422).")
+
+
+GUIDED = ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
+"""vLLM's own output constraints, refused rather than ignored (``response_format`` is the way)."""
 
 
 class CompletionIn(_OpenAiIn):
@@ -302,9 +371,6 @@ class ChatCompletionIn(_OpenAiIn):
     )
     logprobs: bool | None = Field(default=None, description="Not supported (422 when true).")
     tools: list[Any] | None = Field(default=None, description="Not supported (422 when set).")
-    response_format: dict[str, Any] | None = Field(
-        default=None, description="Only {'type': 'text'} is supported."
-    )
 
 
 class Usage(BaseModel):

@@ -36,10 +36,11 @@ class EngineRequest:
     prompt: str | tuple[int, ...] | None = None
     """What an HTTP engine sends as the prompt. ``None``: ``prompt_tokens`` filler token ids, so a
     replayed request has exactly its recorded prompt length. The simulated engine ignores it."""
-    sampling: tuple[tuple[str, Any], ...] = ()
-    """Sampling parameters passed through to an HTTP engine (temperature, top_p, stop, seed, ...);
-    the fields the agent owns (model, prompt, messages, max_tokens, priority, stream) are never
-    overridden."""
+    sampling: tuple[tuple[str, Any], ...] = field(default=(), hash=False)
+    """Sampling parameters passed through to an HTTP engine (temperature, top_p, stop, seed,
+    response_format, ...); the fields the agent owns (model, prompt, messages, max_tokens,
+    priority, stream) are never overridden. Left out of the hash: a response format is a JSON
+    object."""
     messages: tuple[Mapping[str, Any], ...] | None = field(default=None, hash=False)
     """A chat request's messages (OpenAI's ``{"role", "content"}`` objects, as submitted). Set,
     an HTTP engine sends them to the chat endpoint, so the server applies the model's own chat

@@ -17,6 +17,10 @@ Output length: with ``ignore_eos`` the request generates exactly ``max_tokens`` 
 it, the "end of sequence" comes after a length drawn from ``eos_lengths`` (by default the shipped
 ShareGPT output lengths), deterministically from the request id, capped at ``max_tokens``.
 
+With a ``response_format`` of ``json_object`` or ``json_schema`` the answer is a JSON document
+of the schema, which ends the output when complete (the engine writes it:
+``qlm.engines.structured``).
+
 Both endpoints run the same generation (``generate``) and stream the same chunks, worded per
 endpoint (``_Format``). A chat has no tokenizer or chat template here: its prompt length is
 counted as the words of its messages' text, as a prompt's are (``count_tokens``); the template's
@@ -67,9 +71,30 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool | None = False
 
 
+class JsonSchemaBody(BaseModel):
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+
+    name: str
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+
+
+class ResponseFormatBody(BaseModel):
+    """OpenAI's ``response_format``, as vLLM reads it."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaBody | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormatBody:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format of type json_schema needs json_schema")
+        return self
+
+
 class _GenerationBody(BaseModel):
     """The fields of both endpoints that the simulation honours; others are accepted and
-    ignored (sampling parameters do not change a simulated output)."""
+    ignored (sampling parameters do not change a simulated output). A ``response_format``
+    makes the answer a JSON document of its schema (``qlm.engines.structured``)."""
 
     model_config = ConfigDict(extra="allow")
 
@@ -78,6 +103,14 @@ class _GenerationBody(BaseModel):
     stream_options: StreamOptions | None = None
     priority: int = 0
     ignore_eos: bool = False
+    response_format: ResponseFormatBody | None = None
+
+    def sampling(self) -> tuple[tuple[str, Any], ...]:
+        """What the simulated engine honours of the sampling parameters: the format."""
+        if self.response_format is None:
+            return ()
+        fmt = self.response_format.model_dump(by_alias=True, exclude_none=True)
+        return (("response_format", fmt),)
 
 
 class CompletionBody(_GenerationBody):
@@ -357,6 +390,7 @@ def create_app(
             max_tokens=max_tokens,
             priority=body.priority,
             output_tokens=output,
+            sampling=body.sampling(),
         )
         chunks: asyncio.Queue[TokenChunk] = asyncio.Queue()
         try:

@@ -9,7 +9,9 @@ runs ``scale`` times faster than real time (tests, demos).
 Output text is filler: token *i* of every request is ``FILLER_TOKEN`` (``" tok"``), so a text of
 *n* tokens is ``n`` whitespace-separated words and ``count_tokens`` counts it back exactly. The
 same rule counts a string prompt (whitespace words), which keeps a resumed request (prompt +
-partial output) consistent. A token-id prompt counts its ids.
+partial output) consistent. A token-id prompt counts its ids. A request with a JSON
+``response_format`` gets a JSON document of its schema instead, complete within ``max_tokens``
+when it fits (``qlm.engines.structured``).
 
 Sleep (vLLM sleep mode) is modelled here, around the ``SimEngine``: ``sleep(level)`` needs the
 instance drained, refuses new requests while asleep, and ``wake_up`` takes the model's warm
@@ -22,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from qlm.clock import WallClock
@@ -40,6 +42,7 @@ from qlm.engines.base import (
 )
 from qlm.engines.perf_model import HardwareCatalog, default_catalog
 from qlm.engines.sim import SimEngine, SimEngineConfig
+from qlm.engines.structured import SchemaUnsupported, document_pieces, resumable
 from qlm.errors import EngineError, UnknownRequest
 
 log = logging.getLogger(__name__)
@@ -68,6 +71,13 @@ class _Flight:
     on_chunk: ChunkCallback | None
     done: asyncio.Future[EngineOutput]
     sent: int = 0
+    pieces: list[str] | None = None
+    """The text of each output token of a structured answer (``qlm.engines.structured``)."""
+
+    def text(self, start: int, end: int) -> str:
+        if self.pieces is None:
+            return filler_text(max(0, end - start))
+        return "".join(self.pieces[start:end])
 
 
 class WallClockEngine:
@@ -196,10 +206,20 @@ class WallClockEngine:
         self._ensure_started()
         if self._sleep_level is not None:
             raise EngineError(f"{self.name}: the instance is sleeping; wake it up first")
+        pieces = None
+        fmt = dict(request.sampling).get("response_format")
+        if isinstance(fmt, Mapping) and not resumable({"response_format": fmt}):
+            try:
+                # complete within max_tokens when it can: a grammar ends the answer itself
+                target = min(request.tokens_to_generate, request.max_tokens - 1)
+                pieces = document_pieces(fmt, target)
+            except SchemaUnsupported as exc:
+                raise EngineError(f"{self.name}: response_format: {exc}") from None
+            request = replace(request, output_tokens=min(len(pieces), request.max_tokens))
         now = self._advance()
         self.sim.submit(request, now)
         done: asyncio.Future[EngineOutput] = asyncio.get_running_loop().create_future()
-        self._flights[request.request_id] = _Flight(request, on_chunk, done)
+        self._flights[request.request_id] = _Flight(request, on_chunk, done, pieces=pieces)
         self._wake_driver()
         return done
 
@@ -341,14 +361,14 @@ class WallClockEngine:
         """Stream the tokens generated since the last chunk; on ``finish``, resolve the request."""
         rid = flight.request.request_id
         if tokens > flight.sent or finish is not None:
-            chunk = TokenChunk(rid, filler_text(max(0, tokens - flight.sent)), tokens, finish)
+            chunk = TokenChunk(rid, flight.text(flight.sent, tokens), tokens, finish)
             flight.sent = max(flight.sent, tokens)
             if flight.on_chunk is not None:
                 try:
                     flight.on_chunk(chunk)
                 except Exception:  # a consumer's bug must not stop the engine
                     log.exception("%s: chunk callback of %s failed", self.name, rid)
-        output = EngineOutput(rid, filler_text(flight.sent), flight.sent, finish or "abort")
+        output = EngineOutput(rid, flight.text(0, flight.sent), flight.sent, finish or "abort")
         if finish is not None and not flight.done.done():
             flight.done.set_result(output)
         return output

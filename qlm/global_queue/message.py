@@ -27,8 +27,10 @@ SCHEMA_VERSION = 1
 """The body version this code writes and the only one it reads."""
 
 JsonScalar = str | int | float | bool | None
-SamplingValue = JsonScalar | list[JsonScalar]
-"""A sampling parameter: a JSON scalar (``temperature``) or a list of them (``stop``)."""
+SamplingValue = JsonScalar | list[JsonScalar] | dict[str, Any]
+"""A sampling parameter: a JSON scalar (``temperature``) or a list of them (``stop``); an object
+only for the keys in ``OBJECT_PARAMETERS``."""
+OBJECT_PARAMETERS = frozenset({"response_format"})
 
 
 class MessageError(QLMError):
@@ -209,5 +211,8 @@ def _check_sampling(sampling: object) -> None:
     if not isinstance(sampling, dict):
         raise _fail("sampling", "an object", sampling)
     for key, value in sampling.items():
+        if key in OBJECT_PARAMETERS:
+            _check(f"sampling.{key}", isinstance(value, dict), "an object", value)
+            continue
         ok = _is_scalar(value) or (isinstance(value, list) and all(map(_is_scalar, value)))
         _check(f"sampling.{key}", ok, "a JSON scalar or a list of them", value)

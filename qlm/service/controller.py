@@ -378,13 +378,12 @@ class ControllerService(RuntimeListener):
             partial_text, partial_tokens = row.partial_text, row.partial_tokens
         partial_tokens = min(partial_tokens, msg.max_tokens - 1)
         partial_text = resume_point(partial_text)
+        job = Job(prompt=msg.prompt, sampling=dict(msg.sampling), messages=msg.messages)
+        if job.resumable:
+            job.partial_text = partial_text
+        else:  # a structured answer starts over (``qlm.engines.structured``)
+            partial_tokens = 0
         request = msg.to_request(arrival_s=msg.submitted_at)
-        job = Job(
-            prompt=msg.prompt,
-            sampling=dict(msg.sampling),
-            partial_text=partial_text,
-            messages=msg.messages,
-        )
         failovers = 1 if row.status is RequestStatus.RUNNING else 0  # a controller died
         self.runtime.submit(request, job, generated=partial_tokens, failovers=failovers)
 
@@ -411,6 +410,8 @@ class ControllerService(RuntimeListener):
     def returned(
         self, request_id: str, partial_text: str, partial_tokens: int, *, evicted: bool = False
     ) -> None:
+        if partial_tokens == 0 and self.hub.watched(request_id):
+            self.hub.publish(ResultEvent(request_id, "", 0, restarted=True))
         if evicted:
             self._queue_op(
                 self.store.record_eviction,

@@ -12,13 +12,16 @@ from qlm.domain import RequestStatus
 
 @dataclass(frozen=True, slots=True)
 class ResultEvent:
-    """New output (``text``, ``tokens`` so far), or with ``done`` the request's final status."""
+    """New output (``text``, ``tokens`` so far), or with ``done`` the request's final status.
+    ``restarted``: the request went back to the queue with no output kept (a structured answer,
+    which cannot be continued, or one that had none yet): text sent before is not its answer."""
 
     request_id: str
     text: str
     tokens: int
     done: bool = False
     status: RequestStatus | None = None
+    restarted: bool = False
 
 
 class ResultHub:

@@ -289,3 +289,32 @@ def test_a_chat_reaches_the_chat_endpoint_and_a_resumed_one_continues_its_answer
     assert resumed["messages"][-1]["role"] == "assistant"  # type: ignore[index]
     assert resumed["continue_final_message"] is True
     assert resumed["add_generation_prompt"] is False
+
+
+def test_a_response_format_reaches_the_server_which_answers_a_document_of_its_schema(
+    server_url: str,
+) -> None:
+    """Structured output through the client: the format goes to vLLM's chat endpoint with the
+    other sampling parameters, and the streamed answer is the JSON document."""
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "town", "schema": schema}}
+    wire = Recording()
+
+    async def scenario() -> str:
+        engine = VllmEngine("sim-0", server_url, MODEL, transport=wire)
+        try:
+            messages = [{"role": "user", "content": "Where?"}]
+            job = Job(messages=messages, sampling={"seed": 3, "response_format": fmt})
+            chunks: list[TokenChunk] = []
+            out = await engine.submit(
+                job.fill(EngineRequest("fmt-1", MODEL, 8, max_tokens=30)), chunks.append
+            )
+            assert out.finish_reason == "stop" and out.text == "".join(c.text for c in chunks)
+            return out.text
+        finally:
+            await engine.close()
+
+    text = asyncio.run(scenario())
+    assert set(json.loads(text)) == {"city"}
+    ((_, body),) = wire.posts
+    assert body["response_format"] == fmt and body["seed"] == 3

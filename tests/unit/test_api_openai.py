@@ -1,11 +1,12 @@
 """The official ``openai`` Python client, unchanged, against QLM's OpenAI-compatible endpoints
 served by uvicorn on a free port, with a controller service and simulated instances in process:
-it completes, streams, lists models, and its SLO fields (extra body fields and headers) reach
-the store."""
+it completes, streams, lists models, answers structured output (``response_format``), and its
+SLO fields (extra body fields and headers) reach the store."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 
 import openai
 import pytest
@@ -102,6 +103,26 @@ def test_the_openai_client_completes_streams_and_sends_slo_fields() -> None:
             )
             text = "".join([c.choices[0].text async for c in text_stream if c.choices])
             assert count_tokens(text) == 20
+
+            schema = {
+                "type": "object",
+                "properties": {"title": {"type": "string"}, "year": {"type": "integer"}},
+                "required": ["title", "year"],
+            }
+            structured = await client.chat.completions.create(
+                model="m",
+                messages=[{"role": "user", "content": "A book, as JSON."}],
+                max_tokens=30,
+                response_format={
+                    "type": "json_schema",
+                    "json_schema": {"name": "book", "schema": schema, "strict": True},
+                },
+            )
+            book = json.loads(structured.choices[0].message.content or "")
+            assert set(book) == {"title", "year"} and isinstance(book["year"], int)
+            assert structured.choices[0].finish_reason == "stop"
+            row = store.get(structured.id.removeprefix("chatcmpl-"))
+            assert row is not None and row.sampling["response_format"]["json_schema"]["strict"]
 
             with pytest.raises(openai.UnprocessableEntityError) as bad:
                 await client.completions.create(

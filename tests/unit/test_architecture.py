@@ -17,6 +17,7 @@ PURE = [
     "agents/decide.py",
     "controller.py",
     "engines/sim.py",
+    "engines/structured.py",
     "sim",
 ]
 FORBIDDEN = {

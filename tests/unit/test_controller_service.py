@@ -4,9 +4,11 @@ simulated instances on the wall clock at 50x. Waits poll with a deadline; no tim
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -16,7 +18,7 @@ from qlm.agents.executor import AgentRuntime
 from qlm.clock import WallClock
 from qlm.controller import Controller
 from qlm.domain import InstanceSpec, RequestStatus
-from qlm.engines.wallclock import WallClockEngine, count_tokens
+from qlm.engines.wallclock import WallClockEngine, count_tokens, filler_text
 from qlm.global_queue import (
     DeadLetter,
     GlobalQueue,
@@ -745,5 +747,49 @@ def test_the_sweep_spares_a_request_being_taken_and_a_row_that_ended_meanwhile()
         served = store.get("q0001")
         assert served is not None and served.status is RequestStatus.FINISHED
         await service.stop()
+
+    run(scenario)
+
+
+def test_a_request_taken_over_mid_answer_resumes_unless_its_answer_is_structured() -> None:
+    """A controller died while two requests ran: the store kept their output so far. The next
+    one resumes the plain answer from it, and starts the structured one over (a grammar
+    cannot continue a partial document)."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "string"}}}
+
+    async def scenario(store: Store) -> None:
+        broker = MemoryBroker()
+        now = store.now()
+        rows = [row("plain", now), replace(row("json", now), sampling={"response_format": fmt})]
+        store.ensure_requests(rows)
+        for rid in ("plain", "json"):
+            store.mark_dispatched(rid, instance="i0", at=now)
+            store.record_partial(rid, text="tok tok tok", tokens=3)
+        service = make_service(store, broker)
+        await service.start()
+        producer = MemoryGlobalQueue(broker=broker)
+        await producer.publish(message(0, now, id="plain", replay_output_tokens=40))
+        json_msg = message(0, now, id="json", replay_output_tokens=40)
+        await producer.publish(replace(json_msg, sampling={"response_format": fmt}))
+        await eventually(lambda: final(store, ["plain", "json"]), "both finished")
+        await service.stop()
+        plain, structured = store.get("plain"), store.get("json")
+        assert plain is not None and structured is not None
+        assert plain.output_text == filler_text(40)[1:] and plain.output_tokens == 40
+        assert structured.output_tokens == 40
+        assert json.loads(structured.output_text or "") == " ".join(["tok"] * 38)
+
+    run(scenario)
+
+
+def test_a_request_back_in_the_queue_with_no_output_kept_tells_its_streams_to_start_over() -> None:
+    async def scenario(store: Store) -> None:
+        service = make_service(store, MemoryBroker())
+        stream = service.hub.subscribe("q1")
+        service.returned("q1", "tok tok", 2, evicted=True)  # resumed later: the text stands
+        assert stream.empty()
+        service.returned("q1", "", 0, evicted=True)  # a structured answer, started over
+        event = stream.get_nowait()
+        assert event.restarted and not event.done and event.text == ""
 
     run(scenario)

@@ -463,3 +463,42 @@ def test_the_client_rejects_a_request_beyond_the_context_with_vllms_message() ->
             await engine.close()
 
     asyncio.run(scenario())
+
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"city": {"type": "string"}, "people": {"type": "integer", "minimum": 1}},
+}
+JSON_SCHEMA = {"type": "json_schema", "json_schema": {"name": "town", "schema": SCHEMA}}
+
+
+def test_a_response_format_makes_the_answer_a_json_document_of_its_schema(
+    client: TestClient,
+) -> None:
+    """As vLLM's structured outputs: the answer is a document of the schema, streamed token by
+    token, and ends (``stop``) when complete; a cap below its size cuts it (``length``)."""
+    body = {"messages": CHAT, "max_tokens": 50, "response_format": JSON_SCHEMA}
+    answer = client.post("/v1/chat/completions", json=body).json()
+    choice = answer["choices"][0]
+    assert json.loads(choice["message"]["content"]) == {"city": "tok", "people": 1}
+    assert choice["finish_reason"] == "stop"  # the sample (3 tokens) is shorter than the document
+    events = chat_sse(client, **body)
+    text = "".join(e["choices"][0]["delta"]["content"] for e in events[1:-1] if e["choices"])
+    assert text == choice["message"]["content"]
+    assert sum(1 for e in events[1:-1] if e["choices"][0]["delta"]["content"]) > 2  # streamed
+    cut = complete(client, max_tokens=3, response_format={"type": "json_object"})
+    assert cut["choices"][0]["finish_reason"] == "length"
+    assert cut["choices"][0]["text"] == '{"answer": "'
+    long = complete(client, max_tokens=400, ignore_eos=True, response_format=JSON_SCHEMA)
+    assert long["usage"]["completion_tokens"] == 399  # grown to the cap, and complete
+    assert json.loads(long["choices"][0]["text"])["people"] == 1
+
+
+def test_a_response_format_the_server_cannot_honour_is_a_400(client: TestClient) -> None:
+    missing = client.post(
+        "/v1/chat/completions", json={"messages": CHAT, "response_format": {"type": "json_schema"}}
+    )
+    assert missing.status_code == 400 and "json_schema" in missing.json()["error"]["message"]
+    remote = {"type": "json_schema", "json_schema": {"name": "r", "schema": {"$ref": "s.json"}}}
+    r = client.post("/v1/completions", json={"prompt": "x", "response_format": remote})
+    assert r.status_code == 400 and "$ref 's.json'" in r.json()["error"]["message"]

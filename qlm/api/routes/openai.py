@@ -37,9 +37,10 @@ from qlm.api.errors import (
     not_found,
 )
 from qlm.api.intake import Submission, admit
-from qlm.api.results import Chunk, Final
+from qlm.api.results import Chunk, Final, Restart
 from qlm.api.routes.requests import EventStream, IdempotencyKey, cancel
 from qlm.api.schemas import (
+    GUIDED,
     MAX_SLO_S,
     ChatCompletionIn,
     ChatCompletionOut,
@@ -109,6 +110,9 @@ def _submission(
 ) -> Submission:
     if body.n not in (None, 1):
         raise invalid("n", "only n=1 is supported", code="unsupported")
+    for name in GUIDED:  # constraints QLM would otherwise drop without a word
+        if getattr(body, name) is not None:
+            raise invalid(name, f"{name} is not supported: use response_format", code="unsupported")
     tier = body.tier if body.tier is not None else headers.tier
     return Submission(
         model=body.model,
@@ -137,14 +141,21 @@ def usage(row: RequestRow) -> dict[str, int]:
     }
 
 
-def restarted_error(row: RequestRow) -> ApiError:
-    """A stream whose text is not the start of the stored answer: another controller took the
-    request over after this one had streamed part of it (a failover) and wrote its own answer.
-    The text already sent cannot be taken back; the client is told to read the result."""
+def restarted_error(row: RequestRow, *, evicted: bool = False) -> ApiError:
+    """A stream whose text is not the start of the answer: another controller took the request
+    over after this one had streamed part of it (a failover) and wrote its own answer, or
+    (``evicted``) a structured answer went back to the queue and starts over. The text already
+    sent cannot be taken back; the client is told to read the result."""
+    why = (
+        "was interrupted after this stream began and its structured answer, which cannot be "
+        "continued, is generated again"
+        if evicted
+        else "was taken over by another controller after this stream began, and its answer "
+        "differs from the text streamed"
+    )
     return ApiError(
         502,
-        f"request {row.id} was taken over by another controller after this stream began, and "
-        f"its answer differs from the text streamed: read it with GET /v1/requests/{row.id}",
+        f"request {row.id} {why}: read it with GET /v1/requests/{row.id}",
         type=UPSTREAM,
         code="stream_restarted",
         headers={**NO_RETRY, "x-qlm-request-id": row.id},
@@ -252,11 +263,18 @@ async def _stream(
             elif isinstance(event, Chunk):
                 sent += event.text
                 yield chunk(event.text)
-            elif isinstance(event, Final):
-                final = event.row
-                error = outcome_error(final, ctx.settings.wait_timeout_s, event.timed_out)
-                if error is None and not (final.output_text or "").startswith(sent):
-                    error = restarted_error(final)
+            elif isinstance(event, Restart | Final):
+                error = None
+                if isinstance(event, Restart):
+                    if not sent:
+                        continue  # nothing shown yet: the answer can still stream whole
+                    error = restarted_error(row, evicted=True)
+                    completed = True  # the request goes on; the client reads it later
+                else:
+                    final = event.row
+                    error = outcome_error(final, ctx.settings.wait_timeout_s, event.timed_out)
+                    if error is None and not (final.output_text or "").startswith(sent):
+                        error = restarted_error(final)
                 if error is not None:
                     yield sse.event(
                         {
@@ -398,14 +416,12 @@ async def create_chat_completion(
     idempotency_key: IdempotencyKey = None,
 ) -> Response:
     """OpenAI's chat completions, behind QLM's queue; the messages reach vLLM's chat endpoint,
-    which applies the model's chat template (docs/api.md). Deviations: n=1 only; no tools,
-    logprobs or structured output."""
+    which applies the model's chat template (docs/api.md). Deviations: n=1 only; no tools or
+    logprobs."""
     if body.logprobs:
         raise invalid("logprobs", "logprobs is not supported", code="unsupported")
     if body.tools:
         raise invalid("tools", "tools are not supported", code="unsupported")
-    if body.response_format not in (None, {"type": "text"}):
-        raise invalid("response_format", "only {'type': 'text'} is supported", code="unsupported")
     messages = [m.model_dump(exclude_none=True) for m in body.messages]
     submission = _submission(
         ctx,

@@ -16,7 +16,7 @@ from qlm.api.context import ApiContext
 from qlm.api.deps import ContextDep, PrincipalDep
 from qlm.api.errors import CONFLICT, PERMISSION, ApiError, documented, invalid, not_found
 from qlm.api.intake import Submission, admit
-from qlm.api.results import Chunk, Final
+from qlm.api.results import Chunk, Final, Restart
 from qlm.api.schemas import (
     RequestListOut,
     RequestOut,
@@ -149,7 +149,9 @@ async def get_request(
     responses={
         200: {
             "description": "Server-sent events: `token` (new text, when the controller runs in "
-            "the API's process), then one `done` whose data is the request (GET /v1/requests/{id})."
+            "the API's process), `restart` (the output starts over: drop the text so far; a "
+            "structured answer that was evicted), then one `done` whose data is the request "
+            "(GET /v1/requests/{id})."
         },
         **documented(401, 404, 422, 503),
     },
@@ -169,6 +171,8 @@ async def _events(ctx: ApiContext, row: RequestRow) -> AsyncIterator[bytes]:
             yield sse.KEEPALIVE
         elif isinstance(event, Chunk):
             yield sse.event({"text": event.text, "tokens": event.tokens}, "token")
+        elif isinstance(event, Restart):
+            yield sse.event({"tokens": 0}, "restart")
         elif isinstance(event, Final):
             body = RequestOut.of(event.row).model_dump(mode="json")
             yield sse.event(body, "timeout" if event.timed_out else "done")

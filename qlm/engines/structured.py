@@ -1,0 +1,202 @@
+"""Structured output: OpenAI's ``response_format``, which QLM passes to vLLM untouched, and the
+documents the simulated engine writes for it (docs/api.md, "Structured output").
+
+vLLM enforces a format with a grammar over the tokens it generates (xgrammar or guidance): the
+answer is a JSON document, of the given schema for ``json_schema``. The grammar starts at the
+answer's first token, so a partial answer cannot be continued — sent back as the start of the
+assistant's message it would be followed by a whole new document. A request with a format is
+therefore never resumed: evicted, or lost with its instance, it starts over (``resumable``).
+
+The simulated engine has no model to constrain. It writes a document the format allows (an
+instance of the schema), token by token, and grows its strings' words so that the document ends
+at the output length it drew for the request; a schema with no string to grow ends the document
+at its smallest size, as a grammar would end the answer. It follows ``type``, ``properties``
+(all of them, in order), ``items`` and ``minItems``, ``enum``, ``const``, ``anyOf``/``oneOf``
+(the first), local ``$ref`` and ``minimum``; other keywords (``pattern``, ``format``,
+``maxLength``, ...) are not honoured (docs/engines.md).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+FORMAT_TYPES = ("text", "json_object", "json_schema")
+MAX_DEPTH = 16
+"""Nesting (and ``$ref`` hops) the simulated engine follows before refusing the schema."""
+WORD = "tok"  # the simulated engine's output token (``qlm.engines.wallclock.FILLER_TOKEN``)
+
+
+def resumable(sampling: Mapping[str, Any]) -> bool:
+    """Whether a partial answer of a request with these parameters can be continued: not when
+    a response format constrains it (module docstring)."""
+    fmt = sampling.get("response_format")
+    return not isinstance(fmt, Mapping) or fmt.get("type", "text") == "text"
+
+
+class SchemaUnsupported(ValueError):
+    """A schema the simulated engine cannot write a document for; the text says why."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Slot:
+    """A string's words: one at least, more to reach the document's length."""
+
+
+_SLOT = _Slot()
+
+
+def document_pieces(response_format: Mapping[str, Any], target: int) -> list[str]:
+    """A JSON document ``response_format`` allows, as the text of each of its tokens: exactly
+    ``target`` tokens when its strings can grow to that, else its smallest size (more than
+    ``target`` when even that is longer)."""
+    kind = response_format.get("type", "text")
+    if kind == "json_object":
+        schema: Mapping[str, Any] = {"type": "object", "properties": {"answer": {"type": "string"}}}
+    elif kind == "json_schema":
+        spec = response_format.get("json_schema")
+        schema = spec.get("schema", {}) if isinstance(spec, Mapping) else {}
+    else:
+        raise SchemaUnsupported(f"response_format type {kind!r} is not a JSON format")
+    skeleton: list[str | _Slot] = []
+    _emit(schema, schema, skeleton, 0)
+    slots = sum(1 for p in skeleton if p is _SLOT)
+    words = [1] * slots
+    extra = max(0, target - (len(skeleton) - slots) - 3 * slots)
+    for i in range(extra if slots else 0):
+        words[i % slots] += 1
+    pieces: list[str] = []
+    k = 0
+    for p in skeleton:
+        if isinstance(p, _Slot):
+            pieces += ['"', WORD] + [" " + WORD] * (words[k] - 1) + ['"']
+            k += 1
+        else:
+            pieces.append(p)
+    return pieces
+
+
+def _resolve(root: Mapping[str, Any], ref: str) -> Mapping[str, Any]:
+    for prefix in ("#/$defs/", "#/definitions/"):
+        if ref.startswith(prefix):
+            target = root.get(prefix[2:-1], {}).get(ref[len(prefix) :])
+            if isinstance(target, Mapping):
+                return target
+    raise SchemaUnsupported(f"$ref {ref!r} is not a local definition ($defs or definitions)")
+
+
+def _emit(schema: Any, root: Mapping[str, Any], out: list[str | _Slot], depth: int) -> None:
+    if depth > MAX_DEPTH:
+        raise SchemaUnsupported(f"the schema nests deeper than {MAX_DEPTH} levels")
+    if schema is True or schema == {} or not isinstance(schema, Mapping):
+        out.append(_SLOT)  # anything goes: a string
+        return
+    if "$ref" in schema:
+        _emit(_resolve(root, str(schema["$ref"])), root, out, depth + 1)
+        return
+    if "const" in schema:
+        out.append(json.dumps(schema["const"]))
+        return
+    if isinstance(schema.get("enum"), list) and schema["enum"]:
+        out.append(json.dumps(schema["enum"][0]))
+        return
+    for key in ("anyOf", "oneOf", "allOf"):
+        if isinstance(schema.get(key), list) and schema[key]:
+            _emit(schema[key][0], root, out, depth + 1)
+            return
+    kind = schema.get("type")
+    if isinstance(kind, list):
+        kind = next((k for k in kind if k != "null"), "null")
+    if kind is None:
+        kind = "object" if "properties" in schema else "array" if "items" in schema else "string"
+    if kind == "object":
+        props = schema.get("properties") or {}
+        out.append("{")
+        for i, (name, sub) in enumerate(props.items()):
+            out.append(("" if i == 0 else ", ") + json.dumps(name) + ": ")
+            _emit(sub, root, out, depth + 1)
+        out.append("}")
+    elif kind == "array":
+        count = max(1, int(schema.get("minItems", 1)))
+        out.append("[")
+        for i in range(count):
+            if i:
+                out.append(", ")
+            _emit(schema.get("items", {}), root, out, depth + 1)
+        out.append("]")
+    elif kind == "string":
+        out.append(_SLOT)
+    elif kind in ("integer", "number"):
+        low = schema.get("minimum", schema.get("exclusiveMinimum", 0))
+        value = low if isinstance(low, int | float) and not isinstance(low, bool) else 0
+        if "exclusiveMinimum" in schema and "minimum" not in schema:
+            value += 1
+        out.append(str(math.ceil(value)) if kind == "integer" else json.dumps(float(value)))
+    elif kind == "boolean":
+        out.append("true")
+    elif kind == "null":
+        out.append("null")
+    else:
+        raise SchemaUnsupported(f"unknown JSON Schema type {kind!r}")
+
+
+_TYPES = frozenset(("object", "array", "string", "integer", "number", "boolean", "null"))
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
+
+
+def schema_problem(schema: Any, path: str = "", depth: int = 0) -> str | None:
+    """What makes ``schema`` no JSON Schema a server could compile, with where (a JSON pointer
+    into it), or ``None``. A shape check — the keywords' types, known ``type`` names, local
+    ``$ref`` — not a metaschema validation: vLLM's backend has the last word."""
+    where = path or "/"
+    if depth > 64:
+        return f"{where}: nested deeper than 64 levels"
+    if isinstance(schema, bool):
+        return None
+    if not isinstance(schema, Mapping):
+        return f"{where}: a schema must be an object or a boolean"
+    kind = schema.get("type")
+    kinds = kind if isinstance(kind, list) else [kind] if kind is not None else []
+    for k in kinds:
+        if k not in _TYPES:
+            return f"{path}/type: {k!r} is not a JSON Schema type ({', '.join(sorted(_TYPES))})"
+    ref = schema.get("$ref")
+    if ref is not None and not (
+        isinstance(ref, str) and ref.startswith(("#/$defs/", "#/definitions/", "#"))
+    ):
+        return f"{path}/$ref: only references inside the schema (#/$defs/...) are resolved"
+    required = schema.get("required")
+    if required is not None and not (
+        isinstance(required, list) and all(isinstance(r, str) for r in required)
+    ):
+        return f"{path}/required: must be a list of property names"
+    if "enum" in schema and not (isinstance(schema["enum"], list) and schema["enum"]):
+        return f"{path}/enum: must be a non-empty list"
+    for key in _SCHEMA_MAPS:
+        if key in schema:
+            sub = schema[key]
+            if not isinstance(sub, Mapping):
+                return f"{path}/{key}: must be an object of schemas"
+            for name, s in sub.items():
+                problem = schema_problem(s, f"{path}/{key}/{name}", depth + 1)
+                if problem:
+                    return problem
+    for key in _SCHEMA_LISTS:
+        if key in schema:
+            sub = schema[key]
+            if not isinstance(sub, list) or not sub:
+                return f"{path}/{key}: must be a non-empty list of schemas"
+            for i, s in enumerate(sub):
+                problem = schema_problem(s, f"{path}/{key}/{i}", depth + 1)
+                if problem:
+                    return problem
+    for key in ("items", "additionalProperties", "not"):
+        if key in schema:
+            problem = schema_problem(schema[key], f"{path}/{key}", depth + 1)
+            if problem:
+                return problem
+    return None
