@@ -80,6 +80,9 @@ class Request:
     slo_class: str = "default"
     replay_output_tokens: int | None = None
     labels: tuple[tuple[str, str], ...] = ()
+    resumable: bool = True
+    """False when output so far cannot be continued (a structured answer: vLLM's grammar starts
+    at the answer's first token). Interrupted, it starts over, so policies do not preempt it."""
 
     def __post_init__(self) -> None:
         if self.input_tokens < 1:

@@ -12,7 +12,9 @@ than the head group's and that keep enough slack to finish after resuming. For e
 - **evict** (``Evict``): abort it; it keeps the tokens generated so far and later resumes as
   prompt + partial output (recomputed), back in its group.
 
-A request is preempted at most ``max_preemptions`` times, so nothing starves by bouncing. Pure: no
+A request is preempted at most ``max_preemptions`` times, so nothing starves by bouncing, and
+never when it is not ``resumable`` (a structured answer would start over: on vLLM, which has no
+per-request swap, a swap becomes an eviction). Pure: no
 clock, no engine; the controller gives the view and applies the decisions.
 """
 
@@ -116,6 +118,7 @@ def make_room(
         r
         for r in running
         if r.request.deadline_s > head.deadline_s
+        and r.request.resumable  # preempted, a structured answer would start over
         and r.preemptions < config.max_preemptions
         and r.request.deadline_s - now - config.resume_delay_s - r.remaining_s
         >= config.min_victim_slack_s

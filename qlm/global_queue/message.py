@@ -21,6 +21,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
 from qlm.domain import SLO, Request, Tier
+from qlm.engines.structured import resumable
 from qlm.errors import QLMError
 
 SCHEMA_VERSION = 1
@@ -161,6 +162,7 @@ class QueuedRequest:
             tenant=self.tenant,
             replay_output_tokens=self.replay_output_tokens,
             labels=tuple(sorted(self.labels.items())),
+            resumable=resumable(self.sampling),
         )
 
 

@@ -242,3 +242,12 @@ def test_every_policy_forgets_what_ran_on_a_failed_instance(name: str) -> None:
     result = sim.run(reqs, outages=[Outage("i0", fail_s=0.5, recover_s=3.0)])
     assert all(r.status is RequestStatus.FINISHED for r in result.records)
     assert all(r.output_tokens == 150 for r in result.records)
+
+
+def test_a_structured_answer_is_never_preempted_its_work_would_be_lost() -> None:
+    structured = running(0, 300.0)
+    structured = dataclasses.replace(
+        structured, request=dataclasses.replace(structured.request, resumable=False)
+    )
+    out = make_room(0.0, "i0", HEAD, 0, [structured, running(1, 200.0)], COSTS, ON)
+    assert [d.request_id for d in out] == ["r0001"]  # r0000 is the least urgent, but kept

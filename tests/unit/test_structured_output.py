@@ -316,3 +316,11 @@ def test_vllms_own_constraints_are_refused_not_dropped(name: str) -> None:
         assert published(h.queue) == []
 
     run_api(scenario)
+
+
+def test_a_queued_structured_request_reaches_the_planner_as_not_resumable() -> None:
+    fields: dict[str, Any] = {"id": "r", "model": "m", "prompt_tokens": 3, "max_tokens": 9}
+    fields |= {"slo_e2e_s": 60.0, "submitted_at": 1.0}
+    assert QueuedRequest(**fields).to_request(1.0).resumable
+    structured = QueuedRequest(**fields, sampling={"response_format": FORMAT})
+    assert not structured.to_request(1.0).resumable
