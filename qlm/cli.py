@@ -334,13 +334,19 @@ def demo_cmd(
     _emit(result, ctx, as_json=as_json, out=None)
 
 
+QUIET_LOGGERS = ("httpx", "httpcore")
+"""Libraries that log every HTTP call at INFO (each stream to vLLM, each health check): shown
+only at QLM_LOG_LEVEL=DEBUG."""
+
+
 def _logging() -> None:
     import logging
 
-    logging.basicConfig(
-        level=get_settings().log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    level = logging.getLevelNamesMapping()[_guard(get_settings).log_level]
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if level > logging.DEBUG:
+        for name in QUIET_LOGGERS:
+            logging.getLogger(name).setLevel(max(level, logging.WARNING))
 
 
 @app.command("controller")

@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import BaseModel, Field, ValidationError, model_validator
+from pydantic import BaseModel, BeforeValidator, Field, ValidationError, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from qlm.errors import ConfigError
@@ -182,12 +182,19 @@ class ApiSettings(BaseModel):
         return self
 
 
+def _upper(value: object) -> object:
+    return value.upper() if isinstance(value, str) else value
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix="QLM_", env_nested_delimiter="__", extra="ignore", frozen=True
     )
 
-    log_level: str = "INFO"
+    log_level: Annotated[
+        Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"], BeforeValidator(_upper)
+    ] = "INFO"
+    """``QLM_LOG_LEVEL`` (any case); HTTP client libraries log each call only at ``DEBUG``."""
     broker_url: str | None = None
     """``QLM_BROKER_URL``: ``amqp://user:password@host:5672/vhost``; unset: the in-process queue."""
     broker: BrokerSettings = BrokerSettings()

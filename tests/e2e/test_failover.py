@@ -153,7 +153,11 @@ def test_killing_the_active_controller_and_an_engine_loses_and_duplicates_nothin
         def finished() -> int:
             return len(store.final_ids(ids))
 
-        wait_until(lambda: finished() >= REQUESTS // 5, "a fifth has finished", procs)
+        # A twentieth, not more: on 2 shared cores the controller is CPU-bound (every token of
+        # 2,000 streams), the count climbs slowly at first (~50 a second), then most of the run
+        # lands in one or two commits (seen: 384, then 1,376, then 2,000; once 3xx straight to
+        # 2,000, when the test waited for a fifth and the kill came after the end).
+        wait_until(lambda: finished() >= REQUESTS // 20, "a twentieth has finished", procs)
         os.kill(active.pid, signal.SIGKILL)
         active.wait()
         at_controller_kill = finished()

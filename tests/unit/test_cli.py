@@ -6,6 +6,7 @@ import csv
 import json
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from qlm.cli import app
@@ -162,3 +163,27 @@ def test_the_shipped_estimator_profile_is_what_qlm_profile_all_produces(tmp_path
     assert out.read_text(encoding="utf-8") == shipped, (
         "regenerate: qlm profile all --out qlm/data/rct_profile.json"
     )
+
+
+def test_the_log_level_is_checked_and_http_clients_log_each_call_only_at_debug(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import logging
+
+    from qlm.cli import QUIET_LOGGERS, _logging
+
+    monkeypatch.setenv("QLM_LOG_LEVEL", "loud")
+    bad = runner.invoke(app, ["controller"])
+    assert bad.exit_code == 1 and "setting QLM_LOG_LEVEL: Input should be 'DEBUG'" in bad.stderr
+    try:
+        monkeypatch.setenv("QLM_LOG_LEVEL", "info")
+        _logging()
+        assert {logging.getLogger(n).level for n in QUIET_LOGGERS} == {logging.WARNING}
+        monkeypatch.setenv("QLM_LOG_LEVEL", "DEBUG")
+        for name in QUIET_LOGGERS:
+            logging.getLogger(name).setLevel(logging.NOTSET)
+        _logging()
+        assert {logging.getLogger(n).level for n in QUIET_LOGGERS} == {logging.NOTSET}
+    finally:
+        for name in QUIET_LOGGERS:
+            logging.getLogger(name).setLevel(logging.NOTSET)
