@@ -47,11 +47,23 @@ def message_text(content: Any) -> str:
     return "".join(texts)
 
 
+def _calls_text(calls: Any) -> str:
+    """An assistant turn's tool calls as the template would spell them, near enough: each
+    call's name and arguments (JSON) on a line."""
+    if not isinstance(calls, list):
+        return ""
+    lines = []
+    for call in calls:
+        fn = call.get("function", {}) if isinstance(call, Mapping) else {}
+        lines.append(f"\n{fn.get('name', '')}({fn.get('arguments', '')})")
+    return "".join(lines)
+
+
 def render_chat(messages: Iterable[Mapping[str, Any]]) -> str:
     """A chat as one ChatML prompt, for estimates (module docstring)."""
     blocks = [
         f"<|im_start|>{message.get('role', 'user')}\n{message_text(message.get('content'))}"
-        "<|im_end|>\n"
+        f"{_calls_text(message.get('tool_calls'))}<|im_end|>\n"
         for message in messages
     ]
     return "".join(blocks) + "<|im_start|>assistant\n"

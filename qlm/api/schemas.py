@@ -86,18 +86,54 @@ class TextPart(BaseModel):
     text: Text = Field(max_length=4_194_304)
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    name: Name
+    arguments: Text = Field(max_length=1_048_576, description="JSON text, as the model wrote it.")
+
+
+class ToolCall(BaseModel):
+    """A tool call of an earlier assistant turn, as the conversation carries it."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    id: Name
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
-    """One message of a conversation."""
+    """One message of a conversation. Earlier turns of a tool-using conversation keep their
+    ``tool_calls`` (assistant) and ``tool_call_id`` (tool) on their way to vLLM's chat template."""
 
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "developer", "user", "assistant", "tool"] = Field(
         description="Who wrote it."
     )
-    content: Annotated[str, AfterValidator(clean_text)] | list[TextPart] = Field(
-        description="The text, or a list of text parts."
+    content: Annotated[str, AfterValidator(clean_text)] | list[TextPart] | None = Field(
+        default=None,
+        description="The text, or a list of text parts; may be null on an assistant turn that "
+        "made tool calls.",
     )
     name: Name | None = Field(default=None, description="Optional author name.")
+    tool_calls: list[ToolCall] | None = Field(
+        default=None, max_length=128, description="Assistant turns: the calls it made."
+    )
+    tool_call_id: Name | None = Field(
+        default=None, description="Tool turns: the call this answers (required there)."
+    )
+
+    @model_validator(mode="after")
+    def _tool_fields_where_they_belong(self) -> ChatMessage:
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("tool_calls belong to assistant messages")
+        if (self.tool_call_id is not None) != (self.role == "tool"):
+            raise ValueError("tool_call_id is required on tool messages, and only there")
+        if self.content is None and not self.tool_calls:
+            raise ValueError("content is required (null only on an assistant turn with tool_calls)")
+        return self
 
 
 MAX_SCHEMA_CHARS = 65_536
