@@ -842,12 +842,16 @@ def instance_launch_cmd(
     kv_offload_gb: Annotated[
         float | None, typer.Option(help="CPU KV-cache offloading buffer in GiB (native backend).")
     ] = None,
+    tool_call_parser: Annotated[
+        str | None,
+        typer.Option(help="vLLM's tool-call parser for the model (hermes, llama3_json, ...)."),
+    ] = None,
     print_only: Annotated[
         bool, typer.Option("--print-only", help="Print the command instead of running it.")
     ] = False,
 ) -> None:
     """Start `vllm serve` with the flags QLM needs (priority scheduling, request-id headers,
-    sleep mode, CPU KV offloading)."""
+    sleep mode, CPU KV offloading, tool calling)."""
     import os
     import subprocess
 
@@ -861,6 +865,7 @@ def instance_launch_cmd(
             served_model_name=served_model_name,
             sleep_mode=sleep_mode,
             kv_offload_gb=kv_offload_gb,
+            tool_call_parser=tool_call_parser,
         )
     )
     if print_only:

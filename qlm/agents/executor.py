@@ -54,6 +54,7 @@ from qlm.engines.base import (
     EngineRequest,
     EventKind,
     TokenChunk,
+    ToolCall,
 )
 from qlm.engines.structured import resumable
 from qlm.errors import EngineError, QLMError, RequestRejected
@@ -136,7 +137,13 @@ class RuntimeListener:
     ) -> None:
         """Back from an engine unfinished: evicted, or (``evicted`` False) its instance failed."""
 
-    def finished(self, record: RequestRecord, text: str, finish_reason: str) -> None: ...
+    def finished(
+        self,
+        record: RequestRecord,
+        text: str,
+        finish_reason: str,
+        tool_calls: Sequence[ToolCall] = (),
+    ) -> None: ...
 
     def failed(self, request_id: str, error: str) -> None: ...
 
@@ -507,7 +514,9 @@ class AgentRuntime:
         self._flights.pop(rid, None)
         job = self._jobs.pop(rid, Job())
         record = self.controller.track(rid).record()
-        self.listener.finished(record, job.partial_text + out.text, out.finish_reason)
+        self.listener.finished(
+            record, job.partial_text + out.text, out.finish_reason, out.tool_calls
+        )
         self._kick.set()
 
     async def _evict(self, rid: str) -> None:

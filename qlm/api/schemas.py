@@ -155,6 +155,11 @@ class JsonSchemaFormat(BaseModel):
     @field_validator("schema_")
     @classmethod
     def _a_schema(cls, schema: dict[str, Any]) -> dict[str, Any]:
+        return cls.check_schema(schema)
+
+    @staticmethod
+    def check_schema(schema: dict[str, Any]) -> dict[str, Any]:
+        """``schema`` if it is a JSON Schema of a size QLM takes (ValueError saying why not)."""
         size = len(json.dumps(schema, separators=(",", ":")))
         if size > MAX_SCHEMA_CHARS:
             raise ValueError(f"is {size} characters as JSON; at most {MAX_SCHEMA_CHARS}")
@@ -281,6 +286,9 @@ class SubmitOut(BaseModel):
 class OutputOut(BaseModel):
     text: str = Field(description="The generated text (so far, for a cancelled request).")
     tokens: int = Field(description="Output tokens generated.")
+    tool_calls: list[dict[str, Any]] | None = Field(
+        default=None, description="The tools the answer called (a chat with `tools`)."
+    )
 
 
 class RequestOut(BaseModel):
@@ -320,7 +328,11 @@ class RequestOut(BaseModel):
     def of(cls, row: RequestRow) -> RequestOut:
         output = None
         if row.is_final:
-            output = OutputOut(text=row.output_text or "", tokens=row.output_tokens)
+            output = OutputOut(
+                text=row.output_text or "",
+                tokens=row.output_tokens,
+                tool_calls=row.output_tool_calls,
+            )
         return cls(
             id=row.id,
             tenant=row.tenant,
@@ -398,6 +410,46 @@ class CompletionIn(_OpenAiIn):
     suffix: str | None = Field(default=None, description="Not supported (422 when set).")
 
 
+class FunctionSpec(BaseModel):
+    """A function the model may call (OpenAI's ``tools[].function``)."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$", description="Letters, digits, _ and -.")
+    description: Text | None = Field(default=None, max_length=16_384)
+    parameters: dict[str, Any] | None = Field(
+        default=None, description="The JSON Schema of its arguments."
+    )
+    strict: bool | None = None
+
+    @field_validator("parameters")
+    @classmethod
+    def _a_schema(cls, schema: dict[str, Any] | None) -> dict[str, Any] | None:
+        return None if schema is None else JsonSchemaFormat.check_schema(schema)
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class ChosenFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    """``tool_choice`` naming the function to call."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"]
+    function: ChosenFunction
+
+
 class ChatCompletionIn(_OpenAiIn):
     """OpenAI's ``POST /v1/chat/completions`` body, plus QLM's SLO fields."""
 
@@ -406,7 +458,37 @@ class ChatCompletionIn(_OpenAiIn):
         default=None, ge=1, le=2**31 - 1, description="Same as max_tokens (newer name)."
     )
     logprobs: bool | None = Field(default=None, description="Not supported (422 when true).")
-    tools: list[Any] | None = Field(default=None, description="Not supported (422 when set).")
+    tools: list[Tool] | None = Field(
+        default=None, max_length=128, description="Functions the model may call."
+    )
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        default=None, description="Default: auto with tools, none without."
+    )
+    parallel_tool_calls: bool | None = None
+
+    @model_validator(mode="after")
+    def _choice_among_the_tools(self) -> ChatCompletionIn:
+        names = [t.function.name for t in self.tools or ()]
+        if len(set(names)) != len(names):
+            raise ValueError("tools: two functions have the same name")
+        choice = self.tool_choice
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise ValueError(f"tool_choice names {choice.function.name!r}, which is not in tools")
+        if choice == "required" and not names:
+            raise ValueError("tool_choice required needs tools")
+        return self
+
+    def sampling(self) -> dict[str, Any]:
+        """The sampling parameters, and the tools (passed to vLLM with them)."""
+        out = super().sampling()
+        if self.tools:
+            out["tools"] = [t.model_dump(by_alias=True, exclude_none=True) for t in self.tools]
+        if self.tool_choice is not None:
+            choice = self.tool_choice
+            out["tool_choice"] = choice if isinstance(choice, str) else choice.model_dump()
+        if self.parallel_tool_calls is not None:
+            out["parallel_tool_calls"] = self.parallel_tool_calls
+        return out
 
 
 class Usage(BaseModel):

@@ -131,13 +131,19 @@ class EngineCapabilities:
     supports_abort_endpoint: bool
 
 
-FinishReason = Literal["length", "stop", "abort"]
+FinishReason = Literal["length", "stop", "abort", "tool_calls"]
+
+ToolCall = Mapping[str, Any]
+"""One tool call as OpenAI spells it: ``{"id", "type": "function", "function": {"name",
+"arguments"}}`` (``arguments``: JSON text). In a stream, a delta of one: ``{"index", ...}`` with
+the name once and the arguments in fragments."""
 
 
 @dataclass(frozen=True, slots=True)
 class TokenChunk:
     """New output of a streaming request: ``text`` is the delta, ``tokens`` the total so far.
-    ``finish_reason`` is set on a request's last chunk (whose text may be empty)."""
+    ``finish_reason`` is set on a request's last chunk (whose text may be empty). ``calls``:
+    tool-call deltas of this chunk (a chat with tools)."""
 
     request_id: str
     text: str
@@ -145,17 +151,20 @@ class TokenChunk:
     finish_reason: FinishReason | None = None
     prompt_tokens: int | None = None
     """The prompt's length as the engine's tokenizer counted it (vLLM's ``usage``), if said."""
+    calls: tuple[ToolCall, ...] = field(default=(), hash=False)
 
 
 @dataclass(frozen=True, slots=True)
 class EngineOutput:
     """How a request left the engine: finished (``length``: hit ``max_tokens``; ``stop``: ended
-    earlier, e.g. at end-of-sequence) or aborted with its partial output."""
+    earlier, e.g. at end-of-sequence; ``tool_calls``: ended by calling tools, which
+    ``tool_calls`` holds) or aborted with its partial output."""
 
     request_id: str
     text: str
     tokens: int
     finish_reason: FinishReason
+    tool_calls: tuple[ToolCall, ...] = field(default=(), hash=False)
 
     @property
     def aborted(self) -> bool:

@@ -36,7 +36,7 @@ import json
 import time
 import uuid
 import zlib
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
@@ -106,11 +106,17 @@ class _GenerationBody(BaseModel):
     response_format: ResponseFormatBody | None = None
 
     def sampling(self) -> tuple[tuple[str, Any], ...]:
-        """What the simulated engine honours of the sampling parameters: the format."""
-        if self.response_format is None:
-            return ()
-        fmt = self.response_format.model_dump(by_alias=True, exclude_none=True)
-        return (("response_format", fmt),)
+        """What the simulated engine honours of the sampling parameters: the format, and a
+        chat's tools (``qlm.engines.structured.planned_call``)."""
+        out: list[tuple[str, Any]] = []
+        if self.response_format is not None:
+            fmt = self.response_format.model_dump(by_alias=True, exclude_none=True)
+            out.append(("response_format", fmt))
+        extra = self.model_extra or {}
+        for name in ("tools", "tool_choice"):
+            if extra.get(name) is not None:
+                out.append((name, extra[name]))
+        return tuple(out)
 
 
 class CompletionBody(_GenerationBody):
@@ -167,6 +173,9 @@ class ChatBody(_GenerationBody):
         """The words of the messages' text (module docstring)."""
         return count_tokens(" ".join(m.text() for m in self.messages))
 
+    def message_dicts(self) -> tuple[dict[str, Any], ...]:
+        return tuple(m.model_dump(exclude_none=True) for m in self.messages)
+
 
 @dataclass(frozen=True, slots=True)
 class _Format:
@@ -178,12 +187,22 @@ class _Format:
     chunk_object: str
     role: str | None = None
 
-    def choice(self, text: str, finish: str | None, *, stream: bool) -> dict[str, Any]:
+    def choice(
+        self,
+        text: str,
+        finish: str | None,
+        *,
+        stream: bool,
+        calls: Sequence[Mapping[str, Any]] = (),
+    ) -> dict[str, Any]:
+        """One choice; a chat's tool calls (whole, or a stream's deltas) replace its content."""
         out: dict[str, Any] = {"index": 0}
         if self.role is None:
             out["text"] = text
         elif stream:
-            out["delta"] = {"content": text}
+            out["delta"] = {"tool_calls": list(calls)} if calls else {"content": text}
+        elif calls:
+            out["message"] = {"role": self.role, "content": None, "tool_calls": list(calls)}
         else:
             out["message"] = {"role": self.role, "content": text}
         return out | {"logprobs": None, "finish_reason": finish, "stop_reason": None}
@@ -391,6 +410,7 @@ def create_app(
             priority=body.priority,
             output_tokens=output,
             sampling=body.sampling(),
+            messages=body.message_dicts() if isinstance(body, ChatBody) else None,
         )
         chunks: asyncio.Queue[TokenChunk] = asyncio.Queue()
         try:
@@ -409,7 +429,9 @@ def create_app(
         result = await _wait_or_abort(engine, request, rid, done)
         if result is None:
             return Response(status_code=499)  # the client is gone; nobody reads this
-        choice = fmt.choice(result.text, result.finish_reason, stream=False)
+        choice = fmt.choice(
+            result.text, result.finish_reason, stream=False, calls=result.tool_calls
+        )
         if fmt.role is None:
             choice["prompt_logprobs"] = None
         usage = _usage(req.prompt_tokens, result.tokens)
@@ -538,7 +560,7 @@ async def _stream(
                 if await request.is_disconnected():
                     return
                 continue
-            choice = fmt.choice(chunk.text, chunk.finish_reason, stream=True)
+            choice = fmt.choice(chunk.text, chunk.finish_reason, stream=True, calls=chunk.calls)
             event: dict[str, Any] = {**meta, "choices": [choice]}
             if continuous:
                 event["usage"] = _usage(req.prompt_tokens, chunk.tokens)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,9 +32,42 @@ WORD = "tok"  # the simulated engine's output token (``qlm.engines.wallclock.FIL
 
 def resumable(sampling: Mapping[str, Any]) -> bool:
     """Whether a partial answer of a request with these parameters can be continued: not when
-    a response format constrains it (module docstring)."""
+    a response format constrains it (module docstring), nor when it may call tools (a call
+    half written cannot be handed back to the model as text to go on from)."""
     fmt = sampling.get("response_format")
-    return not isinstance(fmt, Mapping) or fmt.get("type", "text") == "text"
+    if isinstance(fmt, Mapping) and fmt.get("type", "text") != "text":
+        return False
+    return not sampling.get("tools") or sampling.get("tool_choice") == "none"
+
+
+def planned_call(
+    sampling: Mapping[str, Any], messages: Sequence[Mapping[str, Any]] | None
+) -> Mapping[str, Any] | None:
+    """The function the simulated model calls, or ``None`` to answer in text. With ``tools``
+    and a ``tool_choice`` other than ``none``: the named function, or the first tool — under
+    ``auto`` (the default) only when the conversation does not end with a tool's answer (then
+    the model answers in text, as an agent loop expects)."""
+    tools = sampling.get("tools")
+    if not isinstance(tools, list) or not tools:
+        return None
+    choice = sampling.get("tool_choice", "auto")
+    if choice == "none":
+        return None
+    functions = [t.get("function", {}) for t in tools if isinstance(t, Mapping)]
+    if isinstance(choice, Mapping):
+        name = choice.get("function", {}).get("name")
+        return next((f for f in functions if f.get("name") == name), None)
+    if choice == "auto" and messages and messages[-1].get("role") == "tool":
+        return None
+    return functions[0] if functions else None
+
+
+def call_pieces(function: Mapping[str, Any], target: int) -> list[str]:
+    """The arguments of a call of ``function``: a JSON document of its ``parameters`` schema,
+    as ``document_pieces`` writes it."""
+    schema = function.get("parameters") or {"type": "object", "properties": {}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "arguments", "schema": schema}}
+    return document_pieces(fmt, target)
 
 
 class SchemaUnsupported(ValueError):

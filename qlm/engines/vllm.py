@@ -83,7 +83,12 @@ def filler_prompt(request_id: str, tokens: int) -> list[int]:
     return head + [FILLER_TOKEN_ID] * (tokens - len(head))
 
 
-_FINISH: dict[str, FinishReason] = {"length": "length", "stop": "stop", "abort": "abort"}
+_FINISH: dict[str, FinishReason] = {
+    "length": "length",
+    "stop": "stop",
+    "abort": "abort",
+    "tool_calls": "tool_calls",
+}
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
@@ -107,6 +112,13 @@ def _choice_text(choice: Any) -> str:
     return str(part.get("content") or "") if isinstance(part, dict) else ""
 
 
+def _choice_calls(choice: Any) -> list[dict[str, Any]]:
+    """The tool-call deltas of a chat stream chunk's choice (``delta.tool_calls``)."""
+    delta = choice.get("delta") if isinstance(choice, dict) else None
+    calls = delta.get("tool_calls") if isinstance(delta, dict) else None
+    return [c for c in calls if isinstance(c, dict)] if isinstance(calls, list) else []
+
+
 @dataclass(slots=True)
 class _Flight:
     request: EngineRequest
@@ -116,9 +128,40 @@ class _Flight:
     aborted: bool = False
     task: asyncio.Task[EngineOutput] | None = None
     shortened: bool = False  # sent again with the max_tokens the context had room for
+    calls: dict[int, dict[str, Any]] = field(default_factory=dict)
+    """Tool calls by index, assembled from the deltas: id, name, arguments so far."""
+
+    def add_calls(self, deltas: list[dict[str, Any]]) -> None:
+        """vLLM streams a call as deltas of one index: its id, type and name once, then its
+        arguments in fragments."""
+        for delta in deltas:
+            index = delta.get("index", len(self.calls))
+            call = self.calls.setdefault(
+                int(index), {"id": "", "type": "function", "name": "", "arguments": ""}
+            )
+            if delta.get("id"):
+                call["id"] = str(delta["id"])
+            fn = delta.get("function") or {}
+            if isinstance(fn, dict):
+                call["name"] += str(fn.get("name") or "")
+                call["arguments"] += str(fn.get("arguments") or "")
+
+    def tool_calls(self) -> tuple[dict[str, Any], ...]:
+        return tuple(
+            {
+                "id": c["id"],
+                "type": c["type"],
+                "function": {"name": c["name"], "arguments": c["arguments"]},
+            }
+            for _, c in sorted(self.calls.items())
+        )
+
+    def output(self, finish: FinishReason) -> EngineOutput:
+        rid = self.request.request_id
+        return EngineOutput(rid, "".join(self.parts), self.tokens, finish, self.tool_calls())
 
     def partial(self) -> EngineOutput:
-        return EngineOutput(self.request.request_id, "".join(self.parts), self.tokens, "abort")
+        return self.output("abort")
 
 
 _CONTEXT = re.compile(r"maximum context length is (\d+) tokens")
@@ -471,7 +514,7 @@ class VllmEngine:
             raise self._fail(f"{what} sent a bad event for {rid!r}", exc) from exc
         if finish is None:
             raise self._fail(f"{what} ended without a finish reason for {rid!r}", "stream cut")
-        return EngineOutput(rid, "".join(flight.parts), flight.tokens, finish)
+        return flight.output(finish)
 
     def _take(
         self, flight: _Flight, event: dict[str, Any], on_chunk: ChunkCallback | None
@@ -485,21 +528,26 @@ class VllmEngine:
         usage = event.get("usage") or {}
         choices = event.get("choices") or []
         text = "".join(_choice_text(c) for c in choices)
+        calls = [d for c in choices for d in _choice_calls(c)]
+        flight.add_calls(calls)
         raw = next((c.get("finish_reason") for c in choices if c.get("finish_reason")), None)
         finish = self._finish_reason(raw, choices) if raw else None
         if "completion_tokens" in usage:
             tokens = int(usage["completion_tokens"])
         else:
-            tokens = flight.tokens + (1 if text else 0)
+            tokens = flight.tokens + (1 if text or calls else 0)
         if not choices:  # the final usage-only event
             flight.tokens = max(flight.tokens, tokens)
             return None
         flight.parts.append(text)
         flight.tokens = max(flight.tokens, tokens)
-        if on_chunk is not None and (text or finish):
+        if on_chunk is not None and (text or calls or finish):
             prompt = usage.get("prompt_tokens")
             counted = int(prompt) if isinstance(prompt, int) and prompt > 0 else None
-            on_chunk(TokenChunk(flight.request.request_id, text, flight.tokens, finish, counted))
+            chunk = TokenChunk(
+                flight.request.request_id, text, flight.tokens, finish, counted, tuple(calls)
+            )
+            on_chunk(chunk)
         return finish
 
     def _finish_reason(self, raw: object, choices: list[Any]) -> FinishReason:
@@ -593,9 +641,11 @@ def vllm_serve_command(
     served_model_name: str | None = None,
     sleep_mode: bool = False,
     kv_offload_gb: float | None = None,
+    tool_call_parser: str | None = None,
 ) -> VllmCommand:
     """The ``vllm serve`` QLM needs: priority scheduling (the agents send ``priority``),
-    ``X-Request-Id`` echoed back, sleep mode for warm starts, CPU KV offloading if asked."""
+    ``X-Request-Id`` echoed back, sleep mode for warm starts, CPU KV offloading if asked, and
+    tool calling with the model's parser (``hermes``, ``llama3_json``, ...) if named."""
     argv = ["vllm", "serve", model, "--port", str(port)]
     if host:
         argv += ["--host", host]
@@ -611,6 +661,10 @@ def vllm_serve_command(
         if kv_offload_gb <= 0:
             raise EngineError(f"--kv-offload-gb must be > 0, got {kv_offload_gb}")
         argv += ["--kv-offloading-size", f"{kv_offload_gb:g}", "--kv-offloading-backend", "native"]
+    if tool_call_parser is not None:
+        if not re.fullmatch(r"[A-Za-z0-9_.-]+", tool_call_parser):
+            raise EngineError(f"--tool-call-parser must be a parser name, got {tool_call_parser!r}")
+        argv += ["--enable-auto-tool-choice", "--tool-call-parser", tool_call_parser]
     return VllmCommand(tuple(argv), tuple(env))
 
 

@@ -26,6 +26,7 @@ import contextlib
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 from qlm.clock import WallClock
 from qlm.domain import ModelTier
@@ -39,10 +40,17 @@ from qlm.engines.base import (
     EventKind,
     FinishReason,
     TokenChunk,
+    ToolCall,
 )
 from qlm.engines.perf_model import HardwareCatalog, default_catalog
 from qlm.engines.sim import SimEngine, SimEngineConfig
-from qlm.engines.structured import SchemaUnsupported, document_pieces, resumable
+from qlm.engines.structured import (
+    SchemaUnsupported,
+    call_pieces,
+    document_pieces,
+    planned_call,
+    resumable,
+)
 from qlm.errors import EngineError, UnknownRequest
 
 log = logging.getLogger(__name__)
@@ -73,11 +81,34 @@ class _Flight:
     sent: int = 0
     pieces: list[str] | None = None
     """The text of each output token of a structured answer (``qlm.engines.structured``)."""
+    call: str | None = None
+    """The function a tool-calling answer calls: ``pieces`` are then its arguments."""
 
     def text(self, start: int, end: int) -> str:
+        if self.call is not None:
+            return ""
         if self.pieces is None:
             return filler_text(max(0, end - start))
         return "".join(self.pieces[start:end])
+
+    def calls(self, start: int, end: int) -> tuple[ToolCall, ...]:
+        """The tool-call delta of tokens ``start:end``: the call's id and name with its first
+        tokens, then fragments of its arguments."""
+        if self.call is None or self.pieces is None or (end <= start and start > 0):
+            return ()
+        delta: dict[str, Any] = {"index": 0}
+        if start == 0:
+            delta |= {"id": f"call_{self.request.request_id}", "type": "function"}
+        fn = {"arguments": "".join(self.pieces[start:end])}
+        delta["function"] = {"name": self.call, **fn} if start == 0 else fn
+        return (delta,)
+
+    def whole_call(self) -> tuple[ToolCall, ...]:
+        if self.call is None or self.pieces is None:
+            return ()
+        args = "".join(self.pieces[: self.sent])
+        call = {"name": self.call, "arguments": args}
+        return ({"id": f"call_{self.request.request_id}", "type": "function", "function": call},)
 
 
 class WallClockEngine:
@@ -206,20 +237,28 @@ class WallClockEngine:
         self._ensure_started()
         if self._sleep_level is not None:
             raise EngineError(f"{self.name}: the instance is sleeping; wake it up first")
-        pieces = None
-        fmt = dict(request.sampling).get("response_format")
-        if isinstance(fmt, Mapping) and not resumable({"response_format": fmt}):
-            try:
-                # complete within max_tokens when it can: a grammar ends the answer itself
-                target = min(request.tokens_to_generate, request.max_tokens - 1)
+        pieces, call = None, None
+        sampling = dict(request.sampling)
+        fmt = sampling.get("response_format")
+        function = planned_call(sampling, request.messages)
+        # complete within max_tokens when it can: a grammar ends the answer itself
+        target = min(request.tokens_to_generate, request.max_tokens - 1)
+        try:
+            if function is not None:
+                call, pieces = str(function.get("name", "")), call_pieces(function, target)
+            elif isinstance(fmt, Mapping) and not resumable({"response_format": fmt}):
                 pieces = document_pieces(fmt, target)
-            except SchemaUnsupported as exc:
-                raise EngineError(f"{self.name}: response_format: {exc}") from None
+        except SchemaUnsupported as exc:
+            field = "tools" if call is not None else "response_format"
+            raise EngineError(f"{self.name}: {field}: {exc}") from None
+        if pieces is not None:
             request = replace(request, output_tokens=min(len(pieces), request.max_tokens))
         now = self._advance()
         self.sim.submit(request, now)
         done: asyncio.Future[EngineOutput] = asyncio.get_running_loop().create_future()
-        self._flights[request.request_id] = _Flight(request, on_chunk, done, pieces=pieces)
+        self._flights[request.request_id] = _Flight(
+            request, on_chunk, done, pieces=pieces, call=call
+        )
         self._wake_driver()
         return done
 
@@ -355,20 +394,25 @@ class WallClockEngine:
         elif event.kind is EventKind.FINISHED:
             del self._flights[event.request_id]
             reason: FinishReason = "length" if event.tokens >= flight.request.max_tokens else "stop"
+            if reason == "stop" and flight.call is not None:
+                reason = "tool_calls"
             self._emit(flight, event.tokens, reason)
 
     def _emit(self, flight: _Flight, tokens: int, finish: FinishReason | None) -> EngineOutput:
         """Stream the tokens generated since the last chunk; on ``finish``, resolve the request."""
         rid = flight.request.request_id
         if tokens > flight.sent or finish is not None:
-            chunk = TokenChunk(rid, flight.text(flight.sent, tokens), tokens, finish)
+            text, calls = flight.text(flight.sent, tokens), flight.calls(flight.sent, tokens)
+            chunk = TokenChunk(rid, text, tokens, finish, calls=calls)
             flight.sent = max(flight.sent, tokens)
             if flight.on_chunk is not None:
                 try:
                     flight.on_chunk(chunk)
                 except Exception:  # a consumer's bug must not stop the engine
                     log.exception("%s: chunk callback of %s failed", self.name, rid)
-        output = EngineOutput(rid, flight.text(0, flight.sent), flight.sent, finish or "abort")
+        output = EngineOutput(
+            rid, flight.text(0, flight.sent), flight.sent, finish or "abort", flight.whole_call()
+        )
         if finish is not None and not flight.done.done():
             flight.done.set_result(output)
         return output

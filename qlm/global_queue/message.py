@@ -28,10 +28,15 @@ SCHEMA_VERSION = 1
 """The body version this code writes and the only one it reads."""
 
 JsonScalar = str | int | float | bool | None
-SamplingValue = JsonScalar | list[JsonScalar] | dict[str, Any]
-"""A sampling parameter: a JSON scalar (``temperature``) or a list of them (``stop``); an object
+SamplingValue = JsonScalar | list[JsonScalar] | dict[str, Any] | list[dict[str, Any]]
+"""A sampling parameter: a JSON scalar (``temperature``) or a list of them (``stop``); objects
 only for the keys in ``OBJECT_PARAMETERS``."""
-OBJECT_PARAMETERS = frozenset({"response_format"})
+OBJECT_PARAMETERS: dict[str, tuple[type, ...]] = {
+    "response_format": (dict,),
+    "tools": (list,),
+    "tool_choice": (str, dict),
+}
+"""Parameters that are JSON objects (or lists of them), with the types they may take."""
 
 
 class MessageError(QLMError):
@@ -214,7 +219,9 @@ def _check_sampling(sampling: object) -> None:
         raise _fail("sampling", "an object", sampling)
     for key, value in sampling.items():
         if key in OBJECT_PARAMETERS:
-            _check(f"sampling.{key}", isinstance(value, dict), "an object", value)
+            kinds = OBJECT_PARAMETERS[key]
+            names = " or ".join("an object" if k is dict else f"a {k.__name__}" for k in kinds)
+            _check(f"sampling.{key}", isinstance(value, kinds), names, value)
             continue
         ok = _is_scalar(value) or (isinstance(value, list) and all(map(_is_scalar, value)))
         _check(f"sampling.{key}", ok, "a JSON scalar or a list of them", value)

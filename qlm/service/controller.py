@@ -30,13 +30,13 @@ import functools
 import logging
 import os
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from qlm.agents.executor import AgentRuntime, Job, RuntimeListener, resume_point
 from qlm.domain import RequestRecord, RequestStatus
-from qlm.engines.base import TokenChunk
+from qlm.engines.base import TokenChunk, ToolCall
 from qlm.global_queue import DeadLetter, Delivery, GlobalQueue, MessageError, QueuedRequest
 from qlm.service.hub import ResultEvent, ResultHub
 from qlm.store import NewRequest, RequestRow, Store, StoreError
@@ -424,7 +424,13 @@ class ControllerService(RuntimeListener):
                 self.store.record_partial, request_id, text=partial_text, tokens=partial_tokens
             )
 
-    def finished(self, record: RequestRecord, text: str, finish_reason: str) -> None:
+    def finished(
+        self,
+        record: RequestRecord,
+        text: str,
+        finish_reason: str,
+        tool_calls: Sequence[ToolCall] = (),
+    ) -> None:
         rid = record.request.id
         ttft = record.request.slo.ttft_s
         self._queue_op(
@@ -436,6 +442,7 @@ class ControllerService(RuntimeListener):
             output_tokens=record.output_tokens,
             slo_met=record.slo_met,
             ttft_met=None if ttft is None else record.ttft_s is not None and record.ttft_s <= ttft,
+            tool_calls=tool_calls,
         )
         self._writes.settle.append((rid, "ack", RequestStatus.FINISHED))
 

@@ -99,6 +99,7 @@ class NewRequest:
             instance=None,
             output_text=None,
             output_tokens=0,
+            output_tool_calls=None,
             partial_text="",
             partial_tokens=0,
             evictions=0,
@@ -140,6 +141,7 @@ class RequestRow:
     instance: str | None
     output_text: str | None
     output_tokens: int
+    output_tool_calls: list[dict[str, Any]] | None  # the tools the answer called, if any
     partial_text: str  # output kept by an evicted or interrupted request, to resume from
     partial_tokens: int
     evictions: int

@@ -118,6 +118,7 @@ _RECORD_OUTCOME = _prepared_update(
     finished_at=None,
     output_text=None,
     output_tokens=None,
+    output_tool_calls=None,
     slo_met=None,
     ttft_met=None,
     error=None,
@@ -628,8 +629,10 @@ class Store:
         slo_met: bool | None = None,
         ttft_met: bool | None = None,
         error: str | None = None,
+        tool_calls: Sequence[Mapping[str, Any]] = (),
     ) -> bool:
-        """Record how a request ended (``status`` finished, failed or cancelled at ``at``).
+        """Record how a request ended (``status`` finished, failed or cancelled at ``at``), with
+        the tool calls its answer made, if any.
 
         Idempotent by request id: True when this call recorded it; False, changing nothing, when
         the request was already final (a redelivery, a racing agent) or is unknown. Only after it
@@ -642,6 +645,7 @@ class Store:
             "finished_at": at,
             "output_text": output_text,
             "output_tokens": output_tokens,
+            "output_tool_calls": [dict(c) for c in tool_calls] or None,
             "slo_met": slo_met,
             "ttft_met": ttft_met,
             "error": error,
@@ -1215,6 +1219,7 @@ def _request_row(m: RequestModel) -> RequestRow:
         instance=m.instance,
         output_text=m.output_text,
         output_tokens=m.output_tokens,
+        output_tool_calls=m.output_tool_calls,
         partial_text=m.partial_text,
         partial_tokens=m.partial_tokens,
         evictions=m.evictions,

@@ -16,6 +16,7 @@ import sys
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -318,3 +319,36 @@ def test_a_response_format_reaches_the_server_which_answers_a_document_of_its_sc
     assert set(json.loads(text)) == {"city"}
     ((_, body),) = wire.posts
     assert body["response_format"] == fmt and body["seed"] == 3
+
+
+def test_a_chat_with_tools_comes_back_as_the_calls_the_server_made(server_url: str) -> None:
+    """Tool calling over HTTP: the tools go to vLLM's chat endpoint, the streamed call deltas
+    come back assembled into whole calls, with the finish reason ``tool_calls``."""
+    weather = {
+        "type": "function",
+        "function": {
+            "name": "weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+
+    async def scenario() -> Any:
+        engine = VllmEngine("sim-0", server_url, MODEL)
+        try:
+            job = Job(
+                messages=[{"role": "user", "content": "Oslo?"}], sampling={"tools": [weather]}
+            )
+            chunks: list[TokenChunk] = []
+            out = await engine.submit(
+                job.fill(EngineRequest("tools-1", MODEL, 8, max_tokens=30)), chunks.append
+            )
+            assert any(c.calls for c in chunks) and not any(c.text for c in chunks)
+            return out
+        finally:
+            await engine.close()
+
+    out = asyncio.run(scenario())
+    assert out.finish_reason == "tool_calls" and out.text == ""
+    (call,) = out.tool_calls
+    assert call["id"] == "call_tools-1" and call["function"]["name"] == "weather"
+    assert set(json.loads(call["function"]["arguments"])) == {"city"}

@@ -37,12 +37,16 @@ class Recorder(RuntimeListener):
         self.changes: list[tuple[str, bool]] = []
         self.sent: list[tuple[str, str]] = []
         self.streamed: list[str] = []  # the text chunks passed on, of whatever request
+        self.calls: dict[str, tuple[str, tuple[Any, ...]]] = {}  # finish reason, tool calls
 
     def dispatched(self, request_id: str, instance: str, at: float) -> None:
         self.sent.append((request_id, instance))
 
-    def finished(self, record: RequestRecord, text: str, finish_reason: str) -> None:
+    def finished(
+        self, record: RequestRecord, text: str, finish_reason: str, tool_calls: Any = ()
+    ) -> None:
         self.done[record.request.id] = (record, text)
+        self.calls[record.request.id] = (finish_reason, tuple(tool_calls))
 
     def returned(
         self, request_id: str, partial_text: str, partial_tokens: int, *, evicted: bool = False

@@ -164,7 +164,8 @@ def test_the_output_and_slo_verdict_appear_once_final() -> None:
             slo_met=True,
         )  # fmt: skip
         view = (await h.client.get(f"/v1/requests/{rid}", headers=h.auth())).json()
-        assert view["status"] == "finished" and view["output"] == {"text": "hi!", "tokens": 2}
+        assert view["status"] == "finished"
+        assert view["output"] == {"text": "hi!", "tokens": 2, "tool_calls": None}
         assert view["slo_met"] is True and view["instance"] == "i0"
 
     run(scenario)

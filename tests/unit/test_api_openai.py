@@ -1,12 +1,13 @@
 """The official ``openai`` Python client, unchanged, against QLM's OpenAI-compatible endpoints
 served by uvicorn on a free port, with a controller service and simulated instances in process:
-it completes, streams, lists models, answers structured output (``response_format``), and its
+it completes, streams, lists models, answers structured output (``response_format``) and tool calls, and its
 SLO fields (extra body fields and headers) reach the store."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+from typing import Any
 
 import openai
 import pytest
@@ -123,6 +124,46 @@ def test_the_openai_client_completes_streams_and_sends_slo_fields() -> None:
             assert structured.choices[0].finish_reason == "stop"
             row = store.get(structured.id.removeprefix("chatcmpl-"))
             assert row is not None and row.sampling["response_format"]["json_schema"]["strict"]
+
+            tools: list[Any] = [
+                {
+                    "type": "function",
+                    "function": {
+                        "name": "weather",
+                        "parameters": {
+                            "type": "object",
+                            "properties": {"city": {"type": "string"}},
+                            "required": ["city"],
+                        },
+                    },
+                }
+            ]
+            ask: list[Any] = [{"role": "user", "content": "Weather in Oslo?"}]
+            called = await client.chat.completions.create(
+                model="m", messages=ask, tools=tools, max_tokens=30
+            )
+            assert called.choices[0].finish_reason == "tool_calls"
+            message = called.choices[0].message
+            assert message.content is None and message.tool_calls is not None
+            (call,) = message.tool_calls
+            assert call.function.name == "weather"
+            assert set(json.loads(call.function.arguments)) == {"city"}
+            streamed = await client.chat.completions.create(
+                model="m", messages=ask, tools=tools, max_tokens=30, stream=True
+            )
+            deltas = [c.choices[0].delta async for c in streamed if c.choices]
+            parts = [t for d in deltas for t in d.tool_calls or ()]
+            assert [p.function.name for p in parts if p.function] == ["weather"]
+            answered = [
+                *ask,
+                message.model_dump(exclude_none=True),
+                {"role": "tool", "tool_call_id": call.id, "content": '{"temp_c": -3}'},
+            ]
+            final = await client.chat.completions.create(
+                model="m", messages=answered, tools=tools, max_tokens=5
+            )
+            assert final.choices[0].finish_reason == "length"
+            assert count_tokens(final.choices[0].message.content or "") == 5
 
             with pytest.raises(openai.UnprocessableEntityError) as bad:
                 await client.completions.create(

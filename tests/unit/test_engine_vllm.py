@@ -126,7 +126,11 @@ def test_server_errors_carry_vllm_s_message() -> None:
 
 def test_the_launch_command_has_the_flags_qlm_needs() -> None:
     cmd = vllm_serve_command(
-        "meta-llama/Llama-3.1-8B", port=8003, sleep_mode=True, kv_offload_gb=32
+        "meta-llama/Llama-3.1-8B",
+        port=8003,
+        sleep_mode=True,
+        kv_offload_gb=32,
+        tool_call_parser="llama3_json",
     )
     argv = " ".join(cmd.argv)
     assert argv.startswith("vllm serve meta-llama/Llama-3.1-8B --port 8003")
@@ -135,11 +139,15 @@ def test_the_launch_command_has_the_flags_qlm_needs() -> None:
         "--enable-request-id-headers",
         "--enable-sleep-mode",
         "--kv-offloading-size 32 --kv-offloading-backend native",
+        "--enable-auto-tool-choice --tool-call-parser llama3_json",
     ):
         assert flag in argv
     assert dict(cmd.env) == {"VLLM_SERVER_DEV_MODE": "1"}
     plain = vllm_serve_command("m")
     assert "--enable-sleep-mode" not in plain.argv and plain.env == ()
+    assert "--enable-auto-tool-choice" not in plain.argv
+    with pytest.raises(EngineError, match="--tool-call-parser"):
+        vllm_serve_command("m", tool_call_parser="x; rm -rf /")
 
 
 def test_instance_launch_prints_the_command_or_says_vllm_is_missing(

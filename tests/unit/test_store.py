@@ -130,6 +130,15 @@ class StoreContract:
         assert [r.id for r in store.recently_finished(2)] == ["r0002", "r0000"]
         assert [r.id for r in store.recently_finished(10)] == ["r0002", "r0000", "r0001"]
 
+    def test_the_tool_calls_of_an_answer_read_back_as_recorded(self, store: Store) -> None:
+        store.add_requests([new_request(0), new_request(1)])
+        call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}
+        assert record_finished(store, "r0000", output_text="", tool_calls=[call])
+        assert record_finished(store, "r0001")
+        called, plain = store.get("r0000"), store.get("r0001")
+        assert called is not None and called.output_tool_calls == [call]
+        assert plain is not None and plain.output_tool_calls is None
+
     def test_added_request_reads_back_whole(self, store: Store) -> None:
         new = new_request(
             7,

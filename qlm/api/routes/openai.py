@@ -130,7 +130,17 @@ def _submission(
 
 
 def finish_reason(row: RequestRow) -> str:
+    if row.output_tool_calls:
+        return "tool_calls"
     return "length" if row.output_tokens >= row.max_tokens else "stop"
+
+
+def assistant_message(row: RequestRow) -> dict[str, Any]:
+    """A chat answer: its text, or (content null when it wrote none) the tools it called."""
+    calls = row.output_tool_calls
+    if not calls:
+        return {"role": "assistant", "content": row.output_text or ""}
+    return {"role": "assistant", "content": row.output_text or None, "tool_calls": calls}
 
 
 def usage(row: RequestRow) -> dict[str, int]:
@@ -225,13 +235,21 @@ async def _stream(
     obj = "chat.completion.chunk" if chat else "text_completion"
     created = int(time.time())
 
-    def chunk(text: str | None, reason: str | None = None, *, role: bool = False) -> bytes:
+    def chunk(
+        text: str | None,
+        reason: str | None = None,
+        *,
+        role: bool = False,
+        calls: list[dict[str, Any]] | None = None,
+    ) -> bytes:
         if chat:
             delta: dict[str, Any] = {}
             if role:
                 delta["role"] = "assistant"
             if text is not None:
                 delta["content"] = text
+            if calls:  # whole, each with its index (OpenAI's deltas of one chunk)
+                delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(calls)]
             choice: dict[str, Any] = {
                 "index": 0,
                 "delta": delta,
@@ -290,6 +308,8 @@ async def _stream(
                     rest = text[len(sent) :] if text.startswith(sent) else ""
                     if rest:
                         yield chunk(rest)
+                    if chat and final.output_tool_calls:
+                        yield chunk(None, calls=final.output_tool_calls)
                     yield chunk(None if chat else "", finish_reason(final))
                     if include_usage:
                         yield sse.event(
@@ -416,12 +436,10 @@ async def create_chat_completion(
     idempotency_key: IdempotencyKey = None,
 ) -> Response:
     """OpenAI's chat completions, behind QLM's queue; the messages reach vLLM's chat endpoint,
-    which applies the model's chat template (docs/api.md). Deviations: n=1 only; no tools or
-    logprobs."""
+    which applies the model's chat template (docs/api.md). Deviations: n=1 only; no
+    logprobs; tool calls come whole at the end of a stream."""
     if body.logprobs:
         raise invalid("logprobs", "logprobs is not supported", code="unsupported")
-    if body.tools:
-        raise invalid("tools", "tools are not supported", code="unsupported")
     messages = [m.model_dump(exclude_none=True) for m in body.messages]
     submission = _submission(
         ctx,
@@ -443,7 +461,7 @@ async def create_chat_completion(
         "choices": [
             {
                 "index": 0,
-                "message": {"role": "assistant", "content": done.output_text or ""},
+                "message": assistant_message(done),
                 "logprobs": None,
                 "finish_reason": finish_reason(done),
             }
