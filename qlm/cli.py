@@ -783,6 +783,12 @@ def sim_engine_serve_cmd(
             "as vLLM documents; priority accepts it (QLM sends priorities: use priority)."
         ),
     ] = "fcfs",
+    stream_interval: Annotated[
+        int,
+        typer.Option(
+            help="Tokens per streamed chunk after the first (vLLM's --stream-interval; 1: each)."
+        ),
+    ] = 1,
 ) -> None:
     """Serve one simulated instance with the same HTTP API as `vllm serve`."""
     from qlm.engines.server import SCHEDULING_POLICIES, SchedulingPolicy, serve
@@ -793,6 +799,8 @@ def sim_engine_serve_cmd(
         _fail(f"--max-num-seqs must be >= 1, got {max_num_seqs}")
     if scheduling_policy not in SCHEDULING_POLICIES:
         _fail(f"--scheduling-policy must be fcfs or priority, got {scheduling_policy!r}")
+    if stream_interval < 1:
+        _fail(f"--stream-interval must be >= 1, got {stream_interval}")
     policy: SchedulingPolicy = "priority" if scheduling_policy == "priority" else "fcfs"
     err_console.print(
         f"simulated vLLM: {model} on {f'{gpus}x' if gpus else ''}{gpu} at http://{host}:{port} "
@@ -813,6 +821,7 @@ def sim_engine_serve_cmd(
             seed=seed,
             max_num_seqs=max_num_seqs,
             scheduling_policy=policy,
+            stream_interval=stream_interval,
         )
     )
 
@@ -846,6 +855,13 @@ def instance_launch_cmd(
         str | None,
         typer.Option(help="vLLM's tool-call parser for the model (hermes, llama3_json, ...)."),
     ] = None,
+    stream_interval: Annotated[
+        int | None,
+        typer.Option(
+            help="Tokens vLLM buffers per streamed chunk (--stream-interval): fewer events for "
+            "the agents to parse (docs/engines.md)."
+        ),
+    ] = None,
     print_only: Annotated[
         bool, typer.Option("--print-only", help="Print the command instead of running it.")
     ] = False,
@@ -866,6 +882,7 @@ def instance_launch_cmd(
             sleep_mode=sleep_mode,
             kv_offload_gb=kv_offload_gb,
             tool_call_parser=tool_call_parser,
+            stream_interval=stream_interval,
         )
     )
     if print_only:

@@ -38,7 +38,7 @@ import uuid
 import zlib
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Annotated, Any, Literal
 
 from fastapi import FastAPI, Query, Request
@@ -324,6 +324,7 @@ def create_app(
     eos_lengths: Sequence[int] = (),
     seed: int = 0,
     scheduling_policy: SchedulingPolicy = "fcfs",
+    stream_interval: int = 1,
 ) -> FastAPI:
     """The HTTP face of one simulated instance. The engine's driver runs in the app's lifespan.
     ``scheduling_policy`` is vLLM's ``--scheduling-policy``, with its default: under ``fcfs`` a
@@ -331,6 +332,7 @@ def create_app(
     serves it passes ``priority``, as ``vllm serve`` for QLM gets ``--scheduling-policy priority``."""
     ok = scheduling_policy in SCHEDULING_POLICIES
     check_setting(ok, "scheduling_policy", "fcfs or priority", scheduling_policy)
+    check_setting(stream_interval >= 1, "stream_interval", ">= 1", stream_interval)
     models = tuple(engine.sim.perf_models)
     max_model_len = {m: pm.model.max_context for m, pm in engine.sim.perf_models.items()}
     started = int(time.time())
@@ -424,7 +426,9 @@ def create_app(
             "model": model,
         }
         if body.stream:
-            events = _stream(engine, request, req, chunks, meta, body.stream_options, fmt)
+            events = _stream(
+                engine, request, req, chunks, meta, body.stream_options, fmt, stream_interval
+            )
             return StreamingResponse(events, media_type="text/event-stream", headers=headers)
         result = await _wait_or_abort(engine, request, rid, done)
         if result is None:
@@ -540,11 +544,16 @@ async def _stream(
     meta: dict[str, Any],
     options: StreamOptions | None,
     fmt: _Format = COMPLETION,
+    interval: int = 1,
 ) -> AsyncIterator[str]:
-    """SSE events as vLLM sends them; aborts the engine request if the client goes away."""
+    """SSE events as vLLM sends them; aborts the engine request if the client goes away.
+    ``interval`` > 1 (vLLM's ``--stream-interval``): the first token goes at once, then the
+    tokens wait until ``interval`` of them (or the end) make one event."""
     include_usage = bool(options and options.include_usage)
     continuous = include_usage and bool(options and options.continuous_usage_stats)
     finished = False
+    held: list[TokenChunk] = []
+    sent_tokens = 0
     try:
         opening = fmt.opening()
         if opening is not None:
@@ -560,6 +569,12 @@ async def _stream(
                 if await request.is_disconnected():
                     return
                 continue
+            held.append(chunk)
+            due = sent_tokens == 0 or chunk.tokens - sent_tokens >= interval
+            if not (due or chunk.finish_reason is not None):
+                continue
+            chunk, held = _merged(held), []
+            sent_tokens = chunk.tokens
             choice = fmt.choice(chunk.text, chunk.finish_reason, stream=True, calls=chunk.calls)
             event: dict[str, Any] = {**meta, "choices": [choice]}
             if continuous:
@@ -577,6 +592,26 @@ async def _stream(
             _abort_quietly(engine, req.request_id)
 
 
+def _merged(chunks: Sequence[TokenChunk]) -> TokenChunk:
+    """Consecutive chunks of one request as one: their text and tool-call deltas joined (the
+    deltas of one call merged: its id and name, then its arguments), the last count and end."""
+    last = chunks[-1]
+    if len(chunks) == 1:
+        return last
+    calls: list[dict[str, Any]] = []
+    for chunk in chunks:
+        for delta in chunk.calls:
+            if calls and calls[-1].get("index") == delta.get("index"):
+                fn = calls[-1].setdefault("function", {})
+                fn["arguments"] = fn.get("arguments", "") + delta.get("function", {}).get(
+                    "arguments", ""
+                )
+            else:
+                calls.append({**delta, "function": dict(delta.get("function", {}))})
+    text = "".join(c.text for c in chunks)
+    return replace(last, text=text, calls=tuple(calls))
+
+
 def serve(
     *,
     model: str,
@@ -590,6 +625,7 @@ def serve(
     seed: int,
     max_num_seqs: int | None = None,
     scheduling_policy: SchedulingPolicy = "fcfs",
+    stream_interval: int = 1,
 ) -> None:
     """Run the server until interrupted (``qlm sim-engine serve``)."""
     import uvicorn
@@ -613,5 +649,6 @@ def serve(
         eos_lengths=lengths,
         seed=seed,
         scheduling_policy=scheduling_policy,
+        stream_interval=stream_interval,
     )
     uvicorn.run(app, host=host, port=port, log_level="warning")

@@ -642,6 +642,7 @@ def vllm_serve_command(
     sleep_mode: bool = False,
     kv_offload_gb: float | None = None,
     tool_call_parser: str | None = None,
+    stream_interval: int | None = None,
 ) -> VllmCommand:
     """The ``vllm serve`` QLM needs: priority scheduling (the agents send ``priority``),
     ``X-Request-Id`` echoed back, sleep mode for warm starts, CPU KV offloading if asked, and
@@ -661,6 +662,10 @@ def vllm_serve_command(
         if kv_offload_gb <= 0:
             raise EngineError(f"--kv-offload-gb must be > 0, got {kv_offload_gb}")
         argv += ["--kv-offloading-size", f"{kv_offload_gb:g}", "--kv-offloading-backend", "native"]
+    if stream_interval is not None:
+        if stream_interval < 1:
+            raise EngineError(f"--stream-interval must be >= 1, got {stream_interval}")
+        argv += ["--stream-interval", str(stream_interval)]
     if tool_call_parser is not None:
         if not re.fullmatch(r"[A-Za-z0-9_.-]+", tool_call_parser):
             raise EngineError(f"--tool-call-parser must be a parser name, got {tool_call_parser!r}")

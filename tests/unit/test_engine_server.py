@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import warnings
 from collections.abc import Iterator
@@ -502,3 +503,29 @@ def test_a_response_format_the_server_cannot_honour_is_a_400(client: TestClient)
     remote = {"type": "json_schema", "json_schema": {"name": "r", "schema": {"$ref": "s.json"}}}
     r = client.post("/v1/completions", json={"prompt": "x", "response_format": remote})
     assert r.status_code == 400 and "$ref 's.json'" in r.json()["error"]["message"]
+
+
+def test_a_stream_interval_sends_the_first_token_at_once_then_every_n() -> None:
+    """vLLM's ``--stream-interval``: fewer events, the same text and counts."""
+    engine = WallClockEngine.from_catalog("s0", "m", "G", 1, time_scale=50, catalog=make_catalog())
+    app = create_app(engine, eos_lengths=(3,), scheduling_policy="priority", stream_interval=4)
+    with TestClient(app) as client:
+        options = {"include_usage": True, "continuous_usage_stats": True}
+        events = sse(client, max_tokens=11, ignore_eos=True, stream_options=options)
+        chunks = [e for e in events[:-1] if e["choices"]]
+        counts = [e["usage"]["completion_tokens"] for e in chunks]
+        assert counts[0] == 1 and counts[-1] == 11  # the first at once, the end whatever is left
+        assert all(b - a >= 4 for a, b in itertools.pairwise(counts[:-1]))
+        assert len(chunks) <= 1 + 10 // 4 + 1
+        assert "".join(c["choices"][0]["text"] for c in chunks) == filler_text(11)
+        tools = [{"type": "function", "function": {"name": "f"}}]
+        body = {"messages": CHAT, "tools": tools, "max_tokens": 30, "ignore_eos": True}
+        calls = [
+            d["tool_calls"][0]
+            for e in chat_sse(client, **body)[1:-1]
+            if e["choices"] and "tool_calls" in (d := e["choices"][0]["delta"])
+        ]
+        assert [c["function"].get("name") for c in calls] == ["f"] + [None] * (len(calls) - 1)
+        assert json.loads("".join(c["function"]["arguments"] for c in calls)) == {}
+    with pytest.raises(ConfigError, match="stream_interval"):
+        create_app(engine, stream_interval=0)

@@ -131,6 +131,7 @@ def test_the_launch_command_has_the_flags_qlm_needs() -> None:
         sleep_mode=True,
         kv_offload_gb=32,
         tool_call_parser="llama3_json",
+        stream_interval=8,
     )
     argv = " ".join(cmd.argv)
     assert argv.startswith("vllm serve meta-llama/Llama-3.1-8B --port 8003")
@@ -140,12 +141,15 @@ def test_the_launch_command_has_the_flags_qlm_needs() -> None:
         "--enable-sleep-mode",
         "--kv-offloading-size 32 --kv-offloading-backend native",
         "--enable-auto-tool-choice --tool-call-parser llama3_json",
+        "--stream-interval 8",
     ):
         assert flag in argv
     assert dict(cmd.env) == {"VLLM_SERVER_DEV_MODE": "1"}
     plain = vllm_serve_command("m")
     assert "--enable-sleep-mode" not in plain.argv and plain.env == ()
     assert "--enable-auto-tool-choice" not in plain.argv
+    with pytest.raises(EngineError, match="--stream-interval must be >= 1"):
+        vllm_serve_command("m", stream_interval=0)
     with pytest.raises(EngineError, match="--tool-call-parser"):
         vllm_serve_command("m", tool_call_parser="x; rm -rf /")
 
