@@ -617,6 +617,8 @@ class RabbitGlobalQueue:
             self._consumer = None
             self.leader = False
             self._new_epoch()
+            if led:  # what it holds is the broker's again: it stands by until it leads anew
+                self._tell_leader(False)
             log.warning(
                 "consumer of %s lost its channel; the broker requeues what it held; reconnecting",
                 self.queue,

@@ -394,14 +394,37 @@ def test_a_consumer_is_told_when_it_leads_and_when_it_stands_by(
             assert ("first", True) not in told
             (delivery,) = two.deliveries
         else:  # the first won the lock again (or after its old connection was dropped)
-            assert first.leader and not second.leader and told[-1] == ("first", True)
-            assert ("second", True) not in told
+            assert first.leader and not second.leader
+            # told it stood by as soon as its connection went, before it led again
+            assert told == [("first", False), ("first", True)]
             delivery = one.deliveries[1]
         assert delivery.redelivered and delivery.message == make_message(0)
         await (second if two.deliveries else first).ack(delivery)
         await first.close()
         await second.close()
         await assert_drained(amqp_url, names)
+
+    run(scenario)
+
+
+@pytest.mark.rabbitmq
+def test_a_leader_whose_connection_drops_is_told_it_stands_by_until_it_leads_again(
+    amqp_url: str, names: Names
+) -> None:
+    """Alone on the queue: its connection closed by the broker, the consumer is told at once
+    that it no longer leads (what it held is the broker's again), then that it leads anew."""
+    ctl = rabbitmqctl()
+
+    async def scenario() -> None:
+        queue = open_queue(amqp_url, names)
+        told: list[bool] = []
+        await queue.consume(Inbox(), on_leader=told.append)
+        await poll(lambda: queue.leader, 10.0, "the consumer to lead")
+        (pid,) = consumer_pids(ctl, names["queue"])
+        subprocess.run([*ctl, "-q", "close_connection", pid, "test"], check=True)
+        await poll(lambda: len(told) >= 3, 20.0, "the consumer to lead again")
+        assert told == [True, False, True] and queue.leader
+        await queue.close()
 
     run(scenario)
 
