@@ -59,6 +59,35 @@ def resolve_solver(name: str) -> str:
     return name
 
 
+_greeted: list[bool] = []
+
+
+def _greet_highs_on_stderr() -> None:
+    """HiGHS prints a two-line banner on the process's standard output (file descriptor 1, from
+    C++) when the first solver object is made, before PuLP can turn its output off: it would
+    corrupt what a command prints there (``qlm simulate --json``). The first object is made here,
+    once per process, with descriptor 1 pointed at standard error and the C library's buffers
+    flushed before it is put back."""
+    if _greeted:
+        return
+    _greeted.append(True)
+    import ctypes
+    import os
+    import sys
+
+    import highspy
+
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        os.dup2(2, 1)
+        highspy.Highs()  # type: ignore[no-untyped-call]
+        ctypes.CDLL(None).fflush(None)
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
 def make_solver(name: str, time_limit_s: float | None, warm: bool) -> Any:
     name = resolve_solver(name)
     if name == "cbc":
@@ -68,6 +97,7 @@ def make_solver(name: str, time_limit_s: float | None, warm: bool) -> Any:
     if name == "highs":
         if "highs" not in available_solvers():
             raise ValueError("solver 'highs' needs the highspy package (pip install highspy)")
+        _greet_highs_on_stderr()
         return pulp.HiGHS(msg=False, timeLimit=time_limit_s, warmStart=warm)
     raise ValueError(f"unknown solver {name!r}; known: {', '.join(SOLVERS)}")
 

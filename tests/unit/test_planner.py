@@ -242,3 +242,27 @@ def test_milp_poses_unix_times_relative_to_the_earliest_ready_time(solver: str) 
     warm = solve(late, Budget(time_s=None, milp_max_groups=8), solver=solver)
     assert warm.status == "optimal" and "milp" in warm.method
     assert warm.objective == pytest.approx(brute_force(base)[1], rel=1e-6, abs=1e-6)
+
+
+def test_the_highs_banner_goes_to_stderr_and_leaves_stdout_to_the_command() -> None:
+    """HiGHS greets on file descriptor 1 at its first solver object: a command printing JSON
+    on stdout must get only its own output."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("highspy")
+    code = (
+        "import pulp\n"
+        "from qlm.planner.milp import make_solver\n"
+        "p = pulp.LpProblem('x', pulp.LpMinimize)\n"
+        "x = pulp.LpVariable('x', 0, 1, cat='Integer')\n"
+        "p += x\n"
+        "p += x >= 0\n"
+        "p.solve(make_solver('highs', 1.0, False))\n"
+        "print('{\"ok\": true}')\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    )
+    assert done.stdout == '{"ok": true}\n'
+    assert "HiGHS" in done.stderr  # shown, where logs go
