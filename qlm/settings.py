@@ -93,6 +93,8 @@ class PlannerSettings(BaseModel):
     warm_start: bool = True
     evict: bool = False
     swap: bool = False
+    solver: Literal["auto", "cbc", "highs"] = "auto"
+    """The MILP's solver (small problems only, docs/planner.md): HiGHS when installed, else CBC."""
 
     def planner_config(self) -> PlannerConfig:
         """The ``PlannerConfig`` these settings stand for."""
@@ -115,6 +117,7 @@ class PlannerSettings(BaseModel):
             rate_window_s=self.rate_window_s,
             choose_concurrency=self.choose_concurrency,
             agent=AgentConfig(evict=self.evict, swap=self.swap, warm_start=self.warm_start),
+            solver=self.solver,
         )
 
 

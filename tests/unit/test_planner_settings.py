@@ -26,6 +26,7 @@ def test_planner_settings_are_read_from_the_environment(monkeypatch: pytest.Monk
     monkeypatch.setenv("QLM_PLANNER__DEFER_EXPENSIVE", "false")
     monkeypatch.setenv("QLM_PLANNER__DELTA", "0.8")
     monkeypatch.setenv("QLM_PLANNER__EVICT", "true")
+    monkeypatch.setenv("QLM_PLANNER__SOLVER", "cbc")
     config = get_settings().planner.planner_config()
     assert config.tier_weights == {Tier.INTERACTIVE: 1.0, Tier.STANDARD: 1.5, Tier.BATCH: 0.5}
     assert not config.defer_expensive and config.delta == 0.8 and config.agent.evict
@@ -35,6 +36,7 @@ def test_planner_settings_are_read_from_the_environment(monkeypatch: pytest.Monk
         defer_expensive=False,
         delta=0.8,
         agent=dataclasses.replace(PlannerConfig().agent, evict=True),
+        solver="cbc",
     )
     assert config == expected  # nothing else moved
 
@@ -47,6 +49,7 @@ def test_planner_settings_are_read_from_the_environment(monkeypatch: pytest.Monk
         ("QLM_PLANNER__TIER_WEIGHTS", '{"batch": 0}'),
         ("QLM_PLANNER__BUDGET_S", "0"),
         ("QLM_PLANNER__MAX_UTILISATION", "1.2"),
+        ("QLM_PLANNER__SOLVER", "gurobi"),
     ],
 )
 def test_a_bad_planner_setting_is_one_line_naming_it(
