@@ -544,8 +544,11 @@ class AgentRuntime:
         job = self._jobs.get(rid)
         if job is None:
             return
-        restart = not job.resumable
-        job.partial_text = "" if restart else resume_point(job.partial_text + text)
+        kept = resume_point(job.partial_text + text)
+        # Nothing to continue (a structured answer; or only whitespace, which resuming drops):
+        # it starts over, with its whole max_tokens.
+        restart = not job.resumable or not kept
+        job.partial_text = "" if restart else kept
         self.controller.returned(rid, tokens, evicted=evicted, restart=restart)
         track = self.controller.track(rid)
         self.listener.returned(rid, job.partial_text, track.output_tokens, evicted=evicted)

@@ -379,9 +379,9 @@ class ControllerService(RuntimeListener):
         partial_tokens = min(partial_tokens, msg.max_tokens - 1)
         partial_text = resume_point(partial_text)
         job = Job(prompt=msg.prompt, sampling=dict(msg.sampling), messages=msg.messages)
-        if job.resumable:
+        if job.resumable and partial_text:
             job.partial_text = partial_text
-        else:  # a structured answer starts over (``qlm.engines.structured``)
+        else:  # a structured answer, or only whitespace so far: it starts over
             partial_tokens = 0
         request = msg.to_request(arrival_s=msg.submitted_at)
         failovers = 1 if row.status is RequestStatus.RUNNING else 0  # a controller died

@@ -748,3 +748,54 @@ def test_a_resumed_prompt_teaches_only_its_input_part() -> None:
     assert controller.prompt_scale("m") == pytest.approx(counted / estimated)
     controller.observe_prompt("unknown", 10, 1000)  # nothing it holds: ignored
     assert controller.prompt_scale("m") == pytest.approx(counted / estimated)
+
+
+class Blank:
+    """An engine whose model writes only spaces (timing and counts are ``inner``'s)."""
+
+    def __init__(self, inner: WallClockEngine) -> None:
+        self.inner = inner
+        self.name = inner.name
+        self.requests: list[EngineRequest] = []
+
+    def __getattr__(self, item: str) -> Any:
+        return getattr(self.inner, item)
+
+    async def submit(self, request: EngineRequest, on_chunk: Any = None) -> EngineOutput:
+        self.requests.append(request)
+
+        def blank(chunk: TokenChunk) -> None:
+            on_chunk(replace(chunk, text=" " * count_tokens(chunk.text)))
+
+        out = await self.inner.submit(request, blank if on_chunk is not None else None)
+        return replace(out, text=" " * out.tokens)
+
+    async def abort(self, request_id: str) -> EngineOutput:
+        out = await self.inner.abort(request_id)
+        return replace(out, text=" " * out.tokens)
+
+
+def test_a_request_evicted_with_only_whitespace_written_starts_over_with_its_whole_budget() -> None:
+    """Resuming drops trailing whitespace (``resume_point``): with nothing else written there
+    is nothing to continue, so the request runs again from its first token."""
+
+    async def scenario() -> None:
+        rec = Recorder()
+        e = Blank(engine("i0"))
+        rt = start(EvictOnce("r0000"), [e], rec)
+        await rt.start()
+        rt.submit(make_request(0, arrival_s=rt.clock.now(), replay_output_tokens=300))
+        await eventually(lambda: rt.idle, "the evicted request finished")
+        await rt.stop()
+        await e.inner.close()
+        first, again = e.requests
+        assert rec.back == [("r0000", 0)]  # back with nothing kept
+        assert (again.max_tokens, again.prompt_tokens, again.resumed_tokens) == (
+            first.max_tokens,
+            first.prompt_tokens,
+            0,
+        )
+        record, text = rec.done["r0000"]
+        assert record.output_tokens == 300 and text == " " * 300
+
+    run(scenario)

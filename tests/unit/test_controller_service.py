@@ -752,32 +752,35 @@ def test_the_sweep_spares_a_request_being_taken_and_a_row_that_ended_meanwhile()
 
 
 def test_a_request_taken_over_mid_answer_resumes_unless_its_answer_is_structured() -> None:
-    """A controller died while two requests ran: the store kept their output so far. The next
-    one resumes the plain answer from it, and starts the structured one over (a grammar
-    cannot continue a partial document)."""
+    """A controller died while three requests ran: the store kept their output so far. The
+    next one resumes the plain answer from it, and starts over the structured one (a grammar
+    cannot continue a partial document) and the one that had written only whitespace."""
     fmt = {"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "string"}}}
 
     async def scenario(store: Store) -> None:
         broker = MemoryBroker()
         now = store.now()
         rows = [row("plain", now), replace(row("json", now), sampling={"response_format": fmt})]
-        store.ensure_requests(rows)
-        for rid in ("plain", "json"):
+        store.ensure_requests([*rows, row("blank", now)])
+        for rid in ("plain", "json", "blank"):
             store.mark_dispatched(rid, instance="i0", at=now)
-            store.record_partial(rid, text="tok tok tok", tokens=3)
+            store.record_partial(rid, text="   " if rid == "blank" else "tok tok tok", tokens=3)
         service = make_service(store, broker)
         await service.start()
         producer = MemoryGlobalQueue(broker=broker)
         await producer.publish(message(0, now, id="plain", replay_output_tokens=40))
         json_msg = message(0, now, id="json", replay_output_tokens=40)
         await producer.publish(replace(json_msg, sampling={"response_format": fmt}))
-        await eventually(lambda: final(store, ["plain", "json"]), "both finished")
+        await producer.publish(message(0, now, id="blank", replay_output_tokens=40))
+        await eventually(lambda: final(store, ["plain", "json", "blank"]), "all finished")
         await service.stop()
         plain, structured = store.get("plain"), store.get("json")
         assert plain is not None and structured is not None
         assert plain.output_text == filler_text(40)[1:] and plain.output_tokens == 40
         assert structured.output_tokens == 40
         assert json.loads(structured.output_text or "") == " ".join(["tok"] * 38)
+        blank = store.get("blank")  # only whitespace so far: nothing to continue, started over
+        assert blank is not None and blank.output_text == filler_text(40)
 
     run(scenario)
 
