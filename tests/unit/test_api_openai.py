@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import Any
+from typing import Any, Literal
 
 import openai
+import pydantic
 import pytest
 
 from qlm.api import create_app
@@ -124,6 +125,21 @@ def test_the_openai_client_completes_streams_and_sends_slo_fields() -> None:
             assert structured.choices[0].finish_reason == "stop"
             row = store.get(structured.id.removeprefix("chatcmpl-"))
             assert row is not None and row.sampling["response_format"]["json_schema"]["strict"]
+
+            class Author(pydantic.BaseModel):
+                name: str
+                born: int | None = None
+
+            class Book(pydantic.BaseModel):
+                title: str
+                authors: list[Author]
+                kind: Literal["novel", "essay"]
+
+            parsed = await client.chat.completions.parse(  # the client's strict schema
+                model="m", messages=[{"role": "user", "content": "A book."}], response_format=Book
+            )
+            book_out = parsed.choices[0].message.parsed
+            assert isinstance(book_out, Book) and book_out.kind == "novel" and book_out.authors
 
             tools: list[Any] = [
                 {
