@@ -248,11 +248,89 @@ class SloIn(BaseModel):
     )
 
 
+class FunctionSpec(BaseModel):
+    """A function the model may call (OpenAI's ``tools[].function``)."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$", description="Letters, digits, _ and -.")
+    description: Text | None = Field(default=None, max_length=16_384)
+    parameters: dict[str, Any] | None = Field(
+        default=None, description="The JSON Schema of its arguments."
+    )
+    strict: bool | None = None
+
+    @field_validator("parameters")
+    @classmethod
+    def _a_schema(cls, schema: dict[str, Any] | None) -> dict[str, Any] | None:
+        return None if schema is None else JsonSchemaFormat.check_schema(schema)
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class ChosenFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    """``tool_choice`` naming the function to call."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"]
+    function: ChosenFunction
+
+
+class ToolsIn(BaseModel):
+    """Functions a chat's model may call (OpenAI's ``tools``, ``tool_choice``,
+    ``parallel_tool_calls``), passed to vLLM with the sampling parameters (docs/api.md)."""
+
+    tools: list[Tool] | None = Field(
+        default=None, max_length=128, description="Functions the model may call (a chat only)."
+    )
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        default=None, description="Default: auto with tools, none without."
+    )
+    parallel_tool_calls: bool | None = None
+
+    @model_validator(mode="after")
+    def _choice_among_the_tools(self) -> ToolsIn:
+        names = [t.function.name for t in self.tools or ()]
+        if len(set(names)) != len(names):
+            raise ValueError("tools: two functions have the same name")
+        choice = self.tool_choice
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise ValueError(f"tool_choice names {choice.function.name!r}, which is not in tools")
+        if choice == "required" and not names:
+            raise ValueError("tool_choice required needs tools")
+        return self
+
+    def tool_parameters(self) -> dict[str, Any]:
+        """The tool fields that were given, for the queue message and the store."""
+        out: dict[str, Any] = {}
+        if self.tools:
+            out["tools"] = [t.model_dump(by_alias=True, exclude_none=True) for t in self.tools]
+        if self.tool_choice is not None:
+            choice = self.tool_choice
+            out["tool_choice"] = choice if isinstance(choice, str) else choice.model_dump()
+        if self.parallel_tool_calls is not None:
+            out["parallel_tool_calls"] = self.parallel_tool_calls
+        return out
+
+
 # --- native API --------------------------------------------------------------------------------
 
 
-class SubmitIn(SamplingIn, SloIn):
-    """A request to queue: a prompt or chat messages, the output cap, sampling and SLO."""
+class SubmitIn(SamplingIn, SloIn, ToolsIn):
+    """A request to queue: a prompt or chat messages, the output cap, sampling, tools (with
+    messages) and SLO."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
@@ -266,6 +344,10 @@ class SubmitIn(SamplingIn, SloIn):
     max_tokens: int = Field(
         ge=1, le=2**31 - 1, description="Most output tokens (<= QLM_API__MAX_TOKENS_LIMIT)."
     )
+
+    def sampling(self) -> dict[str, Any]:
+        """The sampling parameters, and the tools (passed to vLLM with them)."""
+        return super().sampling() | self.tool_parameters()
 
 
 class SubmitOut(BaseModel):
@@ -410,47 +492,7 @@ class CompletionIn(_OpenAiIn):
     suffix: str | None = Field(default=None, description="Not supported (422 when set).")
 
 
-class FunctionSpec(BaseModel):
-    """A function the model may call (OpenAI's ``tools[].function``)."""
-
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
-
-    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$", description="Letters, digits, _ and -.")
-    description: Text | None = Field(default=None, max_length=16_384)
-    parameters: dict[str, Any] | None = Field(
-        default=None, description="The JSON Schema of its arguments."
-    )
-    strict: bool | None = None
-
-    @field_validator("parameters")
-    @classmethod
-    def _a_schema(cls, schema: dict[str, Any] | None) -> dict[str, Any] | None:
-        return None if schema is None else JsonSchemaFormat.check_schema(schema)
-
-
-class Tool(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    type: Literal["function"]
-    function: FunctionSpec
-
-
-class ChosenFunction(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    name: str
-
-
-class NamedToolChoice(BaseModel):
-    """``tool_choice`` naming the function to call."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    type: Literal["function"]
-    function: ChosenFunction
-
-
-class ChatCompletionIn(_OpenAiIn):
+class ChatCompletionIn(_OpenAiIn, ToolsIn):
     """OpenAI's ``POST /v1/chat/completions`` body, plus QLM's SLO fields."""
 
     messages: list[ChatMessage] = Field(min_length=1, max_length=4096)
@@ -458,37 +500,10 @@ class ChatCompletionIn(_OpenAiIn):
         default=None, ge=1, le=2**31 - 1, description="Same as max_tokens (newer name)."
     )
     logprobs: bool | None = Field(default=None, description="Not supported (422 when true).")
-    tools: list[Tool] | None = Field(
-        default=None, max_length=128, description="Functions the model may call."
-    )
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
-        default=None, description="Default: auto with tools, none without."
-    )
-    parallel_tool_calls: bool | None = None
-
-    @model_validator(mode="after")
-    def _choice_among_the_tools(self) -> ChatCompletionIn:
-        names = [t.function.name for t in self.tools or ()]
-        if len(set(names)) != len(names):
-            raise ValueError("tools: two functions have the same name")
-        choice = self.tool_choice
-        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
-            raise ValueError(f"tool_choice names {choice.function.name!r}, which is not in tools")
-        if choice == "required" and not names:
-            raise ValueError("tool_choice required needs tools")
-        return self
 
     def sampling(self) -> dict[str, Any]:
         """The sampling parameters, and the tools (passed to vLLM with them)."""
-        out = super().sampling()
-        if self.tools:
-            out["tools"] = [t.model_dump(by_alias=True, exclude_none=True) for t in self.tools]
-        if self.tool_choice is not None:
-            choice = self.tool_choice
-            out["tool_choice"] = choice if isinstance(choice, str) else choice.model_dump()
-        if self.parallel_tool_calls is not None:
-            out["parallel_tool_calls"] = self.parallel_tool_calls
-        return out
+        return super().sampling() | self.tool_parameters()
 
 
 class Usage(BaseModel):

@@ -222,3 +222,19 @@ def test_the_vllm_client_assembles_parallel_tool_calls_from_their_deltas() -> No
         {"name": "clock", "arguments": "{}"},
     ]
     assert [c["id"] for c in out.tool_calls] == ["t0", "t1"]
+
+
+def test_the_native_api_takes_tools_with_messages_and_refuses_them_with_a_prompt() -> None:
+    async def scenario(h: Harness) -> None:
+        r = await h.submit(prompt=None, messages=ASK, tools=[WEATHER], tool_choice="auto")
+        assert r.status_code == 202, r.text
+        (msg,) = published(h.queue)
+        assert msg.sampling == {"tools": [WEATHER], "tool_choice": "auto"}
+        bad = await h.submit(tools=[WEATHER])  # the harness's default: a prompt
+        assert bad.status_code == 422 and error(bad)["param"] == "tools"
+        assert error(bad)["code"] == "tools_need_chat"
+        dup = await h.submit(prompt=None, messages=ASK, tools=[WEATHER, WEATHER])
+        assert dup.status_code == 422 and "same name" in error(dup)["message"]
+        assert len(published(h.queue)) == 1
+
+    run_api(scenario)

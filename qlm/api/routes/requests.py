@@ -78,6 +78,10 @@ async def submit(
     """What ``POST /v1/requests`` does once its inputs are valid, for the route above and for
     the fast path that serves the same call without FastAPI's machinery (``qlm.api.hotpath``).
     Raises ``ApiError``, ``StoreError`` or ``QueueUnavailable``."""
+    if body.tools and body.messages is None:
+        raise invalid(
+            "tools", "tools need a chat: give messages, not prompt", code="tools_need_chat"
+        )
     submission = Submission(
         model=body.model,
         max_tokens=body.max_tokens,
