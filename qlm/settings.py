@@ -186,7 +186,11 @@ class ApiSettings(BaseModel):
 
 
 def _upper(value: object) -> object:
-    return value.upper() if isinstance(value, str) else value
+    """A level name in any case, with the aliases Python's logging knows (WARN, FATAL)."""
+    if not isinstance(value, str):
+        return value
+    name = value.upper()
+    return {"WARN": "WARNING", "FATAL": "CRITICAL"}.get(name, name)
 
 
 class Settings(BaseSettings):

@@ -10,6 +10,7 @@ unknown model), the tenant's rate (429), its queued requests (429), the plan (50
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import secrets
 from collections.abc import Mapping
@@ -96,6 +97,8 @@ async def admit(
             code="max_tokens_limit",
         )
     text = sub.prompt if sub.prompt is not None else render_chat(sub.messages or [])
+    if sub.sampling.get("tools"):  # the chat template writes the tools into the prompt
+        text += json.dumps(sub.sampling["tools"], separators=(",", ":"))
     prompt_tokens = estimate_tokens(text)
     if prompt_tokens > s.max_prompt_tokens:
         raise invalid(

@@ -17,6 +17,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -300,23 +301,32 @@ class ToolsIn(BaseModel):
     )
     parallel_tool_calls: bool | None = None
 
-    @model_validator(mode="after")
-    def _choice_among_the_tools(self) -> ToolsIn:
-        names = [t.function.name for t in self.tools or ()]
+    @field_validator("tools")
+    @classmethod
+    def _distinct_names(cls, tools: list[Tool] | None) -> list[Tool] | None:
+        names = [t.function.name for t in tools or ()]
         if len(set(names)) != len(names):
-            raise ValueError("tools: two functions have the same name")
-        choice = self.tool_choice
+            raise ValueError("two functions have the same name")
+        return tools
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _choice_among_the_tools(
+        cls, choice: str | NamedToolChoice | None, info: ValidationInfo
+    ) -> str | NamedToolChoice | None:
+        names = [t.function.name for t in info.data.get("tools") or ()]
         if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
-            raise ValueError(f"tool_choice names {choice.function.name!r}, which is not in tools")
-        if choice == "required" and not names:
-            raise ValueError("tool_choice required needs tools")
-        return self
+            raise ValueError(f"names {choice.function.name!r}, which is not in tools")
+        if choice not in (None, "none") and not names:
+            raise ValueError("tool_choice needs tools (vLLM refuses it without them)")
+        return choice
 
     def tool_parameters(self) -> dict[str, Any]:
         """The tool fields that were given, for the queue message and the store."""
         out: dict[str, Any] = {}
-        if self.tools:
-            out["tools"] = [t.model_dump(by_alias=True, exclude_none=True) for t in self.tools]
+        if not self.tools:
+            return out  # no tools: nothing to choose among (``none`` is what happens anyway)
+        out["tools"] = [t.model_dump(by_alias=True, exclude_none=True) for t in self.tools]
         if self.tool_choice is not None:
             choice = self.tool_choice
             out["tool_choice"] = choice if isinstance(choice, str) else choice.model_dump()
@@ -531,13 +541,16 @@ class CompletionOut(BaseModel):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
+    tool_calls: list[ToolCall] | None = Field(
+        default=None, description="The tools it called (a chat with `tools`); content may be null."
+    )
 
 
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
     logprobs: None = None
-    finish_reason: Literal["stop", "length"] | None
+    finish_reason: Literal["stop", "length", "tool_calls"] | None
 
 
 class ChatCompletionOut(BaseModel):

@@ -12,7 +12,10 @@ instance of the schema), token by token, and grows its strings' words so that th
 at the output length it drew for the request; a schema with no string to grow ends the document
 at its smallest size, as a grammar would end the answer. It follows ``type``, ``properties``
 (all of them, in order), ``items`` and ``minItems``, ``enum``, ``const``, ``anyOf``/``oneOf``
-(the first), local ``$ref`` and ``minimum``; other keywords (``pattern``, ``format``,
+(the first), ``$ref`` inside the schema and ``minimum``; past a nesting of ``SPARE_DEPTH`` only
+what is required (so a recursive schema has a finite document), at most ``MAX_ITEMS`` array
+items. A schema it cannot write for is the request's fault (vLLM answers 400 when its grammar
+backend cannot compile one), never the instance's. Other keywords (``pattern``, ``format``,
 ``maxLength``, ...) are not honoured (docs/engines.md).
 """
 
@@ -27,6 +30,10 @@ from typing import Any
 FORMAT_TYPES = ("text", "json_object", "json_schema")
 MAX_DEPTH = 16
 """Nesting (and ``$ref`` hops) the simulated engine follows before refusing the schema."""
+SPARE_DEPTH = 4
+"""Below this nesting the documents also hold optional properties and one item of arrays."""
+MAX_ITEMS = 1000
+"""The most array items (``minItems``) the simulated engine writes."""
 WORD = "tok"  # the simulated engine's output token (``qlm.engines.wallclock.FILLER_TOKEN``)
 
 
@@ -113,6 +120,8 @@ def document_pieces(response_format: Mapping[str, Any], target: int) -> list[str
 
 
 def _resolve(root: Mapping[str, Any], ref: str) -> Mapping[str, Any]:
+    if ref == "#":
+        return root
     for prefix in ("#/$defs/", "#/definitions/"):
         if ref.startswith(prefix):
             target = root.get(prefix[2:-1], {}).get(ref[len(prefix) :])
@@ -145,15 +154,28 @@ def _emit(schema: Any, root: Mapping[str, Any], out: list[str | _Slot], depth: i
         kind = next((k for k in kind if k != "null"), "null")
     if kind is None:
         kind = "object" if "properties" in schema else "array" if "items" in schema else "string"
+    # Past SPARE_DEPTH only what the schema requires is written (required properties, minItems),
+    # so that a recursive schema (a tree of nodes) still has a finite document.
+    spare = depth < SPARE_DEPTH
     if kind == "object":
         props = schema.get("properties") or {}
+        required = set(schema.get("required") or ())
         out.append("{")
-        for i, (name, sub) in enumerate(props.items()):
-            out.append(("" if i == 0 else ", ") + json.dumps(name) + ": ")
+        written = 0
+        for name, sub in props.items():
+            if not spare and name not in required:
+                continue
+            out.append(("" if written == 0 else ", ") + json.dumps(name) + ": ")
             _emit(sub, root, out, depth + 1)
+            written += 1
         out.append("}")
     elif kind == "array":
-        count = max(1, int(schema.get("minItems", 1)))
+        least = schema.get("minItems", 0)
+        if not isinstance(least, int) or isinstance(least, bool) or least < 0:
+            raise SchemaUnsupported(f"minItems must be a non-negative integer, got {least!r}")
+        if least > MAX_ITEMS:
+            raise SchemaUnsupported(f"minItems {least} is more than the {MAX_ITEMS} it writes")
+        count = max(1, least) if spare else least
         out.append("[")
         for i in range(count):
             if i:
@@ -198,10 +220,14 @@ def schema_problem(schema: Any, path: str = "", depth: int = 0) -> str | None:
         if k not in _TYPES:
             return f"{path}/type: {k!r} is not a JSON Schema type ({', '.join(sorted(_TYPES))})"
     ref = schema.get("$ref")
-    if ref is not None and not (
-        isinstance(ref, str) and ref.startswith(("#/$defs/", "#/definitions/", "#"))
-    ):
-        return f"{path}/$ref: only references inside the schema (#/$defs/...) are resolved"
+    if ref is not None and not (isinstance(ref, str) and (ref == "#" or ref.startswith("#/"))):
+        return f"{path}/$ref: only references inside the schema (#, #/$defs/...) are resolved"
+    for key in ("minItems", "maxItems", "minLength", "maxLength"):
+        bound = schema.get(key)
+        if bound is not None and (
+            not isinstance(bound, int) or isinstance(bound, bool) or bound < 0
+        ):
+            return f"{path}/{key}: must be a non-negative integer"
     required = schema.get("required")
     if required is not None and not (
         isinstance(required, list) and all(isinstance(r, str) for r in required)

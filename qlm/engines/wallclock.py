@@ -51,7 +51,7 @@ from qlm.engines.structured import (
     planned_call,
     resumable,
 )
-from qlm.errors import EngineError, UnknownRequest
+from qlm.errors import EngineError, RequestRejected, UnknownRequest
 
 log = logging.getLogger(__name__)
 
@@ -243,14 +243,15 @@ class WallClockEngine:
         function = planned_call(sampling, request.messages)
         # complete within max_tokens when it can: a grammar ends the answer itself
         target = min(request.tokens_to_generate, request.max_tokens - 1)
+        field = "tools" if function is not None else "response_format"
         try:
             if function is not None:
                 call, pieces = str(function.get("name", "")), call_pieces(function, target)
             elif isinstance(fmt, Mapping) and not resumable({"response_format": fmt}):
                 pieces = document_pieces(fmt, target)
-        except SchemaUnsupported as exc:
-            field = "tools" if call is not None else "response_format"
-            raise EngineError(f"{self.name}: {field}: {exc}") from None
+        except (SchemaUnsupported, ValueError, TypeError, RecursionError) as exc:
+            # The request is at fault, not the instance (vLLM answers such a schema 400).
+            raise RequestRejected(f"{self.name}: {field}: {exc}") from None
         if pieces is not None:
             request = replace(request, output_tokens=min(len(pieces), request.max_tokens))
         now = self._advance()

@@ -240,6 +240,7 @@ class RabbitGlobalQueue:
         # Consumer side.
         self._handler: Handler | None = None
         self._on_leader: LeaderHandler | None = None
+        self._told: bool | None = None  # what ``_on_leader`` was last told
         self._consumer: AbstractConnection | None = None
         self._consumer_task: asyncio.Task[None] | None = None
         self._dispatch_task: asyncio.Task[None] | None = None
@@ -501,8 +502,11 @@ class RabbitGlobalQueue:
         log.info("leading: consuming %s on %s", ", ".join(self.queues), self._safe_url)
 
     def _tell_leader(self, leading: bool) -> None:
-        if self._on_leader is None:
+        """Tell the consumer's owner whether it leads, when that changed: a standby that lost
+        its connection and finds the lock taken on reconnecting is not told twice."""
+        if self._on_leader is None or self._told == leading:
             return
+        self._told = leading
         try:
             self._on_leader(leading)
         except Exception:

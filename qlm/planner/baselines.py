@@ -273,7 +273,11 @@ class PriorityPolicy(QueuedPolicy):
         for t in sorted(self._tiers.get(instance, {}), reverse=True):
             if t <= tier:
                 break
-            ordered.extend(r for r in reversed(self._tiers[instance][t]) if r not in step.pulled)
+            ordered.extend(
+                r
+                for r in reversed(self._tiers[instance][t])
+                if r not in step.pulled and self.requests[r].resumable  # else it starts over
+            )
         return ordered or None
 
     def _fits_after(self, instance: str, victims: list[str], tokens: int, step: Step) -> bool:

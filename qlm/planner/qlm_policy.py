@@ -445,15 +445,21 @@ class QlmPolicy:
         for req in ctx.arrived:
             if self.grouper.group_of(req.id) is not None:
                 continue  # handed again after a failed step: already held
-            if req.id not in self._generated and not generated.get(req.id):
+            sent_before = [
+                s for s in (*self._inflight.values(), *self._swapped.values()) if req.id in s
+            ]
+            back = bool(sent_before) or req.id in self._generated
+            if not back and not generated.get(req.id):  # new: not one coming back to run again
                 if not self._arrivals:
                     self._first_arrival_s = min(self._first_arrival_s, now)
                 self._arrivals.append((now, req))
-            for sent in (*self._inflight.values(), *self._swapped.values()):
+            for sent in sent_before:
                 sent.pop(req.id, None)  # an evicted request comes back
             self._started.discard(req.id)
             if generated.get(req.id):
                 self._generated[req.id] = generated[req.id]
+            else:  # started over (or never started): nothing of an earlier attempt is kept
+                self._generated.pop(req.id, None)
             gid = self.grouper.add(req, now)
             held_by = self.queues.instance_of(gid)
             if held_by is None:

@@ -81,7 +81,7 @@ class RequestModel(Base):
     finished_at: Mapped[float | None]
     instance: Mapped[str | None]
     output_text: Mapped[str | None] = mapped_column(Text)
-    output_tool_calls: Mapped[list[dict[str, Any]] | None] = mapped_column(JSON)
+    output_tool_calls: Mapped[list[dict[str, Any]] | None] = mapped_column(JSON(none_as_null=True))
     output_tokens: Mapped[int]
     partial_text: Mapped[str] = mapped_column(Text)
     partial_tokens: Mapped[int]

@@ -11,6 +11,7 @@ import pytest
 from builders import make_catalog, make_profile, make_request
 
 from qlm.domain import SLO, Decision, Evict, InstanceSpec, Pull, Request, RequestStatus, Tier
+from qlm.planner import PlannerConfig, QlmPolicy, create_policy
 from qlm.planner.baselines import (
     BatchPlanInput,
     PriorityPolicy,
@@ -245,3 +246,42 @@ def test_no_policy_reads_the_true_output_length(name: str) -> None:
 
 def test_unknown_baseline_is_none() -> None:
     assert create_baseline("qlm") is None
+
+
+def test_priority_never_evicts_an_answer_that_would_start_over() -> None:
+    """A structured or tool-calling request (``resumable`` False) loses its whole output when
+    evicted: priority makes room with the others only."""
+    policy = PriorityPolicy()
+    batch = [make_request(0, arrival_s=0.0, tier=Tier.BATCH)]
+    batch.append(
+        dataclasses.replace(make_request(1, arrival_s=0.0, tier=Tier.BATCH), resumable=False)
+    )
+    assert pulls(policy.decide(ctx(0.0, batch, load(max_running=2)))) == ["r0000", "r0001"]
+    full = load(max_running=2, outstanding_requests=2, outstanding_tokens=400)
+    urgent = make_request(3, arrival_s=1.0, tier=Tier.INTERACTIVE)
+    assert policy.decide(ctx(1.0, [urgent], full)) == [Evict("r0000", "i0"), Pull("r0003", "i0")]
+
+
+def test_the_qlm_policy_counts_a_request_back_from_an_instance_once_and_forgets_its_output() -> (
+    None
+):
+    """Coming back to run again (evicted, its instance lost, or restarted with nothing kept) a
+    request is no new arrival for the rate the planner judges the stream by, and a restart
+    leaves none of the earlier attempt's output in its books."""
+    policy = create_policy("qlm", profile=PROFILE, planner=PlannerConfig.for_simulation(500))
+    assert isinstance(policy, QlmPolicy)
+    req = make_request(0, arrival_s=0.0)
+    assert pulls(policy.decide(ctx(0.0, [req], load(max_running=4)))) == ["r0000"]
+    back = DispatchContext(
+        now=1.0, arrived=(req,), instances=(load(max_running=4),), generated=(("r0000", 7),)
+    )
+    assert pulls(policy.decide(back)) == ["r0000"]  # resumed with 7 tokens
+    assert policy._generated == {"r0000": 7}
+    again = ctx(2.0, [req], load(max_running=4))  # started over: nothing kept
+    assert pulls(policy.decide(again)) == ["r0000"]
+    assert policy._generated == {} and len(policy._arrivals) == 1
+    other = make_request(1, arrival_s=3.0)
+    assert pulls(policy.decide(ctx(3.0, [other], load(max_running=4)))) == ["r0001"]
+    returned = ctx(4.0, [other], load(max_running=4))  # lost with its instance before a token
+    assert pulls(policy.decide(returned)) == ["r0001"]
+    assert len(policy._arrivals) == 2  # r0000 and r0001, once each

@@ -11,6 +11,7 @@ import httpx
 import pytest
 
 from qlm.api.prompts import render_chat
+from qlm.domain import RequestStatus
 from qlm.engines.base import EngineOutput, EngineRequest
 from qlm.engines.structured import planned_call, resumable
 from qlm.engines.vllm import VllmEngine
@@ -106,8 +107,8 @@ def test_which_function_the_simulated_model_calls() -> None:
     [
         ({"tools": [WEATHER, WEATHER]}, "two functions have the same name"),
         ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "x"}}},
-         "tool_choice names 'x'"),
-        ({"tool_choice": "required"}, "tool_choice required needs tools"),
+         "names 'x', which is not in tools"),
+        ({"tool_choice": "required"}, "tool_choice needs tools"),
         ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "pattern"),
         ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "x"}}}]},
          "/type: 'x'"),
@@ -236,5 +237,62 @@ def test_the_native_api_takes_tools_with_messages_and_refuses_them_with_a_prompt
         dup = await h.submit(prompt=None, messages=ASK, tools=[WEATHER, WEATHER])
         assert dup.status_code == 422 and "same name" in error(dup)["message"]
         assert len(published(h.queue)) == 1
+
+    run_api(scenario)
+
+
+def test_a_call_cut_at_max_tokens_finishes_length_and_a_named_choice_stop() -> None:
+    """``tool_calls`` means "make these calls": not for a call cut off at ``max_tokens``, and
+    vLLM and OpenAI answer ``stop`` when the caller named the function."""
+    call = {"id": "c", "type": "function", "function": {"name": "weather", "arguments": '{"ci'}}
+
+    async def scenario(h: Harness) -> None:
+        answers = []
+        for max_tokens, choice in ((3, None), (30, None), (30, "named")):
+            body: dict[str, Any] = {"model": "m", "messages": ASK, "tools": [WEATHER]}
+            body |= {"max_tokens": max_tokens, "slo_seconds": 60}
+            if choice:
+                body["tool_choice"] = {"type": "function", "function": {"name": "weather"}}
+            post = asyncio.create_task(
+                h.client.post("/v1/chat/completions", json=body, headers=h.auth())
+            )
+            while len(h.store.list_requests()[0]) < len(answers) + 1:
+                await asyncio.sleep(0.01)
+            rid = h.store.list_requests()[0][0].id
+            h.store.record_outcome(
+                rid, status=RequestStatus.FINISHED, at=1.0, output_text="", output_tokens=3,
+                tool_calls=[call],
+            )  # fmt: skip
+            answers.append((await post).json()["choices"][0])
+        assert [a["finish_reason"] for a in answers] == ["length", "tool_calls", "stop"]
+        assert all(a["message"]["tool_calls"] == [call] for a in answers)
+
+    run_api(scenario, poll_interval_s=0.02)
+
+
+def test_a_tool_choice_without_tools_is_refused_unless_none_which_is_not_sent() -> None:
+    async def scenario(h: Harness) -> None:
+        body = {"model": "m", "messages": ASK, "tool_choice": "auto"}
+        r = await h.client.post("/v1/chat/completions", json=body, headers=h.auth())
+        assert r.status_code == 422 and "tool_choice needs tools" in error(r)["message"]
+        assert error(r)["param"] == "tool_choice"
+        none = await h.submit(prompt=None, messages=ASK, tool_choice="none", tools=[])
+        assert none.status_code == 202, none.text
+        (msg,) = published(h.queue)
+        assert msg.sampling == {}  # vLLM refuses a tool_choice without tools, even none
+
+    run_api(scenario)
+
+
+def test_the_tools_count_in_the_prompt_estimate() -> None:
+    async def scenario(h: Harness) -> None:
+        for tools in ([], [WEATHER]):
+            r = await h.submit(prompt=None, messages=ASK, tools=tools)
+            assert r.status_code == 202, r.text
+        plain, with_tools = sorted(published(h.queue), key=lambda m: m.prompt_tokens)
+        added = len(json.dumps([WEATHER], separators=(",", ":")))
+        assert with_tools.prompt_tokens - plain.prompt_tokens in range(
+            added // 4 - 1, added // 4 + 2
+        )
 
     run_api(scenario)

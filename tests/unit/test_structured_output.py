@@ -14,8 +14,8 @@ from builders import make_request
 from qlm.agents.executor import Job
 from qlm.domain import RequestStatus
 from qlm.engines.base import EngineRequest
-from qlm.engines.structured import document_pieces, resumable, schema_problem
-from qlm.errors import EngineError
+from qlm.engines.structured import SchemaUnsupported, document_pieces, resumable, schema_problem
+from qlm.errors import EngineError, RequestRejected
 from qlm.global_queue.message import MessageError, QueuedRequest
 from qlm.service.hub import ResultEvent
 from tests.unit.test_agent_runtime import EvictOnce, Recorder, Seen, engine, eventually, run, start
@@ -324,3 +324,45 @@ def test_a_queued_structured_request_reaches_the_planner_as_not_resumable() -> N
     assert QueuedRequest(**fields).to_request(1.0).resumable
     structured = QueuedRequest(**fields, sampling={"response_format": FORMAT})
     assert not structured.to_request(1.0).resumable
+
+
+def test_recursive_and_awkward_schemas_have_finite_documents_or_are_the_requests_fault() -> None:
+    tree = {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string"},
+            "children": {"type": "array", "items": {"$ref": "#"}},
+        },
+        "required": ["name"],
+    }
+    fmt = {"type": "json_schema", "json_schema": {"name": "tree", "schema": tree}}
+    doc = json.loads("".join(document_pieces(fmt, 1)))
+    depth = 0
+    while doc.get("children"):
+        doc, depth = doc["children"][0], depth + 1
+    assert 1 <= depth <= 4  # optional parts written while shallow, then only what is required
+    for bad, why in (
+        ({"type": "array", "minItems": 10**6}, "more than the 1000"),
+        ({"type": "array", "minItems": "x"}, "non-negative integer"),
+    ):
+        spec = {"type": "json_schema", "json_schema": {"name": "b", "schema": bad}}
+        with pytest.raises(SchemaUnsupported, match=why):
+            document_pieces(spec, 5)
+    assert (schema_problem({"type": "array", "minItems": "x"}) or "").startswith("/minItems")
+
+    async def scenario() -> None:
+        e = engine("i0")
+        huge = {
+            "type": "json_schema",
+            "json_schema": {"name": "h", "schema": {"type": "array", "minItems": 10**6}},
+        }
+        try:
+            with pytest.raises(RequestRejected, match="response_format"):  # not the instance's
+                e.start_request(
+                    EngineRequest("a", "m", 10, 50, sampling=(("response_format", huge),))
+                )
+            assert await e.health()
+        finally:
+            await e.close()
+
+    run(scenario)

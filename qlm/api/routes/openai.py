@@ -130,9 +130,14 @@ def _submission(
 
 
 def finish_reason(row: RequestRow) -> str:
-    if row.output_tool_calls:
+    """``length`` when ``max_tokens`` came out (a call cut there is not a call to make), else
+    ``tool_calls`` when the answer called tools — ``stop`` under a named ``tool_choice``, as
+    vLLM and OpenAI answer — else ``stop``."""
+    if row.output_tokens >= row.max_tokens:
+        return "length"
+    if row.output_tool_calls and not isinstance(row.sampling.get("tool_choice"), dict):
         return "tool_calls"
-    return "length" if row.output_tokens >= row.max_tokens else "stop"
+    return "stop"
 
 
 def assistant_message(row: RequestRow) -> dict[str, Any]:
@@ -157,8 +162,8 @@ def restarted_error(row: RequestRow, *, evicted: bool = False) -> ApiError:
     (``evicted``) a structured answer went back to the queue and starts over. The text already
     sent cannot be taken back; the client is told to read the result."""
     why = (
-        "was interrupted after this stream began and its structured answer, which cannot be "
-        "continued, is generated again"
+        "was interrupted after this stream began and its answer, which cannot be continued "
+        "(structured output, tool calls, or only whitespace so far), is generated again"
         if evicted
         else "was taken over by another controller after this stream began, and its answer "
         "differs from the text streamed"
