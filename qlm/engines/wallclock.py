@@ -395,8 +395,9 @@ class WallClockEngine:
         elif event.kind is EventKind.FINISHED:
             del self._flights[event.request_id]
             reason: FinishReason = "length" if event.tokens >= flight.request.max_tokens else "stop"
-            if reason == "stop" and flight.call is not None:
-                reason = "tool_calls"
+            named = isinstance(dict(flight.request.sampling).get("tool_choice"), Mapping)
+            if reason == "stop" and flight.call is not None and not named:
+                reason = "tool_calls"  # vLLM: "stop" when the caller named the function
             self._emit(flight, event.tokens, reason)
 
     def _emit(self, flight: _Flight, tokens: int, finish: FinishReason | None) -> EngineOutput:

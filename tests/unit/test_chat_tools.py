@@ -173,6 +173,13 @@ def test_the_simulated_server_calls_a_tool_with_arguments_of_its_schema() -> Non
         assert streamed == call["function"]["arguments"]
         assert events[-2]["choices"][0]["finish_reason"] == "tool_calls"
 
+        named = {"type": "function", "function": {"name": "clock"}}
+        chosen = client.post("/v1/chat/completions", json=body | {"tool_choice": named}).json()[
+            "choices"
+        ][0]
+        assert chosen["finish_reason"] == "stop"  # as vLLM answers a named choice
+        assert chosen["message"]["tool_calls"][0]["function"]["name"] == "clock"
+
         after = client.post(
             "/v1/chat/completions", json={"messages": HISTORY, "tools": [WEATHER]}
         ).json()
