@@ -792,12 +792,15 @@ class ControllerService(RuntimeListener):
                     for req in grouper.group(g["id"]).requests:
                         if _moved(written.get(req.id), value, snap["at"]):
                             predictions[req.id] = written[req.id] = value
+            if predictions:
+                # Through the writer, in its transaction: run beside it, this batch of updates
+                # and the writer's (dispatches, outcomes) took row locks in different orders, and
+                # PostgreSQL found them deadlocked (each waits its deadlock_timeout, 1 s, first).
+                self._queue_op(self.store.record_predictions, predictions)
             try:
                 await asyncio.to_thread(
                     self.store.put_controller_state, self.name, active=self.active, snapshot=snap
                 )
-                if predictions:
-                    await asyncio.to_thread(self.store.record_predictions, predictions)
             except Exception:
                 log.exception("could not publish the controller state")
 

@@ -612,8 +612,9 @@ class Store:
                 updated_at=self._clock(),
             )
         )
-        params = [
-            {"b_id": id, "b_at": at, "b_risk": risk} for id, (at, risk) in predictions.items()
+        params = [  # in id order, as any other batch over these rows should take their locks
+            {"b_id": id, "b_at": at, "b_risk": risk}
+            for id, (at, risk) in sorted(predictions.items())
         ]
         with self._tx(f"record {len(params)} predictions", write=True) as session:
             session.execute(stmt, params)

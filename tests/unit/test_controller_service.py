@@ -466,6 +466,16 @@ def test_snapshots_predictions_drain_and_streamed_results() -> None:
         for inst in service.runtime._instances.values():
             inst.max_running = 1
         store.upsert_instance(InstanceSpec("i1", "G", ("m",)), state=InstanceState.DRAINING)
+        # Predictions are written by the writer, in its transaction (beside it, PostgreSQL found
+        # the two batches deadlocked).
+        in_batch: list[bool] = []
+        record = store.record_predictions
+
+        def spy(predictions: Any) -> None:
+            in_batch.append(getattr(store._batch, "session", None) is not None)
+            record(predictions)
+
+        store.record_predictions = spy  # type: ignore[method-assign]
         await service.start()
         producer = MemoryGlobalQueue(broker=broker)
         now = service.runtime.clock.now()
@@ -484,6 +494,7 @@ def test_snapshots_predictions_drain_and_streamed_results() -> None:
             )
 
         await eventually(waiting_predicted, "a waiting request has a predicted completion")
+        assert in_batch and all(in_batch)
         states = store.controller_states()
         assert states and states[0].name == "c0" and states[0].active
         snap = states[0].snapshot
