@@ -98,13 +98,14 @@ class Job:
     @property
     def resumable(self) -> bool:
         """Whether output so far can be continued: not under a response format (a grammar
-        starts at the answer's first token, ``qlm.engines.structured``)."""
+        starts at the answer's first token) nor with tools offered (a call half written is no
+        text to go on from): ``qlm.engines.structured.resumable``."""
         return resumable(self.sampling)
 
     def fill(self, request: EngineRequest) -> EngineRequest:
         """``request`` with this job's input. Output so far is resumed, not restarted: it follows
         the prompt, and a chat gets it as the assistant's message to continue. (A job that is
-        not ``resumable`` never keeps output: ``Runtime._give_back`` drops it.)"""
+        not ``resumable`` never keeps output: ``AgentRuntime._give_back`` drops it.)"""
         prompt = None if self.prompt is None else self.prompt + self.partial_text
         messages: tuple[Mapping[str, Any], ...] | None = None
         resume = False
