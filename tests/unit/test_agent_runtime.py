@@ -750,16 +750,9 @@ def test_a_resumed_prompt_teaches_only_its_input_part() -> None:
     assert controller.prompt_scale("m") == pytest.approx(counted / estimated)
 
 
-class Blank:
-    """An engine whose model writes only spaces (timing and counts are ``inner``'s)."""
-
-    def __init__(self, inner: WallClockEngine) -> None:
-        self.inner = inner
-        self.name = inner.name
-        self.requests: list[EngineRequest] = []
-
-    def __getattr__(self, item: str) -> Any:
-        return getattr(self.inner, item)
+class Blank(Seen):
+    """An engine whose model writes only spaces (timing and counts are ``inner``'s); it keeps
+    every request it was asked to run."""
 
     async def submit(self, request: EngineRequest, on_chunk: Any = None) -> EngineOutput:
         self.requests.append(request)
