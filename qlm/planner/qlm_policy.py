@@ -18,7 +18,6 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -38,11 +37,12 @@ from qlm.domain import Decision, Evict, ModelTier, Pull, Request, SwapIn, SwapOu
 from qlm.errors import check_setting
 from qlm.groups import Grouper, GroupingConfig, PredictOutput, default_predict_output
 from qlm.planner.admission import Admission, TokenBucket, admit
+from qlm.planner.arrivals import ArrivalWindow, ClassKey
 from qlm.planner.policy import DispatchContext, InstanceLoad, has_room, prompt_tokens
 from qlm.planner.program import FloatArray, PlanGroup, PlanInstance, PlanProblem, score_queue
 from qlm.planner.solve import Budget, Solution, capacity_needed, solve
 from qlm.rct.estimator import InstanceView, Queued, RCTEstimator, prompt_bin
-from qlm.rct.profile import RctProfile, default_profile
+from qlm.rct.profile import HardwareProfile, RctProfile, default_profile
 from qlm.virtual_queues import Estimate, VirtualQueueSet
 
 log = logging.getLogger(__name__)
@@ -132,9 +132,6 @@ class _Inflight:
     generated: int  # output tokens it had when pulled (resumed after an eviction)
 
 
-ClassKey = tuple[str, Tier, float]  # (model, tier, end-to-end SLO)
-
-
 @dataclass(frozen=True, slots=True)
 class _Fluid:
     """The fluid model of one instance at one concurrency limit: the admission verdict and what
@@ -185,20 +182,76 @@ class ProblemFamily:
     groups: tuple[PlanGroup, ...]
     instances: tuple[PlanInstance, ...]
     batches: tuple[tuple[int, ...], ...]  # per instance, the limits it may use
-    proc: dict[tuple[int, int], FloatArray]  # (instance, batch) -> (n, S)
-    floor: dict[tuple[int, int], FloatArray]
     delta: float
+    scenarios: _Scenarios
+    speeds: tuple[_Speed, ...]  # per instance
+    _terms: dict[tuple[_Speed, int], tuple[FloatArray, FloatArray]] = field(
+        default_factory=dict, compare=False, repr=False
+    )
+
+    def terms(self, g: int, b: int) -> tuple[FloatArray, FloatArray]:
+        """Instance ``g``'s ``(work, floor)`` per group and scenario, ``(n, S)`` each, at limit
+        ``b``: computed when first asked (a plan asks for one limit per instance) and shared by
+        the instances alike in hardware and calibration."""
+        key = (self.speeds[g], b)
+        out = self._terms.get(key)
+        if out is None:
+            out = self._terms[key] = self.scenarios.terms(self.speeds[g], b)
+        return out
 
     def problem(self, choice: Sequence[int]) -> PlanProblem:
         """The problem with instance ``g`` limited to ``choice[g]`` running requests."""
         n, q = len(self.groups), len(self.instances)
-        s_count = next(iter(self.proc.values())).shape[1] if self.proc else 1
+        s_count = self.scenarios.count
         proc = np.empty((n, q, s_count))
         floor = np.empty((n, q, s_count))
         for g, b in enumerate(choice):
-            proc[:, g] = self.proc[g, b]
-            floor[:, g] = self.floor[g, b]
+            proc[:, g], floor[:, g] = self.terms(g, b)
         return PlanProblem(self.groups, self.instances, proc, floor, delta=self.delta)
+
+
+@dataclass(frozen=True)
+class _Speed:
+    """What an instance's terms depend on: its models' hardware profiles and its calibration."""
+
+    hardware: tuple[tuple[str, HardwareProfile], ...]
+    wait_f: float
+    eps_f: float
+
+
+@dataclass(frozen=True, eq=False)
+class _Scenarios:
+    """The waiting groups' lengths, drawn once per family (``(n, S)`` output scenarios)."""
+
+    models: npt.NDArray[np.str_]
+    inputs: FloatArray
+    last_inputs: FloatArray
+    out_mean: FloatArray
+    out_s: FloatArray
+    last_s: FloatArray
+
+    @property
+    def count(self) -> int:
+        return int(self.out_s.shape[1])
+
+    def terms(self, speed: _Speed, b: int) -> tuple[FloatArray, FloatArray]:
+        n, s_count = self.out_s.shape
+        p_arr = np.full((n, s_count), np.inf)
+        f_arr = np.full((n, s_count), np.inf)
+        for m, hw in speed.hardware:
+            rows = np.flatnonzero(self.models == m)
+            if not len(rows):
+                continue
+            w_in = hw.input_token_work_s
+            refill = w_in * self.inputs[rows].sum() / max(float(self.out_mean[rows].sum()), 1.0)
+            dec = hw.decode_s(b) * hw.inefficiency
+            p_arr[rows] = (
+                self.inputs[rows, None] * w_in + self.out_s[rows] * dec / b
+            ) * speed.wait_f
+            f_arr[rows] = (hw.prefill_base_s + hw.prefill_per_token_s * self.last_inputs[rows])[
+                :, None
+            ] + self.last_s[rows] * (dec + b * refill) * speed.eps_f
+        return p_arr, f_arr
 
 
 def build_family(
@@ -227,39 +280,29 @@ def build_family(
     models = np.array([ld.model for ld in loads])
     inputs = np.array([ld.input_tokens for ld in loads], np.float64)
     last_inputs = np.array([ld.last_input_tokens for ld in loads], np.float64)
-    proc: dict[tuple[int, int], FloatArray] = {}
-    floor: dict[tuple[int, int], FloatArray] = {}
+    scenarios = _Scenarios(models, inputs, last_inputs, out[:, 0], out_s, last_s)
     batches: list[tuple[int, ...]] = []
+    speeds: list[_Speed] = []
     plan_instances: list[PlanInstance] = []
-    for g, inst in enumerate(up):
+    for inst in up:
         wait_f, eps_f = estimator.calibration_factors(inst.name)
         limits = tuple(
             sorted({b for b in BATCH_CHOICES if b < inst.max_running} | {inst.max_running})
         )
         batches.append(limits)
         hws = {m: estimator.profile.hardware_for(m, inst.gpu, inst.gpu_count) for m in inst.models}
-        for b in limits:
-            p_arr = np.full((n, s_count), np.inf)
-            f_arr = np.full((n, s_count), np.inf)
-            for m, hw in hws.items():
-                rows = np.flatnonzero(models == m)
-                if not len(rows):
-                    continue
-                w_in = hw.input_token_work_s
-                refill = w_in * inputs[rows].sum() / max(float(out[rows, 0].sum()), 1.0)
-                dec = hw.decode_s(b) * hw.inefficiency
-                p_arr[rows] = (inputs[rows, None] * w_in + out_s[rows] * dec / b) * wait_f
-                f_arr[rows] = (hw.prefill_base_s + hw.prefill_per_token_s * last_inputs[rows])[
-                    :, None
-                ] + last_s[rows] * (dec + b * refill) * eps_f
-            proc[g, b] = p_arr
-            floor[g, b] = f_arr
+        speeds.append(_Speed(tuple(hws.items()), wait_f, eps_f))
         switch = {m: 0.0 if m == inst.active_model else hws[m].warm_load_s for m in inst.models}
         plan_instances.append(
             PlanInstance(inst.name, inst.models, inst.active_model, ready_s[inst.name], switch)
         )
     return ProblemFamily(
-        plan_groups, tuple(plan_instances), tuple(batches), proc, floor, config.delta
+        plan_groups,
+        tuple(plan_instances),
+        tuple(batches),
+        config.delta,
+        scenarios,
+        tuple(speeds),
     )
 
 
@@ -389,12 +432,11 @@ class QlmPolicy:
         self._admission: dict[str, _Fluid] = {}  # per instance, at its limit (defer_expensive)
         self._deferred: set[str] = set()  # groups waiting behind all admitted ones
         self._buckets: dict[str, TokenBucket] = {}  # per instance, paces deferred work
-        self._arrivals: deque[tuple[float, Request]] = deque()  # the last rate_window_s
+        self._arrivals = ArrivalWindow(CLASS_SAMPLE)  # the last rate_window_s
         self._started: set[str] = set()  # in flight and running in the engine (KV allocated)
         self._swapped: dict[str, dict[str, _Inflight]] = {}  # per instance, KV in CPU memory
         self._preemptions: dict[str, int] = {}
         self._asked_active: dict[str, str] = {}  # model each instance was told to activate
-        self._first_arrival_s = math.inf
         self._slots: dict[str, list[Any]] = {}  # per step: queue deadlines and load, for _place
         self._family_cache: tuple[tuple[float, int], tuple[ProblemFamily, list[list[int]]]] | None
         self._family_cache = None  # per step: the plan problem built for the violation check
@@ -450,9 +492,7 @@ class QlmPolicy:
             ]
             back = bool(sent_before) or req.id in self._generated
             if not back and not generated.get(req.id):  # new: not one coming back to run again
-                if not self._arrivals:
-                    self._first_arrival_s = min(self._first_arrival_s, now)
-                self._arrivals.append((now, req))
+                self._arrivals.add(now, req)
             for sent in sent_before:
                 sent.pop(req.id, None)  # an evicted request comes back
             self._started.discard(req.id)
@@ -590,18 +630,16 @@ class QlmPolicy:
         (``qlm.planner.admission``); the model gives the expected weighted SLOs met per second
         (which limit to use) and the value density below which work is deferred."""
         horizon = self.config.rate_window_s
-        while self._arrivals and self._arrivals[0][0] < now - horizon:
-            self._arrivals.popleft()
-        span = max(min(horizon, now - self._first_arrival_s), 1.0)
-        classes: dict[ClassKey, list[Request]] = {}
-        for _, req in self._arrivals:
-            classes.setdefault((req.model, req.tier, req.slo.e2e_s), []).append(req)
+        window = self._arrivals
+        window.expire(now - horizon)
+        span = max(min(horizon, now - window.first_s), 1.0)
+        classes = window.classes()
         means: dict[ClassKey, tuple[float, float]] = {}
         # The output belief depends on the prompt's length: one request of each prompt bin
         # stands for the class's recent arrivals in it, weighted by their share.
         mix: dict[ClassKey, list[tuple[Request, float]]] = {}
-        for key, reqs in classes.items():
-            recent = reqs[-CLASS_SAMPLE:]  # enough for a mean; bounded under a backlog
+        for key in classes:
+            recent = window.recent(key)  # enough for a mean; bounded under a backlog
             means[key] = (
                 sum(r.input_tokens for r in recent) / len(recent),
                 sum(self.estimator.expected_output(r) for r in recent) / len(recent),
@@ -614,19 +652,20 @@ class QlmPolicy:
         for inst, limits in zip(family.instances, family.batches, strict=True):
             ld = next(i for i in self._instances if i.name == inst.name)
             serving = {m: max(1, sum(m in i.models for i in family.instances)) for m in inst.models}
-            mine = {k: v for k, v in classes.items() if k[0] in inst.models}
-            if not mine:
+            keys = [k for k in classes if k[0] in inst.models]
+            if not keys:
                 out.append(None)
                 continue
             hws = {
                 m: self.estimator.profile.hardware_for(m, ld.gpu, ld.gpu_count) for m in inst.models
             }
-            keys = list(mine)
-            reqs = [r for k in keys for r in mine[k]]
-            row = np.repeat(np.arange(len(keys)), [len(mine[k]) for k in keys])
-            inputs = np.array([r.input_tokens for r in reqs], np.float64)
-            w_in = np.array([hws[r.model].input_token_work_s for r in reqs])
-            weights = np.array([1.0 / span / serving[r.model] for r in reqs])
+            # One row per class and prompt length, standing for its arrivals in the window.
+            lengths = [window.counts(k) for k in keys]
+            row = np.repeat(np.arange(len(keys)), [len(c) for c in lengths])
+            inputs = np.array([n for c in lengths for n in c], np.float64)
+            arrived = np.array([a for c in lengths for a in c.values()], np.float64)
+            w_in = np.array([hws[k[0]].input_token_work_s for k in keys])[row]
+            weights = arrived / np.array([span * serving[k[0]] for k in keys])[row]
             outputs = np.array([means[k][1] for k in keys])
             prompt_work = float(np.sum(inputs * w_in * weights))
             output_rate = float(np.sum(outputs[row] * weights))
@@ -638,7 +677,7 @@ class QlmPolicy:
                 per_output = {
                     m: hw.decode_s(b) * hw.inefficiency * eps_f / b for m, hw in hws.items()
                 }
-                per_out = np.array([per_output[r.model] for r in reqs])
+                per_out = np.array([per_output[k[0]] for k in keys])[row]
                 costs = inputs * w_in + outputs[row] * per_out
                 refill_b = refill
                 # The refill is the prompt work of what is served: with deferral on, the
@@ -761,7 +800,7 @@ class QlmPolicy:
         fluid = self._fluid(now, family)
         best = self._concurrency(family, fluid, choice) if choose else choice
         # Deferral waits for half a rate window of history: a first burst is not a rate.
-        settled = now - self._first_arrival_s >= self.config.rate_window_s / 2
+        settled = now - self._arrivals.first_s >= self.config.rate_window_s / 2
         for inst, b, fluids in zip(family.instances, best, fluid, strict=True):
             self._batch[inst.name] = b
             if self.config.defer_expensive and fluids is not None and settled:

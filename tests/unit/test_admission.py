@@ -83,3 +83,22 @@ def test_the_bucket_paces_deferred_work_at_the_spare_rate() -> None:
     assert bucket.level == pytest.approx(1.0)
     assert bucket.take(5.0)  # full: one request larger than the burst still passes ...
     assert not bucket.take(0.01)  # ... and is paid back before the next
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_merging_alike_requests_into_one_weighted_row_changes_nothing(seed: int) -> None:
+    # The planner passes one row per (class, prompt length) with the arrivals as its weight;
+    # the verdict must be the one over every request.
+    rng = np.random.default_rng(seed)
+    kinds = 6
+    values = rng.uniform(0.0, 2.0, kinds)
+    costs = rng.uniform(0.05, 0.5, kinds)
+    counts = rng.integers(1, 8, kinds)
+    per_request = 1.0 / rng.uniform(5.0, 40.0)  # one arrival in the window, per second
+    row = np.repeat(np.arange(kinds), counts)
+    rng.shuffle(row)
+    each = admit(values[row], costs[row], np.full(len(row), per_request), 0.9)
+    merged = admit(values, costs, counts * per_request, 0.9)
+    assert merged.value == pytest.approx(each.value)
+    assert merged.threshold == pytest.approx(each.threshold)
+    assert merged.spare == pytest.approx(each.spare)
