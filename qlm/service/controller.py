@@ -27,7 +27,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import heapq
 import logging
+import math
 import os
 import socket
 from collections.abc import Callable, Sequence
@@ -93,6 +95,7 @@ class ControllerService(RuntimeListener):
         flush_s: float = 0.05,
         poll_s: float = 0.5,
         publish_s: float = 1.0,
+        prediction_writes: int = 5000,
         reap_s: float = 5.0,
         history_outputs: int = 1000,
         retain_s: float = 0.0,
@@ -108,6 +111,7 @@ class ControllerService(RuntimeListener):
         self.flush_s = flush_s
         self.poll_s = poll_s
         self.publish_s = publish_s
+        self.prediction_writes = prediction_writes  # rows per publish, most changed first
         self.reap_s = reap_s
         self.history_outputs = history_outputs
         self.retain_s = retain_s  # 0: keep ended requests forever
@@ -771,6 +775,32 @@ class ControllerService(RuntimeListener):
             "plan": None if latest is None else _plan_dict(latest),
         }
 
+    def _predictions_to_write(self, snap: dict[str, Any]) -> dict[str, tuple[float | None, bool]]:
+        """The waiting requests whose stored prediction moved (``_moved``), at most
+        ``prediction_writes`` of them, the most moved first (new ones and risk flips before
+        all): under a large backlog every re-plan moves most predictions, and rewriting all of
+        them each second would hold the store from recording new deliveries. The rest are
+        written at the next publishes."""
+        grouper = getattr(self.runtime.controller.policy, "grouper", None)
+        if grouper is None:
+            return {}
+        written = self._predicted
+        moved: list[tuple[float, str, tuple[float | None, bool]]] = []
+        for q in snap["queues"]:
+            for g in q["groups"]:
+                if not grouper.has_group(g["id"]):
+                    continue
+                value = (g["predicted_completion_at"], g["at_risk"])
+                for req in grouper.group(g["id"]).requests:
+                    how_far = _moved(written.get(req.id), value, snap["at"])
+                    if how_far > 1.0:
+                        moved.append((how_far, req.id, value))
+        if len(moved) > self.prediction_writes:
+            moved = heapq.nlargest(self.prediction_writes, moved, key=lambda m: m[0])
+        out = {rid: value for _, rid, value in moved}
+        written.update(out)
+        return out
+
     async def _publish(self) -> None:
         """Every ``publish_s``: the snapshot, and each waiting request's predicted completion
         (its group's, from the planner's model) and risk, for ``GET /v1/requests/{id}``."""
@@ -781,17 +811,7 @@ class ControllerService(RuntimeListener):
             except Exception:
                 log.exception("could not take a snapshot")
                 continue
-            predictions: dict[str, tuple[float | None, bool]] = {}
-            grouper = getattr(self.runtime.controller.policy, "grouper", None)
-            written = self._predicted
-            for q in snap["queues"]:
-                for g in q["groups"]:
-                    if grouper is None or not grouper.has_group(g["id"]):
-                        continue
-                    value = (g["predicted_completion_at"], g["at_risk"])
-                    for req in grouper.group(g["id"]).requests:
-                        if _moved(written.get(req.id), value, snap["at"]):
-                            predictions[req.id] = written[req.id] = value
+            predictions = self._predictions_to_write(snap)
             if predictions:
                 # Through the writer, in its transaction: run beside it, this batch of updates
                 # and the writer's (dispatches, outcomes) took row locks in different orders, and
@@ -815,13 +835,15 @@ polling a request due in an hour gains nothing from a correction of a minute."""
 
 def _moved(
     old: tuple[float | None, bool] | None, new: tuple[float | None, bool], now: float
-) -> bool:
+) -> float:
+    """How far a waiting request's prediction moved since it was written, in slacks (> 1: it
+    is rewritten); infinite for a new one, a risk flip or a prediction appearing."""
     if old is None or old[1] != new[1] or (old[0] is None) != (new[0] is None):
-        return True
+        return math.inf
     if old[0] is None or new[0] is None:
-        return False
+        return 0.0
     slack = max(PREDICTION_SLACK_S, PREDICTION_SLACK_FRACTION * (new[0] - now))
-    return abs(old[0] - new[0]) > slack
+    return abs(old[0] - new[0]) / slack
 
 
 def _plan_dict(record: Any) -> dict[str, Any]:

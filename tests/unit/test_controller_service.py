@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -550,13 +551,50 @@ def test_a_stored_prediction_is_rewritten_only_when_it_moves_by_its_slack() -> N
     from qlm.service.controller import _moved
 
     now = 1_000.0
-    assert _moved(None, (now + 10, False), now)  # never written
-    assert _moved((now + 10, False), (now + 10, True), now)  # the risk flipped
-    assert not _moved((now + 10, False), (now + 10.5, False), now)  # within the 1 s floor
-    assert _moved((now + 10, False), (now + 11.5, False), now)
+    assert _moved(None, (now + 10, False), now) == math.inf  # never written
+    assert _moved((now + 10, False), (now + 10, True), now) == math.inf  # the risk flipped
+    assert _moved((now + 10, False), (now + 10.5, False), now) == 0.5  # within the 1 s floor
+    assert _moved((now + 10, False), (now + 11.5, False), now) == 1.5
     # An hour out the slack is 5 % of the time to go (180 s), not 1 s.
-    assert not _moved((now + 3_600, False), (now + 3_700, False), now)
-    assert _moved((now + 3_600, False), (now + 3_900, False), now)
+    assert _moved((now + 3_600, False), (now + 3_700, False), now) < 1
+    assert _moved((now + 3_600, False), (now + 3_900, False), now) > 1
+
+
+def test_prediction_writes_are_capped_per_publish_and_catch_up() -> None:
+    """Under a backlog every re-plan moves most predictions: a publish writes at most
+    ``prediction_writes`` of them (the rest at the next ones), never all of them at once."""
+
+    async def scenario(store: Store) -> None:
+        broker = MemoryBroker()
+        service = make_service(store, broker)
+        service.publish_s = 0.02
+        service.prediction_writes = 2
+        for inst in service.runtime._instances.values():
+            inst.max_running = 1
+        sizes: list[int] = []
+        record = store.record_predictions
+
+        def spy(predictions: Any) -> None:
+            sizes.append(len(predictions))
+            record(predictions)
+
+        store.record_predictions = spy  # type: ignore[method-assign]
+        await service.start()
+        producer = MemoryGlobalQueue(broker=broker)
+        now = service.runtime.clock.now()
+        ids = [f"q{i:04d}" for i in range(12)]
+        for i in range(12):
+            await producer.publish(message(i, now, replay_output_tokens=400))
+
+        def predicted() -> int:
+            rows = [store.get(rid) for rid in ids]
+            return sum(1 for r in rows if r is not None and r.predicted_completion_at is not None)
+
+        await eventually(lambda: predicted() >= 8, "most requests have a predicted completion")
+        await service.stop()
+        assert sizes and max(sizes) == 2
+
+    run(scenario)
 
 
 def test_a_controller_becoming_active_learns_output_lengths_from_recent_completions() -> None:
