@@ -461,7 +461,8 @@ class AgentRuntime:
                 text = flight.held + chunk.text
                 shown = text.rstrip()
                 flight.held = text[len(shown) :]
-                chunk = replace(chunk, text=shown)
+                if shown != chunk.text:
+                    chunk = replace(chunk, text=shown)
             flight.tokens = chunk.tokens
             if chunk.prompt_tokens is not None and not flight.prompt_counted:
                 flight.prompt_counted = True

@@ -90,6 +90,7 @@ import math
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -323,6 +324,39 @@ class GroupEstimate:
 
 
 @dataclass(slots=True)
+class _Scan:
+    """Per-request terms of a queue scanned in order (``RCTEstimator._scan``), kept per
+    instance so that a queue extending the last one is scanned from where that one ended."""
+
+    signature: tuple[Any, ...]  # what the terms depend on besides the requests
+    keys: list[tuple[Request, int, bool]] = field(default_factory=list)
+    hws: list[HardwareProfile] = field(default_factory=list)
+    switch: list[float] = field(default_factory=list)  # model load before the request
+    work_in: list[float] = field(default_factory=list)  # prefill work, before recomputation
+    work_out: list[float] = field(default_factory=list)
+    work_var: list[float] = field(default_factory=list)
+    own: list[float] = field(default_factory=list)  # prefill time (0 for running requests)
+    out_mean: list[float] = field(default_factory=list)
+    out_var: list[float] = field(default_factory=list)
+    tokens: list[float] = field(default_factory=list)
+    mix_prompt: list[float] = field(default_factory=list)  # prompt work of each request
+    mix_output: list[float] = field(default_factory=list)  # its generated + expected output
+    live_ctx: list[int] = field(default_factory=list)  # context if running (else 0)
+    n_running: int = 0
+    model: str | None = None  # the model after the last request
+
+    def truncate(self, length: int, active_model: str | None) -> None:
+        for terms in (
+            self.keys, self.hws, self.switch, self.work_in, self.work_out, self.work_var,
+            self.own, self.out_mean, self.out_var, self.tokens, self.mix_prompt, self.mix_output,
+            self.live_ctx,
+        ):  # fmt: skip
+            del terms[length:]
+        self.n_running = sum(1 for _, _, running in self.keys if running)
+        self.model = self.hws[-1].model if self.hws else active_model
+
+
+@dataclass(slots=True)
 class _Calibration:
     """Online corrections for one instance (ratio-of-sums with exponential forgetting)."""
 
@@ -491,6 +525,12 @@ class RCTEstimator:
         default_factory=dict, init=False
     )
     _versions: dict[tuple[str, str], int] = field(default_factory=dict, init=False)
+    # Bumped by whatever changes a belief or forgets a running request: the scans below are
+    # valid within one epoch.
+    _epoch: int = field(default=0, init=False)
+    # Per instance, the last queue ``estimate_requests`` scanned: a request pulled behind the
+    # running ones (the agents predict every pull) rescans only what was added since.
+    _scans: dict[str, _Scan] = field(default_factory=dict, init=False)
 
     # --- output lengths --------------------------------------------------------------------------
 
@@ -531,7 +571,6 @@ class RCTEstimator:
 
     def output_moments(self, request: Request, generated: int = 0) -> tuple[float, float]:
         """Mean and variance of the output tokens ``request`` still has to generate."""
-        post = self.posterior(request)
         key = (
             request.model,
             request.slo_class,
@@ -544,6 +583,7 @@ class RCTEstimator:
         if hit is None:
             if len(self._moments) > 100_000:
                 self._moments.clear()
+            post = self.posterior(request)
             hit = self._moments[key] = post.moments(cap=request.max_tokens, generated=generated)
         return hit
 
@@ -581,6 +621,64 @@ class RCTEstimator:
             for g, m, v in zip(uniq, means, variances, strict=True):
                 self._moments[(*group, g)] = (float(m), float(v))
 
+    def _scan(self, instance: InstanceView, queue: Sequence[Queued]) -> _Scan:
+        """The per-request terms of ``queue`` on ``instance``: reused from the last scan of
+        the instance as far as the queue is the same (same requests, tokens generated and
+        state, in the same order, in the same epoch of the beliefs), computed for the rest."""
+        signature = (
+            self._epoch,
+            id(self.profile),
+            instance.active_model,
+            instance.gpu,
+            instance.gpu_count,
+            instance.warm_models,
+        )
+        scan = self._scans.get(instance.name)
+        if scan is None or scan.signature != signature:
+            scan = self._scans[instance.name] = _Scan(signature, model=instance.active_model)
+        keys = scan.keys
+        same = 0
+        for (req, generated, running), item in zip(keys, queue, strict=False):
+            if req is not item.request or generated != item.generated or running != item.running:
+                break
+            same += 1
+        if same < len(keys):
+            scan.truncate(same, instance.active_model)
+        if same == len(queue):
+            return scan
+        rest = queue[same:]
+        self._prefetch_moments(rest)
+        by_model = {hw.model: hw for hw in scan.hws}
+        model = scan.model
+        for item in rest:
+            req = item.request
+            hw = by_model.get(req.model) or by_model.setdefault(
+                req.model, self.profile.hardware_for(req.model, instance.gpu, instance.gpu_count)
+            )
+            scan.hws.append(hw)
+            if req.model != model:
+                scan.switch.append(self._load_s(hw, instance))
+                model = req.model
+            else:
+                scan.switch.append(0.0)
+            m, v = self.output_moments(req, item.generated)
+            prompt = 0.0 if item.running else req.input_tokens + item.generated
+            scan.work_in.append(prompt * hw.input_token_work_s)
+            scan.work_out.append(m / hw.throughput_tps)
+            scan.work_var.append(v / hw.throughput_tps**2)
+            scan.own.append(0.0 if item.running else hw.prefill_s(prompt))
+            scan.out_mean.append(m)
+            scan.out_var.append(v)
+            scan.tokens.append(req.input_tokens + item.generated + m)
+            # The mix of whole requests (prompt work per output token) sets the refill cost.
+            scan.mix_prompt.append(req.input_tokens * hw.input_token_work_s)
+            scan.mix_output.append(item.generated + m)
+            scan.live_ctx.append(req.input_tokens + item.generated if item.running else 0)
+            scan.n_running += item.running
+            scan.keys.append((req, item.generated, item.running))
+        scan.model = model
+        return scan
+
     def expected_output(self, request: Request) -> float:
         return self.output_moments(request)[0]
 
@@ -610,44 +708,22 @@ class RCTEstimator:
         n = len(queue)
         if n == 0:
             return []
-        self._prefetch_moments(queue)
+        scan = self._scan(instance, queue)
         self.watch(instance)
         cal = self._cal(instance.name)
         wf, ef = cal.wait_factor(), cal.eps_factor()
-        work_in = np.empty(n)  # prefill work (s of a saturated instance)
-        work_out = np.empty(n)  # output work
-        work_var = np.empty(n)
-        own = np.empty(n)  # prefill time (0 for running requests)
-        out_mean = np.empty(n)
-        out_var = np.empty(n)
-        tokens = np.empty(n)
-        switch = np.zeros(n)
-        mix_prompt = mix_output = live_ctx = 0.0
-        hws: list[HardwareProfile] = []
-        by_model: dict[str, HardwareProfile] = {}
-        model = instance.active_model
-        for i, item in enumerate(queue):
-            req = item.request
-            hw = by_model.get(req.model) or by_model.setdefault(
-                req.model, self.profile.hardware_for(req.model, instance.gpu, instance.gpu_count)
-            )
-            hws.append(hw)
-            if req.model != model:
-                switch[i] = self._load_s(hw, instance)
-                model = req.model
-            m, v = self.output_moments(req, item.generated)
-            prompt = 0.0 if item.running else req.input_tokens + item.generated
-            work_in[i] = prompt * hw.input_token_work_s
-            work_out[i] = m / hw.throughput_tps
-            work_var[i] = v / hw.throughput_tps**2
-            own[i] = 0.0 if item.running else hw.prefill_s(prompt)
-            out_mean[i], out_var[i] = m, v
-            tokens[i] = req.input_tokens + item.generated + m
-            # The mix of whole requests (prompt work per output token) sets the refill cost.
-            mix_prompt += req.input_tokens * hw.input_token_work_s
-            mix_output += item.generated + m
-            if item.running:
-                live_ctx += req.input_tokens + item.generated
+        work_in = np.array(scan.work_in)  # prefill work (s of a saturated instance)
+        work_out = np.array(scan.work_out)  # output work
+        work_var = np.array(scan.work_var)
+        own = scan.own  # prefill time (0 for running requests)
+        out_mean = np.array(scan.out_mean)
+        out_var = scan.out_var
+        tokens = np.array(scan.tokens)
+        switch = np.array(scan.switch)
+        mix_prompt, mix_output = sum(scan.mix_prompt), sum(scan.mix_output)
+        live_ctx = sum(scan.live_ctx)
+        hws = scan.hws
+        by_model = {hw.model: hw for hw in hws}
         slots = self.slots(hws[0], float(tokens.mean()))
         # A preempted request's computed tokens (about a prompt of the mix) are recomputed: each
         # completion costs its prompt and that many more prompts' worth of prefill.
@@ -659,7 +735,7 @@ class RCTEstimator:
         full = int(min(slots, _sustained(hws[0], refill)))
         # KV footprint of a request over its decode (its prompt and half its output, on average).
         ctx_per = float(tokens.mean() - 0.5 * out_mean.mean())
-        n_running = sum(1 for item in queue if item.running)
+        n_running = scan.n_running
         # Output work in the batch this mix fills (the profile's Θ is for its own requests), at
         # the KV footprint per request the running batch shows now (prompt and tokens generated
         # so far): the queue's expected outputs lag a drifting mix.
@@ -846,6 +922,7 @@ class RCTEstimator:
         The same model as ``estimate_requests`` at group granularity: a group's last request waits
         for the work of every group ahead and of its own group but itself.
         """
+        self._epoch += 1  # (the running requests' tokens noted here may differ from a scan's)
         self._prefetch_moments(running)
         self.watch(instance)
         cal = self._cal(instance.name)
@@ -965,6 +1042,7 @@ class RCTEstimator:
         interval the next completion's service time is measured from."""
         key = (request.model, request.slo_class)
         ck = (*key, self._bin(request))
+        self._epoch += 1
         self._pooled(key, request.model)  # the prior, on the first observation
         post = self._posteriors[key] = self._posteriors[key].update(output_tokens)
         self._inflight.get(ck, {}).pop(request.id, None)
@@ -1046,6 +1124,7 @@ class RCTEstimator:
 
     def forget(self, request_ids: Iterable[str]) -> None:
         """Drop remembered predictions (cancelled or failed requests)."""
+        self._epoch += 1
         for rid in request_ids:
             self._pending.pop(rid, None)
             for inflight in self._inflight.values():

@@ -3,6 +3,7 @@ learning from completions, and the profile file; plus one profile of the real si
 
 from __future__ import annotations
 
+import copy
 import itertools
 import json
 import math
@@ -201,6 +202,42 @@ def test_a_request_pulled_from_a_backlog_decodes_while_the_batch_is_refilled() -
         (hw.decode_s(4) + 4 * refill) * hw.inefficiency, rel=1e-9
     )
     assert refilled.start_mean == alone.start_mean  # it waits for nothing either way
+
+
+def test_a_queue_extending_the_last_one_is_estimated_as_if_scanned_afresh() -> None:
+    """The agents predict every pull behind the running requests; the estimator rescans only
+    what changed since the instance's last queue (a longer queue, another request at some
+    place, tokens generated, a model switched to), and answers exactly as a fresh scan would."""
+    reqs = [
+        make_request(i, input_tokens=100 + 37 * i, model="n" if i % 5 == 4 else "m")
+        for i in range(12)
+    ]
+
+    def queue(k: int, generated: int = 0) -> list[Queued]:
+        return [Queued(r, generated, running=True) for r in reqs[:k]] + [Queued(reqs[k])]
+
+    steps: list[tuple[list[Queued], InstanceView]] = [
+        (queue(3), instance()),
+        (queue(4), instance()),  # one more pulled: the scan goes on
+        (queue(7), instance()),
+        (queue(5), instance()),  # shorter: cut back
+        (queue(6, generated=9), instance()),  # tokens generated since: scanned again
+        (queue(6, generated=9), instance(active="n")),  # another model active
+        ([Queued(reqs[2]), *queue(4)], instance()),  # another request first
+    ]
+    est = estimator()
+    for k, (q, view) in enumerate(steps):
+        got = est.estimate_requests(view, q, NOW)
+        assert got == estimator().estimate_requests(view, q, NOW), f"step {k}"
+    # A completion changes the beliefs: nothing scanned before is reused.
+    q, view = queue(4), instance()
+    before = est.estimate_requests(view, q, NOW)
+    est.observe(reqs[0], output_tokens=900)
+    unscanned = copy.deepcopy(est)
+    unscanned._scans.clear()
+    after = est.estimate_requests(view, q, NOW)
+    assert after != before
+    assert after == unscanned.estimate_requests(view, q, NOW)
 
 
 def preempting(est: RCTEstimator, completions: int, per_completion: int, start: int = 0) -> int:
