@@ -1124,8 +1124,8 @@ class RCTEstimator:
 
     def forget(self, request_ids: Iterable[str]) -> None:
         """Drop remembered predictions (cancelled or failed requests)."""
-        self._epoch += 1
         for rid in request_ids:
             self._pending.pop(rid, None)
             for inflight in self._inflight.values():
-                inflight.pop(rid, None)
+                if inflight.pop(rid, None) is not None:
+                    self._epoch += 1  # a scan noted it running: scan again

@@ -239,6 +239,17 @@ def test_a_queue_extending_the_last_one_is_estimated_as_if_scanned_afresh() -> N
     assert after != before
     assert after == unscanned.estimate_requests(view, q, NOW)
 
+    # A running request forgotten (cancelled) and seen running again is noted again: the
+    # censored outputs the next completion counts include it.
+    def noted() -> set[str]:
+        return {rid for seen in est._inflight.values() for rid in seen}
+
+    assert reqs[1].id in noted()
+    est.forget([reqs[1].id])
+    assert reqs[1].id not in noted()
+    est.estimate_requests(view, q, NOW)
+    assert reqs[1].id in noted()
+
 
 def preempting(est: RCTEstimator, completions: int, per_completion: int, start: int = 0) -> int:
     """``completions`` requests nothing was predicted for finish on i0, the engine's counter
