@@ -518,6 +518,45 @@ def test_snapshots_predictions_drain_and_streamed_results() -> None:
     run(scenario)
 
 
+def test_a_slow_ack_holds_neither_the_store_writes_nor_the_next_acks_back() -> None:
+    """Acks go out beside the writer: while the broker is slow to take one, the outcomes of
+    other requests are still recorded, and the ack follows once the broker takes it."""
+
+    async def scenario(store: Store) -> None:
+        broker = MemoryBroker()
+        service = make_service(store, broker)
+        queue = service.queue
+        real_ack = queue.ack
+        release = asyncio.Event()
+        acked: list[str] = []
+
+        async def slow_first_ack(delivery: Any) -> None:
+            if not acked:
+                acked.append("waiting")
+                await release.wait()
+            await real_ack(delivery)
+            acked.append(delivery.message.id)
+
+        queue.ack = slow_first_ack  # type: ignore[method-assign]
+        await service.start()
+        producer = MemoryGlobalQueue(broker=broker)
+        now = service.runtime.clock.now()
+        await producer.publish(message(0, now, replay_output_tokens=5))
+        await eventually(lambda: acked == ["waiting"], "the first ack is under way")
+        ids = [f"q{i:04d}" for i in range(1, 6)]
+        for i in range(1, 6):
+            await producer.publish(message(i, now, replay_output_tokens=5))
+        await eventually(lambda: final(store, ids), "the later outcomes are recorded")
+        await eventually(lambda: len(acked) == 6, "the later ones are acked")
+        release.set()
+        await service.wait_idle()
+        await service.stop()
+        assert sorted(acked[1:]) == ["q0000", *ids]
+        assert service.settled == 6 and broker.ready == 0
+
+    run(scenario)
+
+
 def test_a_message_the_broker_gave_up_on_is_recorded_failed_with_the_reason() -> None:
     async def scenario(store: Store) -> None:
         broker = MemoryBroker()
