@@ -525,6 +525,8 @@ class RCTEstimator:
         default_factory=dict, init=False
     )
     _versions: dict[tuple[str, str], int] = field(default_factory=dict, init=False)
+    # Classes completed since their censored belief was last built (``_censor``).
+    _stale: set[tuple[str, str]] = field(default_factory=set, init=False)
     # Bumped by whatever changes a belief or forgets a running request: the scans below are
     # valid within one epoch.
     _epoch: int = field(default=0, init=False)
@@ -559,7 +561,31 @@ class RCTEstimator:
         all without ``by_prompt``, so that moments are shared and batched across prompts."""
         return prompt_bin(request.input_tokens) if self.by_prompt else 0
 
+    def _censor(self, key: tuple[str, str]) -> None:
+        """Rebuild the class-wide belief of ``key`` with its running requests counted as
+        censored outputs — every prompt bin's, whether or not one of its requests completed
+        yet — as they are now: since its last completion nothing else changed them."""
+        self._stale.discard(key)
+        post = self._posteriors[key]
+        running = [
+            np.fromiter(seen.values(), np.float64)
+            for (model, slo_class, _), seen in self._inflight.items()
+            if (model, slo_class) == key and seen
+        ]
+        if running and isinstance(post, LengthHistogram):
+            self._effective[key] = post.with_censored(np.concatenate(running))
+        else:
+            self._effective.pop(key, None)
+
+    def _censor_all(self) -> None:
+        """Before the running requests noted change: the beliefs still owed are built from
+        them as they were at their completions."""
+        for key in list(self._stale):
+            self._censor(key)
+
     def _pooled(self, key: tuple[str, str], model: str) -> OutputBelief:
+        if key in self._stale:
+            self._censor(key)
         post = self._effective.get(key)
         if post is None:
             post = self._posteriors.get(key)
@@ -592,6 +618,7 @@ class RCTEstimator:
         changes a posterior, every running request misses the cache together. Also notes the
         running ones and what they generated (the censored outputs ``observe`` counts): every
         estimate passes through here with the instance's running requests."""
+        self._censor_all()
         misses: dict[tuple[str, str, int, int, int], list[int]] = {}
         requests: dict[tuple[str, str, int, int, int], Request] = {}
         moments, versions = self._moments, self._versions
@@ -1043,7 +1070,8 @@ class RCTEstimator:
         key = (request.model, request.slo_class)
         ck = (*key, self._bin(request))
         self._epoch += 1
-        self._pooled(key, request.model)  # the prior, on the first observation
+        if key not in self._posteriors:  # the prior, on the first observation
+            self._pooled(key, request.model)
         post = self._posteriors[key] = self._posteriors[key].update(output_tokens)
         self._inflight.get(ck, {}).pop(request.id, None)
         if isinstance(post, LengthHistogram):
@@ -1051,15 +1079,9 @@ class RCTEstimator:
             if counts is None:
                 counts = self._bin_counts[ck] = np.zeros(HIST_BINS)
             counts[length_bin(output_tokens)] += 1.0
-            running = [  # every prompt bin's, whether or not one of its requests completed yet
-                np.fromiter(seen.values(), np.float64)
-                for (model, slo_class, _), seen in self._inflight.items()
-                if (model, slo_class) == key and seen
-            ]
-            if running:
-                self._effective[key] = post.with_censored(np.concatenate(running))
-            else:
-                self._effective.pop(key, None)
+            # The belief with the running requests censored is rebuilt when next read (not at
+            # each of the many completions a step may bring: one rebuild reads them all).
+            self._stale.add(key)
         self._versions[key] = self._versions.get(key, 0) + 1
         pred = self._pending.pop(request.id, None)
         if pred is None:
@@ -1124,6 +1146,7 @@ class RCTEstimator:
 
     def forget(self, request_ids: Iterable[str]) -> None:
         """Drop remembered predictions (cancelled or failed requests)."""
+        self._censor_all()
         for rid in request_ids:
             self._pending.pop(rid, None)
             for inflight in self._inflight.values():

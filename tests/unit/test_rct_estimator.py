@@ -1058,3 +1058,33 @@ def test_a_request_admitted_while_the_batch_fills_decodes_its_first_tokens_in_fu
     # Unknown budget: no fill steps.
     (plain,) = estimator().estimate_requests(instance(), queue, NOW, only=[-1])
     assert plain.per_token_s == pytest.approx(steady * hw.inefficiency, rel=1e-9)
+
+
+def test_the_censored_belief_built_when_read_is_the_one_built_at_each_completion() -> None:
+    """Completions mark the class's belief (with its running requests censored) for rebuilding
+    when next read; rebuilding it at every completion instead gives the same estimates through
+    any mix of completions, cancellations and new running requests."""
+    rng = np.random.default_rng(7)
+    reqs = [make_request(i, input_tokens=int(rng.integers(50, 2000))) for i in range(40)]
+    lazy, eager = estimator(), estimator()
+    running: list[Request] = []
+    waiting_reqs = list(reqs)
+    for step in range(80):
+        for action in rng.integers(0, 3, size=3):  # a few events between two estimates
+            if action == 0 and waiting_reqs:
+                running.append(waiting_reqs.pop(0))  # starts running
+            elif action == 1 and running:
+                done = running.pop(int(rng.integers(0, len(running))))
+                out = int(rng.integers(1, 900))
+                lazy.observe(done, output_tokens=out)
+                eager.observe(done, output_tokens=out)
+                eager._censor_all()
+            elif running:
+                gone = running.pop(int(rng.integers(0, len(running))))
+                lazy.forget([gone.id])
+                eager.forget([gone.id])
+        queue = [Queued(r, int(rng.integers(0, 50)), running=True) for r in running]
+        queue.append(Queued(reqs[-1]))
+        assert lazy.estimate_requests(instance(), queue, NOW) == eager.estimate_requests(
+            instance(), queue, NOW
+        ), f"step {step}"
