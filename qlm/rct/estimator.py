@@ -674,6 +674,14 @@ class RCTEstimator:
         if same == len(queue):
             return scan
         rest = queue[same:]
+        try:
+            self._extend(scan, instance, rest)
+        except BaseException:  # half-appended terms must not be reused
+            del self._scans[instance.name]
+            raise
+        return scan
+
+    def _extend(self, scan: _Scan, instance: InstanceView, rest: Sequence[Queued]) -> None:
         self._prefetch_moments(rest)
         by_model = {hw.model: hw for hw in scan.hws}
         model = scan.model
@@ -704,7 +712,6 @@ class RCTEstimator:
             scan.n_running += item.running
             scan.keys.append((req, item.generated, item.running))
         scan.model = model
-        return scan
 
     def expected_output(self, request: Request) -> float:
         return self.output_moments(request)[0]

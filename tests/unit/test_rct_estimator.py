@@ -1060,6 +1060,28 @@ def test_a_request_admitted_while_the_batch_fills_decodes_its_first_tokens_in_fu
     assert plain.per_token_s == pytest.approx(steady * hw.inefficiency, rel=1e-9)
 
 
+def test_a_scan_cut_short_by_an_error_is_not_reused() -> None:
+    reqs = [make_request(i, input_tokens=100 + 10 * i, model="mmmmn"[i]) for i in range(5)]
+    running = [Queued(r, 3, running=True) for r in reqs[:3]]
+    est = estimator()
+    est.estimate_requests(instance(), running, NOW)
+    real = est.output_moments
+
+    def failing(request: Request, generated: int = 0) -> tuple[float, float]:
+        if request is reqs[3]:
+            raise RuntimeError("no belief")
+        return real(request, generated)
+
+    est.output_moments = failing  # type: ignore[method-assign]
+    queue = [*running, Queued(reqs[3]), Queued(reqs[4])]
+    with pytest.raises(RuntimeError):
+        est.estimate_requests(instance(), queue, NOW)
+    del est.output_moments
+    assert est.estimate_requests(instance(), queue, NOW) == estimator().estimate_requests(
+        instance(), queue, NOW
+    )
+
+
 def test_the_censored_belief_built_when_read_is_the_one_built_at_each_completion() -> None:
     """Completions mark the class's belief (with its running requests censored) for rebuilding
     when next read; rebuilding it at every completion instead gives the same estimates through
