@@ -39,6 +39,7 @@ from typing import Any
 from qlm.agents.executor import AgentRuntime, Job, RuntimeListener, resume_point
 from qlm.domain import RequestRecord, RequestStatus
 from qlm.engines.base import TokenChunk, ToolCall
+from qlm.errors import check_setting
 from qlm.global_queue import DeadLetter, Delivery, GlobalQueue, MessageError, QueuedRequest
 from qlm.service.hub import ResultEvent, ResultHub
 from qlm.store import NewRequest, RequestRow, Store, StoreError
@@ -111,6 +112,7 @@ class ControllerService(RuntimeListener):
         self.flush_s = flush_s
         self.poll_s = poll_s
         self.publish_s = publish_s
+        check_setting(prediction_writes >= 1, "prediction_writes", ">= 1", prediction_writes)
         self.prediction_writes = prediction_writes  # rows per publish, most changed first
         self.reap_s = reap_s
         self.history_outputs = history_outputs
@@ -815,14 +817,14 @@ class ControllerService(RuntimeListener):
     def _predictions_to_write(self, snap: dict[str, Any]) -> dict[str, tuple[float | None, bool]]:
         """The waiting requests whose stored prediction moved (``_moved``), at most
         ``prediction_writes`` of them, the most moved first (new ones and risk flips before
-        all): under a large backlog every re-plan moves most predictions, and rewriting all of
-        them each second would hold the store from recording new deliveries. The rest are
-        written at the next publishes."""
+        all; among equals the oldest request): under a large backlog every re-plan moves most
+        predictions, and rewriting all of them each second would hold the store from recording
+        new deliveries. The rest are written at the next publishes."""
         grouper = getattr(self.runtime.controller.policy, "grouper", None)
         if grouper is None:
             return {}
         written = self._predicted
-        moved: list[tuple[float, str, tuple[float | None, bool]]] = []
+        moved: list[tuple[float, float, str, tuple[float | None, bool]]] = []
         for q in snap["queues"]:
             for g in q["groups"]:
                 if not grouper.has_group(g["id"]):
@@ -831,10 +833,10 @@ class ControllerService(RuntimeListener):
                 for req in grouper.group(g["id"]).requests:
                     how_far = _moved(written.get(req.id), value, snap["at"])
                     if how_far > 1.0:
-                        moved.append((how_far, req.id, value))
-        if len(moved) > self.prediction_writes:
-            moved = heapq.nlargest(self.prediction_writes, moved, key=lambda m: m[0])
-        out = {rid: value for _, rid, value in moved}
+                        moved.append((how_far, -req.arrival_s, req.id, value))
+        if len(moved) > self.prediction_writes:  # (ties: the oldest request first)
+            moved = heapq.nlargest(self.prediction_writes, moved, key=lambda m: m[:2])
+        out = {rid: value for _, _, rid, value in moved}
         written.update(out)
         return out
 

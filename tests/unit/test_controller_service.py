@@ -8,18 +8,20 @@ import json
 import math
 import threading
 import time
+import types
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from typing import Any
 
 import pytest
-from builders import make_catalog, make_profile
+from builders import make_catalog, make_profile, make_request
 
 from qlm.agents.executor import AgentRuntime
 from qlm.clock import WallClock
 from qlm.controller import Controller
 from qlm.domain import InstanceSpec, RequestStatus
 from qlm.engines.wallclock import WallClockEngine, count_tokens, filler_text
+from qlm.errors import ConfigError
 from qlm.global_queue import (
     DeadLetter,
     GlobalQueue,
@@ -514,6 +516,31 @@ def test_snapshots_predictions_drain_and_streamed_results() -> None:
         assert text == store.get("q0000").output_text  # type: ignore[union-attr]
         assert [r.state for r in store.instances() if r.name == "i1"] == [InstanceState.DRAINING]
         assert store.controller_states()[0].active is False
+
+    run(scenario)
+
+
+def test_capped_prediction_writes_go_to_the_oldest_requests_first_and_catch_up() -> None:
+    async def scenario(store: Store) -> None:
+        service = make_service(store, MemoryBroker())
+        service.prediction_writes = 2
+        reqs = [make_request(i, arrival_s=t) for i, t in enumerate((5.0, 1.0, 3.0, 4.0))]
+
+        class Grouper:
+            def has_group(self, gid: str) -> bool:
+                return gid == "g"
+
+            def group(self, gid: str) -> Any:
+                return types.SimpleNamespace(requests=reqs)
+
+        service.runtime.controller.policy = types.SimpleNamespace(grouper=Grouper())  # type: ignore[assignment]
+        group = {"id": "g", "predicted_completion_at": 50.0, "at_risk": False}
+        snap = {"at": 0.0, "queues": [{"groups": [group]}]}
+        assert set(service._predictions_to_write(snap)) == {"r0001", "r0002"}
+        assert set(service._predictions_to_write(snap)) == {"r0003", "r0000"}
+        assert service._predictions_to_write(snap) == {}  # all written, nothing moved
+        with pytest.raises(ConfigError, match="prediction_writes"):
+            ControllerService(service.queue, store, service.runtime, prediction_writes=0)
 
     run(scenario)
 
