@@ -37,7 +37,7 @@ from qlm.domain import Decision, Evict, ModelTier, Pull, Request, SwapIn, SwapOu
 from qlm.errors import check_setting
 from qlm.groups import Grouper, GroupingConfig, PredictOutput, default_predict_output
 from qlm.planner.admission import Admission, TokenBucket, admit
-from qlm.planner.arrivals import ArrivalWindow, ClassKey
+from qlm.planner.arrivals import ArrivalWindow, ClassKey, class_of
 from qlm.planner.policy import DispatchContext, InstanceLoad, has_room, prompt_tokens
 from qlm.planner.program import FloatArray, PlanGroup, PlanInstance, PlanProblem, score_queue
 from qlm.planner.solve import Budget, Solution, capacity_needed, solve
@@ -144,7 +144,7 @@ class _Fluid:
     per_input_s: dict[str, float]  # GPU-seconds per prompt token, per model
 
     def cost(self, req: Request, output: float) -> float:
-        key = (req.model, req.tier, req.slo.e2e_s)
+        key = class_of(req)
         out = self.class_output.get(key, output)
         return req.input_tokens * self.per_input_s.get(
             req.model, 0.0
@@ -152,7 +152,7 @@ class _Fluid:
 
     def density(self, requests: Sequence[Request], output: float) -> float | None:
         """Value per GPU-second of a group (None when its class has not arrived lately)."""
-        key = (requests[0].model, requests[0].tier, requests[0].slo.e2e_s)
+        key = class_of(requests[0])
         value = self.class_value.get(key)
         if value is None:
             return None
