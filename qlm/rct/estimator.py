@@ -924,18 +924,30 @@ class RCTEstimator:
         if not requests:
             raise ValueError(f"group {group_id} is empty")
         o_mean = o_var = 0.0
+        inputs = 0
+        earliest = math.inf
+        # Requests of one group mostly share a belief: their moments are looked up once per
+        # (class, prompt bin, cap) — the hot loop of every plan, over every waiting request.
+        seen: dict[tuple[str, str, int, int], tuple[float, float]] = {}
         for r in requests:
-            m, v = self.output_moments(r)
-            o_mean += m
-            o_var += v
+            k = (r.model, r.slo_class, self._bin(r), r.max_tokens)
+            mv = seen.get(k)
+            if mv is None:
+                mv = seen[k] = self.output_moments(r)
+            o_mean += mv[0]
+            o_var += mv[1]
+            inputs += r.input_tokens
+            deadline = r.arrival_s + r.slo.e2e_s  # (Request.deadline_s)
+            if deadline < earliest:
+                earliest = deadline
         last = requests[-1]
         lm, lv = self.output_moments(last)
         return GroupLoad(
             group_id=group_id,
             model=requests[0].model,
             size=len(requests),
-            earliest_deadline_s=min(r.deadline_s for r in requests),
-            input_tokens=sum(r.input_tokens for r in requests),
+            earliest_deadline_s=earliest,
+            input_tokens=inputs,
             output_mean=o_mean,
             output_var=o_var,
             last_output_mean=lm,
