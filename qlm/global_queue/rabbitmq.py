@@ -19,6 +19,18 @@ older ``epoch`` are dropped and settling them is a logged no-op, and the handler
 messages again with ``redelivered=True``. Publisher and consumer use separate connections, as
 RabbitMQ advises (flow control on a publishing connection must not stall deliveries).
 
+**The consumer's thread.** The consumer runs on an event loop of its own, in a daemon thread:
+its connection, the leader lock, the held deliveries and every ack, requeue and dead letter live
+there. The handler and the leader callback still run on the caller's loop, in order (deliveries
+are handed over in batches, one wake-up per batch), and ``ack``/``requeue``/``dead_letter``,
+called there, are sent in rounds (one hand-off each way per round, not per delivery). Why: a
+controller's loop is busy for 0.2-2 s at a time while it plans a large backlog, and aiormq moves
+each frame between its reader, channel and writer tasks through queues of 10, one hand-off per
+loop turn. On the controller's loop, deliveries trickled in, the broker's writes to the socket
+blocked and it reset the connection (``{inet_error,enotconn}``), redelivering everything: taking
+over 100,000 requests took 101-189 s; with the thread, 63-67 s and no reset
+(``benchmarks/controller_backlog.py``, 2 shards).
+
 Every connection declares the topology, with the arguments of ``broker/definitions.json``, so a
 bare broker works and a queue declared with different arguments fails loudly (the broker's
 PRECONDITION_FAILED names the argument).
@@ -41,9 +53,11 @@ consumer stays on every shard as a second guard.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import functools
 import logging
+import threading
 import time
 import zlib
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -90,6 +104,9 @@ BROKER_ERRORS = (AMQPError, OSError, asyncio.TimeoutError, RuntimeError)
 a ``RuntimeError``); translated to ``QueueUnavailable`` at this boundary."""
 
 DEAD_QUEUE_ARGUMENTS: dict[str, Any] = {"x-queue-type": "quorum"}
+
+CONSUMER_STOP_S = 10.0
+"""How long ``close`` waits for the consumer's thread to settle, close and stop."""
 
 MAX_PREFETCH = 65535
 """AMQP's largest prefetch count (a 16-bit field)."""
@@ -159,12 +176,100 @@ class _Backoff:
         self.current_s = 0.0
 
 
+_Settlement = tuple[Callable[[], Awaitable[None]], "asyncio.Future[None]"]
+"""An ack, requeue or dead-letter asked for on the caller's loop, and its answer there."""
+
+
 @dataclass(slots=True)
 class _Publisher:
     connection: AbstractConnection
     channel: AbstractChannel
     exchange: AbstractExchange  # the default exchange: routing key = queue name
     dead: AbstractExchange
+
+
+class _PublisherLink:
+    """A publishing connection of ``owner``, opened lazily on the event loop that uses it (one
+    per loop: the API's publishes, the consumer thread's dead letters), reopened after a bounded
+    exponential back-off. While it waits out a step, ``open`` fails fast with
+    ``QueueUnavailable`` instead of letting publishes pile up."""
+
+    def __init__(self, owner: RabbitGlobalQueue, role: str) -> None:
+        self.owner = owner
+        self.role = role
+        self.publisher: _Publisher | None = None
+        self._lock = asyncio.Lock()
+        self._backoff = _Backoff(owner.reconnect_min_s, owner.reconnect_max_s)
+        self._retry_at = 0.0
+        self._error = ""
+        self._retiring: set[asyncio.Task[None]] = set()
+
+    async def open(self) -> _Publisher:
+        """The open publishing channel, (re)connecting when the back-off allows it."""
+        publisher = self.publisher
+        if publisher is not None and not publisher.channel.is_closed:
+            return publisher
+        owner = self.owner
+        async with self._lock:
+            publisher = self.publisher
+            if publisher is not None and not publisher.channel.is_closed:
+                return publisher
+            if owner._closing:
+                raise QueueUnavailable(f"{owner!r} is closed")
+            self.publisher = None
+            if publisher is not None:
+                await _close_quietly(publisher.connection)
+            wait_s = self._retry_at - time.monotonic()
+            if wait_s > 0:
+                raise QueueUnavailable(
+                    f"RabbitMQ at {owner._safe_url} unavailable ({self._error}); "
+                    f"next connection attempt in {wait_s:.1f} s"
+                )
+            connection: AbstractConnection | None = None
+            try:
+                connection = await owner._connect(self.role)
+                channel = await connection.channel(publisher_confirms=True, on_return_raises=True)
+                _, dead = await owner._declare(channel)
+            except BROKER_ERRORS as exc:
+                if connection is not None:
+                    await _close_quietly(connection)
+                self._retry_at = time.monotonic() + self._backoff.next()
+                self._error = str(exc) or type(exc).__name__
+                raise owner._unavailable("cannot open a publishing channel", exc) from exc
+            self._backoff.reset()
+            self._retry_at = 0.0
+            self.publisher = _Publisher(connection, channel, channel.default_exchange, dead)
+            log.info("%s: publishing to %s on %s", self.role, owner.queue, owner._safe_url)
+            return self.publisher
+
+    def retire(self, publisher: _Publisher) -> None:
+        """A message came back unroutable (its queue was deleted): the next publish opens a new
+        channel, which declares the queues again. The old one is closed only once the confirms
+        still pending on it have come (or ``confirm_timeout_s`` passed): closing it at once
+        would fail other callers' messages that the broker did take."""
+        if self.publisher is not publisher:
+            return
+        self.publisher = None
+        timeout_s = self.owner.confirm_timeout_s
+
+        async def close_when_settled() -> None:
+            deadline = time.monotonic() + timeout_s
+            with contextlib.suppress(*BROKER_ERRORS):
+                channel = cast(aiormq.Channel, await publisher.channel.get_underlay_channel())
+                while channel.confirmations and time.monotonic() < deadline:
+                    await asyncio.sleep(0.05)
+            await _close_quietly(publisher.connection)
+
+        task = asyncio.create_task(close_when_settled(), name="qlm-retire-publisher")
+        self._retiring.add(task)
+        task.add_done_callback(self._retiring.discard)
+
+    async def close(self) -> None:
+        publisher, self.publisher = self.publisher, None
+        if publisher is not None:
+            await _close_quietly(publisher.connection)
+        if self._retiring:
+            await asyncio.gather(*self._retiring, return_exceptions=True)
 
 
 class RabbitGlobalQueue:
@@ -230,21 +335,27 @@ class RabbitGlobalQueue:
         self.reconnect_min_s = reconnect_min_s
         self.reconnect_max_s = reconnect_max_s
         self._closing = False
-        # Publisher side.
-        self._publisher: _Publisher | None = None
-        self._publisher_lock = asyncio.Lock()
-        self._publisher_backoff = _Backoff(reconnect_min_s, reconnect_max_s)
-        self._publisher_retry_at = 0.0
-        self._publisher_error = ""
-        self._retiring: set[asyncio.Task[None]] = set()
-        # Consumer side.
+        # Publisher side (the caller's event loop).
+        self._publishing = _PublisherLink(self, "publisher")
+        # Consumer side: its own event loop in a thread (module docstring); the dispatcher and
+        # the handler run on the caller's loop.
         self._handler: Handler | None = None
         self._on_leader: LeaderHandler | None = None
+        self._caller: asyncio.AbstractEventLoop | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._dispatch_task: asyncio.Task[None] | None = None
+        self._arrived: collections.deque[Delivery] = collections.deque()
+        self._waking = False  # a wake-up of the dispatcher is scheduled (consumer thread)
+        self._wake = asyncio.Event()
+        self._settlements: collections.deque[_Settlement] = collections.deque()
+        self._settling = False  # a settlement round is scheduled (caller's loop)
+        # Touched only on the consumer's loop:
         self._told: bool | None = None  # what ``_on_leader`` was last told
         self._consumer: AbstractConnection | None = None
         self._consumer_task: asyncio.Task[None] | None = None
-        self._dispatch_task: asyncio.Task[None] | None = None
-        self._inbox: asyncio.Queue[Delivery] = asyncio.Queue()
+        self._dead_letters: _PublisherLink | None = None
+        self._rounds: set[asyncio.Task[None]] = set()
         self._epoch = 0
         self._held: dict[int, AbstractIncomingMessage] = {}
         self.leader = False
@@ -252,6 +363,11 @@ class RabbitGlobalQueue:
 
     def __repr__(self) -> str:
         return f"RabbitGlobalQueue({self._safe_url!r}, queue={self.queue!r})"
+
+    @property
+    def held(self) -> int:
+        """Deliveries received and not yet settled (the consumer's thread holds them)."""
+        return len(self._held)
 
     # --- connections and topology ----------------------------------------------------------
 
@@ -286,44 +402,6 @@ class RabbitGlobalQueue:
 
     # --- publishing ---------------------------------------------------------------------------
 
-    async def _open_publisher(self) -> _Publisher:
-        """The open publishing channel, (re)connecting when the back-off allows it."""
-        publisher = self._publisher
-        if publisher is not None and not publisher.channel.is_closed:
-            return publisher
-        async with self._publisher_lock:
-            publisher = self._publisher
-            if publisher is not None and not publisher.channel.is_closed:
-                return publisher
-            if self._closing:
-                raise QueueUnavailable(f"{self!r} is closed")
-            self._publisher = None
-            if publisher is not None:
-                await _close_quietly(publisher.connection)
-            wait_s = self._publisher_retry_at - time.monotonic()
-            if wait_s > 0:
-                raise QueueUnavailable(
-                    f"RabbitMQ at {self._safe_url} unavailable ({self._publisher_error}); "
-                    f"next connection attempt in {wait_s:.1f} s"
-                )
-            connection: AbstractConnection | None = None
-            try:
-                connection = await self._connect("publisher")
-                channel = await connection.channel(publisher_confirms=True, on_return_raises=True)
-                _, dead = await self._declare(channel)
-            except BROKER_ERRORS as exc:
-                if connection is not None:
-                    await _close_quietly(connection)
-                delay = self._publisher_backoff.next()
-                self._publisher_retry_at = time.monotonic() + delay
-                self._publisher_error = str(exc) or type(exc).__name__
-                raise self._unavailable("cannot open a publishing channel", exc) from exc
-            self._publisher_backoff.reset()
-            self._publisher_retry_at = 0.0
-            self._publisher = _Publisher(connection, channel, channel.default_exchange, dead)
-            log.info("publishing to %s on %s", self.queue, self._safe_url)
-            return self._publisher
-
     async def publish(self, message: QueuedRequest) -> None:
         """Publish persistently and wait for the broker's confirm (see ``GlobalQueue``)."""
         (error,) = await self.publish_many([message])
@@ -344,7 +422,7 @@ class RabbitGlobalQueue:
         if not messages:
             return []
         try:
-            publisher = await self._open_publisher()
+            publisher = await self._publishing.open()
             channel = cast(aiormq.Channel, await publisher.channel.get_underlay_channel())
         except (QueueUnavailable, *BROKER_ERRORS) as exc:
             error = (
@@ -373,29 +451,8 @@ class RabbitGlobalQueue:
             error.__cause__ = result
             out.append(error)
         if returned:
-            self._retire(publisher)
+            self._publishing.retire(publisher)
         return out
-
-    def _retire(self, publisher: _Publisher) -> None:
-        """A message came back unroutable (its queue was deleted): the next publish opens a new
-        channel, which declares the queues again. The old one is closed only once the confirms
-        still pending on it have come (or ``confirm_timeout_s`` passed): closing it at once
-        would fail other callers' messages that the broker did take."""
-        if self._publisher is not publisher:
-            return
-        self._publisher = None
-
-        async def close_when_settled() -> None:
-            deadline = time.monotonic() + self.confirm_timeout_s
-            with contextlib.suppress(*BROKER_ERRORS):
-                channel = cast(aiormq.Channel, await publisher.channel.get_underlay_channel())
-                while channel.confirmations and time.monotonic() < deadline:
-                    await asyncio.sleep(0.05)
-            await _close_quietly(publisher.connection)
-
-        task = asyncio.create_task(close_when_settled(), name="qlm-retire-publisher")
-        self._retiring.add(task)
-        task.add_done_callback(self._retiring.discard)
 
     async def _publish_one(self, channel: aiormq.Channel, message: QueuedRequest) -> None:
         shard = self.queues[shard_of(message.id, self.shards)] if self.shards > 1 else self.queue
@@ -424,21 +481,69 @@ class RabbitGlobalQueue:
             raise QueueUnavailable(f"{self!r} is closed")
         self._handler = handler
         self._on_leader = on_leader
-        subscribed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._consumer_task = asyncio.create_task(
-            self._consume_forever(subscribed), name=f"qlm-consumer {self.queue}"
+        self._caller = asyncio.get_running_loop()
+        self._loop = loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=_run_forever, args=(loop,), name=f"qlm-consumer {self.queue}", daemon=True
         )
+        self._thread.start()
         self._dispatch_task = asyncio.create_task(
             self._dispatch(handler), name=f"qlm-dispatch {self.queue}"
         )
         try:
-            await subscribed
+            await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self._subscribe(), loop))
         except BaseException:
             # Leave the queue as it was, so that the caller may try again.
-            self._consumer_task.cancel()
             self._dispatch_task.cancel()
-            self._handler = self._consumer_task = self._dispatch_task = None
+            await self._stop_consumer()
+            self._handler = self._dispatch_task = None
             raise
+
+    async def _subscribe(self) -> None:
+        """On the consumer's loop: start consuming; return once the lock was first tried."""
+        subscribed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._consumer_task = asyncio.create_task(
+            self._consume_forever(subscribed), name=f"qlm-consumer {self.queue}"
+        )
+        await subscribed
+
+    async def _stop_consumer(self) -> None:
+        """Close the consumer's connection and stop its thread (what it held goes back to the
+        broker); settlements already asked for are sent first."""
+        loop, thread = self._loop, self._thread
+        if loop is None or thread is None:
+            return
+        try:
+            await asyncio.wait_for(
+                asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self._shut(), loop)),
+                CONSUMER_STOP_S,
+            )
+        except (TimeoutError, RuntimeError):
+            log.warning("the consumer of %s did not stop in time; abandoning it", self.queue)
+        with contextlib.suppress(RuntimeError):  # closed already
+            loop.call_soon_threadsafe(loop.stop)
+        await asyncio.to_thread(thread.join, CONSUMER_STOP_S)
+        self._loop = self._thread = None
+        self._fail_settlements()
+
+    async def _shut(self) -> None:
+        """On the consumer's loop: the last settlement rounds, then the connections."""
+        self._run_settlements()
+        if self._rounds:
+            await asyncio.gather(*self._rounds, return_exceptions=True)
+        task, self._consumer_task = self._consumer_task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self.leader = False
+        self._new_epoch()
+        consumer, self._consumer = self._consumer, None
+        if consumer is not None:
+            await _close_quietly(consumer)
+        if self._dead_letters is not None:
+            await self._dead_letters.close()
+            self._dead_letters = None
 
     async def _connect_consumer(self, lost: asyncio.Event) -> AbstractConnection:
         """Connect and declare the topology; ``lost`` is set when the connection goes."""
@@ -503,14 +608,26 @@ class RabbitGlobalQueue:
 
     def _tell_leader(self, leading: bool) -> None:
         """Tell the consumer's owner whether it leads, when that changed: a standby that lost
-        its connection and finds the lock taken on reconnecting is not told twice."""
-        if self._on_leader is None or self._told == leading:
+        its connection and finds the lock taken on reconnecting is not told twice. On the
+        caller's loop, in order with the deliveries."""
+        callback = self._on_leader
+        if callback is None or self._told == leading:
             return
         self._told = leading
-        try:
-            self._on_leader(leading)
-        except Exception:
-            log.exception("the leader callback of %s failed", self.queue)
+
+        def tell() -> None:
+            try:
+                callback(leading)
+            except Exception:
+                log.exception("the leader callback of %s failed", self.queue)
+
+        self._to_caller(tell)
+
+    def _to_caller(self, callback: Callable[[], None]) -> None:
+        """Run ``callback`` on the caller's loop, after what was handed to it before."""
+        if self._caller is not None:
+            with contextlib.suppress(RuntimeError):  # its loop is closed: nobody to tell
+                self._caller.call_soon_threadsafe(callback)
 
     async def _check_shard_count(self, connection: AbstractConnection) -> None:
         """Say so, loudly, when a process publishes to more shards than this consumer reads: it
@@ -658,23 +775,36 @@ class RabbitGlobalQueue:
         )
         if message is None:
             log.warning("dead-lettering delivery %d of %s: %s", tag, self.queue, error)
-            await self.dead_letter(delivery, error)
-        else:
-            self._inbox.put_nowait(delivery)
+            await self._dead_letter(delivery, error)
+            return
+        self._arrived.append(delivery)
+        if not self._waking:  # one wake-up for all that arrives before the dispatcher runs
+            self._waking = True
+            self._to_caller(self._woken)
+
+    def _woken(self) -> None:
+        self._waking = False  # first: what arrives from now on schedules another wake-up
+        self._wake.set()
 
     async def _dispatch(self, handler: Handler) -> None:
-        """Call the handler one delivery at a time, in order; a failure requeues the delivery."""
+        """On the caller's loop: call the handler one delivery at a time, in order; a failure
+        requeues the delivery. (Reading ``_epoch`` and ``_held`` from here is a hint: settling
+        a delivery no longer held is a logged no-op on the consumer's loop.)"""
         while True:
-            delivery = await self._inbox.get()
-            if delivery.epoch != self._epoch or delivery.delivery_tag not in self._held:
-                continue
-            try:
-                await handler(delivery)
-            except Exception:
-                log.exception(
-                    "global-queue handler failed on delivery %d; requeued", delivery.delivery_tag
-                )
-                await self.requeue(delivery)
+            await self._wake.wait()
+            self._wake.clear()
+            while self._arrived:
+                delivery = self._arrived.popleft()
+                if delivery.epoch != self._epoch or delivery.delivery_tag not in self._held:
+                    continue
+                try:
+                    await handler(delivery)
+                except Exception:
+                    log.exception(
+                        "global-queue handler failed on delivery %d; requeued",
+                        delivery.delivery_tag,
+                    )
+                    await self.requeue(delivery)
 
     def _take(self, delivery: Delivery, what: str) -> AbstractIncomingMessage | None:
         """The held message for ``delivery``, now settled; ``None`` (logged) if not held."""
@@ -692,27 +822,91 @@ class RabbitGlobalQueue:
         return incoming
 
     async def ack(self, delivery: Delivery) -> None:
-        incoming = self._take(delivery, "ack")
-        if incoming is not None:
-            await _settle_quietly(incoming.ack(), "ack", delivery)
+        await self._settle(functools.partial(self._ack, delivery))
 
     async def requeue(self, delivery: Delivery) -> None:
-        incoming = self._take(delivery, "requeue")
-        if incoming is not None:
-            await _settle_quietly(incoming.nack(requeue=True), "requeue", delivery)
+        await self._settle(functools.partial(self._requeue, delivery))
 
     async def dead_letter(self, delivery: Delivery, reason: str) -> None:
         """Publish a copy to the dead-letter exchange with ``reason`` (confirmed), then ack.
 
         If that publish fails, reject instead: the broker dead-letters the message itself, with
         ``x-death`` reason ``rejected`` and QLM's reason only in the log."""
+        await self._settle(functools.partial(self._dead_letter, delivery, reason))
+
+    async def _settle(self, settle: Callable[[], Awaitable[None]]) -> None:
+        """Run ``settle`` on the consumer's loop (where the deliveries are held) and wait for it.
+        What is asked for while a round is pending joins it: one hand-off between the threads
+        each way per round, not per delivery (a controller settles thousands at a time)."""
+        loop = self._loop
+        if loop is None:  # not consuming: nothing is held (a logged no-op)
+            await settle()
+            return
+        done = asyncio.get_running_loop().create_future()
+        self._settlements.append((settle, done))
+        if not self._settling:
+            self._settling = True
+            try:
+                loop.call_soon_threadsafe(self._run_settlements)
+            except RuntimeError:  # the consumer's loop is gone (closing): nothing is held
+                self._fail_settlements()
+        await done
+
+    def _run_settlements(self) -> None:
+        """On the consumer's loop: start a round with every settlement asked for so far."""
+        self._settling = False  # first: what is asked for from now on schedules another round
+        batch: list[_Settlement] = []
+        while self._settlements:
+            batch.append(self._settlements.popleft())
+        if not batch:
+            return
+        task = asyncio.create_task(self._settle_round(batch), name="qlm-settle")
+        self._rounds.add(task)
+        task.add_done_callback(self._rounds.discard)
+
+    async def _settle_round(self, batch: list[_Settlement]) -> None:
+        results = await asyncio.gather(*(settle() for settle, _ in batch), return_exceptions=True)
+
+        def answer() -> None:
+            for (_, done), result in zip(batch, results, strict=True):
+                if done.done():
+                    continue
+                if isinstance(result, BaseException):
+                    done.set_exception(result)
+                else:
+                    done.set_result(None)
+
+        self._to_caller(answer)
+
+    def _fail_settlements(self) -> None:
+        """Answer settlements that no consumer loop will run (it stopped): the channel that held
+        their deliveries is closed, so the broker has them back."""
+        while self._settlements:
+            _, done = self._settlements.popleft()
+            if not done.done():
+                done.set_result(None)
+        self._settling = False
+
+    async def _ack(self, delivery: Delivery) -> None:
+        incoming = self._take(delivery, "ack")
+        if incoming is not None:
+            await _settle_quietly(incoming.ack(), "ack", delivery)
+
+    async def _requeue(self, delivery: Delivery) -> None:
+        incoming = self._take(delivery, "requeue")
+        if incoming is not None:
+            await _settle_quietly(incoming.nack(requeue=True), "requeue", delivery)
+
+    async def _dead_letter(self, delivery: Delivery, reason: str) -> None:
         incoming = self._take(delivery, "dead-letter")
         if incoming is None:
             return
         headers = dict(incoming.headers)
         headers[REASON_HEADER] = reason
+        if self._dead_letters is None:
+            self._dead_letters = _PublisherLink(self, "dead-letterer")
         try:
-            publisher = await self._open_publisher()
+            publisher = await self._dead_letters.open()
             await publisher.dead.publish(
                 aio_pika.Message(
                     delivery.raw,
@@ -808,29 +1002,36 @@ class RabbitGlobalQueue:
         if self._closing:
             return False
         try:
-            await self._open_publisher()
+            await self._publishing.open()
         except QueueUnavailable:
             return False
         return self._handler is None or self._consumer is not None
 
     async def close(self) -> None:
         self._closing = True
-        for task in (self._consumer_task, self._dispatch_task):
-            if task is not None and task is not asyncio.current_task():
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
-        self._consumer_task = self._dispatch_task = None
+        task, self._dispatch_task = self._dispatch_task, None
+        if task is not None and task is not asyncio.current_task():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await self._stop_consumer()
         self.leader = False
-        self._new_epoch()
-        consumer, self._consumer = self._consumer, None
-        publisher, self._publisher = self._publisher, None
-        if consumer is not None:
-            await _close_quietly(consumer)
-        if publisher is not None:
-            await _close_quietly(publisher.connection)
-        if self._retiring:
-            await asyncio.gather(*self._retiring, return_exceptions=True)
+        await self._publishing.close()
+
+
+def _run_forever(loop: asyncio.AbstractEventLoop) -> None:
+    """The consumer thread: its loop until ``close`` stops it."""
+    asyncio.set_event_loop(loop)
+    try:
+        loop.run_forever()
+    finally:
+        with contextlib.suppress(Exception):  # what the AMQP stack left running
+            pending = asyncio.all_tasks(loop)
+            for task in pending:
+                task.cancel()
+            loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+            loop.run_until_complete(loop.shutdown_asyncgens())
+        loop.close()
 
 
 async def _close_quietly(connection: AbstractConnection) -> None:

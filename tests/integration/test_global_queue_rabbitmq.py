@@ -15,6 +15,7 @@ import re
 import shlex
 import shutil
 import subprocess
+import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
@@ -248,6 +249,57 @@ async def ready_counts(url: str, queues: list[str]) -> list[int]:
             queue = await channel.declare_queue(name, passive=True)
             counts.append(queue.declaration_result.message_count or 0)
         return counts
+
+
+@pytest.mark.rabbitmq
+def test_deliveries_are_read_while_the_callers_event_loop_is_busy(
+    amqp_url: str, names: Names
+) -> None:
+    """A controller's event loop is busy for a second or two at a time under a backlog
+    (planning); a consumer that stops reading meanwhile is reset by the broker. The consumer
+    reads on a thread of its own: what is published is received while the caller's loop is
+    blocked, then handed to the handler, in order, on the caller's thread, as is the leader
+    callback; acks asked for together are all sent."""
+
+    async def scenario() -> None:
+        queue = open_queue(amqp_url, names)
+        inbox = Inbox()
+        threads: set[int] = set()
+
+        async def handler(delivery: Delivery) -> None:
+            threads.add(threading.get_ident())
+            await inbox(delivery)
+
+        told: list[tuple[bool, int]] = []
+        await queue.consume(
+            handler, on_leader=lambda leading: told.append((leading, threading.get_ident()))
+        )
+        here = threading.get_ident()
+        assert told == [(True, here)]
+        errors: list[QueueUnavailable | None] = []
+
+        async def publish() -> None:  # another process's publisher, say an API's
+            publisher = open_queue(amqp_url, names)
+            errors.extend(await publisher.publish_many([make_message(i) for i in range(300)]))
+            await publisher.close()
+
+        elsewhere = threading.Thread(target=asyncio.run, args=(publish(),))
+        elsewhere.start()
+        deadline = time.monotonic() + 10.0
+        while queue.held < 300:  # blocking this loop: no await
+            assert time.monotonic() < deadline, f"only {queue.held} received meanwhile"
+            time.sleep(0.01)
+        elsewhere.join()
+        assert errors == [None] * 300
+        assert not inbox.deliveries  # the handler waits for this loop
+        await inbox.wait_for(300)
+        assert inbox.ids() == [f"r{i}" for i in range(300)] and threads == {here}
+        await asyncio.gather(*(queue.ack(d) for d in inbox.deliveries))
+        assert queue.held == 0
+        await queue.close()
+        await assert_drained(amqp_url, names)
+
+    run(scenario)
 
 
 @pytest.mark.rabbitmq
