@@ -104,8 +104,7 @@ class QueuedRequest:
         _check_float("submitted_at", self.submitted_at)
         _check("submitted_at", self.submitted_at >= 0, ">= 0 (unix seconds)", self.submitted_at)
         _check_int("tier", self.tier, minimum=None)
-        tiers = sorted(int(t) for t in Tier)
-        _check("tier", self.tier in tiers, f"one of {tiers}", self.tier)
+        _check("tier", self.tier in _TIERS, f"one of {_TIERS}", self.tier)
         object.__setattr__(self, "tier", int(self.tier))  # a plain int, as decode gives it
         _check("partial_text", isinstance(self.partial_text, str), "a string")
         _check_sampling(self.sampling)
@@ -140,7 +139,7 @@ class QueuedRequest:
         for name in cls.REQUIRED:
             if name not in data:
                 raise MessageError(f"missing field {name!r}")
-        known = {f.name for f in fields(cls)}
+        known = _FIELDS
         kwargs = {k: v for k, v in data.items() if k in known}
         # JSON has no int/float distinction for whole numbers: 30 is a valid slo_e2e_s.
         for name in ("slo_e2e_s", "slo_ttft_s", "submitted_at"):
@@ -169,6 +168,10 @@ class QueuedRequest:
             labels=tuple(sorted(self.labels.items())),
             resumable=resumable(self.sampling),
         )
+
+
+_TIERS = sorted(int(t) for t in Tier)
+_FIELDS = frozenset(f.name for f in fields(QueuedRequest))
 
 
 def _shown(value: object) -> str:
