@@ -123,11 +123,11 @@ def run_references(problem: PlanProblem, sol: Solution, args: argparse.Namespace
         lp, _ = build_milp(problem)
         cbc["build_s"] = time.perf_counter() - t0
         cbc["variables"] = len(lp.variables())
-        if len(lp.constraints) != count:
+        if len(lp.constraints()) != count:
             print(
-                f"    note: counted {count:,} constraints, build_milp made {len(lp.constraints):,}"
+                f"    note: counted {count:,} constraints, build_milp made {len(lp.constraints()):,}"
             )
-            cbc["constraints"] = count = len(lp.constraints)
+            cbc["constraints"] = count = len(lp.constraints())
         del lp
     if count > args.max_milp_constraints:
         cbc["skipped"] = (

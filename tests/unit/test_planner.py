@@ -232,8 +232,8 @@ def test_milp_poses_unix_times_relative_to_the_earliest_ready_time(solver: str) 
     base = random_problem(2, 6, seed=11, scenarios=4)
     late = shifted(base, 1.8e9)
     lp, variables = build_milp(late)
-    numbers = [abs(c.constant) for c in lp.constraints.values()]
-    numbers += [abs(a) for c in lp.constraints.values() for a in c.values()]
+    numbers = [abs(c.constant) for c in lp.constraints()]
+    numbers += [abs(a) for c in lp.constraints() for a in c.values()]
     numbers += [abs(v.upBound) for v in variables["F"].values()]
     assert max(numbers) < 1e5
     result = solve_milp(late, solver=solver)
