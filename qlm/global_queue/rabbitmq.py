@@ -60,9 +60,9 @@ import logging
 import threading
 import time
 import zlib
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import aio_pika
 import aiormq
@@ -98,6 +98,8 @@ from qlm.global_queue.base import (
 from qlm.global_queue.message import MessageError, QueuedRequest
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 BROKER_ERRORS = (AMQPError, OSError, asyncio.TimeoutError, RuntimeError)
 """What the AMQP stack raises when the broker is gone or refuses (aiormq's closed-channel error is
@@ -933,7 +935,34 @@ class RabbitGlobalQueue:
     async def reap_dead(self, record: DeadHandler, limit: int = 1000) -> int:
         """``basic.get`` from the dead-letter queue on a short-lived connection, holding the
         messages un-acked while ``record`` runs: acked once it returned, returned to the
-        dead-letter queue if it raised (or if this process dies meanwhile)."""
+        dead-letter queue if it raised (or if this process dies meanwhile). While consuming,
+        the connection is the consumer thread's (``record`` still runs on the caller's loop):
+        a controller's loop busy planning a backlog made its handshakes time out."""
+        caller, loop = asyncio.get_running_loop(), self._loop
+        if loop is None:
+            return await self._reap_dead(record, limit)
+
+        async def record_there(letters: list[DeadLetter]) -> None:
+            await record(letters)
+
+        async def record_on_caller(letters: list[DeadLetter]) -> None:
+            done = asyncio.run_coroutine_threadsafe(record_there(letters), caller)
+            await asyncio.wrap_future(done)
+
+        return await self._on_consumer_loop(self._reap_dead(record_on_caller, limit), loop)
+
+    async def _on_consumer_loop(
+        self, work: Coroutine[Any, Any, T], loop: asyncio.AbstractEventLoop
+    ) -> T:
+        """Run ``work`` on the consumer's loop and wait for it (cancelled with the caller)."""
+        try:
+            future = asyncio.run_coroutine_threadsafe(work, loop)
+        except RuntimeError:  # the loop stopped meanwhile (closing)
+            work.close()
+            raise QueueUnavailable(f"{self!r} is closed") from None
+        return await asyncio.wrap_future(future)
+
+    async def _reap_dead(self, record: DeadHandler, limit: int) -> int:
         try:
             connection = await self._connect("dead-letters")
         except BROKER_ERRORS as exc:
@@ -972,8 +1001,15 @@ class RabbitGlobalQueue:
     async def backlog(self) -> int:
         """Ready messages of every shard and of the dead-letter queue, and of the shards past
         this consumer's that a process with more shards writes (``_check_shard_count``: their
-        requests are nobody's yet, not orphans). Passive declares on a short-lived connection;
-        un-acked deliveries are not counted."""
+        requests are nobody's yet, not orphans). Passive declares on a short-lived connection
+        (the consumer thread's, while consuming: see ``reap_dead``); un-acked deliveries are not
+        counted."""
+        loop = self._loop
+        if loop is None:
+            return await self._backlog()
+        return await self._on_consumer_loop(self._backlog(), loop)
+
+    async def _backlog(self) -> int:
         try:
             connection = await self._connect("backlog")
         except BROKER_ERRORS as exc:

@@ -303,6 +303,52 @@ def test_deliveries_are_read_while_the_callers_event_loop_is_busy(
 
 
 @pytest.mark.rabbitmq
+def test_counting_and_reaping_connect_on_the_consumers_thread_while_the_callers_loop_is_busy(
+    amqp_url: str, names: Names
+) -> None:
+    """``backlog`` and ``reap_dead`` open short-lived connections; a controller calls them from
+    a loop that may be busy planning for longer than a connection's handshake may take. While
+    consuming they connect on the consumer's thread: blocked for three times the connect
+    timeout, the caller's loop still gets the count, and the dead letters recorded."""
+
+    async def scenario() -> None:
+        queue = open_queue(amqp_url, names, connect_timeout_s=0.5)
+        inbox = Inbox()
+        await queue.consume(inbox)
+        await queue.publish(make_message(0))
+        (delivery,) = await inbox.wait_for(1)
+        await queue.dead_letter(delivery, "parked by the test")
+        await poll_async(lambda: queue.backlog(), 1, "the dead letter to be counted")
+        counting = asyncio.create_task(queue.backlog())
+        await asyncio.sleep(0)  # started: its connection is being opened
+        time.sleep(1.5)  # this loop blocked meanwhile
+        assert await counting == 1
+        recorded: list[DeadLetter] = []
+
+        async def record(letters: list[DeadLetter]) -> None:
+            recorded.extend(letters)
+
+        reaping = asyncio.create_task(queue.reap_dead(record))
+        await asyncio.sleep(0)
+        time.sleep(1.5)
+        assert await reaping == 1
+        assert [d.reason for d in recorded] == ["parked by the test"]
+        assert await queue.backlog() == 0
+        await queue.close()
+        await assert_drained(amqp_url, names)
+
+    run(scenario)
+
+
+async def poll_async(value: Callable[[], Awaitable[int]], want: int, what: str) -> None:
+    deadline = time.monotonic() + 10.0
+    while await value() != want:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.05)
+
+
+@pytest.mark.rabbitmq
 def test_a_sharded_queue_routes_by_request_id_and_one_consumer_holds_prefetch_per_shard(
     amqp_url: str, names: Names
 ) -> None:
