@@ -4,7 +4,7 @@ Publishing uses aio-pika's connection on the caller's event loop, not pika. The 
 many concurrent HTTP requests and must answer each only after the broker's confirm; the confirms are
 pipelined on one channel (each publish awaits its own delivery tag), and ``publish_many`` sends a
 batch through aiormq's ``basic_publish`` directly, without aio-pika's per-message objects. Through this class that
-measured 2,100-2,600 confirmed publishes/s, p99 28-37 ms, at concurrency 32 on the 2-core
+measured 6,100-7,700 confirmed publishes/s, p99 8-9 ms (2026-11-25), at concurrency 32 on the 2-core
 development machine (``benchmarks/global_queue.py``), against 650-900/s for pika's
 ``BlockingConnection`` behind a lock; one pika connection per thread would multiply threads and
 connections per API process for the same effect, and a pika ``SelectConnection`` in an I/O thread
