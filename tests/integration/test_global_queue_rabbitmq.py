@@ -349,6 +349,27 @@ async def poll_async(value: Callable[[], Awaitable[int]], want: int, what: str) 
 
 
 @pytest.mark.rabbitmq
+def test_acks_sent_just_before_closing_are_applied(amqp_url: str, names: Names) -> None:
+    """A quorum queue's channel keeps only a few dozen settlements in flight and drops the rest
+    when the connection closes: a controller that acks what it finished and stops at once would
+    hand those requests to the next one again. Closing waits for the last acks to be applied."""
+
+    async def scenario() -> None:
+        queue = open_queue(amqp_url, names)
+        inbox = Inbox()
+        await queue.consume(inbox)
+        publisher = open_queue(amqp_url, names)
+        await publisher.publish_many([make_message(i) for i in range(100)])
+        await publisher.close()
+        await asyncio.gather(*(queue.ack(d) for d in await inbox.wait_for(100)))
+        await queue.close()
+        await asyncio.sleep(0.5)  # what the broker took back would be ready again by now
+        await assert_drained(amqp_url, names)
+
+    run(scenario)
+
+
+@pytest.mark.rabbitmq
 def test_a_sharded_queue_routes_by_request_id_and_one_consumer_holds_prefetch_per_shard(
     amqp_url: str, names: Names
 ) -> None:
@@ -1005,3 +1026,128 @@ def test_a_leader_reading_as_many_shards_as_are_written_says_nothing(
     with caplog.at_level("DEBUG", logger="qlm.global_queue.rabbitmq"):
         run(scenario)
     assert not [r for r in caplog.records if "QLM_BROKER__SHARDS" in r.getMessage()]
+
+
+@pytest.mark.rabbitmq
+def test_a_reconnect_during_a_long_step_hands_the_new_deliveries_over_after_the_stand_by(
+    amqp_url: str, names: Names
+) -> None:
+    """The owner's loop is busy (a planning step) while the consumer's connection drops and
+    comes back leading. The owner must be told it stood by (it drops what it took: the broker
+    delivers it again) before any delivery of the new connection reaches it, else it would
+    throw those away with the old ones."""
+    ctl = rabbitmqctl()
+
+    async def scenario() -> None:
+        queue = open_queue(amqp_url, names)
+        events: list[tuple[str, object]] = []
+        taken: list[Delivery] = []
+
+        async def handler(delivery: Delivery) -> None:
+            assert delivery.message is not None
+            events.append(("delivery", delivery.message.id))
+            taken.append(delivery)
+            if len(events) == 2:  # the first delivery: a long step, across a reconnect
+                (pid,) = consumer_pids(ctl, names["queue"])
+                subprocess.run([*ctl, "-q", "close_connection", pid, "test"], check=True)
+                deadline = time.monotonic() + 10.0
+                while True:  # blocking this loop (no await) until it leads on a new connection
+                    pids = consumer_pids(ctl, names["queue"])
+                    if pids and pid not in pids and queue.leader and queue.held == 3:
+                        break
+                    assert time.monotonic() < deadline, "the consumer did not lead again"
+                    time.sleep(0.05)
+
+        def on_leader(leading: bool) -> None:
+            events.append(("leading", leading))
+            if not leading:
+                taken.clear()  # as the controller does: the broker delivers them again
+
+        await queue.consume(handler, on_leader=on_leader)
+        await queue.publish_many([make_message(i) for i in range(3)])
+        await poll(lambda: len(taken) == 3 and events[-1][0] == "delivery", 10.0, "redelivery")
+        leads = [i for i, (what, _) in enumerate(events) if what == "leading"]
+        assert [events[i] for i in leads] == [
+            ("leading", True),
+            ("leading", False),
+            ("leading", True),
+        ]
+        # What reached the owner before it was told it stood by (r0, maybe r1 and r2 of the
+        # old connection) it dropped; every delivery of the new one came after it led again.
+        assert sorted(str(what) for _, what in events[leads[-1] + 1 :]) == ["r0", "r1", "r2"]
+        assert sorted(d.message.id for d in taken if d.message) == ["r0", "r1", "r2"]
+        assert all(d.redelivered for d in taken)
+        await asyncio.gather(*(queue.ack(d) for d in taken))
+        await queue.close()
+        await assert_drained(amqp_url, names)
+
+    run(scenario)
+
+
+@pytest.mark.rabbitmq
+def test_work_asked_of_the_consumer_while_it_closes_returns(amqp_url: str, names: Names) -> None:
+    """Acks, counts and reaping asked for while ``close`` runs neither hang nor raise a
+    cancellation their caller did not ask for: an ack is sent or dropped (the broker takes the
+    delivery back with the channel), a count or a reap fails with ``QueueUnavailable``. A
+    second ``close`` at the same time waits for the first."""
+
+    async def scenario() -> None:
+        queue = open_queue(amqp_url, names)
+        inbox = Inbox()
+        await queue.consume(inbox)
+        await queue.publish_many([make_message(i) for i in range(50)])
+        deliveries = await inbox.wait_for(50)
+
+        async def record(_letters: list[DeadLetter]) -> None:
+            return None
+
+        asked: list[asyncio.Task[Any]] = []
+        closing = [asyncio.create_task(queue.close()), asyncio.create_task(queue.close())]
+        for d in deliveries:
+            asked += [
+                asyncio.create_task(queue.ack(d)),
+                asyncio.create_task(queue.backlog()),
+                asyncio.create_task(queue.reap_dead(record)),
+            ]
+            await asyncio.sleep(0)
+        await asyncio.wait_for(asyncio.gather(*closing), 20.0)
+        done, pending = await asyncio.wait(asked, timeout=10.0)
+        assert not pending, f"{len(pending)} of {len(asked)} never returned"
+        for task in done:
+            error = task.exception()
+            assert error is None or isinstance(error, QueueUnavailable), repr(error)
+        # (What was not acked is the broker's again; whether the broker applied every ack
+        # sent just before the close is its business: see broker/README.md.)
+
+    run(scenario)
+
+
+@pytest.mark.rabbitmq
+def test_a_consumer_whose_loop_ended_without_close_lets_go_of_the_lead(
+    amqp_url: str, names: Names
+) -> None:
+    """A program whose event loop ends (an error, say) without closing the queue: the
+    consumer's thread notices and closes its connection, so another consumer leads and gets
+    what the first held."""
+    first = open_queue(amqp_url, names)
+
+    async def lead_then_vanish() -> None:
+        await first.consume(Inbox())
+        publisher = open_queue(amqp_url, names)  # closed: only the consumer is left behind
+        await publisher.publish_many([make_message(i) for i in range(5)])
+        await publisher.close()
+        await poll(lambda: first.held == 5, 10.0, "5 held")
+
+    run(lead_then_vanish)
+
+    async def take_over() -> None:
+        second = open_queue(amqp_url, names)
+        inbox = Inbox()
+        await second.consume(inbox)
+        deliveries = await inbox.wait_for(5, timeout_s=20.0)
+        assert second.leader and not first.leader and first.held == 0
+        await asyncio.gather(*(second.ack(d) for d in deliveries))
+        await second.close()
+        await assert_drained(amqp_url, names)
+
+    run(take_over)
