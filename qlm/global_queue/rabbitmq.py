@@ -21,9 +21,14 @@ RabbitMQ advises (flow control on a publishing connection must not stall deliver
 
 **The consumer's thread.** The consumer runs on an event loop of its own, in a daemon thread:
 its connection, the leader lock, the held deliveries and every ack, requeue and dead letter live
-there. The handler and the leader callback still run on the caller's loop, in order (deliveries
-are handed over in batches, one wake-up per batch), and ``ack``/``requeue``/``dead_letter``,
-called there, are sent in rounds (one hand-off each way per round, not per delivery). Why: a
+there. The handler and the leader callback still run on the caller's loop, in order: a change
+of lead is a mark in the stream of deliveries (``_Lead``), and only deliveries of the epoch last
+announced as leading reach the handler, so a reconnect during a long step cannot slip a new
+connection's deliveries in before the owner hears it stood by. Deliveries are handed over in
+batches (one wake-up per batch); ``ack``/``requeue``/``dead_letter``, called there, are sent in
+rounds (one hand-off each way per round, not per delivery); ``backlog`` and ``reap_dead`` open
+their connections on the consumer's loop too. A consumer whose caller's loop closed without
+``close`` stops itself (``_watch_caller``). Why: a
 controller's loop is busy for 0.2-2 s at a time while it plans a large backlog, and aiormq moves
 each frame between its reader, channel and writer tasks through queues of 10, one hand-off per
 loop turn. On the controller's loop, deliveries trickled in, the broker's writes to the socket
