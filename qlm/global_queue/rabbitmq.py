@@ -922,10 +922,13 @@ class RabbitGlobalQueue:
         if loop is None:  # not consuming: nothing is held (a logged no-op)
             await settle()
             return
+        caller = asyncio.get_running_loop()
+        if caller is not self._caller:  # its answer would be set from the wrong thread
+            raise RuntimeError(f"{self!r}: settle deliveries on the event loop that consumes")
         if self._stopping:  # its channel is closing: the broker takes the delivery back
             log.info("a settlement asked for while the consumer of %s stops: dropped", self.queue)
             return
-        done = asyncio.get_running_loop().create_future()
+        done = caller.create_future()
         self._settlements.append((settle, done))
         if not self._settling:
             self._settling = True

@@ -294,6 +294,18 @@ def test_deliveries_are_read_while_the_callers_event_loop_is_busy(
         assert not inbox.deliveries  # the handler waits for this loop
         await inbox.wait_for(300)
         assert inbox.ids() == [f"r{i}" for i in range(300)] and threads == {here}
+        refused: list[BaseException] = []  # an ack from another loop (a daemon thread)
+
+        def ack_elsewhere() -> None:
+            try:
+                asyncio.run(queue.ack(inbox.deliveries[0]))
+            except BaseException as exc:
+                refused.append(exc)
+
+        elsewhere = threading.Thread(target=ack_elsewhere, daemon=True)
+        elsewhere.start()
+        await asyncio.to_thread(elsewhere.join, 5.0)
+        assert "the event loop that consumes" in repr(refused)
         await asyncio.gather(*(queue.ack(d) for d in inbox.deliveries))
         assert queue.held == 0
         await queue.close()
@@ -969,15 +981,32 @@ def test_a_user_who_may_not_take_the_lock_fails_at_start_and_does_not_spin(
             check=True,
         )
         url = str(URL(amqp_url).with_user(user).with_password(password))
+        queue = open_queue(url, names)
 
         async def scenario() -> None:
-            queue = open_queue(url, names)
             with pytest.raises(QueueUnavailable, match="cannot consume"):
                 await queue.consume(Inbox())
             assert not queue.leader
-            await queue.close()
 
         run(scenario)
+        # Allowed now, the same queue object consumes, from another event loop.
+        subprocess.run(
+            [*ctl, "-q", "set_permissions", "-p", "/", user, ".*", ".*", ".*"], check=True
+        )
+
+        async def retry() -> None:
+            inbox = Inbox()
+            await queue.consume(inbox)
+            assert queue.leader
+            publisher = open_queue(amqp_url, names)
+            await publisher.publish(make_message(0))
+            await publisher.close()
+            (delivery,) = await inbox.wait_for(1)
+            await queue.ack(delivery)
+            await queue.close()
+            await assert_drained(amqp_url, names)
+
+        run(retry)
     finally:
         subprocess.run([*ctl, "-q", "delete_user", user], check=True)
 
