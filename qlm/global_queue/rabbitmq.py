@@ -553,10 +553,14 @@ class RabbitGlobalQueue:
         or moved on) leaves nobody to hand deliveries to; the consumer must not hold them, nor
         the leader lock, for ever. It stops itself."""
         caller = self._caller
-        while caller is not None and not caller.is_closed():
-            await asyncio.sleep(CALLER_CHECK_S)
+        try:
+            while caller is not None and not caller.is_closed():
+                await asyncio.sleep(CALLER_CHECK_S)
+        finally:
+            # Cancelled (by ``_shut``) or done: either way no longer a side task; one left
+            # behind would belong to a loop that is gone when the queue consumes again.
+            self._side.discard(cast("asyncio.Task[Any]", asyncio.current_task()))
         log.warning("the event loop consuming %s closed without closing it; stopping", self.queue)
-        self._side.discard(cast("asyncio.Task[Any]", asyncio.current_task()))
         await self._shut()
         asyncio.get_running_loop().stop()
 
@@ -593,6 +597,7 @@ class RabbitGlobalQueue:
                 side.cancel()
         if self._side:
             await asyncio.gather(*self._side, return_exceptions=True)
+            self._side.clear()
         task, self._consumer_task = self._consumer_task, None
         if task is not None:
             task.cancel()

@@ -959,7 +959,7 @@ def test_deleting_the_lock_makes_the_leader_step_down_and_lead_again(
 
 @pytest.mark.rabbitmq
 def test_a_user_who_may_not_take_the_lock_fails_at_start_and_does_not_spin(
-    amqp_url: str, names: Names
+    amqp_url: str, names: Names, caplog: pytest.LogCaptureFixture
 ) -> None:
     ctl = rabbitmqctl()
     user, password = f"qlm-test-{names['queue'][-12:]}", "secret"
@@ -1007,6 +1007,10 @@ def test_a_user_who_may_not_take_the_lock_fails_at_start_and_does_not_spin(
             await assert_drained(amqp_url, names)
 
         run(retry)
+        # The failed start left nothing of its loop behind: the second consumer stopped in order
+        # (a stale task of the first loop made close abandon it, or raise, by set order).
+        stopped_badly = [r.getMessage() for r in caplog.records if "did not stop" in r.getMessage()]
+        assert not stopped_badly
     finally:
         subprocess.run([*ctl, "-q", "delete_user", user], check=True)
 
