@@ -291,12 +291,45 @@ def _after(requests: list[Request], at_s: float, prefix: str = "") -> list[Reque
     ]
 
 
+MIX_HALF_S = 150.0  # ``--azure-mix real-time``: lengths drawn from within this of their moment
+
+
+def _real_time_mix(trace: Trace, part: Trace, at_s: float, rate: float, seed: int) -> Trace:
+    """``part`` (arrivals re-zeroed, on the trace's clock; its first replayed ``at_s`` seconds
+    after the window's first arrival) with each request's lengths replaced by those of a
+    request drawn from the trace within ``MIX_HALF_S`` of the window's first arrival plus its
+    replay time: the arrivals compressed by ``rate`` as before, but the mix drifting only as
+    fast as the trace's own did (compressed, 15 minutes of drift pass in 900 / rate seconds).
+    Never drawn from the prior's first 600 s."""
+    src = at_s + part.arrival_s / rate
+    times = trace.arrival_s
+    floor = int(np.searchsorted(times, 600.0))
+    lo = np.maximum(np.searchsorted(times, src - MIX_HALF_S), floor)
+    hi = np.maximum(np.searchsorted(times, src + MIX_HALF_S), lo + 1)
+    rng = np.random.default_rng(seed)
+    idx = np.minimum(lo + (rng.random(len(src)) * (hi - lo)).astype(int), len(times) - 1)
+    return Trace(
+        name=f"{part.name} mix at real time",
+        arrival_s=part.arrival_s,
+        input_tokens=trace.input_tokens[idx],
+        output_tokens=trace.output_tokens[idx],
+    )
+
+
 def _loop(
-    trace: Trace, lo: float, hi: float, rate: float, t0: float, seed: int, prefix: str
+    trace: Trace,
+    lo: float,
+    hi: float,
+    rate: float,
+    t0: float,
+    seed: int,
+    prefix: str,
+    real_time_mix: bool = False,
 ) -> list[Request]:
     """The requests arriving in ``[lo, hi)`` of the trace after its first 600 s taken as a loop
     (``lo`` below 600 s or ``hi`` past the trace's end wrap around), at ``(t - t0) / rate`` on
-    the replay's clock; W_B classes drawn with ``seed`` (one more per wrap)."""
+    the replay's clock; W_B classes drawn with ``seed`` (one more per wrap). ``real_time_mix``:
+    lengths as ``_real_time_mix`` draws them."""
     begin, end = 600.0, float(trace.arrival_s[-1]) + 1.0
     period = end - begin
     out: list[Request] = []
@@ -307,17 +340,26 @@ def _loop(
         part = window(trace, real, real + (b - a)) if b > a else None
         if part is not None and len(part):
             first = float(trace.arrival_s[np.searchsorted(trace.arrival_s, real)])
+            at_s = (a + (first - real) - t0) / rate
+            if real_time_mix:
+                part = _real_time_mix(trace, part, t0 + at_s, rate, seed + 1000 * i + 7)
             reqs = create_workload("wb", scale_rate(part, rate), seed=seed + 1000 * i)
-            out += _after(reqs, (a + (first - real) - t0) / rate, f"{prefix}{i}")
+            out += _after(reqs, at_s, f"{prefix}{i}")
         a, i = b, i + 1
     return out
 
 
 def azure_case(
-    rate: float, end_s: float = 1500.0, sample: int = 0, tail_s: float = 0.0, warmup_s: float = 0.0
+    rate: float,
+    end_s: float = 1500.0,
+    sample: int = 0,
+    tail_s: float = 0.0,
+    warmup_s: float = 0.0,
+    real_time_mix: bool = False,
 ) -> tuple[list[Request], list[Request], list[Request], list[int]]:
     """Sample ``k`` replays the ``k``-th window of the trace after its first 10 minutes (the
     prior's), each as long as ``600 s .. end_s``; the W_B classes are drawn with seed ``k``.
+    ``real_time_mix``: the lengths as ``_real_time_mix`` draws them (seed ``k``).
 
     Returns the ``warmup_s`` seconds of arrivals (at the replay's rate) that precede the window
     in the trace, the window's requests, the ``tail_s`` seconds that follow it — the trace after
@@ -333,15 +375,26 @@ def azure_case(
             f"--samples: window {start:g}-{start + length:g} s is past the trace's end ({last:.0f} s)"
         )
     measured = window(trace, start, start + length)
+    t0 = float(trace.arrival_s[np.searchsorted(trace.arrival_s, start)])
+    if real_time_mix and len(measured):
+        measured = _real_time_mix(trace, measured, t0, rate, 7 + sample)
     requests = create_workload("wb", scale_rate(measured, rate), seed=sample)
     if not requests:
         return [], [], [], [int(x) for x in prior.output_tokens]
-    t0 = float(trace.arrival_s[np.searchsorted(trace.arrival_s, start)])
     room = last + 1.0 - 600.0 - length  # trace seconds outside the window
     before = min(warmup_s * rate, room / 2)
     after = min(tail_s * rate, room - before)
-    tail = _loop(trace, start + length, start + length + after, rate, t0, 1000 + sample, "tail")
-    warm = _loop(trace, start - before, start, rate, t0, 5000 + sample, "warm")
+    tail = _loop(
+        trace,
+        start + length,
+        start + length + after,
+        rate,
+        t0,
+        1000 + sample,
+        "tail",
+        real_time_mix,
+    )
+    warm = _loop(trace, start - before, start, rate, t0, 5000 + sample, "warm", real_time_mix)
     shift = -warm[0].arrival_s if warm else 0.0
     warm, requests, tail = (_after(part, shift) for part in (warm, requests, tail))
     return warm, requests, tail, [int(x) for x in prior.output_tokens]
@@ -418,19 +471,21 @@ def report(c: dict[str, object], fleet: str) -> None:
             )
 
 
-Job = tuple[str, str, float, int, float, float, bool, float, float, str]
+Job = tuple[str, str, float, int, float, float, bool, float, float, str, bool]
 
 
 def run_job(job: Job) -> dict[str, object]:
     """One replay (in a worker process): ``(fleet, workload, rate, sample, azure_end,
-    sharegpt_duration, by_prompt, tail_s, warmup_s, prior)``."""
-    fleet, workload, rate, sample, azure_end, duration, by_prompt, tail_s, warmup_s, source = job
+    sharegpt_duration, by_prompt, tail_s, warmup_s, prior, real_time_mix)``."""
+    fleet, workload, rate, sample, azure_end, duration, by_prompt, tail_s, warmup_s, source, rtm = (
+        job
+    )
     if workload == "azure":
         length = azure_end - 600.0
         start = 600.0 + sample * length
         span = f" {start:g}-{start + length:g} s" if (sample or azure_end != 1500.0) else ""
-        name = f"azure-conv x{rate:g}{span}"
-        warm, reqs, tail, prior = azure_case(rate, azure_end, sample, tail_s, warmup_s)
+        name = f"azure-conv x{rate:g}{span}" + (" mix at real time" if rtm else "")
+        warm, reqs, tail, prior = azure_case(rate, azure_end, sample, tail_s, warmup_s, rtm)
     else:
         warm, reqs, tail, prior = sharegpt_case(rate, duration, sample, tail_s, warmup_s)
         name = f"sharegpt {rate:g} req/s" + (f" seed {sample}" if sample else "")
@@ -599,6 +654,15 @@ def main() -> int:
         "deployment has: it shows what is left once the prior matches the window's mix)",
     )
     parser.add_argument(
+        "--azure-mix",
+        choices=("compressed", "real-time"),
+        default="compressed",
+        help="Azure conv's request lengths: as the trace has them (its 15 minutes of drift in "
+        "the mix compressed with the arrivals, the default) or drawn from within "
+        f"{MIX_HALF_S:g} s of each request's replay time on the trace's own clock (the mix "
+        "drifting as fast as the trace's did)",
+    )
+    parser.add_argument(
         "--cluster-s",
         type=float,
         default=10.0,
@@ -632,6 +696,7 @@ def main() -> int:
                         args.tail,
                         args.warmup,
                         args.prior,
+                        args.azure_mix == "real-time",
                     )
                     for k in range(args.samples)
                 ]

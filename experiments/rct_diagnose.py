@@ -81,10 +81,20 @@ def main() -> int:
     parser.add_argument("--sample", type=int, default=0, help="as rct_accuracy.py's samples")
     parser.add_argument("--tail", type=float, default=ra.TAIL_S, help="as rct_accuracy.py's")
     parser.add_argument("--warmup", type=float, default=ra.WARMUP_S, help="as rct_accuracy.py's")
+    parser.add_argument(
+        "--azure-mix",
+        choices=("compressed", "real-time"),
+        default="compressed",
+        help="as rct_accuracy.py's",
+    )
     args = parser.parse_args()
     if args.workload == "azure":
         warm, requests, tail, prior = ra.azure_case(
-            args.rate, sample=args.sample, tail_s=args.tail, warmup_s=args.warmup
+            args.rate,
+            sample=args.sample,
+            tail_s=args.tail,
+            warmup_s=args.warmup,
+            real_time_mix=args.azure_mix == "real-time",
         )
     else:
         warm, requests, tail, prior = ra.sharegpt_case(
