@@ -24,7 +24,7 @@ from qlm.planner import POLICIES, PlannerConfig, create_policy
 from qlm.rct.output_model import NIG
 from qlm.rct.profile import HardwareProfile, RctProfile, dump_profile, parse_profile
 from qlm.rct.profiling import profile_sim_hardware, profile_workload
-from qlm.settings import get_settings
+from qlm.settings import get_settings, rct_profile
 from qlm.sim.cluster import SimResult, simulate
 from qlm.sim.instances import parse_instances
 from qlm.sim.metrics import write_outputs
@@ -97,7 +97,11 @@ def run_simulation(
             tr = window(tr, start_s, end)
     requests = create_workload(workload, tr, seed=seed, slo_scale=slo_scale)
     specs = parse_instances(instances)
-    pol = create_policy(policy, planner=planner or PlannerConfig.for_simulation())
+    pol = create_policy(
+        policy,
+        profile=rct_profile(get_settings()),
+        planner=planner or PlannerConfig.for_simulation(),
+    )
     if not show_progress:
         return _with_plans(simulate(requests, specs, pol), pol)
     with Progress(
@@ -547,9 +551,9 @@ def profile_hardware_service(
     return profile_sim_hardware(perf, input_tokens=input_tokens, output_tokens=output_tokens)
 
 
-def profile_workload_service(trace: str, name: str | None) -> tuple[str, NIG]:
+def profile_workload_service(trace: str, name: str) -> tuple[str, NIG]:
     outputs = [int(x) for x in load_lengths(trace).output_tokens]
-    return (name or trace), profile_workload(outputs)
+    return name, profile_workload(outputs)
 
 
 @profile_app.command("hardware")
@@ -692,13 +696,17 @@ def profile_workload_cmd(
     trace: Annotated[str, typer.Option(help="Trace or length sample whose output lengths to fit.")],
     out: Annotated[Path, typer.Option(help="Profile file to write or update.")],
     name: Annotated[
-        str | None,
+        str,
         typer.Option(
-            help="Name of the prior (default: the trace name; 'default' is used when nothing else matches)."
+            help="Whose prior it is: a model name (that model's requests) or 'default' (every "
+            "model without a prior of its own)."
         ),
-    ] = None,
+    ] = "default",
 ) -> None:
-    """Fit the output-length prior of a workload from a trace."""
+    """Fit the output-length prior of a workload from a trace (the estimator looks a request's
+    prior up by its model, then 'default')."""
+    if not name:
+        _fail("--name must not be empty (a model name or 'default')")
     key, prior = _guard(lambda: profile_workload_service(trace, name))
     _guard(lambda: _merge_into(out, RctProfile(output_priors={key: prior})))
     console.print(
@@ -721,7 +729,7 @@ def profile_all_cmd(
         for model, gpu, count in sorted(catalog.perf):
             hw = profile_hardware_service(model, gpu, count, 1024, 256)
             hardware[hw.key] = hw
-        priors = dict(profile_workload_service(t, None) for t in WORKLOAD_PRIORS)
+        priors = dict(profile_workload_service(t, t) for t in WORKLOAD_PRIORS)
         priors["default"] = priors["azure-conv"]
         return RctProfile(hardware=hardware, output_priors=priors)
 

@@ -14,6 +14,7 @@ from qlm.errors import ConfigError
 
 if TYPE_CHECKING:
     from qlm.planner import PlannerConfig
+    from qlm.rct.profile import RctProfile
 
 
 class DemoSettings(BaseModel):
@@ -210,10 +211,35 @@ class Settings(BaseSettings):
     ``sqlite:///qlm.db`` in the working directory."""
     instances_file: Path | None = None
     """``QLM_INSTANCES_FILE``: the serving instances (TOML); unset: simulated in-process."""
+    profile_file: Path | None = None
+    """``QLM_PROFILE_FILE``: an RCT profile written by ``qlm profile`` (your GPUs, your workload's
+    output lengths), merged over the shipped one (yours wins on the same key); unset: the
+    shipped profile alone."""
     controller: ControllerSettings = ControllerSettings()
     planner: PlannerSettings = PlannerSettings()
     api: ApiSettings = ApiSettings()
     demo: DemoSettings = DemoSettings()
+
+
+def rct_profile(settings: Settings) -> RctProfile:
+    """The estimator's profile: the shipped one, with ``QLM_PROFILE_FILE``'s entries over it.
+    A file that cannot be read or parsed stops with one line naming the setting."""
+    from qlm.rct.profile import default_profile, parse_profile
+
+    shipped = default_profile()
+    path = settings.profile_file
+    if path is None:
+        return shipped
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(
+            f"setting QLM_PROFILE_FILE: cannot read {path} ({exc.strerror})"
+        ) from None
+    try:
+        return shipped.merged(parse_profile(text, str(path)))
+    except ConfigError as exc:
+        raise ConfigError(f"setting QLM_PROFILE_FILE: {exc}") from None
 
 
 def get_settings() -> Settings:

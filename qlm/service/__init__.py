@@ -16,6 +16,7 @@ import signal
 from qlm.agents.executor import AgentRuntime
 from qlm.clock import EpochClock
 from qlm.controller import Controller
+from qlm.errors import ConfigError
 from qlm.global_queue import GlobalQueue, open_global_queue
 from qlm.planner import create_policy
 from qlm.service.controller import ControllerService
@@ -26,7 +27,7 @@ from qlm.service.instances import (
     host_links,
     load_instances,
 )
-from qlm.settings import Settings
+from qlm.settings import Settings, rct_profile
 from qlm.store import Store
 
 __all__ = ["ControllerService", "build_controller", "instance_configs", "run_controller"]
@@ -62,7 +63,15 @@ def build_controller(
     cs = settings.controller
     configs = configs if configs is not None else instance_configs(settings)
     specs = [c.spec for c in configs]
-    policy = create_policy(cs.policy, planner=settings.planner.planner_config())
+    profile = rct_profile(settings)
+    if cs.policy == "qlm":  # it estimates every instance's completions: say now what is missing
+        for spec in specs:
+            for model in spec.models:
+                try:
+                    profile.hardware_for(model, spec.gpu, spec.gpu_count)
+                except ConfigError as exc:
+                    raise ConfigError(f"instance {spec.name!r}: {exc}") from None
+    policy = create_policy(cs.policy, profile=profile, planner=settings.planner.planner_config())
     runtime = AgentRuntime(
         Controller(policy, specs),
         build_engines(configs, time_scale=cs.sim_time_scale),

@@ -10,6 +10,8 @@ import pytest
 from typer.testing import CliRunner
 
 from qlm.cli import app
+from qlm.rct.estimator import InstanceView, Queued, RCTEstimator
+from tests.builders import make_request
 
 runner = CliRunner()
 SHORT = ["--trace", "azure-conv", "--duration", "60", "--instances", "2xA100:llama-3-8b"]
@@ -125,7 +127,25 @@ def test_profile_commands_write_a_profile_the_estimator_loads(tmp_path: Path) ->
     assert wl.exit_code == 0, wl.output
     profile = parse_profile(out.read_text())
     assert ("llama-3-8b", "H100", 1) in profile.hardware
-    assert set(profile.output_priors) == {"azure-conv"}
+    assert set(profile.output_priors) == {
+        "default"
+    }  # what a request without a prior of its model uses
+    # The file alone serves an estimate (the prior is found for the model's requests).
+    estimator = RCTEstimator(profile)
+    request = make_request(model="llama-3-8b", replay_output_tokens=None)
+    view = InstanceView("h0", "H100", 1, "llama-3-8b")
+    (estimate,) = estimator.estimate_requests(view, [Queued(request, 0)], 0.0)
+    assert 0 < estimate.mean < request.slo.e2e_s
+    assert estimator.expected_output(request) == pytest.approx(
+        profile.prior("default").moments(cap=request.max_tokens)[0], rel=0.05
+    )
+    # A prior for one model's requests.
+    mine = runner.invoke(
+        app,
+        ["profile", "workload", "--trace", "sharegpt", "--name", "llama-3-8b", "--out", str(out)],
+    )
+    assert mine.exit_code == 0, mine.output
+    assert set(parse_profile(out.read_text()).output_priors) == {"default", "llama-3-8b"}
     bad = runner.invoke(
         app,
         [
