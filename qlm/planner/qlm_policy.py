@@ -43,6 +43,7 @@ from qlm.planner.program import FloatArray, PlanGroup, PlanInstance, PlanProblem
 from qlm.planner.solve import Budget, Solution, capacity_needed, solve
 from qlm.rct.estimator import InstanceView, Queued, RCTEstimator, prompt_bin
 from qlm.rct.profile import HardwareProfile, RctProfile, default_profile
+from qlm.rct.trigger import Violation, violations
 from qlm.virtual_queues import Estimate, VirtualQueueSet
 
 log = logging.getLogger(__name__)
@@ -756,12 +757,25 @@ class QlmPolicy:
         if len(family.groups) != sum(len(o) for o in current):
             return True  # some group has no queue
         problem = family.problem(self._choice(family))
+        up = [i for i in self._instances if i.up]
+        risks = []
         for g, order in enumerate(current):
-            missed = score_queue(problem, g, order).missed
-            pairs = zip(order, missed.tolist(), strict=True)
-            if any(m and family.groups[i].id not in self._deferred for i, m in pairs):
-                return True
-        return False
+            score = score_queue(problem, g, order)
+            done = score.completion if score.completion is not None else np.zeros((0, 1))
+            for k, i in enumerate(order):
+                gid = family.groups[i].id
+                if gid not in self._deferred:
+                    risks.append(
+                        Violation(
+                            gid,
+                            up[g].name,
+                            k,
+                            float(score.p_meet[k]),  # over the planner's scenarios
+                            float(done[k].mean()),
+                            float(problem.deadline[i]),
+                        )
+                    )
+        return bool(violations(risks, problem.delta))
 
     def estimates(self, now: float) -> tuple[dict[str, Estimate], dict[str, float]]:
         """What the planner's model predicts of the current virtual queues: per group

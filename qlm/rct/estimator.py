@@ -322,6 +322,10 @@ class GroupEstimate:
     def p_meet_slo(self) -> float:
         return self.completion.p_before(self.deadline_s)
 
+    @property
+    def predicted_completion_s(self) -> float:
+        return self.completion.mean
+
 
 @dataclass(slots=True)
 class _Scan:

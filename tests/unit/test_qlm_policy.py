@@ -390,3 +390,24 @@ def test_completions_teach_the_estimator_how_fast_the_instance_really_decodes() 
     # pseudo-evidence shrinks it toward 1); without learning all three would stay at 1.0.
     assert factors["catalog"] < factors["slow"] < factors["slower"], factors
     assert factors["slower"] > 1.4 * factors["slow"], factors
+
+
+def test_the_violation_trigger_is_the_risk_the_policy_reports() -> None:
+    """A plan is triggered exactly when a queued, admitted group's P(meet SLO) over the
+    planner's scenarios — what ``estimates`` reports to operators — is below Δ."""
+    qlm = policy(period_s=1000.0)
+    busy = load(max_running=1, outstanding_requests=1, outstanding_tokens=200)
+    reqs = tuple(
+        make_request(i, arrival_s=0.0, slo=SLO(float(5 + 4 * i)), input_tokens=100 + 37 * i)
+        for i in range(12)
+    )
+    qlm.decide(DispatchContext(0.0, reqs, (busy,)))
+    seen = []
+    for now in (1.0, 3.0, 6.0, 10.0, 15.0, 21.0, 28.0, 36.0):
+        groups, _ = qlm.estimates(now)
+        risks = [p for gid, (_, _, p) in groups.items() if gid not in qlm._deferred]
+        seen += risks
+        expected = any(p < qlm.config.delta for p in risks)
+        assert qlm._predicts_violation(now) == expected, (now, risks)
+    # Not vacuous: some group was neither surely met nor surely missed.
+    assert any(0.05 < p < qlm.config.delta for p in seen), seen

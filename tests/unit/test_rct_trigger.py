@@ -29,6 +29,7 @@ def test_a_looser_target_triggers_less() -> None:
     assert violations(estimates, delta=0.9) and not violations(estimates, delta=0.5)
 
 
-def test_delta_outside_the_unit_interval_is_refused() -> None:
+@pytest.mark.parametrize("delta", [0.0, 1.5])
+def test_delta_outside_the_unit_interval_is_refused(delta: float) -> None:
     with pytest.raises(ConfigError, match="delta"):
-        violations([], delta=1.0)
+        violations([], delta=delta)
