@@ -4,6 +4,7 @@ import, so tests construct their own."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
@@ -96,13 +97,17 @@ class PlannerSettings(BaseModel):
     swap: bool = False
     solver: Literal["auto", "cbc", "highs"] = "auto"
     """The MILP's solver (small problems only, docs/planner.md): HiGHS when installed, else CBC."""
+    group_delta: float = Field(default=4.0, gt=0)
+    """δ of the request groups (paper §4): a group holds at most δ × ``group_batch_size``."""
+    group_batch_size: float = Field(default=8.0, ge=1)
+    """The average batch size groups are sized by (smaller groups: finer plans, more planning)."""
 
     def planner_config(self) -> PlannerConfig:
         """The ``PlannerConfig`` these settings stand for."""
         from qlm.agents.decide import AgentConfig
         from qlm.domain import Tier
         from qlm.planner import PlannerConfig
-        from qlm.planner.qlm_policy import DEFAULT_TIER_WEIGHTS
+        from qlm.planner.qlm_policy import DEFAULT_GROUPING, DEFAULT_TIER_WEIGHTS
         from qlm.planner.solve import Budget
 
         weights = dict(DEFAULT_TIER_WEIGHTS)
@@ -119,6 +124,9 @@ class PlannerSettings(BaseModel):
             choose_concurrency=self.choose_concurrency,
             agent=AgentConfig(evict=self.evict, swap=self.swap, warm_start=self.warm_start),
             solver=self.solver,
+            grouping=dataclasses.replace(
+                DEFAULT_GROUPING, delta=self.group_delta, avg_batch_size=self.group_batch_size
+            ),
         )
 
 

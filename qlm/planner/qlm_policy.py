@@ -82,6 +82,8 @@ class PlannerConfig:
     concurrency_hysteresis: float = 0.05
     defer_expensive: bool = True
     seed: int = 0
+    grouping: GroupingConfig = DEFAULT_GROUPING
+    """How requests are grouped (δ × average batch size bounds a group: ``DEFAULT_GROUPING``)."""
 
     @classmethod
     def for_simulation(cls, evaluations: int = 5000, **overrides: object) -> PlannerConfig:
@@ -409,7 +411,8 @@ class QlmPolicy:
         self.model_switching = "explicit" if self.config.agent.warm_start else "fcfs"
         self.estimator = estimator or RCTEstimator(profile or default_profile())
         self.grouper = Grouper(
-            grouping or DEFAULT_GROUPING, predict_output=predict_output or default_predict_output
+            grouping or self.config.grouping,
+            predict_output=predict_output or default_predict_output,
         )
         self.queues = VirtualQueueSet(self.grouper)
         self.plans: list[PlanRecord] = []

@@ -15,6 +15,7 @@ from qlm.errors import ConfigError
 from qlm.planner import PlannerConfig
 from qlm.service import build_controller
 from qlm.settings import PlannerSettings, Settings, get_settings
+from tests.builders import make_request
 
 
 def test_unset_planner_settings_are_the_planners_defaults() -> None:
@@ -50,6 +51,8 @@ def test_planner_settings_are_read_from_the_environment(monkeypatch: pytest.Monk
         ("QLM_PLANNER__BUDGET_S", "0"),
         ("QLM_PLANNER__MAX_UTILISATION", "1.2"),
         ("QLM_PLANNER__SOLVER", "gurobi"),
+        ("QLM_PLANNER__GROUP_DELTA", "0"),
+        ("QLM_PLANNER__GROUP_BATCH_SIZE", "0.5"),
     ],
 )
 def test_a_bad_planner_setting_is_one_line_naming_it(
@@ -72,3 +75,17 @@ def test_the_controller_and_the_simulator_run_the_configured_planner(
     args = ["simulate", "--duration", "20", "--policy", "qlm", "--json"]
     bad = CliRunner().invoke(app, args)
     assert bad.exit_code == 1 and "QLM_PLANNER__DELTA" in bad.stderr
+
+
+def test_the_group_size_bound_is_configured(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert PlannerSettings().planner_config().grouping.max_group_size == 32  # the policy's default
+    monkeypatch.setenv("QLM_PLANNER__GROUP_DELTA", "2")
+    monkeypatch.setenv("QLM_PLANNER__GROUP_BATCH_SIZE", "3")
+    settings = get_settings()
+    service = build_controller(settings)
+    grouper = service.runtime.controller.policy.grouper  # type: ignore[attr-defined]
+    requests = [make_request(i, arrival_s=0.0, model="llama-3-8b") for i in range(20)]
+    for request in requests:
+        grouper.add(request, 0.0)
+    sizes = [len(g.requests) for g in grouper.groups()]
+    assert max(sizes) == 6 and sum(sizes) == 20  # delta x batch size = 6 per group
