@@ -272,6 +272,7 @@ def build_family(
     z_total = rng.standard_normal((n, s_count))
     z_last = rng.standard_normal((n, s_count))
     loads = [estimator.group_load(gid, requests) for gid, requests, _ in groups]
+    estimator.keep_group_loads(gid for gid, _, _ in groups)
     plan_groups = tuple(
         PlanGroup(gid, ld.model, ld.earliest_deadline_s, config.tier_weights[tier] * ld.size)
         for (gid, _, tier), ld in zip(groups, loads, strict=True)

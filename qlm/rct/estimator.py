@@ -88,7 +88,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -327,6 +327,33 @@ class GroupEstimate:
         return self.completion.mean
 
 
+@dataclass(frozen=True, slots=True)
+class _GroupSums:
+    """What ``group_load`` needs of a group's requests besides the beliefs: prompt tokens, the
+    earliest deadline, and how many requests share each belief lookup (one request of each)."""
+
+    inputs: int
+    earliest: float
+    lookups: tuple[tuple[Request, int], ...]
+
+
+def _group_sums(requests: Sequence[Request], key: Callable[[Request], Hashable]) -> _GroupSums:
+    inputs, earliest = 0, math.inf
+    counts: dict[Hashable, list[Any]] = {}
+    for r in requests:
+        k = key(r)
+        entry = counts.get(k)
+        if entry is None:
+            counts[k] = [r, 1]
+        else:
+            entry[1] += 1
+        inputs += r.input_tokens
+        deadline = r.arrival_s + r.slo.e2e_s  # (Request.deadline_s)
+        if deadline < earliest:
+            earliest = deadline
+    return _GroupSums(inputs, earliest, tuple((r, n) for r, n in counts.values()))
+
+
 @dataclass(slots=True)
 class _Scan:
     """Per-request terms of a queue scanned in order (``RCTEstimator._scan``), kept per
@@ -537,6 +564,11 @@ class RCTEstimator:
     # Per instance, the last queue ``estimate_requests`` scanned: a request pulled behind the
     # running ones (the agents predict every pull) rescans only what was added since.
     _scans: dict[str, _Scan] = field(default_factory=dict, init=False)
+    # Per group id, its requests (the grouper's snapshot: the same tuple while the group is
+    # unchanged) and their sums that do not depend on the beliefs (``group_load``).
+    _group_sums: dict[str, tuple[Sequence[Request], _GroupSums]] = field(
+        default_factory=dict, init=False
+    )
 
     # --- output lengths --------------------------------------------------------------------------
 
@@ -927,23 +959,23 @@ class RCTEstimator:
         """Aggregate a group's requests (FCFS order) into the sums the queue estimate needs."""
         if not requests:
             raise ValueError(f"group {group_id} is empty")
-        o_mean = o_var = 0.0
-        inputs = 0
-        earliest = math.inf
         # Requests of one group mostly share a belief: their moments are looked up once per
-        # (class, prompt bin, cap) — the hot loop of every plan, over every waiting request.
-        seen: dict[tuple[str, str, int, int], tuple[float, float]] = {}
-        for r in requests:
-            k = (r.model, r.slo_class, self._bin(r), r.max_tokens)
-            mv = seen.get(k)
-            if mv is None:
-                mv = seen[k] = self.output_moments(r)
-            o_mean += mv[0]
-            o_var += mv[1]
-            inputs += r.input_tokens
-            deadline = r.arrival_s + r.slo.e2e_s  # (Request.deadline_s)
-            if deadline < earliest:
-                earliest = deadline
+        # (class, prompt bin, cap), and the counts are kept while the group is unchanged (the
+        # grouper hands out the same snapshot), so a plan after a completion, which moves the
+        # beliefs, does not walk every waiting request again.
+        hit = self._group_sums.get(group_id)
+        if hit is not None and hit[0] is requests:
+            sums = hit[1]
+        else:
+            sums = _group_sums(requests, self._lookup_key)
+            if isinstance(requests, tuple):  # (a list may change in place: not kept)
+                self._group_sums[group_id] = (requests, sums)
+        o_mean = o_var = 0.0
+        for r, count in sums.lookups:
+            m, v = self.output_moments(r)
+            o_mean += count * m
+            o_var += count * v
+        inputs, earliest = sums.inputs, sums.earliest
         last = requests[-1]
         lm, lv = self.output_moments(last)
         return GroupLoad(
@@ -958,6 +990,16 @@ class RCTEstimator:
             last_output_var=lv,
             last_input_tokens=last.input_tokens,
         )
+
+    def _lookup_key(self, r: Request) -> Hashable:
+        return (r.model, r.slo_class, self._bin(r), r.max_tokens)
+
+    def keep_group_loads(self, group_ids: Iterable[str]) -> None:
+        """Forget the sums of groups not in ``group_ids`` (those that ended): a planner calls
+        it with the groups it plans, so that what ``group_load`` keeps stays that size."""
+        keep = set(group_ids)
+        for gid in [g for g in self._group_sums if g not in keep]:
+            del self._group_sums[gid]
 
     def estimate_queue(
         self,

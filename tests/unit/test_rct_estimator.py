@@ -424,6 +424,25 @@ def test_a_group_load_sums_its_requests_and_keeps_its_last_one() -> None:
     assert moments[0][0] < moments[2][0] < moments[1][0]
 
 
+def test_a_group_load_follows_the_beliefs_and_the_members_of_an_unchanged_snapshot() -> None:
+    est = estimator()
+    members = tuple(make_request(i, max_tokens=100 + 300 * (i % 2)) for i in range(6))
+    before = est.group_load("g1", members)
+    est.observe(make_request(99), output_tokens=5)  # the beliefs move, the group does not
+    after = est.group_load("g1", members)
+    fresh = estimator()
+    fresh.observe(make_request(99), output_tokens=5)
+    assert after == fresh.group_load("g1", members)  # as if summed from scratch
+    assert after.output_mean != before.output_mean
+    by_request = [est.output_moments(r) for r in members]  # requests sharing a belief count each
+    assert after.output_mean == pytest.approx(sum(m for m, _ in by_request), rel=1e-12)
+    assert after.output_var == pytest.approx(sum(v for _, v in by_request), rel=1e-12)
+    grown = (*members, make_request(6, input_tokens=777, arrival_s=-50.0))
+    assert est.group_load("g1", grown) == fresh.group_load("g1", grown)  # a new snapshot
+    est.keep_group_loads(["g2"])  # g1 ended: what was kept for it goes
+    assert est.group_load("g1", grown) == fresh.group_load("g1", grown)
+
+
 def test_an_empty_group_has_no_load() -> None:
     with pytest.raises(ValueError, match="g9"):
         estimator().group_load("g9", [])
