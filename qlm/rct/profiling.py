@@ -12,7 +12,12 @@ engine's own performance model:
    prompt work is taken out, ``ε`` the mean time per output token over all requests divided by that
    of the requests never preempted;
 3. one full batch (as many requests as fit at once), streamed: ``d`` is the median time per output
-   token once every prompt is in — pure decode at the saturation batch size.
+   token once every prompt is in — pure decode at the saturation batch size;
+4. the model woken from CPU memory (warm) and loaded from disk (cold) on an idle engine: the
+   load times per tier.
+
+The KV bytes per token are the model's (its architecture, from the catalog), as for a vLLM
+server, whose API does not export them either.
 
 This drives the simulated engine (``SimEngine``); the same measurements against a vLLM server come
 with the vLLM engine client.
@@ -27,6 +32,7 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import replace
 
+from qlm.domain import ModelTier
 from qlm.engines.base import EngineRequest, EventKind
 from qlm.engines.perf_model import PerfModel
 from qlm.engines.sim import SimEngine, SimEngineConfig
@@ -157,13 +163,28 @@ def profile_sim_hardware(
         decode_ctx_tokens=input_tokens + output_tokens / 2,
         kv_bytes_per_token=perf.model.kv_bytes_per_token,
         kv_capacity_tokens=capacity,
-        warm_load_s=perf.warm_load_s,
-        cold_load_s=perf.cold_load_s,
+        warm_load_s=_load_time(perf, cfg, ModelTier.WARM),
+        cold_load_s=_load_time(perf, cfg, ModelTier.COLD),
         source=(
             f"simulated engine, {n_req} requests of {input_tokens}+{output_tokens} tokens "
             f"and prefill at {len(lengths)} lengths"
         ),
     )
+
+
+def _load_time(perf: PerfModel, cfg: SimEngineConfig, tier: ModelTier) -> float:
+    """Seconds an idle engine takes to make the model active from ``tier`` (WARM: its weights in
+    CPU memory, vLLM's sleep level 1; COLD: from disk)."""
+    name = perf.model.name
+    engine = SimEngine("profile", {name: perf}, cfg, initial_tiers={name: tier})
+    engine.set_model_tier(name, ModelTier.ACTIVE, 0.0)
+    t = engine.next_event_time()
+    while t is not None:
+        for event in engine.advance(t):
+            if event.kind is EventKind.MODEL_READY:
+                return event.time
+        t = engine.next_event_time()
+    raise ConfigError(f"profiling: the simulated engine never made {name} active")
 
 
 def _decode_alone(perf: PerfModel, cfg: SimEngineConfig, prompt: int, output: int) -> float:
