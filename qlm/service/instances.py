@@ -5,7 +5,9 @@ An instances file is TOML, one ``[[instances]]`` table per serving instance::
     [[instances]]
     name = "a100-0"
     url = "http://10.0.0.5:8000"   # vLLM server or `qlm sim-engine serve`; omit: in-process sim
-    gpu = "A100"                     # the hardware profile the estimator uses
+    gpu = "A100"                     # the hardware profile the estimator uses (any name for a
+                                     # server: profile it, QLM_PROFILE_FILE; a simulated one
+                                     # needs a GPU the simulator knows)
     models = ["llama-3-8b"]          # served model names
     gpu_count = 1                    # optional (default: the fewest GPUs the model fits on)
     max_num_seqs = 256               # optional: vLLM does not export it
@@ -88,10 +90,14 @@ def _entry(path: Path, i: int, entry: Any, catalog: HardwareCatalog) -> Instance
     url = entry.get("url", "")
     if not isinstance(url, str) or (url and not url.startswith(("http://", "https://"))):
         raise ConfigError(f"{where}.url: must be an http(s) URL, got {url!r}")
+    if not isinstance(gpu, str) or not gpu:
+        raise ConfigError(f"{where}.gpu: must be a non-empty string")
     try:
-        gpu_name = catalog.gpu(str(gpu)).name
+        gpu_name = catalog.gpu(gpu).name
     except ConfigError as exc:
-        raise ConfigError(f"{where}.gpu: {exc}") from None
+        if not url:  # simulated: the simulator must know the GPU
+            raise ConfigError(f"{where}.gpu: {exc}") from None
+        gpu_name = gpu  # a server's GPU: what its profile is looked up by (QLM_PROFILE_FILE)
     count = entry.get("gpu_count")
     if count is not None and (not isinstance(count, int) or count < 1):
         raise ConfigError(f"{where}.gpu_count: must be an integer >= 1, got {count!r}")
@@ -150,4 +156,10 @@ def host_links(
 ) -> dict[str, float]:
     """GPU <-> CPU bandwidth of each instance's GPU (what KV swap costs)."""
     catalog = catalog or default_catalog()
-    return {c.spec.name: catalog.gpu(c.spec.gpu).host_link_gbs for c in configs}
+    links = {}
+    for c in configs:
+        try:
+            links[c.spec.name] = catalog.gpu(c.spec.gpu).host_link_gbs
+        except ConfigError:  # a GPU the catalog does not know: no swap cost to tell
+            links[c.spec.name] = 0.0
+    return links
