@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import shlex
@@ -586,6 +587,11 @@ def profile_server_service(
     from qlm.clock import WallClock
     from qlm.engines.profiling import profile_engine
     from qlm.engines.vllm import VllmEngine
+
+    # A GPU the catalog knows is named as the instances file names it (A100, not a100); any
+    # other as given (profiles match GPU names in any case).
+    with contextlib.suppress(QLMError):
+        gpu = default_catalog().gpu(gpu).name
 
     async def run() -> HardwareProfile:
         engine = VllmEngine("server", url, model, timeout_s=60.0, tier_timeout_s=1800.0)

@@ -97,9 +97,9 @@ class PlannerSettings(BaseModel):
     swap: bool = False
     solver: Literal["auto", "cbc", "highs"] = "auto"
     """The MILP's solver (small problems only, docs/planner.md): HiGHS when installed, else CBC."""
-    group_delta: float = Field(default=4.0, gt=0)
+    group_delta: float = Field(default=4.0, gt=0, allow_inf_nan=False)
     """δ of the request groups (paper §4): a group holds at most δ × ``group_batch_size``."""
-    group_batch_size: float = Field(default=8.0, ge=1)
+    group_batch_size: float = Field(default=8.0, ge=1, allow_inf_nan=False)
     """The average batch size groups are sized by (smaller groups: finer plans, more planning)."""
 
     def planner_config(self) -> PlannerConfig:
@@ -194,6 +194,11 @@ class ApiSettings(BaseModel):
         return self
 
 
+def _unset_if_empty(value: object) -> object:
+    """A path variable set to nothing (``QLM_PROFILE_FILE=``) is unset, not the current directory."""
+    return None if isinstance(value, str) and not value.strip() else value
+
+
 def _upper(value: object) -> object:
     """A level name in any case, with the aliases Python's logging knows (WARN, FATAL)."""
     if not isinstance(value, str):
@@ -217,9 +222,9 @@ class Settings(BaseSettings):
     database_url: str | None = None
     """``QLM_DATABASE_URL``: ``postgresql+psycopg://...`` or ``sqlite:///path``; unset:
     ``sqlite:///qlm.db`` in the working directory."""
-    instances_file: Path | None = None
+    instances_file: Annotated[Path | None, BeforeValidator(_unset_if_empty)] = None
     """``QLM_INSTANCES_FILE``: the serving instances (TOML); unset: simulated in-process."""
-    profile_file: Path | None = None
+    profile_file: Annotated[Path | None, BeforeValidator(_unset_if_empty)] = None
     """``QLM_PROFILE_FILE``: an RCT profile written by ``qlm profile`` (your GPUs, your workload's
     output lengths), merged over the shipped one (yours wins on the same key); unset: the
     shipped profile alone."""
@@ -244,6 +249,8 @@ def rct_profile(settings: Settings) -> RctProfile:
         raise ConfigError(
             f"setting QLM_PROFILE_FILE: cannot read {path} ({exc.strerror})"
         ) from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"setting QLM_PROFILE_FILE: {path} is not UTF-8 text") from None
     try:
         return shipped.merged(parse_profile(text, str(path)))
     except ConfigError as exc:

@@ -143,13 +143,13 @@ async def profile_engine(
             diffs.append(longer - shorter)
             if diffs[-1] > PLAUSIBLE_SHARE * longer:
                 break
-        diff = statistics.median(diffs) if diffs[-1] <= PLAUSIBLE_SHARE * longer else diffs[-1]
-        if diff <= 0:
+        diff = diffs[-1] if diffs[-1] > PLAUSIBLE_SHARE * longer else statistics.median(diffs)
+        if diff <= PLAUSIBLE_SHARE * longer:
             raise EngineError(
                 f"{engine.name}: decode time could not be measured ({n} request(s) after "
-                f"{prompt} prompt tokens took no longer to generate {output_tokens} tokens "
-                f"than {half} in {len(diffs)} tries: {', '.join(f'{x:+.3f}' for x in diffs)} s); "
-                "is another client using the server?"
+                f"{prompt} prompt tokens took hardly longer to generate {output_tokens} tokens "
+                f"than {half} in {len(diffs)} tries: {', '.join(f'{x:+.3f}' for x in diffs)} s of "
+                f"{longer:.3f}); is another client using the server? (or raise --output-tokens)"
             )
         return diff / (output_tokens - half), longer
 

@@ -14,6 +14,7 @@ from qlm.rct.profile import RctProfile
 
 __all__ = [
     "POLICIES",
+    "PROFILED",
     "Completion",
     "DispatchContext",
     "InstanceLoad",
@@ -24,6 +25,8 @@ __all__ = [
 ]
 
 POLICIES = ("fcfs", "fcfs-rr", "edf", "sedf", "priority", "proserve", "shepherd", "qlm")
+PROFILED = ("sedf", "proserve", "shepherd", "qlm")
+"""The policies that estimate service times with the RCT profile (the others need none)."""
 
 
 def create_policy(

@@ -779,7 +779,9 @@ class QlmPolicy:
                             float(problem.deadline[i]),
                         )
                     )
-        return bool(violations(risks, problem.delta))
+        # P(meet) below Δ, counted as the plan's chance constraint counts it: fewer scenarios
+        # met than ``required_ok`` (the same test, without Δ·S's rounding).
+        return bool(violations(risks, problem.required_ok / problem.scenarios))
 
     def estimates(self, now: float) -> tuple[dict[str, Estimate], dict[str, float]]:
         """What the planner's model predicts of the current virtual queues: per group

@@ -105,6 +105,7 @@ PRIOR_DECODE_S = 600.0  # weight of the profile in the decode-speed calibration,
 FILL_SHARE = 0.75  # filling: fewer running than this share of the batch it will hold
 SPEED_PRIOR_SD = 0.3  # spread of log(actual / predicted time per token) before any decode
 SPEED_PRIOR_N = 20.0  # ... worth this many observed decodes
+GROUP_SUMS_MAX = 100_000  # groups whose sums group_load keeps at most (keep_group_loads prunes)
 SLOPE_PRIOR = 20.0  # weight of "predictions come true" (slope 1), in departures of 10 %
 SLOPE_CENTER_ARRIVALS = 64.0  # the recent mean of predicted times per token: ~64 arrivals
 PREEMPT_PRIOR = 10.0  # weight of "no preemptions" in an instance's preemption rate, in completions
@@ -969,6 +970,8 @@ class RCTEstimator:
         else:
             sums = _group_sums(requests, self._lookup_key)
             if isinstance(requests, tuple):  # (a list may change in place: not kept)
+                if len(self._group_sums) >= GROUP_SUMS_MAX:  # nobody called keep_group_loads
+                    self._group_sums.clear()
                 self._group_sums[group_id] = (requests, sums)
         o_mean = o_var = 0.0
         for r, count in sums.lookups:

@@ -111,7 +111,18 @@ class RctProfile:
     output_priors: dict[str, NIG] = field(default_factory=dict)
 
     def hardware_for(self, model: str, gpu: str, gpu_count: int) -> HardwareProfile:
+        """The profile of ``model`` on ``gpu_count`` × ``gpu`` (GPU names in any case)."""
         hw = self.hardware.get((model, gpu, gpu_count))
+        if hw is None:
+            folded = gpu.casefold()
+            hw = next(
+                (
+                    h
+                    for (m, g, c), h in self.hardware.items()
+                    if m == model and c == gpu_count and g.casefold() == folded
+                ),
+                None,
+            )
         if hw is None:
             have = ", ".join(f"{m}@{c}x{g}" for m, g, c in sorted(self.hardware))
             raise ConfigError(

@@ -18,7 +18,7 @@ from qlm.clock import EpochClock
 from qlm.controller import Controller
 from qlm.errors import ConfigError
 from qlm.global_queue import GlobalQueue, open_global_queue
-from qlm.planner import create_policy
+from qlm.planner import PROFILED, create_policy
 from qlm.service.controller import ControllerService
 from qlm.service.instances import (
     InstanceConfig,
@@ -64,13 +64,20 @@ def build_controller(
     configs = configs if configs is not None else instance_configs(settings)
     specs = [c.spec for c in configs]
     profile = rct_profile(settings)
-    if cs.policy == "qlm":  # it estimates every instance's completions: say now what is missing
+    if cs.policy in PROFILED:  # it estimates every instance's service: say now what is missing
         for spec in specs:
             for model in spec.models:
                 try:
                     profile.hardware_for(model, spec.gpu, spec.gpu_count)
                 except ConfigError as exc:
-                    raise ConfigError(f"instance {spec.name!r}: {exc}") from None
+                    fix = (
+                        f"; profile the server (`qlm profile server --url {spec.url} --model "
+                        f"{model} --gpu {spec.gpu} --gpus {spec.gpu_count} --max-num-seqs N "
+                        "--out FILE`) and set QLM_PROFILE_FILE"
+                        if spec.url
+                        else ""
+                    )
+                    raise ConfigError(f"instance {spec.name!r}: {exc}{fix}") from None
     policy = create_policy(cs.policy, profile=profile, planner=settings.planner.planner_config())
     runtime = AgentRuntime(
         Controller(policy, specs),

@@ -38,7 +38,8 @@ def server() -> Iterator[str]:
 
 
 def profile(url: str, out: Path, *extra: str) -> tuple[int, str]:
-    args = ["profile", "server", "--url", url, "--model", MODEL, "--gpu", "A100"]
+    # "a100": written as the catalog names it, "A100" (what the instances file looks it up by).
+    args = ["profile", "server", "--url", url, "--model", MODEL, "--gpu", "a100"]
     args += ["--out", str(out), "--time-scale", str(SCALE), *LENGTHS, *extra]
     result = CliRunner().invoke(app, args)
     return result.exit_code, result.output

@@ -52,6 +52,7 @@ def test_planner_settings_are_read_from_the_environment(monkeypatch: pytest.Monk
         ("QLM_PLANNER__MAX_UTILISATION", "1.2"),
         ("QLM_PLANNER__SOLVER", "gurobi"),
         ("QLM_PLANNER__GROUP_DELTA", "0"),
+        ("QLM_PLANNER__GROUP_DELTA", "inf"),
         ("QLM_PLANNER__GROUP_BATCH_SIZE", "0.5"),
     ],
 )

@@ -17,7 +17,7 @@ from qlm.rct.output_model import NIG
 from qlm.rct.profile import RctProfile, default_profile, dump_profile
 from qlm.service import build_controller
 from qlm.service.instances import InstanceConfig
-from qlm.settings import ControllerSettings, Settings, rct_profile
+from qlm.settings import ControllerSettings, Settings, get_settings, rct_profile
 
 KEY = ("llama-3-8b", "A100", 1)
 
@@ -50,18 +50,41 @@ def test_the_controller_estimates_with_the_profile_file(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     ("content", "message"),
-    [(None, "cannot read"), ("{not json", "not valid JSON"), ('{"version": 0}', "version")],
+    [
+        (None, "cannot read"),
+        ("{not json", "not valid JSON"),
+        ('{"version": 0}', "version"),
+        ("", "not valid JSON"),
+        (b"\xff\xfe{}", "not UTF-8"),
+    ],
 )
 def test_a_profile_file_that_cannot_be_used_is_one_line_naming_the_setting(
-    tmp_path: Path, content: str | None, message: str
+    tmp_path: Path, content: str | bytes | None, message: str
 ) -> None:
     path = tmp_path / "profile.json"
-    if content is not None:
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    elif content is not None:
         path.write_text(content)
     with pytest.raises(ConfigError, match=f"^setting QLM_PROFILE_FILE: .*{message}"):
         rct_profile(Settings(profile_file=path))
     with pytest.raises(ConfigError, match=r"^setting QLM_PROFILE_FILE"):
         build_controller(Settings(profile_file=path))
+
+
+def test_a_profile_file_set_to_nothing_is_unset(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("QLM_PROFILE_FILE", "")
+    monkeypatch.setenv("QLM_INSTANCES_FILE", " ")
+    settings = get_settings()
+    assert settings.profile_file is None and settings.instances_file is None
+
+
+def test_a_profile_is_found_whatever_the_case_of_its_gpu() -> None:
+    shipped = default_profile()
+    l40s = dataclasses.replace(shipped.hardware[KEY], gpu="L40S")
+    assert RctProfile(hardware={l40s.key: l40s}).hardware_for("llama-3-8b", "l40s", 1) == l40s
+    # (`qlm profile server --gpu a100` writes the catalog's "A100": tests/integration/
+    # test_profile_server.py.)
 
 
 def test_simulate_reads_the_profile_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -73,12 +96,23 @@ def test_simulate_reads_the_profile_file(tmp_path: Path, monkeypatch: pytest.Mon
     assert good.exit_code == 0, good.stderr
 
 
-def test_an_instance_the_profile_does_not_cover_stops_the_qlm_controller_at_start() -> None:
+@pytest.mark.parametrize("policy", ["qlm", "sedf", "proserve", "shepherd"])
+def test_an_instance_the_profile_does_not_cover_stops_an_estimating_controller_at_start(
+    policy: str,
+) -> None:
     spec = InstanceSpec("odd", "A100", ("llama-3-8b",), gpu_count=3, url="http://127.0.0.1:9")
     odd = InstanceConfig(spec)  # a vLLM server on three A100s: nothing shipped profiles that
-    with pytest.raises(
-        ConfigError, match=r"^instance 'odd': no RCT hardware profile .*qlm profile"
-    ):
-        build_controller(Settings(), configs=[odd])
-    # A policy that estimates nothing serves it.
-    build_controller(Settings(controller=ControllerSettings(policy="fcfs")), configs=[odd])
+    settings = Settings(controller=ControllerSettings(policy=policy))
+    with pytest.raises(ConfigError) as err:
+        build_controller(settings, configs=[odd])
+    message = str(err.value)
+    assert message.startswith("instance 'odd': no RCT hardware profile") and "\n" not in message
+    assert "qlm profile server --url http://127.0.0.1:9" in message
+    assert "QLM_PROFILE_FILE" in message
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "fcfs-rr", "edf", "priority"])
+def test_a_policy_that_estimates_nothing_needs_no_profile(policy: str) -> None:
+    spec = InstanceSpec("odd", "A100", ("llama-3-8b",), gpu_count=3, url="http://127.0.0.1:9")
+    settings = Settings(controller=ControllerSettings(policy=policy))
+    build_controller(settings, configs=[InstanceConfig(spec)])

@@ -443,6 +443,34 @@ def test_a_group_load_follows_the_beliefs_and_the_members_of_an_unchanged_snapsh
     assert est.group_load("g1", grown) == fresh.group_load("g1", grown)
 
 
+def test_group_load_walks_a_snapshot_once_until_its_group_ends(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import qlm.rct.estimator as module
+
+    walked: list[int] = []
+    real = module._group_sums
+
+    def counting(requests: Any, key: Any) -> Any:
+        walked.append(len(requests))
+        return real(requests, key)
+
+    monkeypatch.setattr(module, "_group_sums", counting)
+    est = estimator()
+    members = tuple(make_request(i) for i in range(4))
+    for _ in range(3):
+        est.group_load("g1", members)
+        est.observe(make_request(50), output_tokens=7)
+    assert walked == [4]  # the beliefs moved twice; the requests were walked once
+    est.group_load("g1", list(members))  # a list may change in place: walked, not kept
+    est.keep_group_loads(["g1"])
+    est.group_load("g1", members)
+    assert walked == [4, 4]
+    est.keep_group_loads([])  # g1 ended
+    est.group_load("g1", members)
+    assert walked == [4, 4, 4]
+
+
 def test_an_empty_group_has_no_load() -> None:
     with pytest.raises(ValueError, match="g9"):
         estimator().group_load("g9", [])

@@ -29,6 +29,11 @@ def test_a_looser_target_triggers_less() -> None:
     assert violations(estimates, delta=0.9) and not violations(estimates, delta=0.5)
 
 
+def test_delta_one_asks_for_every_scenario() -> None:
+    nearly = [est("nearly", mean=10, sd=2, deadline=14)]  # P(meet) ~ 0.977
+    assert [v.group_id for v in violations(nearly, delta=1.0)] == ["nearly"]
+
+
 @pytest.mark.parametrize("delta", [0.0, 1.5])
 def test_delta_outside_the_unit_interval_is_refused(delta: float) -> None:
     with pytest.raises(ConfigError, match="delta"):
