@@ -165,8 +165,10 @@ class ApiSettings(BaseModel):
     admission: Literal["accept", "reject"] = "accept"
     """When the plan says a new request cannot meet its SLO: ``accept`` it flagged at risk, or
     ``reject`` it with 503 and the reason."""
-    wait_timeout_s: float = Field(default=600.0, gt=0)
-    """The longest an OpenAI-style call waits for its result behind the queue (504 after)."""
+    wait_timeout_s: float = Field(default=540.0, gt=0)
+    """The longest an OpenAI-style call waits for its result behind the queue (504 after). Below
+    the OpenAI clients' own 600 s: a client that gives up first retries, and each retry cancels
+    the request before (its disconnect) and queues it again."""
     max_long_poll_s: float = Field(default=60.0, gt=0)
     """The largest ``wait`` of ``GET /v1/requests/{id}``."""
     poll_interval_s: float = Field(default=0.25, gt=0)

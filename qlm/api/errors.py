@@ -140,7 +140,9 @@ def error_schemas() -> dict[str, Any]:
 def _param(loc: Sequence[int | str]) -> str:
     """``("body", "messages", 0, "role")`` -> ``messages[0].role``; a header keeps its name."""
     parts = list(loc)
-    if parts and parts[0] in ("body", "query", "header", "path", "cookie"):
+    if len(parts) >= 2 and parts[0] in ("query", "header", "path", "cookie"):
+        return str(parts[1])  # a header's name (``x-qlm-tier``) as sent
+    if parts and parts[0] == "body":
         parts = parts[1:]
     if not parts:
         return "body"
@@ -148,9 +150,14 @@ def _param(loc: Sequence[int | str]) -> str:
     for part in parts:
         if isinstance(part, int):
             out += f"[{part}]"
+        elif not part.isidentifier() or part in _TYPE_LABELS:
+            break  # pydantic's label of a union's branch (``function-after[...]``, ``str``)
         else:
             out += f".{part}" if out else str(part)
-    return out
+    return out or "body"
+
+
+_TYPE_LABELS = frozenset({"str", "int", "float", "bool", "list", "dict", "none", "literal"})
 
 
 def response_for(exc: Exception) -> JSONResponse | None:

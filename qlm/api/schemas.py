@@ -486,6 +486,37 @@ class _OpenAiIn(SamplingIn, SloIn):
     guided_regex: Any = Field(default=None, description="vLLM's (old); not supported (422).")
     guided_choice: Any = Field(default=None, description="vLLM's (old); not supported (422).")
     guided_grammar: Any = Field(default=None, description="vLLM's (old); not supported (422).")
+    logit_bias: dict[str, Any] | None = Field(
+        default=None, description="Not supported (422 when set)."
+    )
+    top_logprobs: int | None = Field(default=None, description="Not supported (422 when set).")
+    min_tokens: int | None = Field(
+        default=None, description="vLLM's; not supported (422 when > 0)."
+    )
+    min_p: float | None = Field(default=None, description="vLLM's; not supported (422 when > 0).")
+    ignore_eos: bool | None = Field(
+        default=None, description="vLLM's; not supported (422 when true)."
+    )
+    modalities: list[str] | None = Field(default=None, description='Only ["text"] is supported.')
+    audio: Any = Field(default=None, description="Not supported (422 when set).")
+
+    def unhonoured(self) -> tuple[str, str] | None:
+        """The first field set to something QLM would silently drop: (name, message)."""
+        if self.logit_bias:
+            return "logit_bias", "logit_bias is not supported"
+        if self.top_logprobs is not None:
+            return "top_logprobs", "top_logprobs is not supported (nor logprobs)"
+        if self.min_tokens:
+            return "min_tokens", "min_tokens is not supported"
+        if self.min_p:
+            return "min_p", "min_p is not supported"
+        if self.ignore_eos:
+            return "ignore_eos", "ignore_eos is not supported"
+        if self.modalities is not None and self.modalities != ["text"]:
+            return "modalities", "only text output is supported"
+        if self.audio is not None:
+            return "audio", "audio output is not supported"
+        return None
 
 
 GUIDED = ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
@@ -510,6 +541,8 @@ class ChatCompletionIn(_OpenAiIn, ToolsIn):
         default=None, ge=1, le=2**31 - 1, description="Same as max_tokens (newer name)."
     )
     logprobs: bool | None = Field(default=None, description="Not supported (422 when true).")
+    functions: list[Any] | None = Field(default=None, description="Legacy: use tools (422).")
+    function_call: Any = Field(default=None, description="Legacy: use tool_choice (422).")
 
     def sampling(self) -> dict[str, Any]:
         """The sampling parameters, and the tools (passed to vLLM with them)."""

@@ -785,3 +785,67 @@ def test_two_apps_in_one_process_share_no_metrics() -> None:
             assert "qlm_api_submissions_total{" not in text_b
 
     asyncio.run(main())
+
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+COMPLETION = {"model": "m", "prompt": "hi"}
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/completions", COMPLETION | {"n": 2}, "n"),
+        ("/v1/completions", COMPLETION | {"prompt": ["a", "b"]}, "prompt"),
+        ("/v1/completions", COMPLETION | {"logprobs": 0}, "logprobs"),  # 0 asks too
+        ("/v1/completions", COMPLETION | {"echo": True}, "echo"),
+        ("/v1/completions", COMPLETION | {"suffix": "!"}, "suffix"),
+        ("/v1/completions", COMPLETION | {"best_of": 3}, "best_of"),
+        ("/v1/completions", COMPLETION | {"logit_bias": {"50256": -100}}, "logit_bias"),
+        ("/v1/completions", COMPLETION | {"min_tokens": 5}, "min_tokens"),
+        ("/v1/completions", COMPLETION | {"min_p": 0.1}, "min_p"),
+        ("/v1/completions", COMPLETION | {"ignore_eos": True}, "ignore_eos"),
+        ("/v1/completions", COMPLETION | {"guided_regex": "a+"}, "guided_regex"),
+        ("/v1/completions", COMPLETION | {"prompt": [1, 2, 3]}, "prompt"),  # token ids
+        ("/v1/chat/completions", CHAT | {"logprobs": True}, "logprobs"),
+        ("/v1/chat/completions", CHAT | {"top_logprobs": 2}, "top_logprobs"),
+        ("/v1/chat/completions", CHAT | {"logit_bias": {"1": 5}}, "logit_bias"),
+        ("/v1/chat/completions", CHAT | {"functions": [{"name": "f"}]}, "functions"),
+        ("/v1/chat/completions", CHAT | {"function_call": "auto"}, "function_call"),
+        ("/v1/chat/completions", CHAT | {"modalities": ["text", "audio"]}, "modalities"),
+        ("/v1/chat/completions", CHAT | {"audio": {"voice": "alloy"}}, "audio"),
+        (
+            "/v1/chat/completions",
+            {"model": "m", "messages": [{"role": "user", "content": 5}]},
+            "messages[0].content",
+        ),
+    ],
+)
+def test_openai_fields_qlm_cannot_honour_are_refused_naming_them(
+    path: str, body: dict[str, Any], param: str
+) -> None:
+    async def scenario(h: Harness) -> None:
+        r = await h.client.post(path, json=body, headers=h.auth())
+        assert r.status_code == 422, r.text
+        assert error(r)["param"] == param
+        assert published(h.queue) == [] and h.store.list_requests()[0] == []
+
+    run(scenario, wait_timeout_s=0.05)  # (were one accepted, the test would not wait long)
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"logit_bias": {}},
+        {"modalities": ["text"]},
+        {"min_tokens": 0},
+        {"ignore_eos": False},
+        {"store": False, "metadata": {"a": "b"}, "parallel_tool_calls": True},
+    ],
+)
+def test_openai_fields_at_their_defaults_are_accepted(extra: dict[str, Any]) -> None:
+    async def scenario(h: Harness) -> None:
+        r = await h.client.post("/v1/chat/completions", json=CHAT | extra, headers=h.auth())
+        assert r.status_code == 504, r.text  # accepted and queued: nothing serves it here
+        assert len(published(h.queue)) == 1 and len(h.store.list_requests()[0]) == 1
+
+    run(scenario, wait_timeout_s=0.05)

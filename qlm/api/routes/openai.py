@@ -113,6 +113,9 @@ def _submission(
     for name in GUIDED:  # constraints QLM would otherwise drop without a word
         if getattr(body, name) is not None:
             raise invalid(name, f"{name} is not supported: use response_format", code="unsupported")
+    dropped = body.unhonoured()
+    if dropped is not None:
+        raise invalid(dropped[0], dropped[1], code="unsupported")
     tier = body.tier if body.tier is not None else headers.tier
     return Submission(
         model=body.model,
@@ -368,8 +371,10 @@ async def create_completion(
         prompt = prompt[0]
     if not prompt:
         raise invalid("prompt", "prompt must not be empty", code="empty_prompt")
-    for name, value in (("echo", body.echo), ("logprobs", body.logprobs), ("suffix", body.suffix)):
-        if value not in (None, False):
+    if body.echo:
+        raise invalid("echo", "echo is not supported", code="unsupported")
+    for name, value in (("logprobs", body.logprobs), ("suffix", body.suffix)):
+        if value is not None:  # (logprobs: 0 asks for the chosen token's: set too)
             raise invalid(name, f"{name} is not supported", code="unsupported")
     if body.best_of not in (None, 1):
         raise invalid("best_of", "only best_of=1 is supported", code="unsupported")
@@ -445,6 +450,9 @@ async def create_chat_completion(
     logprobs; tool calls come whole at the end of a stream."""
     if body.logprobs:
         raise invalid("logprobs", "logprobs is not supported", code="unsupported")
+    if body.functions is not None or body.function_call is not None:
+        name = "functions" if body.functions is not None else "function_call"
+        raise invalid(name, f"{name} (legacy) is not supported: use tools", code="unsupported")
     messages = [m.model_dump(exclude_none=True) for m in body.messages]
     submission = _submission(
         ctx,
