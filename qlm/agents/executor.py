@@ -63,6 +63,8 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MAX_RUNNING = 256
 """vLLM's default ``max_num_seqs``, for a server that does not tell (its API does not export it)."""
+MAX_STREAM_FAILURES = 3  # a request's streams an answering instance may fail before it is failed
+HEALTH_PROBE_S = 5.0  # how long a broken stream's instance has to answer its health check
 DEFAULT_TOKEN_CAPACITY = 1 << 30
 
 
@@ -89,6 +91,7 @@ class Job:
     sampling: Mapping[str, Any] = field(default_factory=dict)
     partial_text: str = ""
     messages: Sequence[Mapping[str, Any]] | None = None
+    stream_failures: int = 0  # its streams an instance that still answered failed
 
     @property
     def has_text(self) -> bool:
@@ -494,8 +497,7 @@ class AgentRuntime:
         except EngineError as exc:
             if flight.leaving:
                 return
-            log.warning("%s failed %s: %s", instance, rid, exc)
-            self._mark_down(inst, str(exc))  # returns this request and the others there
+            await self._stream_failed(inst, rid, flight, job, exc)
             return
         if flight.leaving or self._flights.get(rid) is not flight:
             return  # evicted or cancelled: handled where that was decided
@@ -503,6 +505,46 @@ class AgentRuntime:
             await self._take_back(rid, evicted=False)
             return
         self._finish(rid, flight, out)
+
+    async def _stream_failed(
+        self, inst: _Instance, rid: str, flight: _Flight, job: Job, exc: EngineError
+    ) -> None:
+        """A request's stream broke. If its instance no longer answers, the instance is down
+        (all it ran goes back). If it answers, the failure was this request's (a 500 for it, a
+        proxy cutting one connection): it alone goes back, with its output so far — and after
+        ``MAX_STREAM_FAILURES`` such failures it is reported failed, so that one request an
+        engine cannot serve does not fail over for ever, nor take its instance down with it."""
+        name = inst.spec.name
+        try:
+            healthy = await asyncio.wait_for(inst.engine.health(), HEALTH_PROBE_S)
+        except Exception:  # (health() should not raise; a timeout is an answer too)
+            healthy = False
+        if flight.leaving or self._flights.get(rid) is not flight:
+            return  # handled meanwhile (the instance went down, an eviction, a cancel)
+        if not healthy:
+            log.warning("%s failed %s: %s", name, rid, exc)
+            self._mark_down(inst, str(exc))  # returns this request and the others there
+            return
+        job.stream_failures += 1
+        flight.leaving = True
+        self._flights.pop(rid, None)
+        if job.stream_failures >= MAX_STREAM_FAILURES:
+            reason = f"{name} failed it {job.stream_failures} times, last: {exc}"
+            log.warning("%s: giving up on %s: %s", name, rid, reason)
+            self.controller.failed(rid, reason)
+            self._jobs.pop(rid, None)
+            self.listener.failed(rid, reason)
+            self._kick.set()
+            return
+        log.warning(
+            "%s failed %s (%d of %d; the instance answers): %s",
+            name,
+            rid,
+            job.stream_failures,
+            MAX_STREAM_FAILURES,
+            exc,
+        )
+        self._give_back(rid, "".join(flight.text), flight.tokens, evicted=False)
 
     def _finish(self, rid: str, flight: _Flight, out: EngineOutput) -> None:
         at = self.clock.now()

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from builders import make_catalog, make_profile, make_request, simulated_vllm
 
-from qlm.agents.executor import AgentRuntime, Job, RuntimeListener
+from qlm.agents.executor import MAX_STREAM_FAILURES, AgentRuntime, Job, RuntimeListener
 from qlm.clock import WallClock
 from qlm.controller import Controller
 from qlm.domain import SLO, Decision, Evict, InstanceSpec, Pull, RequestRecord, RequestStatus
@@ -413,6 +413,51 @@ def test_a_request_the_engine_rejects_fails_alone_and_the_instance_stays_up(
         assert set(rec.done) == {"r0001"}
         assert rt.instances_up() == {"i0": True} and ("i0", False) not in rec.changes
         assert rt.controller.track("r0000").status is RequestStatus.FAILED
+        assert rt.controller.outstanding("i0") == 0
+
+    run(scenario)
+
+
+class Poisoned:
+    """An engine that answers its health check but fails every stream of one request (as a
+    vLLM server answers 500 for one request, or a proxy cuts one connection), after a few
+    tokens of it."""
+
+    def __init__(self, inner: WallClockEngine, poison: str) -> None:
+        self.inner = inner
+        self.name = inner.name
+        self.poison = poison
+        self.tries = 0
+
+    def __getattr__(self, item: str) -> Any:
+        return getattr(self.inner, item)
+
+    async def submit(self, request: EngineRequest, on_chunk: Any = None) -> EngineOutput:
+        if request.request_id != self.poison:
+            return await self.inner.submit(request, on_chunk)
+        self.tries += 1
+        if on_chunk is not None:
+            on_chunk(TokenChunk(request.request_id, "tok", 1))
+        raise EngineError(f"{self.name}: 500 Internal Server Error")
+
+
+def test_a_request_whose_streams_keep_failing_fails_alone_and_the_instance_stays_up() -> None:
+    async def scenario() -> None:
+        rec = Recorder()
+        e = Poisoned(engine("i0"), poison="r0003")
+        rt = start(create_policy("fcfs"), [e], rec)
+        await rt.start()
+        now = rt.clock.now()
+        for i in range(8):
+            rt.submit(make_request(i, arrival_s=now, replay_output_tokens=40, max_tokens=60))
+        await eventually(lambda: rt.idle, "every request is over")
+        await rt.stop()
+        await e.inner.close()
+        assert e.tries == MAX_STREAM_FAILURES  # tried again, then given up
+        assert "500 Internal Server Error" in rec.errors["r0003"]
+        assert rt.controller.track("r0003").status is RequestStatus.FAILED
+        assert set(rec.done) == {f"r{i:04d}" for i in range(8)} - {"r0003"}
+        assert ("i0", False) not in rec.changes  # the instance never went down
         assert rt.controller.outstanding("i0") == 0
 
     run(scenario)
