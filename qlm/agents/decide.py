@@ -156,6 +156,8 @@ def plan_tiers(
     head = queue_models[0]
     warm: set[str] = set()
     left = cpu_budget_gb
+    if tiers.get(head) is ModelTier.WARM:  # its CPU copy stays until it has loaded
+        left -= weights_gb.get(head, 0.0)
     # Queue order first; then, while memory is left, the other models (warm ones first: keeping
     # them costs nothing, and the next arrival may need one).
     others = sorted((m for m in tiers if m not in queue_models), key=lambda m: (tiers[m], m))

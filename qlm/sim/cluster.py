@@ -8,6 +8,7 @@ is a policy: the harness only moves time, routes decisions and measures.
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import math
 from collections import Counter
@@ -290,7 +291,9 @@ class ClusterSimulation:
         elif isinstance(decision, SwapIn):
             engine.swap_in(decision.request_id, now)
         elif isinstance(decision, SetModelTier):
-            engine.set_model_tier(decision.model, decision.tier, now)
+            # Refused (the CPU model cache full): go on, as the agents' executor does.
+            with contextlib.suppress(EngineError):
+                engine.set_model_tier(decision.model, decision.tier, now)
         self.memory.observe(idx, now, engine.gpu_memory_used_fraction(now))
         self._wake(idx)
 

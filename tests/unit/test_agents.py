@@ -28,7 +28,9 @@ from qlm.domain import (
 )
 from qlm.planner import POLICIES, PlannerConfig, QlmPolicy, create_policy
 from qlm.rct.output_model import NIG
+from qlm.rct.profile import default_profile
 from qlm.sim.cluster import ClusterSimulation, Outage
+from qlm.sim.instances import parse_instances
 
 ON = AgentConfig(evict=True, swap=True, min_victim_slack_s=1.0, resume_delay_s=1.0)
 COSTS = InstanceCosts(
@@ -162,6 +164,38 @@ def test_tiers_follow_the_virtual_queue_within_the_cpu_budget() -> None:
         SetModelTier("i0", "a", ModelTier.COLD)
     ]
     assert plan_tiers("i0", [], tiers, sizes, cpu_budget_gb=20.0) == []
+
+
+def test_a_warm_head_keeps_its_cpu_copy_until_it_has_loaded() -> None:
+    # b is warm (16 GB of the 20) and about to load: d (16 GB) does not fit beside it yet.
+    tiers = {"a": ModelTier.ACTIVE, "b": ModelTier.WARM, "d": ModelTier.COLD}
+    sizes = {"a": 16.0, "b": 16.0, "d": 16.0}
+    out = plan_tiers("i0", ["b", "d"], tiers, sizes, cpu_budget_gb=20.0)
+    assert out == [SetModelTier("i0", "b", ModelTier.ACTIVE)]
+
+
+def test_a_tight_cpu_budget_serves_every_request_of_three_models() -> None:
+    """Between everything fits and nothing does: the warm head's CPU copy counts, and a tier
+    change the engine refuses does not stop the simulation."""
+    specs = parse_instances("1xA100:llama-2-7b+llama-3-8b+llama-2-13b")
+    models = ["llama-3-8b", "llama-2-13b", "llama-2-7b", "llama-3-8b"]
+    reqs = [
+        make_request(
+            i,
+            model=models[(i // 5) % 4],
+            input_tokens=100,
+            max_tokens=200,
+            arrival_s=0.5 * i,
+            slo=SLO(e2e_s=60.0 if i % 2 else 400.0),
+            replay_output_tokens=100,
+        )
+        for i in range(80)
+    ]
+    for budget in (20.0, 30.0):
+        policy = create_policy("qlm", profile=default_profile())
+        sim = ClusterSimulation(specs, policy, engine_config={"cpu_model_cache_gb": budget})
+        result = sim.run(reqs)
+        assert result.summary["finished"] == 80, budget
 
 
 def test_warm_start_switches_models_itself_and_leaves_no_request_behind() -> None:
