@@ -23,7 +23,7 @@ from qlm.rct.profiling import profile_sim_hardware
 MODEL = "llama-3-8b"
 SEQS = 16
 SCALE = 5.0
-LENGTHS = ("--input-tokens", "512", "--output-tokens", "128")
+LENGTHS = ("--input-tokens", "512", "--output-tokens", "256")
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -56,7 +56,7 @@ def test_a_server_profiled_over_http_matches_the_engine_profiled_directly(
     (hw,) = parse_profile(out.read_text(encoding="utf-8")).hardware.values()
     config = SimEngineConfig.for_gpu(80, "A100", max_num_seqs=SEQS)
     perf = default_catalog().perf_model(MODEL, "A100", 1)
-    ref = profile_sim_hardware(perf, config=config, input_tokens=512, output_tokens=128)
+    ref = profile_sim_hardware(perf, config=config, input_tokens=512, output_tokens=256)
     assert (hw.model, hw.gpu, hw.gpu_count) == (MODEL, "A100", 1)
     assert hw.kv_capacity_tokens == ref.kv_capacity_tokens  # from vllm:cache_config_info
     assert (hw.max_num_seqs, hw.max_num_batched_tokens) == (SEQS, 2048)
@@ -70,7 +70,7 @@ def test_a_server_profiled_over_http_matches_the_engine_profiled_directly(
         "cold_load_s",
     ):
         assert getattr(hw, field) == pytest.approx(getattr(ref, field), rel=0.15), field
-    assert hw.inefficiency == 1.0  # nothing preempted: 24 requests of 640 tokens fit the cache
+    assert hw.inefficiency == 1.0  # nothing preempted: 24 requests of 768 tokens fit the cache
     assert hw.kv_bytes_per_token == perf.model.kv_bytes_per_token  # the catalog knows the model
     assert "over its HTTP API" in hw.source
 
