@@ -488,11 +488,7 @@ class AgentRuntime:
             if flight.leaving:
                 return
             log.warning("%s rejected %s: %s", instance, rid, exc)
-            self._flights.pop(rid, None)
-            self.controller.failed(rid, str(exc))
-            self._jobs.pop(rid, None)
-            self.listener.failed(rid, str(exc))
-            self._kick.set()
+            self._fail(rid, str(exc))
             return
         except EngineError as exc:
             if flight.leaving:
@@ -531,10 +527,7 @@ class AgentRuntime:
         if job.stream_failures >= MAX_STREAM_FAILURES:
             reason = f"{name} failed it {job.stream_failures} times, last: {exc}"
             log.warning("%s: giving up on %s: %s", name, rid, reason)
-            self.controller.failed(rid, reason)
-            self._jobs.pop(rid, None)
-            self.listener.failed(rid, reason)
-            self._kick.set()
+            self._fail(rid, reason)
             return
         log.warning(
             "%s failed %s (%d of %d; the instance answers): %s",
@@ -545,6 +538,14 @@ class AgentRuntime:
             exc,
         )
         self._give_back(rid, "".join(flight.text), flight.tokens, evicted=False)
+
+    def _fail(self, rid: str, reason: str) -> None:
+        """The request is over, failed for ``reason`` (not returned to its group)."""
+        self._flights.pop(rid, None)
+        self.controller.failed(rid, reason)
+        self._jobs.pop(rid, None)
+        self.listener.failed(rid, reason)
+        self._kick.set()
 
     def _finish(self, rid: str, flight: _Flight, out: EngineOutput) -> None:
         at = self.clock.now()
