@@ -62,6 +62,7 @@ import collections
 import contextlib
 import functools
 import logging
+import os
 import threading
 import time
 import zlib
@@ -139,6 +140,14 @@ def shard_names(queue: str, shards: int) -> list[str]:
 
 async def _ignore(_message: AbstractIncomingMessage) -> None:
     """Nothing is published to the leader lock; consuming it only watches for its deletion."""
+
+
+def connection_name(role: str, queue: str) -> str:
+    """What a connection calls itself to the broker (``rabbitmqctl list_connections
+    client_properties``, the management UI): its role (``publisher``, ``consumer``,
+    ``dead-letters``, ``backlog``), the global queue and this process's id, so an operator (or a
+    test) can tell which process holds it and close exactly that one."""
+    return f"qlm-{role} {queue} (pid {os.getpid()})"
 
 
 def shard_of(request_id: str, shards: int) -> int:
@@ -404,7 +413,7 @@ class RabbitGlobalQueue:
         return await aio_pika.connect(
             self._url,
             timeout=self.connect_timeout_s,
-            client_properties={"connection_name": f"qlm-{role} {self.queue}"},
+            client_properties={"connection_name": connection_name(role, self.queue)},
         )
 
     async def _declare(
