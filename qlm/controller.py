@@ -18,10 +18,19 @@ characters per token: ``qlm.api.prompts``); code or non-Latin text runs denser. 
 says how many tokens it counted (vLLM's ``usage``) teaches the controller the ratio per model
 (``observe_prompt``; a ratio of sums, forgetting, shrunk toward 1 by ``PROMPT_PRIOR_TOKENS``),
 and every request that arrives after is planned with its estimate scaled by it.
+
+**Poison.** A request whose handling raises inside a step (an input no validation foresaw, a
+corner of the policy's arithmetic) must not stop the step for everyone, tick after tick: the
+controller asks the policy to step without the suspects — the step's arrivals, then every
+waiting request — and hands them back in halves, so each request that fails a step alone ends
+with a ``Reject`` (failed, with the error as its reason: the service dead-letters it), in
+O(k log n) extra policy calls for k such requests among n. A step that fails even with no
+request waiting raises, as before, and its news waits for the next step.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 
@@ -30,6 +39,7 @@ from qlm.domain import (
     InstanceSpec,
     ModelTier,
     Pull,
+    Reject,
     Request,
     RequestRecord,
     RequestStatus,
@@ -43,6 +53,8 @@ from qlm.planner.policy import (
     LearnsOutputs,
     Policy,
 )
+
+log = logging.getLogger(__name__)
 
 FINAL = frozenset({RequestStatus.FINISHED, RequestStatus.FAILED, RequestStatus.CANCELLED})
 PROMPT_PRIOR_TOKENS = 2000.0  # weight of "the estimate is right", in estimated tokens
@@ -310,12 +322,40 @@ class Controller:
 
     def step(self, now: float, views: Iterable[InstanceView]) -> list[Decision]:
         """One control step: the policy's decisions given what changed. Pulls are counted against
-        their instance here, before the executor applies them."""
+        their instance here, before the executor applies them. A step the policy cannot take is
+        narrowed down to the waiting requests that make it fail (module docstring, "Poison"):
+        each of them ends with a ``Reject``, and the step goes on for everyone else."""
+        views = tuple(views)
         arrived = [r for r in self._arrived if r.id in self._pending]  # not cancelled meanwhile
         self._arrived = []
         finished, self._completions = self._completions, []
         started, self._started = self._started, []
         cancelled, self._cancelled = self._cancelled, []
+        try:
+            return self._decide(now, views, arrived, finished, started, cancelled)
+        except Exception as exc:
+            decisions = self._isolate(now, views, arrived, finished, started, cancelled, exc)
+            if decisions is None:
+                # Not a waiting request's fault: nothing of this step happened, and its inputs
+                # wait for the next one (policies take a request they already hold again
+                # without harm).
+                self._arrived[:0] = arrived
+                self._completions[:0] = finished
+                self._started[:0] = started
+                self._cancelled[:0] = cancelled
+                raise
+            return decisions
+
+    def _decide(
+        self,
+        now: float,
+        views: Sequence[InstanceView],
+        arrived: Sequence[Request],
+        finished: Sequence[Completion] = (),
+        started: Sequence[str] = (),
+        cancelled: Sequence[str] = (),
+    ) -> list[Decision]:
+        """The policy's decisions on this news, checked, with their pulls counted."""
         ctx = DispatchContext(
             now=now,
             arrived=tuple(arrived),
@@ -329,25 +369,79 @@ class Controller:
             ),
             instances=tuple(self._load(v) for v in views),
         )
-        try:
-            decisions = self.policy.decide(ctx)
-            for d in decisions:
-                if d.instance not in self.specs:
-                    raise ConfigError(f"policy {self.policy.name} named unknown instance {d!r}")
-                if isinstance(d, Pull) and d.request_id not in self._pending:
-                    raise ConfigError(f"policy {self.policy.name} pulled {d.request_id!r} twice")
-        except Exception:
-            # Nothing of this step happened: its inputs wait for the next one (policies take a
-            # request they already hold again without harm).
-            self._arrived[:0] = arrived
-            self._completions[:0] = finished
-            self._started[:0] = started
-            self._cancelled[:0] = cancelled
-            raise
+        decisions = self.policy.decide(ctx)
+        for d in decisions:
+            if isinstance(d, Reject) or d.instance not in self.specs:
+                raise ConfigError(f"policy {self.policy.name} named unknown instance {d!r}")
+            if isinstance(d, Pull) and d.request_id not in self._pending:
+                raise ConfigError(f"policy {self.policy.name} pulled {d.request_id!r} twice")
         for d in decisions:
             if isinstance(d, Pull):
                 self._dispatch(d, now)
         return decisions
+
+    def _isolate(
+        self,
+        now: float,
+        views: Sequence[InstanceView],
+        arrived: list[Request],
+        finished: list[Completion],
+        started: list[str],
+        cancelled: list[str],
+        error: Exception,
+    ) -> list[Decision] | None:
+        """The step failed with ``error``. Suspect the arrivals first, then every waiting
+        request: if the policy can step without the suspects (told to forget them), they are
+        handed back in halves, and each one that makes a step fail alone is rejected. None when
+        the step fails even without any waiting request (the fault is elsewhere)."""
+        log.warning("control step failed (%r); looking for the requests that cause it", error)
+        narrow = [r.id for r in arrived]
+        for suspects in (narrow, list(self._pending)):
+            try:
+                decisions = self._decide(now, views, (), finished, started, (*cancelled, *suspects))
+            except Exception:
+                if suspects is narrow and len(suspects) == len(self._pending):
+                    break  # the wider suspicion is the same
+                continue
+            back = [self._pending[rid] for rid in suspects if rid in self._pending]
+            return decisions + self._readmit(now, views, back, error)
+        return None
+
+    def _readmit(
+        self, now: float, views: Sequence[InstanceView], requests: list[Request], error: Exception
+    ) -> list[Decision]:
+        """Hand ``requests`` back to the policy, halving any part that fails a step (the policy
+        forgets that part again) until each one that fails alone is rejected."""
+        decisions: list[Decision] = []
+        parts = [requests]
+        while parts:
+            part = parts.pop()
+            if not part:
+                continue
+            try:
+                decisions += self._decide(now, views, part)
+                continue
+            except Exception as exc:
+                error = exc
+            try:
+                decisions += self._decide(now, views, (), cancelled=[r.id for r in part])
+            except Exception:  # the policy cannot even forget them: none of them can run
+                decisions += [self._reject(r.id, error) for r in part]
+                continue
+            if len(part) == 1:
+                decisions.append(self._reject(part[0].id, error))
+            else:
+                half = len(part) // 2
+                parts += [part[half:], part[:half]]
+        return decisions
+
+    def _reject(self, request_id: str, error: Exception) -> Reject:
+        track = self._tracks[request_id]
+        self._pending.pop(request_id, None)
+        reason = f"could not be planned ({type(error).__name__}: {error})"
+        track.status, track.error = RequestStatus.FAILED, reason
+        log.error("request %s fails alone: %s", request_id, reason)
+        return Reject(request_id, reason)
 
     def engine_request(self, request_id: str) -> EngineRequest:
         """What to submit for a pulled request: a resumed one carries its earlier output as

@@ -45,6 +45,14 @@ class RequestStatus(IntEnum):
         return self >= RequestStatus.FINISHED
 
 
+MIN_SLO_S = 0.01
+"""The shortest SLO (end-to-end or time to first token) the API accepts: 10 ms. Shorter is
+never meetable (an HTTP round trip alone takes longer) and makes deadline arithmetic degenerate."""
+
+MAX_SLO_S = 1e9
+"""The longest SLO the API accepts (about 31 years): beyond it a deadline means "none"."""
+
+
 @dataclass(frozen=True, slots=True)
 class SLO:
     """Latency objectives of one request, in seconds from its arrival."""
@@ -201,7 +209,17 @@ class SetModelTier:
     tier: ModelTier
 
 
-Decision = Pull | Evict | SwapOut | SwapIn | SetModelTier
+@dataclass(frozen=True, slots=True)
+class Reject:
+    """End a request failed for ``reason``: its handling raised inside a control step (poison).
+    The controller emits it, never a policy; the executor reports the failure and forgets the
+    request, which is never retried."""
+
+    request_id: str
+    reason: str
+
+
+Decision = Pull | Evict | SwapOut | SwapIn | SetModelTier | Reject
 
 
 @dataclass(frozen=True, slots=True)

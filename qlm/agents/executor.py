@@ -40,6 +40,7 @@ from qlm.domain import (
     InstanceSpec,
     ModelTier,
     Pull,
+    Reject,
     Request,
     RequestRecord,
     SetModelTier,
@@ -150,6 +151,10 @@ class RuntimeListener:
     ) -> None: ...
 
     def failed(self, request_id: str, error: str) -> None: ...
+
+    def rejected(self, request_id: str, reason: str) -> None:
+        """The controller could not handle the request (poison): it ends failed, never retried."""
+        self.failed(request_id, reason)
 
     def cancelled(self, request_id: str, partial_text: str, tokens: int) -> None: ...
 
@@ -418,7 +423,11 @@ class AgentRuntime:
         )
 
     def _apply(self, decision: Decision, now: float) -> None:
-        if isinstance(decision, Pull):
+        if isinstance(decision, Reject):
+            self._jobs.pop(decision.request_id, None)
+            self.listener.rejected(decision.request_id, decision.reason)
+            self._kick.set()
+        elif isinstance(decision, Pull):
             self._spawn(self._run(decision.request_id, decision.instance, now))
         elif isinstance(decision, Evict):
             self._spawn(self._evict(decision.request_id))

@@ -472,6 +472,17 @@ class ControllerService(RuntimeListener):
         )
         self._writes.settle.append((request_id, "ack", RequestStatus.FAILED))
 
+    def rejected(self, request_id: str, reason: str) -> None:
+        """Poison: recorded failed with the reason, and its delivery dead-lettered with it."""
+        self._queue_op(
+            self.store.record_outcome,
+            request_id,
+            status=RequestStatus.FAILED,
+            at=self.runtime.clock.now(),
+            error=reason,
+        )
+        self._writes.settle.append((request_id, reason, RequestStatus.FAILED))
+
     def cancelled(self, request_id: str, partial_text: str, tokens: int) -> None:
         self._queue_op(
             self.store.record_outcome,

@@ -23,6 +23,7 @@ from qlm.domain import (
     Evict,
     InstanceSpec,
     Pull,
+    Reject,
     Request,
     RequestRecord,
     SetModelTier,
@@ -261,6 +262,8 @@ class ClusterSimulation:
 
     def _apply(self, decision: Decision, now: float) -> None:
         """The executor: turn one decision into engine calls."""
+        if isinstance(decision, Reject):
+            return  # the controller ended it failed, with its reason
         idx = self._index.get(decision.instance)
         if idx is None:
             raise ConfigError(f"policy {self.policy.name} named unknown instance {decision!r}")

@@ -175,6 +175,37 @@ def test_a_request_already_final_is_acked_without_running_and_poison_is_dead_let
     run(scenario)
 
 
+def test_a_request_the_policy_cannot_plan_fails_alone_and_the_service_goes_on() -> None:
+    """An SLO of 1e-300 s (from a client older than the API's minimum, or a message already in
+    the queue) breaks the deadline arithmetic: that request is recorded failed with the reason
+    and dead-lettered, the others finish, and so does one published after."""
+
+    async def scenario(store: Store) -> None:
+        broker = MemoryBroker()
+        service = make_service(store, broker)
+        await service.start()
+        producer = MemoryGlobalQueue(broker=broker)
+        now = service.runtime.clock.now()
+        # submitted on an epoch clock, as in production: its deadline window overflows
+        await producer.publish(message(0, 1.7e9, slo_e2e_s=1e-300))
+        await producer.publish(message(1, now))
+        await eventually(lambda: final(store, ["q0000", "q0001"]), "both are final")
+        await producer.publish(message(2, service.runtime.clock.now()))
+        await eventually(lambda: final(store, ["q0002"]), "one sent after it finishes")
+        await service.wait_idle()
+        await service.stop()
+        poison = store.get("q0000")
+        assert poison is not None and poison.status is RequestStatus.FAILED
+        assert "could not be planned (OverflowError" in (poison.error or "")
+        assert len(broker.dead) == 1 and b"q0000" in broker.dead[0].raw
+        assert "could not be planned" in broker.dead[0].reason
+        for rid in ("q0001", "q0002"):
+            row = store.get(rid)
+            assert row is not None and row.status is RequestStatus.FINISHED
+
+    run(scenario)
+
+
 def test_a_standby_controller_takes_over_and_each_request_ends_once() -> None:
     async def scenario(store: Store) -> None:
         broker = MemoryBroker(delivery_limit=10)
