@@ -350,6 +350,10 @@ class AgentRuntime:
         """Nothing held: every request given has finished, failed or been cancelled."""
         return not self._jobs
 
+    def engines(self) -> list[Engine]:
+        """The engine of every instance, in the instances' order."""
+        return [inst.engine for inst in self._instances.values()]
+
     def instances_up(self) -> dict[str, bool]:
         return {name: inst.up for name, inst in self._instances.items()}
 

@@ -392,9 +392,11 @@ class ControllerService(RuntimeListener):
         partial_text, partial_tokens = msg.partial_text, msg.partial_tokens
         if row.partial_tokens > partial_tokens:
             partial_text, partial_tokens = row.partial_text, row.partial_tokens
-        partial_tokens = min(partial_tokens, msg.max_tokens - 1)
-        partial_text = resume_point(partial_text)
         job = Job(prompt=msg.prompt, sampling=dict(msg.sampling), messages=msg.messages)
+        if job.resumable and partial_text and partial_tokens >= msg.max_tokens:
+            self._complete(msg, row, partial_text)
+            return
+        partial_text = resume_point(partial_text)
         if job.resumable and partial_text:
             job.partial_text = partial_text
         else:  # a structured answer, or only whitespace so far: it starts over
@@ -402,6 +404,25 @@ class ControllerService(RuntimeListener):
         request = msg.to_request(arrival_s=msg.submitted_at)
         failovers = 1 if row.status is RequestStatus.RUNNING else 0  # a controller died
         self.runtime.submit(request, job, generated=partial_tokens, failovers=failovers)
+
+    def _complete(self, msg: QueuedRequest, row: RequestRow, text: str) -> None:
+        """Its whole output (``max_tokens``) was written before its engine or controller died:
+        it is finished with that output, now, and never sent again (asked for even one more
+        token, an engine would write past ``max_tokens``)."""
+        at = self.runtime.clock.now()
+        ttft, first = row.slo_ttft_s, row.first_token_at
+        ttft_met = None if ttft is None else first is not None and first - row.submitted_at <= ttft
+        self._queue_op(
+            self.store.record_outcome,
+            msg.id,
+            status=RequestStatus.FINISHED,
+            at=at,
+            output_text=text,
+            output_tokens=msg.max_tokens,
+            slo_met=at <= row.deadline_at and ttft_met is not False,
+            ttft_met=ttft_met,
+        )
+        self._writes.settle.append((msg.id, "ack", RequestStatus.FINISHED))
 
     async def _poison(self, delivery: Delivery, reason: str) -> None:
         log.warning("dead-lettering %s: %s", delivery.message and delivery.message.id, reason)

@@ -931,6 +931,50 @@ def test_a_request_taken_over_mid_answer_resumes_unless_its_answer_is_structured
     run(scenario)
 
 
+def test_a_request_resumed_never_writes_more_than_max_tokens_and_a_complete_one_is_not_resent() -> (
+    None
+):
+    """A controller died while two requests ran, one with its whole answer written (40 tokens of
+    40) and one a token short: the next controller finishes the first with its output as it
+    was, sending nothing, and asks an engine for exactly one token more for the second."""
+
+    async def scenario(store: Store) -> None:
+        broker = MemoryBroker()
+        now = store.now()
+        full, short = filler_text(40), filler_text(39)
+        store.ensure_requests([replace(row(rid, now), max_tokens=40) for rid in ("done", "one")])
+        for rid, text, tokens in (("done", full, 40), ("one", short, 39)):
+            store.mark_dispatched(rid, instance="i0", at=now)
+            store.record_partial(rid, text=text, tokens=tokens)
+        service = make_service(store, broker)
+        sent: list[str] = []
+        for engine in service.runtime.engines():
+            submit = engine.submit
+
+            async def spy(request: Any, on_chunk: Any, submit: Any = submit) -> Any:
+                sent.append(request.request_id)
+                return await submit(request, on_chunk)
+
+            engine.submit = spy  # type: ignore[method-assign]
+        await service.start()
+        producer = MemoryGlobalQueue(broker=broker)
+        for rid in ("done", "one"):
+            await producer.publish(
+                message(0, now, id=rid, max_tokens=40, replay_output_tokens=None)
+            )
+        await eventually(lambda: final(store, ["done", "one"]), "both finished")
+        await service.wait_idle()
+        await service.stop()
+        done, one = store.get("done"), store.get("one")
+        assert done is not None and one is not None
+        assert done.status is RequestStatus.FINISHED and one.status is RequestStatus.FINISHED
+        assert done.output_text == full and done.output_tokens == 40
+        assert one.output_tokens == 40 and count_tokens(one.output_text or "") == 40
+        assert sent == ["one"]
+
+    run(scenario)
+
+
 def test_a_request_back_in_the_queue_with_no_output_kept_tells_its_streams_to_start_over() -> None:
     async def scenario(store: Store) -> None:
         service = make_service(store, MemoryBroker())
