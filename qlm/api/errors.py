@@ -100,8 +100,8 @@ def invalid(param: str, message: str, *, code: str | None = None) -> ApiError:
     return ApiError(422, message, type=INVALID, param=param, code=code)
 
 
-def not_found(what: str, param: str | None = None) -> ApiError:
-    return ApiError(404, f"{what} not found", type=NOT_FOUND, param=param)
+def not_found(what: str, param: str | None = None, *, code: str) -> ApiError:
+    return ApiError(404, f"{what} not found", type=NOT_FOUND, param=param, code=code)
 
 
 def unavailable(message: str, *, code: str, retry_after_s: int | None = None) -> ApiError:
@@ -196,12 +196,32 @@ async def _on_validation(_request: Request, exc: Exception) -> JSONResponse:
         dict(errors[0]) if errors else {"loc": ("body",), "msg": "invalid", "type": ""}
     )
     param = _param(first.get("loc", ()))
+    if tuple(first.get("loc", ()))[:1] == ("path",):
+        return _invalid_id(param, first)
     message = f"{param}: {first.get('msg', 'invalid')}"
     if first.get("type") == "json_invalid":
         param, message = "body", f"body is not valid JSON: {first.get('ctx', {}).get('error', '')}"
     if len(errors) > 1:
         message += f" (and {len(errors) - 1} more error{'s' if len(errors) > 2 else ''})"
     return error_response(422, message, INVALID, param, str(first.get("type") or "") or None)
+
+
+_ID_PROBLEMS = {
+    "string_too_short": "it is empty",
+    "string_too_long": "it is longer than {max_length} characters",
+    "string_pattern_mismatch": "it holds a character no id has (a control character such as "
+    "NUL, or a slash)",
+}
+
+
+def _invalid_id(param: str, error: Mapping[str, Any]) -> JSONResponse:
+    """A path parameter no request, instance or model can have (``qlm.api.schemas.ID_PATTERN``):
+    refused before anything is looked up, so that such input never reaches the store."""
+    template = _ID_PROBLEMS.get(str(error.get("type")))
+    problem = template.format(**(error.get("ctx") or {})) if template else error.get("msg", "")
+    return error_response(
+        422, f"{param} is not a valid id: {problem}", INVALID, param, "invalid_id"
+    )
 
 
 async def _on_http(_request: Request, exc: Exception) -> JSONResponse:

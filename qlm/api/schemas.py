@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
+from fastapi import Path
 from pydantic import (
     AfterValidator,
     BaseModel,
@@ -49,6 +50,40 @@ LabelKey = Annotated[str, Field(min_length=1, max_length=64), AfterValidator(cle
 LabelValue = Annotated[str, Field(max_length=256), AfterValidator(clean_text)]
 Stop = Annotated[str, Field(min_length=1, max_length=256), AfterValidator(clean_text)]
 Seconds = Annotated[float, Field(gt=0, le=MAX_SLO_S)]
+
+ID_MAX_CHARS = 256
+ID_PATTERN = r"^[^\x00-\x1f\x7f/]+$"
+"""What a request id or an instance name in a path may be: no control character (NUL among
+them, which PostgreSQL cannot hold in text: such an id cannot exist, and must not reach the
+store) and no slash. ``MODEL_PATTERN`` is the same with slashes (model names have them)."""
+MODEL_PATTERN = r"^[^\x00-\x1f\x7f]+$"
+RequestIdPath = Annotated[
+    str,
+    Path(
+        min_length=1,
+        max_length=ID_MAX_CHARS,
+        pattern=ID_PATTERN,
+        description="The request's id, as `POST /v1/requests` answered it.",
+    ),
+]
+InstanceNamePath = Annotated[
+    str,
+    Path(
+        min_length=1,
+        max_length=ID_MAX_CHARS,
+        pattern=ID_PATTERN,
+        description="The instance's name (GET /v1/admin/instances).",
+    ),
+]
+ModelPath = Annotated[
+    str,
+    Path(
+        min_length=1,
+        max_length=ID_MAX_CHARS,
+        pattern=MODEL_PATTERN,
+        description="A model's name (GET /v1/models).",
+    ),
+]
 
 
 def tier_of(name: TierName) -> Tier:

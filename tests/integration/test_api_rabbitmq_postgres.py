@@ -334,3 +334,20 @@ def test_readiness_fails_while_the_broker_is_down_and_recovers_by_itself(
         asyncio.run(main())
     finally:
         rabbitmqctl("start_app")  # whatever happened, leave the broker running
+
+
+def test_ids_that_postgresql_cannot_hold_are_refused_at_the_edge(settings: Settings) -> None:
+    async def main() -> None:
+        async with stack(settings, [], controller=False) as s:
+            for method, path in (
+                ("GET", "/v1/requests/req_%00x"),
+                ("GET", "/v1/requests/req_%00x/events"),
+                ("DELETE", "/v1/requests/req_%00x"),
+                ("POST", "/v1/admin/instances/sim%00/drain"),
+                ("POST", "/v1/admin/instances/sim%00/undrain"),
+            ):
+                r = await s.client.request(method, path, headers=s.auth("admin"))
+                assert r.status_code == 422, (path, r.text)
+                assert r.json()["error"]["code"] == "invalid_id", r.text
+
+    asyncio.run(main())

@@ -19,6 +19,7 @@ from qlm.api.schemas import (
     ControllersOut,
     GroupOut,
     GroupsOut,
+    InstanceNamePath,
     InstanceOut,
     InstancesOut,
     PlanOut,
@@ -125,10 +126,10 @@ async def _instances(ctx: ApiContext) -> list[InstanceOut]:
 
 async def _set_state(ctx: ApiContext, name: str, state: InstanceState) -> InstanceOut:
     if not await asyncio.to_thread(ctx.store.set_instance_state, name, state):
-        raise not_found(f"instance {name!r}", "name")
+        raise not_found(f"instance {name!r}", "name", code="instance_not_found")
     found = [i for i in await _instances(ctx) if i.name == name]
     if not found:
-        raise not_found(f"instance {name!r}", "name")
+        raise not_found(f"instance {name!r}", "name", code="instance_not_found")
     return found[0]
 
 
@@ -138,7 +139,7 @@ async def _set_state(ctx: ApiContext, name: str, state: InstanceState) -> Instan
     responses=documented(401, 403, 404, 503),
     summary="Drain an instance",
 )
-async def drain(name: str, ctx: ContextDep, _admin: AdminDep) -> InstanceOut:
+async def drain(name: InstanceNamePath, ctx: ContextDep, _admin: AdminDep) -> InstanceOut:
     """Stop pulling new work onto ``name``; what it runs finishes. The controller polls it."""
     return await _set_state(ctx, name, InstanceState.DRAINING)
 
@@ -149,7 +150,7 @@ async def drain(name: str, ctx: ContextDep, _admin: AdminDep) -> InstanceOut:
     responses=documented(401, 403, 404, 503),
     summary="Undrain an instance",
 )
-async def undrain(name: str, ctx: ContextDep, _admin: AdminDep) -> InstanceOut:
+async def undrain(name: InstanceNamePath, ctx: ContextDep, _admin: AdminDep) -> InstanceOut:
     """Let ``name`` take work again."""
     return await _set_state(ctx, name, InstanceState.UP)
 
@@ -185,7 +186,7 @@ async def latest_plan(ctx: ContextDep, _admin: AdminDep) -> PlanOut:
     left at risk and the capacity every SLO would need."""
     row = await asyncio.to_thread(ctx.store.latest_plan)
     if row is None:
-        raise not_found("plan")
+        raise not_found("plan", code="no_plan")
     return _plan(row)
 
 

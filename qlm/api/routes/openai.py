@@ -48,6 +48,7 @@ from qlm.api.schemas import (
     CompletionOut,
     ModelListOut,
     ModelOut,
+    ModelPath,
     TierName,
     tier_of,
 )
@@ -502,7 +503,7 @@ async def list_models(ctx: ContextDep, principal: PrincipalDep) -> ModelListOut:
     responses=documented(401, 404, 503),
     summary="Describe a served model (OpenAI-compatible)",
 )
-async def get_model(model: str, ctx: ContextDep, principal: PrincipalDep) -> ModelOut:
+async def get_model(model: ModelPath, ctx: ContextDep, principal: PrincipalDep) -> ModelOut:
     if model not in await ctx.control.models():
-        raise not_found(f"model {model!r}", "model")
+        raise not_found(f"model {model!r}", "model", code="model_not_found")
     return ModelOut(id=model)

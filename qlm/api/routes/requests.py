@@ -18,6 +18,7 @@ from qlm.api.errors import CONFLICT, PERMISSION, ApiError, documented, invalid, 
 from qlm.api.intake import Submission, admit
 from qlm.api.results import Chunk, Final, Restart
 from qlm.api.schemas import (
+    RequestIdPath,
     RequestListOut,
     RequestOut,
     StatusName,
@@ -53,7 +54,7 @@ async def own_row(ctx: ApiContext, principal: Principal, request_id: str) -> Req
     tenant = None if principal.admin else principal.tenant
     row = await asyncio.to_thread(ctx.store.get, request_id, tenant=tenant)
     if row is None:
-        raise not_found(f"request {request_id!r}", "id")
+        raise not_found(f"request {request_id!r}", "request_id", code="request_not_found")
     return row
 
 
@@ -126,7 +127,7 @@ async def submit(
     summary="Read a request (optionally wait for its result)",
 )
 async def get_request(
-    request_id: str,
+    request_id: RequestIdPath,
     ctx: ContextDep,
     principal: PrincipalDep,
     wait: Annotated[
@@ -162,7 +163,7 @@ async def get_request(
     summary="Stream a request's progress and result (server-sent events)",
 )
 async def stream_request(
-    request_id: str, ctx: ContextDep, principal: PrincipalDep
+    request_id: RequestIdPath, ctx: ContextDep, principal: PrincipalDep
 ) -> StreamingResponse:
     row = await own_row(ctx, principal, request_id)
     return EventStream(_events(ctx, row), headers=sse.HEADERS)
@@ -255,7 +256,7 @@ async def list_requests(
     summary="Cancel a request",
 )
 async def cancel_request(
-    request_id: str, ctx: ContextDep, principal: PrincipalDep, response: Response
+    request_id: RequestIdPath, ctx: ContextDep, principal: PrincipalDep, response: Response
 ) -> RequestOut:
     """A queued request is removed at once (200, `cancelled`); a running one is aborted (202,
     `running` with `cancel_requested`; it ends `cancelled`, keeping the text generated so far).
@@ -268,7 +269,7 @@ async def cancel_request(
             409,
             f"request {request_id!r} is already {status_name(status)}",
             type=CONFLICT,
-            param="id",
+            param="request_id",
             code="already_final",
         )
     if row.status is RequestStatus.CANCELLED:
