@@ -50,7 +50,8 @@ MIN_SLO_S = 0.01
 never meetable (an HTTP round trip alone takes longer) and makes deadline arithmetic degenerate."""
 
 MAX_SLO_S = 1e9
-"""The longest SLO the API accepts (about 31 years): beyond it a deadline means "none"."""
+"""The longest SLO the control plane handles (about 31 years): beyond it a deadline means
+"none". The API accepts at most a week (``qlm.api.schemas.MAX_API_SLO_S``)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,14 +23,15 @@ from pydantic import (
     model_validator,
 )
 
-from qlm.domain import RequestStatus, Tier
+from qlm.domain import MIN_SLO_S, RequestStatus, Tier
 from qlm.engines.structured import schema_problem
 from qlm.store import RequestRow
 
 TierName = Literal["interactive", "standard", "batch"]
 StatusName = Literal["queued", "running", "finished", "failed", "cancelled"]
-MAX_SLO_S = 7 * 24 * 3600.0
-"""The longest SLO accepted: a week (longer is no objective a queue can plan for)."""
+MAX_API_SLO_S = 7 * 24 * 3600.0
+"""The longest SLO the API accepts: a week (longer is no objective a queue can plan for). The
+shortest is ``qlm.domain.MIN_SLO_S``, 10 ms."""
 
 
 def clean_text(value: str) -> str:
@@ -49,7 +50,7 @@ Name = Annotated[str, Field(min_length=1, max_length=256), AfterValidator(clean_
 LabelKey = Annotated[str, Field(min_length=1, max_length=64), AfterValidator(clean_text)]
 LabelValue = Annotated[str, Field(max_length=256), AfterValidator(clean_text)]
 Stop = Annotated[str, Field(min_length=1, max_length=256), AfterValidator(clean_text)]
-Seconds = Annotated[float, Field(gt=0, le=MAX_SLO_S)]
+Seconds = Annotated[float, Field(ge=MIN_SLO_S, le=MAX_API_SLO_S, allow_inf_nan=False)]
 
 ID_MAX_CHARS = 256
 ID_PATTERN = r"^[^\x00-\x1f\x7f/]+$"

@@ -441,7 +441,7 @@ def test_the_queued_limit_answers_429_until_requests_leave_the_queue() -> None:
         ({"model": "gpt-9"}, "model", "model_not_found"),
         ({"colour": "red"}, "colour", "extra_forbidden"),
         ({"stop": ["a", "b", "c", "d", "e"]}, "stop", "value_error"),
-        ({"slo_seconds": -1}, "slo_seconds", "greater_than"),
+        ({"slo_seconds": -1}, "slo_seconds", "greater_than_equal"),
     ],
 )
 def test_invalid_submissions_name_the_field_or_limit(

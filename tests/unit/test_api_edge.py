@@ -9,8 +9,10 @@ from typing import Any
 
 import pytest
 
+from qlm.api.schemas import MAX_API_SLO_S
+from qlm.domain import MIN_SLO_S
 from qlm.store import Store, StoreError
-from tests.unit.test_api import Harness, error, run
+from tests.unit.test_api import Harness, error, published, run
 
 
 def refuse_nul_like_postgresql(store: Store) -> list[str]:
@@ -72,3 +74,100 @@ def test_a_well_formed_unknown_id_is_404_naming_it(method: str, path: str, param
         assert error(r)["code"] is not None
 
     run(scenario)
+
+
+# --- SLOs ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"slo_seconds": 1e-300}, "slo_seconds"),
+        ({"slo_seconds": MIN_SLO_S / 2}, "slo_seconds"),
+        ({"slo_seconds": 0}, "slo_seconds"),
+        ({"slo_seconds": 10.0, "ttft_slo_seconds": 1e-300}, "ttft_slo_seconds"),
+        ({"slo_seconds": 1e9}, "slo_seconds"),
+        ({"ttft_slo_seconds": 1e9}, "ttft_slo_seconds"),
+    ],
+)
+def test_an_slo_outside_the_documented_range_is_refused_naming_it(
+    body: dict[str, Any], param: str
+) -> None:
+    async def scenario(h: Harness) -> None:
+        r = await h.submit(**body)
+        assert r.status_code == 422, r.text
+        assert error(r)["param"] == param
+        assert published(h.queue) == []
+
+    run(scenario)
+
+
+@pytest.mark.parametrize("literal", ["NaN", "Infinity", "-Infinity", "1e999"])
+def test_an_slo_that_is_not_a_finite_number_is_refused(literal: str) -> None:
+    async def scenario(h: Harness) -> None:
+        for field in ("slo_seconds", "ttft_slo_seconds"):
+            body = f'{{"model": "m", "prompt": "x", "max_tokens": 1, "{field}": {literal}}}'
+            r = await h.client.post(
+                "/v1/requests",
+                content=body.encode(),
+                headers=h.auth(**{"content-type": "application/json"}),
+            )
+            assert r.status_code == 422, r.text
+            assert error(r)["param"] == field
+        assert published(h.queue) == []
+
+    run(scenario)
+
+
+def test_the_shortest_and_longest_slos_are_accepted() -> None:
+    async def scenario(h: Harness) -> None:
+        r = await h.submit(slo_seconds=MIN_SLO_S, ttft_slo_seconds=MIN_SLO_S)
+        assert r.status_code == 202, r.text
+        r = await h.submit(slo_seconds=MAX_API_SLO_S, ttft_slo_seconds=MAX_API_SLO_S)
+        assert r.status_code == 202, r.text
+
+    run(scenario)
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize(
+    ("header", "value"),
+    [
+        ("x-qlm-slo-seconds", "1e-300"),
+        ("x-qlm-slo-seconds", "0.001"),
+        ("x-qlm-slo-seconds", "nan"),
+        ("x-qlm-slo-seconds", "inf"),
+        ("x-qlm-slo-seconds", "1e9"),
+        ("x-qlm-ttft-slo-seconds", "1e-300"),
+        ("x-qlm-ttft-slo-seconds", "nan"),
+        ("x-llm-d-slo-ttft-ms", "1e-300"),
+        ("x-llm-d-slo-ttft-ms", "5"),
+        ("x-llm-d-slo-ttft-ms", "nan"),
+    ],
+)
+def test_openai_slo_headers_outside_the_range_are_refused_naming_them(
+    path: str, header: str, value: str
+) -> None:
+    async def scenario(h: Harness) -> None:
+        body: dict[str, Any] = {"model": "m", "max_tokens": 1}
+        if path == "/v1/completions":
+            body["prompt"] = "x"
+        else:
+            body["messages"] = [{"role": "user", "content": "x"}]
+        r = await h.client.post(path, json=body, headers=h.auth(**{header: value}))
+        assert r.status_code == 422, r.text
+        assert error(r)["param"] == header
+        assert published(h.queue) == []
+
+    run(scenario, wait_timeout_s=1.0)
+
+
+@pytest.mark.parametrize("field", ["slo_seconds", "ttft_slo_seconds"])
+def test_openai_slo_body_fields_below_the_minimum_are_refused(field: str) -> None:
+    async def scenario(h: Harness) -> None:
+        body = {"model": "m", "prompt": "x", "max_tokens": 1, field: 1e-300}
+        r = await h.client.post("/v1/completions", json=body, headers=h.auth())
+        assert r.status_code == 422, r.text
+        assert error(r)["param"] == field
+
+    run(scenario, wait_timeout_s=1.0)

@@ -41,7 +41,7 @@ from qlm.api.results import Chunk, Final, Restart
 from qlm.api.routes.requests import EventStream, IdempotencyKey, cancel
 from qlm.api.schemas import (
     GUIDED,
-    MAX_SLO_S,
+    MAX_API_SLO_S,
     ChatCompletionIn,
     ChatCompletionOut,
     CompletionIn,
@@ -52,7 +52,7 @@ from qlm.api.schemas import (
     TierName,
     tier_of,
 )
-from qlm.domain import RequestStatus
+from qlm.domain import MIN_SLO_S, RequestStatus
 from qlm.store import RequestRow
 
 router = APIRouter(prefix="/v1", tags=["openai"])
@@ -71,11 +71,23 @@ class SloHeaders:
 async def slo_headers(
     slo_seconds: Annotated[
         float | None,
-        Header(alias="x-qlm-slo-seconds", gt=0, le=MAX_SLO_S, description="End-to-end SLO (s)."),
+        Header(
+            alias="x-qlm-slo-seconds",
+            ge=MIN_SLO_S,
+            le=MAX_API_SLO_S,
+            allow_inf_nan=False,
+            description="End-to-end SLO (s).",
+        ),
     ] = None,
     ttft_slo_seconds: Annotated[
         float | None,
-        Header(alias="x-qlm-ttft-slo-seconds", gt=0, le=MAX_SLO_S, description="TTFT SLO (s)."),
+        Header(
+            alias="x-qlm-ttft-slo-seconds",
+            ge=MIN_SLO_S,
+            le=MAX_API_SLO_S,
+            allow_inf_nan=False,
+            description="TTFT SLO (s).",
+        ),
     ] = None,
     tier: Annotated[
         TierName | None, Header(alias="x-qlm-tier", description="interactive, standard, batch.")
@@ -84,8 +96,9 @@ async def slo_headers(
         float | None,
         Header(
             alias="x-llm-d-slo-ttft-ms",
-            gt=0,
-            le=MAX_SLO_S * 1000,
+            ge=MIN_SLO_S * 1000,
+            le=MAX_API_SLO_S * 1000,
+            allow_inf_nan=False,
             description="llm-d's TTFT SLO in milliseconds (x-qlm-ttft-slo-seconds wins).",
         ),
     ] = None,
