@@ -350,6 +350,15 @@ class AgentRuntime:
         """Nothing held: every request given has finished, failed or been cancelled."""
         return not self._jobs
 
+    def running(self, request_id: str) -> bool:
+        """An engine runs the request now (its stream is open)."""
+        return request_id in self._flights
+
+    @property
+    def operations(self) -> int:
+        """Engine operations under way (pulls, aborts, swaps, tier changes)."""
+        return len(self._tasks)
+
     def engines(self) -> list[Engine]:
         """The engine of every instance, in the instances' order."""
         return [inst.engine for inst in self._instances.values()]

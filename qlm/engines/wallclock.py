@@ -263,6 +263,17 @@ class WallClockEngine:
         self._wake_driver()
         return done
 
+    def in_flight(self) -> list[str]:
+        """The requests it runs now (submitted, not ended)."""
+        return list(self._flights)
+
+    async def outcome(self, request_id: str) -> EngineOutput:
+        """How the request in flight ends, once it has (finished or aborted)."""
+        flight = self._flights.get(request_id)
+        if flight is None:
+            raise UnknownRequest(f"{self.name}: no request {request_id!r} in flight")
+        return await flight.done
+
     def abort_nowait(self, request_id: str) -> EngineOutput:
         """Abort now; returns the output so far (the final output if it finished meanwhile)."""
         flight = self._flights.get(request_id)

@@ -146,6 +146,7 @@ class ControllerService(RuntimeListener):
         self._lead = 0  # how many times it lost the lead: deliveries taken before are stale
         self.received = 0
         self.settled = 0
+        self.redelivered = 0  # deliveries of requests it held already (after a reconnect)
 
     # --- life cycle -------------------------------------------------------------------------------
 
@@ -169,7 +170,7 @@ class ControllerService(RuntimeListener):
             asyncio.create_task(self._retain(), name="qlm-retain"),
             asyncio.create_task(self._sweep(), name="qlm-sweep"),
         ]
-        await self.queue.consume(self._on_delivery, on_leader=self._leading)
+        await self.queue.consume(self._on_delivery, on_leader=self.leader_changed)
 
     async def stop(self) -> None:
         """Graceful stop: abort what runs (partial outputs are recorded), flush the store, then
@@ -202,6 +203,36 @@ class ControllerService(RuntimeListener):
         active consumer has received none)."""
         return self.received > 0 and not self._stopping and not self._standby
 
+    @property
+    def standby(self) -> bool:
+        """Another controller leads the global queue (the queue said so)."""
+        return self._standby
+
+    @property
+    def watching_leader(self) -> bool:
+        """Standing by with requests it held: it looks for the new leader before letting go."""
+        return self._watch is not None and not self._watch.done()
+
+    def holds(self, request_id: str) -> bool:
+        """It holds the request's delivery, or is recording it (``_take``)."""
+        return request_id in self._held or request_id in self._taking
+
+    @property
+    def held(self) -> int:
+        """Deliveries it holds un-acked (their requests wait or run)."""
+        return len(self._held)
+
+    async def crash(self) -> None:
+        """Stop as a killed process would: nothing flushed, nothing settled, no request aborted
+        (its engines go on running what it sent them); the queue connection closes, so the
+        broker hands its un-acked deliveries to the next controller. For fault drills and
+        tests."""
+        self._stopping = True
+        for task in self._tasks:
+            task.cancel()
+        await self.runtime.stop(abort=False)
+        await self.queue.close()
+
     async def wait_idle(self, poll_s: float = 0.05) -> None:
         """Until every request received has been settled (tests, replays)."""
         while (
@@ -216,7 +247,7 @@ class ControllerService(RuntimeListener):
         self._inbox.append(delivery)
         self._wake.set()
 
-    def _leading(self, leading: bool) -> None:
+    def leader_changed(self, leading: bool) -> None:
         """The queue says whether this controller leads. Standing by after it led, with
         requests held (its broker connection dropped: a partition, a broker restart), it
         watches for another controller leading (``_watch_leader``)."""
@@ -322,6 +353,7 @@ class ControllerService(RuntimeListener):
             held = self._held.get(msg.id)
             if held is not None:  # redelivered after a reconnect: settle the new delivery later
                 held.delivery = d
+                self.redelivered += 1
                 continue
             fresh.append(d)
         if not fresh:
@@ -846,7 +878,7 @@ class ControllerService(RuntimeListener):
             "plan": None if latest is None else _plan_dict(latest),
         }
 
-    def _predictions_to_write(self, snap: dict[str, Any]) -> dict[str, tuple[float | None, bool]]:
+    def predictions_to_write(self, snap: dict[str, Any]) -> dict[str, tuple[float | None, bool]]:
         """The waiting requests whose stored prediction moved (``_moved``), at most
         ``prediction_writes`` of them, the most moved first (new ones and risk flips before
         all; among equals the oldest request): under a large backlog every re-plan moves most
@@ -882,7 +914,7 @@ class ControllerService(RuntimeListener):
             except Exception:
                 log.exception("could not take a snapshot")
                 continue
-            predictions = self._predictions_to_write(snap)
+            predictions = self.predictions_to_write(snap)
             if predictions:
                 # Through the writer, in its transaction: run beside it, this batch of updates
                 # and the writer's (dispatches, outcomes) took row locks in different orders, and

@@ -1098,6 +1098,11 @@ class Store:
             except SQLAlchemyError as exc:
                 raise StoreError(f"cannot {what}: {_reason(exc)}") from exc
 
+    @property
+    def in_batch(self) -> bool:
+        """This thread is inside ``batch()``: its calls share one transaction."""
+        return getattr(self._batch, "session", None) is not None
+
     @contextmanager
     def batch(self) -> Iterator[None]:
         """Run the store calls made inside, on this thread, in one write transaction: one commit

@@ -93,7 +93,7 @@ class Flaky:
 
     def break_(self) -> None:
         self.broken = True
-        for rid in list(self.inner._flights):
+        for rid in self.inner.in_flight():
             self.inner.abort_nowait(rid)
 
     def __getattr__(self, item: str) -> Any:
@@ -478,7 +478,7 @@ class SlowAbort:
         return getattr(self.inner, item)
 
     async def abort(self, request_id: str) -> EngineOutput:
-        return await self.inner._flights[request_id].done
+        return await self.inner.outcome(request_id)
 
 
 def test_an_eviction_that_arrives_after_the_end_finishes_the_request_once() -> None:
@@ -511,7 +511,7 @@ def test_a_cancel_during_an_eviction_ends_the_request_once() -> None:
         )
         await eventually(lambda: rt.evictions == 1, "the eviction is under way")
         assert await rt.cancel("r0000")  # its abort, too, is answered once the request ended
-        await eventually(lambda: rt.idle and not rt._tasks, "every operation is over")
+        await eventually(lambda: rt.idle and not rt.operations, "every operation is over")
         await rt.stop()
         await e.close()
         # It ended once, cancelled (the eviction leaves it to the cancel under way), with the
@@ -560,11 +560,11 @@ def test_a_release_during_an_eviction_wins_over_the_evictions_late_answer() -> N
         await eventually(lambda: gated.calls == 1, "the eviction is aborting it")
         try:
             assert await rt.release(["r0000"]) == 1
-            assert not rt.holds("r0000") and "r0000" not in rt._flights
+            assert not rt.holds("r0000") and not rt.running("r0000")
             assert rt.submit(request)  # led again: delivered again
         finally:
             gated.gate.set()  # the eviction's abort answers now, late
-        await eventually(lambda: rt.idle and not rt._tasks, "the new attempt finished")
+        await eventually(lambda: rt.idle and not rt.operations, "the new attempt finished")
         await rt.stop()
         await e.close()
         record, text = rec.done["r0000"]

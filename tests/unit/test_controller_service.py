@@ -45,6 +45,7 @@ def make_service(
     name: str = "c0",
     queue: GlobalQueue | None = None,
     step_ms: float | None = None,
+    max_running: int | None = None,
 ) -> ControllerService:
     """``step_ms``: the engines' time per decode step (the catalog's base), to slow them."""
     catalog = make_catalog() if step_ms is None else make_catalog(compute_base_ms=step_ms)
@@ -59,6 +60,7 @@ def make_service(
         clock=WallClock(SCALE),
         tick_s=0.02,
         health_interval_s=0.05,
+        max_running=None if max_running is None else dict.fromkeys(("i0", "i1"), max_running),
     )
     return ControllerService(
         queue if queue is not None else MemoryGlobalQueue(broker=broker),
@@ -227,10 +229,7 @@ def test_a_standby_controller_takes_over_and_each_request_ends_once() -> None:
         )
         assert first.active and not standby.active  # the standby waits behind the first
         # The first controller dies: no graceful stop, nothing flushed, its deliveries return.
-        for task in first._tasks:
-            task.cancel()
-        await first.runtime.stop(abort=False)
-        await first.queue.close()
+        await first.crash()
         left = 40 - len(store.final_ids(ids))
         assert left > 0
         await eventually(lambda: final(store, ids), "the standby finished the rest")
@@ -248,8 +247,8 @@ def test_a_standby_controller_takes_over_and_each_request_ends_once() -> None:
 
 def engines_running(service: ControllerService) -> int:
     return sum(
-        inst.engine.stats_nowait().running  # type: ignore[attr-defined]
-        for inst in service.runtime._instances.values()
+        engine.stats_nowait().running  # type: ignore[attr-defined]
+        for engine in service.runtime.engines()
     )
 
 
@@ -309,7 +308,7 @@ def test_a_controller_that_lost_the_lead_stops_what_the_leader_took_over() -> No
         assert not first.active
         await eventually(lambda: second.active, "the second controller leads")
         await eventually(lambda: bool(released), "the first stepped down")
-        assert released[0] >= 2 and not first._held  # what ran there was stopped
+        assert released[0] >= 2 and not first.held  # what ran there was stopped
         reported: list[str] = []  # by the first controller's agents, from now on
         for event in ("finished", "failed", "cancelled", "returned"):
             setattr(first, event, lambda rid, *_, **__: reported.append(str(rid)))
@@ -379,8 +378,8 @@ def test_a_controller_leading_again_while_it_looked_for_the_leader_keeps_its_req
             c0.queue.drop_connection()  # type: ignore[attr-defined]  # c1 leads, c0 watches
             await eventually(lambda: slow.blocked.is_set(), "c0 reads that c1 leads (slowly)")
             c1.queue.drop_connection()  # type: ignore[attr-defined]  # back to c0 meanwhile
-            await eventually(lambda: not c0._standby, "c0 leads again")
-            await asyncio.sleep(0.1)  # its requests delivered again, found running
+            await eventually(lambda: not c0.standby, "c0 leads again")
+            await eventually(lambda: c0.redelivered >= 4, "its requests delivered again")
         finally:
             slow.gate.set()  # the read answers, late: c1 led — but c0 leads now
         await eventually(lambda: final(store, ids), "all finished")
@@ -399,18 +398,26 @@ def test_a_standby_with_no_other_leader_in_sight_keeps_running_what_it_held() ->
 
     async def scenario(store: Store) -> None:
         service, ids = await serving(store, 6, 7000)
-        service._leading(False)  # what the queue says when its own old connection holds the lock
+        # what the queue says when its own old connection holds the lock:
+        service.leader_changed(False)
         assert not service.active
-        watch = service._watch
-        assert watch is not None and not watch.done()
-        await asyncio.sleep(0.2)  # ten looks at the store (poll_s 0.02): no other leader there
-        assert not watch.done() and len(service._held) == 6 and engines_running(service) >= 2
-        service._leading(True)
+        assert service.watching_leader
+        looks = [0]
+        read = store.controller_states
+
+        def counted() -> Any:
+            looks[0] += 1
+            return read()
+
+        store.controller_states = counted  # type: ignore[method-assign]
+        await eventually(lambda: looks[0] >= 10, "ten looks at the store for another leader")
+        assert service.watching_leader and service.held == 6 and engines_running(service) >= 2
+        service.leader_changed(True)
         await eventually(lambda: final(store, ids), "all finished")
         await service.wait_idle()
         rows = [store.get(rid) for rid in ids]
         assert all(r is not None and r.output_tokens == 7000 and r.evictions == 0 for r in rows)
-        assert service.active and watch.done()
+        assert service.active and not service.watching_leader
         await service.stop()
 
     run(scenario)
@@ -462,9 +469,7 @@ def test_retention_deletes_ended_requests_and_old_plans() -> None:
 def test_cancels_made_in_the_store_reach_the_controller() -> None:
     async def scenario(store: Store) -> None:
         broker = MemoryBroker()
-        service = make_service(store, broker, policy="edf")
-        for inst in service.runtime._instances.values():
-            inst.max_running = 1
+        service = make_service(store, broker, policy="edf", max_running=1)
         await service.start()
         producer = MemoryGlobalQueue(broker=broker)
         now = service.runtime.clock.now()
@@ -495,10 +500,8 @@ def test_cancels_made_in_the_store_reach_the_controller() -> None:
 def test_snapshots_predictions_drain_and_streamed_results() -> None:
     async def scenario(store: Store) -> None:
         broker = MemoryBroker()
-        service = make_service(store, broker)
+        service = make_service(store, broker, max_running=1)
         service.publish_s = 0.02
-        for inst in service.runtime._instances.values():
-            inst.max_running = 1
         store.upsert_instance(InstanceSpec("i1", "G", ("m",)), state=InstanceState.DRAINING)
         # Predictions are written by the writer, in its transaction (beside it, PostgreSQL found
         # the two batches deadlocked).
@@ -506,7 +509,7 @@ def test_snapshots_predictions_drain_and_streamed_results() -> None:
         record = store.record_predictions
 
         def spy(predictions: Any) -> None:
-            in_batch.append(getattr(store._batch, "session", None) is not None)
+            in_batch.append(store.in_batch)
             record(predictions)
 
         store.record_predictions = spy  # type: ignore[method-assign]
@@ -567,9 +570,9 @@ def test_capped_prediction_writes_go_to_the_oldest_requests_first_and_catch_up()
         service.runtime.controller.policy = types.SimpleNamespace(grouper=Grouper())  # type: ignore[assignment]
         group = {"id": "g", "predicted_completion_at": 50.0, "at_risk": False}
         snap = {"at": 0.0, "queues": [{"groups": [group]}]}
-        assert set(service._predictions_to_write(snap)) == {"r0001", "r0002"}
-        assert set(service._predictions_to_write(snap)) == {"r0003", "r0000"}
-        assert service._predictions_to_write(snap) == {}  # all written, nothing moved
+        assert set(service.predictions_to_write(snap)) == {"r0001", "r0002"}
+        assert set(service.predictions_to_write(snap)) == {"r0003", "r0000"}
+        assert service.predictions_to_write(snap) == {}  # all written, nothing moved
         with pytest.raises(ConfigError, match="prediction_writes"):
             ControllerService(service.queue, store, service.runtime, prediction_writes=0)
 
@@ -663,11 +666,9 @@ def test_prediction_writes_are_capped_per_publish_and_catch_up() -> None:
 
     async def scenario(store: Store) -> None:
         broker = MemoryBroker()
-        service = make_service(store, broker)
+        service = make_service(store, broker, max_running=1)
         service.publish_s = 0.02
         service.prediction_writes = 2
-        for inst in service.runtime._instances.values():
-            inst.max_running = 1
         sizes: list[int] = []
         record = store.record_predictions
 
@@ -884,7 +885,7 @@ def test_the_sweep_spares_a_request_being_taken_and_a_row_that_ended_meanwhile()
         store.ensure_requests = slow  # type: ignore[method-assign]
         await service.start()
         await MemoryGlobalQueue(broker=broker).publish(message(1, old))
-        await eventually(lambda: "q0001" in service._taking, "q0001 is being taken")
+        await eventually(lambda: service.holds("q0001"), "q0001 is being taken")
         assert await service.sweep_once() == []
         assert store.cancel("gone", at=store.now()) is RequestStatus.CANCELLED
         assert await service.sweep_once() == ["orphan"]
