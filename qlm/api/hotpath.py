@@ -28,7 +28,7 @@ from qlm.api.routes.requests import submit
 from qlm.api.schemas import SubmitIn
 
 PATH = "/v1/requests"
-_KEY = re.compile(r"[\x21-\x7e]{1,255}")  # the route's Idempotency-Key header
+_KEY = re.compile(r"[\x20-\x7e]{1,255}")  # the route's IDEMPOTENCY_KEY_PATTERN
 
 
 class SubmitFastPath:

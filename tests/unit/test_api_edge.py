@@ -171,3 +171,35 @@ def test_openai_slo_body_fields_below_the_minimum_are_refused(field: str) -> Non
         assert error(r)["param"] == field
 
     run(scenario, wait_timeout_s=1.0)
+
+
+# --- Idempotency-Key ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("content_type", ["application/json", "application/merge-patch+json"])
+def test_an_idempotency_key_may_be_any_printable_ascii_spaces_included(content_type: str) -> None:
+    """Both the fast path (application/json) and the route (another JSON type) take it."""
+
+    async def scenario(h: Harness) -> None:
+        body = b'{"model": "m", "prompt": "p", "max_tokens": 4}'
+        for key in ("order 42 of 2026", "".join(chr(c) for c in range(0x21, 0x7F)), "a" * 255):
+            headers = h.auth(**{"Idempotency-Key": key, "Content-Type": content_type})
+            first = await h.client.post("/v1/requests", content=body, headers=headers)
+            assert first.status_code == 202, first.text
+            again = await h.client.post("/v1/requests", content=body, headers=headers)
+            assert again.status_code == 202 and again.json()["replayed"] is True
+            assert again.json()["id"] == first.json()["id"]
+        row = h.store.get(first.json()["id"])
+        assert row is not None
+
+    run(scenario)
+
+
+@pytest.mark.parametrize("key", ["tab\there", "a" * 256])
+def test_an_idempotency_key_outside_printable_ascii_is_refused_naming_it(key: str) -> None:
+    async def scenario(h: Harness) -> None:
+        r = await h.submit(headers={"Idempotency-Key": key})
+        assert r.status_code == 422, r.text
+        assert error(r)["param"] == "Idempotency-Key"
+
+    run(scenario)

@@ -32,15 +32,18 @@ from qlm.store import RequestRow
 
 router = APIRouter(prefix="/v1/requests", tags=["requests"])
 
+IDEMPOTENCY_KEY_PATTERN = r"^[\x20-\x7e]+$"
+"""Printable ASCII, spaces included (docs/api.md). HTTP drops the spaces a header value starts or
+ends with, so those are not part of the key."""
 IdempotencyKey = Annotated[
     str | None,
     Header(
         alias="Idempotency-Key",
         min_length=1,
         max_length=255,
-        pattern=r"^[\x21-\x7e]+$",
+        pattern=IDEMPOTENCY_KEY_PATTERN,
         description="Retrying with the same key returns the first request instead of a new one "
-        "(per tenant).",
+        "(per tenant). Printable ASCII (spaces included), at most 255 characters.",
     ),
 ]
 
