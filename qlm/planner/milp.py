@@ -33,11 +33,15 @@ from typing import Any, Literal
 import numpy as np
 import pulp
 
+from qlm.planner.budget import Deadline
 from qlm.planner.program import Plan, PlanProblem
 
 log = logging.getLogger(__name__)
 
 SOLVERS = ("cbc", "highs")
+
+MILP_MIN_S = 0.05
+"""Under a deadline the MILP is run only with at least this much of it left."""
 
 _failures = 0  # solver failures in this process (the first one is logged as a warning)
 
@@ -305,13 +309,24 @@ def solve_milp(
     start: Plan | None = None,
     time_limit_s: float | None = None,
     solver: str = "cbc",
+    deadline: Deadline | None = None,
 ) -> tuple[Plan, Literal["optimal", "feasible"], float | None] | None:
     """Solve exactly (or until the time limit). Returns (plan, status, gap) with status
-    ``optimal`` or ``feasible``, or ``None`` when the solver found no plan or failed."""
+    ``optimal`` or ``feasible``, or ``None`` when the solver found no plan or failed.
+
+    ``deadline``: the solver gets what is left of it once the model is built (at most
+    ``time_limit_s``); with less than ``MILP_MIN_S`` left it is not run (``None``)."""
     lp, variables = build_milp(problem)
     if start is not None:
         _warm_values(problem, start, variables)
-    limit = None if time_limit_s is None else max(0.05, round(time_limit_s, 2))
+    if deadline is not None:
+        left = deadline.left_s()
+        if left < MILP_MIN_S or deadline.spent():
+            return None
+        if not math.isinf(left):
+            time_limit_s = left if time_limit_s is None else min(time_limit_s, left)
+    # Whole hundredths, rounded down: the solver never gets more than it was given.
+    limit = None if time_limit_s is None else max(0.01, math.floor(time_limit_s * 100) / 100)
     try:
         status = lp.solve(make_solver(solver, limit, start is not None))
     except pulp.PulpSolverError as exc:

@@ -38,9 +38,10 @@ from qlm.errors import check_setting
 from qlm.groups import Grouper, GroupingConfig, PredictOutput, default_predict_output
 from qlm.planner.admission import Admission, TokenBucket, admit
 from qlm.planner.arrivals import ArrivalWindow, ClassKey, class_of
+from qlm.planner.budget import Budget, Clock
 from qlm.planner.policy import DispatchContext, InstanceLoad, has_room, prompt_tokens
 from qlm.planner.program import FloatArray, PlanGroup, PlanInstance, PlanProblem, score_queue
-from qlm.planner.solve import Budget, Solution, capacity_needed, solve
+from qlm.planner.solve import Solution, capacity_needed, solve
 from qlm.rct.estimator import InstanceView, Queued, RCTEstimator, prompt_bin
 from qlm.rct.profile import HardwareProfile, RctProfile, default_profile
 from qlm.rct.trigger import Violation, violations
@@ -165,6 +166,10 @@ class _Fluid:
 
 CLASS_SAMPLE = 256
 """Recent arrivals of a request class whose lengths give the class's means (``_concurrency``)."""
+
+SEARCH_SHARE = 0.75
+"""The share of a plan's budget the solver may use; the capacity signal (computed when some
+group is left at risk) has the rest."""
 
 BATCH_CHOICES = (16, 32, 64, 96, 128, 192, 256, 384, 512)
 """Concurrency limits the planner considers for an instance (capped by its ``max_num_seqs``)."""
@@ -397,6 +402,7 @@ class QlmPolicy:
         measure_solve_time: bool | None = None,
         estimator: RCTEstimator | None = None,
         predict_output: PredictOutput | None = None,
+        clock: Clock = time.perf_counter,
     ) -> None:
         """``measure_solve_time``: space plans by ``keep_up`` × their measured compute time; by
         default only when the budget is wall time (production). A budget counted in evaluations
@@ -406,8 +412,12 @@ class QlmPolicy:
         ``estimator`` replaces the RCT estimator built from ``profile``, and ``predict_output`` the
         output length the grouper clusters on (default: a fixed guess under ``max_tokens``);
         ``experiments/policies.py --oracle`` gives both the true output lengths, to measure what
-        knowing them would be worth."""
+        knowing them would be worth.
+
+        ``clock`` (seconds, monotonic) times the plans: their budget when it is wall time, and
+        the ``keep_up`` spacing."""
         self.config = config or PlannerConfig()
+        self._clock = clock
         # The agents switch models themselves (warm start), so engines must not switch on their own.
         self.model_switching = "explicit" if self.config.agent.warm_start else "fcfs"
         self.estimator = estimator or RCTEstimator(profile or default_profile())
@@ -812,7 +822,7 @@ class QlmPolicy:
         """Re-plan every waiting group now and apply the plan to the virtual queues: first each
         instance's concurrency limit and admission (``_fluid``), then order and assignment of the
         admitted groups by the solver; deferred groups wait behind them, earliest deadline first."""
-        started = time.perf_counter()
+        started = self._clock()
         family, current = self._family(now)
         self._plans_made += 1
         choice = self._choice(family)
@@ -848,7 +858,12 @@ class QlmPolicy:
         problem = full if len(keep) == len(family.groups) else _subset(full, keep)
         position = {i: k for k, i in enumerate(keep)}
         previous = [[position[i] for i in order if i in position] for order in current]
-        solution = solve(problem, self.config.budget, previous=previous, solver=self.config.solver)
+        # One deadline for the solver and the capacity signal after it: the search has the first
+        # SEARCH_SHARE of the budget, the signal what is left.
+        deadline = self.config.budget.start(self._clock)
+        solution = solve(
+            problem, deadline.part(SEARCH_SHARE), previous=previous, solver=self.config.solver
+        )
         orders = {
             inst.name: [problem.groups[i].id for i in order]
             + [family.groups[i].id for i in deferred[inst.name]]
@@ -869,7 +884,9 @@ class QlmPolicy:
             edf_objective=solution.edf_objective,
             at_risk=tuple(problem.groups[i].id for i in solution.at_risk),
             capacity_needed=(
-                capacity_needed(problem, hint=self._capacity_hint()) if solution.at_risk else 1.0
+                capacity_needed(problem, hint=self._capacity_hint(), deadline=deadline)
+                if solution.at_risk
+                else 1.0
             ),
             solve_s=solution.solve_s,
             evaluations=solution.evaluations,
@@ -879,7 +896,7 @@ class QlmPolicy:
         self.plans.append(record)
         # What keeping up costs is the whole plan (problem, solve, concurrency, capacity), not
         # only the solver's share of it.
-        self._last_plan_cost_s = time.perf_counter() - started
+        self._last_plan_cost_s = self._clock() - started
         return record
 
     def _capacity_hint(self) -> float | None:

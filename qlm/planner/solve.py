@@ -24,14 +24,15 @@ from __future__ import annotations
 
 import itertools
 import math
-import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Literal
 
 import numpy as np
 
-from qlm.errors import check_setting
+from qlm.planner.budget import Budget as Budget
+from qlm.planner.budget import Deadline
+from qlm.planner.milp import MILP_MIN_S
 from qlm.planner.program import (
     IntArray,
     Plan,
@@ -43,23 +44,6 @@ from qlm.planner.program import (
 )
 
 Status = Literal["optimal", "feasible", "heuristic", "fallback"]
-
-
-@dataclass(frozen=True, slots=True)
-class Budget:
-    """How long the planner may think: seconds of compute and/or candidate orders scored.
-    ``milp_max_groups``: solve the MILP only up to this many groups (0 disables it)."""
-
-    time_s: float | None = 0.1
-    evaluations: int | None = None
-    milp_max_groups: int = 8
-    max_positions: int = 48
-
-    def __post_init__(self) -> None:
-        ok = self.time_s is None or self.time_s > 0
-        check_setting(ok, "planner.budget.time_s", "> 0 or unset", self.time_s)
-        ok = self.evaluations is None or self.evaluations >= 1
-        check_setting(ok, "planner.budget.evaluations", ">= 1 or unset", self.evaluations)
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,35 +61,16 @@ class Solution:
     solve_s: float = 0.0
 
 
-class _Meter:
-    """Counts candidate orders scored and watches the compute budget."""
+def _score(problem: PlanProblem, meter: Deadline, g: int, orders: IntArray) -> np.ndarray:
+    meter.charge(len(orders))
+    return score_orders(problem, g, orders)
 
-    def __init__(self, budget: Budget) -> None:
-        self.budget = budget
-        self.count = 0
-        self.t0 = time.perf_counter()
 
-    def elapsed(self) -> float:
-        return time.perf_counter() - self.t0
-
-    def left_s(self) -> float:
-        if self.budget.time_s is None:
-            return math.inf
-        return self.budget.time_s - self.elapsed()
-
-    def spent(self) -> bool:
-        b = self.budget
-        if b.evaluations is not None and self.count >= b.evaluations:
-            return True
-        return b.time_s is not None and self.elapsed() >= b.time_s
-
-    def score(self, problem: PlanProblem, g: int, orders: IntArray) -> np.ndarray:
-        self.count += len(orders)
-        return score_orders(problem, g, orders)
-
-    def score_many(self, problem: PlanProblem, gs: IntArray, orders: IntArray) -> np.ndarray:
-        self.count += len(orders)
-        return score_many(problem, gs, orders)
+def _score_many(
+    problem: PlanProblem, meter: Deadline, gs: IntArray, orders: IntArray
+) -> np.ndarray:
+    meter.charge(len(orders))
+    return score_many(problem, gs, orders)
 
 
 # --- construction --------------------------------------------------------------------------------
@@ -113,30 +78,43 @@ class _Meter:
 
 def edf_plan(problem: PlanProblem) -> Plan:
     """Groups by deadline; each to the eligible queue where it would finish first (mean times)."""
-    q = len(problem.instances)
+    queues: list[list[int]] = [[] for _ in problem.instances]
+    append_edf(problem, queues, _by_deadline(problem, range(len(problem.groups))))
+    return tuple(tuple(o) for o in queues)
+
+
+def _by_deadline(problem: PlanProblem, groups: Iterable[int]) -> list[int]:
+    return sorted(groups, key=lambda i: (problem.deadline[i], i))
+
+
+def append_edf(problem: PlanProblem, queues: list[list[int]], groups: Sequence[int]) -> None:
+    """Append ``groups``, in the order given, at the tails of ``queues``: each to the eligible
+    queue where it would finish first behind what that queue holds (mean times, model switches
+    included). Linear in groups × queues, with no search: the plan of last resort."""
     p_mean = problem.proc.mean(axis=2)
-    floor_mean = problem.floor.mean(axis=2)
+    p_done = np.maximum(p_mean, problem.floor.mean(axis=2))
     load = problem.ready.copy()
     last = problem.active.copy()
-    queues: list[list[int]] = [[] for _ in range(q)]
-    order = sorted(range(len(problem.groups)), key=lambda i: (problem.deadline[i], i))
-    for i in order:
+    for g, order in enumerate(queues):
+        if order:
+            idx = np.asarray(order, np.int64)
+            models = problem.model_idx[idx]
+            prev = np.concatenate([[last[g]], models[:-1]])
+            sw = np.where(models != prev, problem.switch[g, models], 0.0)
+            load[g] += float((sw + p_mean[idx, g]).sum())
+            last[g] = models[-1]
+    switch = problem.switch
+    for i in groups:
         m = problem.model_idx[i]
-        best, best_t = -1, math.inf
-        for g in np.flatnonzero(problem.eligible[i]):
-            sw = problem.switch[g, m] if last[g] != m else 0.0
-            t = load[g] + sw + max(p_mean[i, g], floor_mean[i, g])
-            if t < best_t:
-                best, best_t = int(g), t
-        if best < 0:
+        sw = np.where(last != m, switch[:, m], 0.0)
+        best = int(np.argmin(load + sw + p_done[i]))
+        if not problem.eligible[i, best]:
             raise ValueError(
                 f"group {problem.groups[i].id} has no instance serving {problem.models[m]}"
             )
-        sw = problem.switch[best, m] if last[best] != m else 0.0
-        load[best] += sw + p_mean[i, best]
+        load[best] += sw[best] + p_mean[i, best]
         last[best] = m
         queues[best].append(i)
-    return tuple(tuple(o) for o in queues)
 
 
 def _insertion_positions(length: int, limit: int, hint: int) -> np.ndarray:
@@ -155,7 +133,7 @@ def _deadline_slot(problem: PlanProblem, order: Sequence[int], x: int) -> int:
 
 
 def _best_insertion(
-    problem: PlanProblem, meter: _Meter, queues: list[list[int]], x: int, costs: list[float]
+    problem: PlanProblem, meter: Deadline, queues: list[list[int]], x: int, costs: list[float]
 ) -> tuple[float, int, int]:
     """Cheapest (added cost, queue, position) for inserting group ``x``: every candidate position
     on every queue that serves it, scored in one batch."""
@@ -180,7 +158,7 @@ def _best_insertion(
     rows = mat[row_of[:, None], np.clip(src, 0, width)]
     rows[cols == pos] = x
     gs = eligible[row_of]
-    scores = meter.score_many(problem, gs, rows) - np.asarray(costs)[gs]
+    scores = _score_many(problem, meter, gs, rows) - np.asarray(costs)[gs]
     k = int(np.argmin(scores))
     return float(scores[k]), int(gs[k]), int(pos[k, 0])
 
@@ -191,7 +169,7 @@ that the time budget is checked between blocks (one block of a 1,000-group queue
 
 
 def _removal_costs(
-    problem: PlanProblem, meter: _Meter, order: list[int], g: int, start: int = 0, stop: int = -1
+    problem: PlanProblem, meter: Deadline, order: list[int], g: int, start: int = 0, stop: int = -1
 ) -> np.ndarray:
     """Cost of queue ``g`` without each of its groups at positions ``start:stop`` (row ``j``:
     without ``order[start + j]``)."""
@@ -203,12 +181,13 @@ def _removal_costs(
     # row j skips position p = positions[j]: columns before p map to themselves, after to +1
     index = cols[None, :] + (cols[None, :] >= positions[:, None])
     rows = base[index]
-    return meter.score_many(problem, np.full(len(positions), g, np.int64), rows)
+    return _score_many(problem, meter, np.full(len(positions), g, np.int64), rows)
 
 
-def warm_plan(problem: PlanProblem, previous: Sequence[Sequence[int]], meter: _Meter) -> Plan:
+def warm_plan(problem: PlanProblem, previous: Sequence[Sequence[int]], meter: Deadline) -> Plan:
     """``previous`` (group indices per queue, possibly partial) with every group it lacks inserted
-    at its cheapest position, in deadline order."""
+    at its cheapest position, in deadline order, while ``meter`` lasts; the groups left when it
+    is spent go to the queues' tails earliest deadline first (``append_edf``)."""
     placed: set[int] = set()
     queues: list[list[int]] = []
     for g, order in enumerate(previous):
@@ -216,11 +195,12 @@ def warm_plan(problem: PlanProblem, previous: Sequence[Sequence[int]], meter: _M
         placed.update(keep)
         queues.append(keep)
     queues.extend([] for _ in range(len(problem.instances) - len(queues)))
-    costs = [score_queue(problem, g, o).cost for g, o in enumerate(queues)]
-    missing = sorted(
-        set(range(len(problem.groups))) - placed, key=lambda i: (problem.deadline[i], i)
-    )
-    for x in missing:
+    missing = _by_deadline(problem, set(range(len(problem.groups))) - placed)
+    costs = [score_queue(problem, g, o).cost for g, o in enumerate(queues)] if missing else []
+    for k, x in enumerate(missing):
+        if meter.spent():
+            append_edf(problem, queues, missing[k:])
+            break
         _, g, pos = _best_insertion(problem, meter, queues, x, costs)
         queues[g].insert(pos, x)
         costs[g] = score_queue(problem, g, queues[g]).cost
@@ -230,7 +210,7 @@ def warm_plan(problem: PlanProblem, previous: Sequence[Sequence[int]], meter: _M
 # --- local search --------------------------------------------------------------------------------
 
 
-def local_search(problem: PlanProblem, start: Plan, meter: _Meter) -> Plan:
+def local_search(problem: PlanProblem, start: Plan, meter: Deadline) -> Plan:
     """Relocate and adjacent-swap moves on the exact objective until none improves or the budget
     is spent. Relocation starts from queues that are late or at risk (only they can gain much);
     every queue is then put in Smith's order (weight per second of work) where that costs
@@ -259,7 +239,7 @@ def local_search(problem: PlanProblem, start: Plan, meter: _Meter) -> Plan:
                         continue
                     rest = [i for i in queues[g] if i != x]
                     removed = score_queue(problem, g, rest).cost
-                    meter.count += 1
+                    meter.charge(1)
                 else:
                     rest = order[:k] + order[k + 1 :]
                     removed = float(removal[k % REMOVAL_BLOCK])
@@ -289,7 +269,7 @@ def local_search(problem: PlanProblem, start: Plan, meter: _Meter) -> Plan:
 
 
 def _smith_order(
-    problem: PlanProblem, meter: _Meter, queues: list[list[int]], costs: list[float], g: int
+    problem: PlanProblem, meter: Deadline, queues: list[list[int]], costs: list[float], g: int
 ) -> bool:
     """Try the queue in Smith's order (most weight per second of work first, models kept in
     blocks by their first appearance); keep it if it costs less."""
@@ -304,7 +284,7 @@ def _smith_order(
     candidate = idx[np.lexsort((-density, block))]
     if np.array_equal(candidate, idx):
         return False
-    score = float(meter.score(problem, g, candidate[None, :])[0])
+    score = float(_score(problem, meter, g, candidate[None, :])[0])
     if score < costs[g] - 1e-9 * max(1.0, abs(costs[g])):
         queues[g] = [int(v) for v in candidate]
         costs[g] = score
@@ -312,22 +292,37 @@ def _smith_order(
     return False
 
 
+SWAP_CELLS = 1 << 16
+"""Rows × groups scored at once by the adjacent swaps: a queue of up to 256 groups in one batch,
+a longer one in batches of fewer rows, with the budget checked between them."""
+
+
 def _adjacent_swaps(
-    problem: PlanProblem, meter: _Meter, queues: list[list[int]], costs: list[float], g: int
+    problem: PlanProblem, meter: Deadline, queues: list[list[int]], costs: list[float], g: int
 ) -> bool:
+    """Swap the two neighbours whose swap lowers the queue's cost most, if any does (of the
+    swaps scored before the budget ran out)."""
     order = queues[g]
     k = len(order)
     if k < 2:
         return False
     base = np.asarray(order, np.int64)
-    rows = np.repeat(base[None, :], k - 1, axis=0)
-    idx = np.arange(k - 1)
-    rows[idx, idx], rows[idx, idx + 1] = base[idx + 1], base[idx]
-    scores = meter.score(problem, g, rows)
-    j = int(np.argmin(scores))
-    if scores[j] < costs[g] - 1e-9 * max(1.0, abs(costs[g])):
-        queues[g] = [int(v) for v in rows[j]]
-        costs[g] = float(scores[j])
+    rows_per_batch = max(1, SWAP_CELLS // k)
+    best_j, best = -1, math.inf
+    for first in range(0, k - 1, rows_per_batch):
+        if first and meter.spent():
+            break
+        idx = np.arange(first, min(first + rows_per_batch, k - 1))
+        rows = np.repeat(base[None, :], len(idx), axis=0)
+        r = np.arange(len(idx))
+        rows[r, idx], rows[r, idx + 1] = base[idx + 1], base[idx]
+        scores = _score(problem, meter, g, rows)
+        j = int(np.argmin(scores))
+        if scores[j] < best:
+            best_j, best = int(idx[j]), float(scores[j])
+    if best_j >= 0 and best < costs[g] - 1e-9 * max(1.0, abs(costs[g])):
+        order[best_j], order[best_j + 1] = order[best_j + 1], order[best_j]
+        costs[g] = best
         return True
     return False
 
@@ -337,15 +332,19 @@ def _adjacent_swaps(
 
 def solve(
     problem: PlanProblem,
-    budget: Budget | None = None,
+    budget: Budget | Deadline | None = None,
     *,
     previous: Sequence[Sequence[int]] | None = None,
     solver: str = "auto",
 ) -> Solution:
     """The best plan found within ``budget``: construction, local search, then the MILP when the
-    problem is small enough to prove optimality."""
-    budget = budget or Budget()
-    meter = _Meter(budget)
+    problem is small enough to prove optimality.
+
+    ``budget``: a ``Deadline`` already running (the caller's clock, or a fake), or a ``Budget``
+    started now on the wall clock (default ``Budget()``). Every stage asks the deadline between
+    units of work and stops when it is spent; the EDF plan is always built and is the floor."""
+    meter = budget if isinstance(budget, Deadline) else (budget or Budget()).start()
+    limits = meter.budget
     n = len(problem.groups)
     edf = edf_plan(problem)
     edf_cost = _total(problem, edf)
@@ -365,11 +364,11 @@ def solve(
         best, best_cost, method = searched, searched_cost, method + "+local"
     status: Status = "heuristic"
     gap: float | None = None
-    if n <= budget.milp_max_groups and meter.left_s() > 0:
+    left = meter.left_s()
+    if n <= limits.milp_max_groups and left >= MILP_MIN_S and not meter.spent():
         from qlm.planner.milp import solve_milp  # PuLP is only imported when it is used
 
-        time_limit = None if budget.time_s is None else max(meter.left_s(), 0.05)
-        result = solve_milp(problem, start=best, time_limit_s=time_limit, solver=solver)
+        result = solve_milp(problem, start=best, solver=solver, deadline=meter)
         if result is not None:
             plan, milp_status, gap = result
             cost = _total(problem, plan)
@@ -390,7 +389,7 @@ def _solution(
     status: Status,
     method: str,
     edf_cost: float,
-    meter: _Meter,
+    meter: Deadline,
     gap: float | None = None,
 ) -> Solution:
     check_plan(problem, plan)
@@ -407,7 +406,7 @@ def _solution(
         at_risk=tuple(sorted(at_risk)),
         gap=gap,
         evaluations=meter.count,
-        solve_s=meter.elapsed(),
+        solve_s=meter.elapsed_s(),
     )
 
 
@@ -453,8 +452,16 @@ def brute_force(problem: PlanProblem) -> tuple[Plan, float]:
 # --- admission (§A.3) ----------------------------------------------------------------------------
 
 
+class _Spent(Exception):
+    """The deadline ran out in the middle of a search."""
+
+
 def capacity_needed(
-    problem: PlanProblem, *, limit: float = 64.0, hint: float | None = None
+    problem: PlanProblem,
+    *,
+    limit: float = 64.0,
+    hint: float | None = None,
+    deadline: Deadline | None = None,
 ) -> float | None:
     """By how much the fleet's throughput would have to grow for an EDF plan to meet every chance
     constraint that any capacity can meet (1.0: it already does), within 2 %. ``None`` if even
@@ -462,21 +469,44 @@ def capacity_needed(
     deadline are left out: more instances cannot help them.
 
     ``hint`` (the last plan's answer) brackets the search around it: a few EDF plans instead of a
-    dozen when the answer moved little, and within the same 2 %."""
+    dozen when the answer moved little, and within the same 2 %.
+
+    ``deadline`` is asked before each EDF plan tried (each is charged one scored order per
+    queue). When it runs out first the answer is the smallest capacity found to be enough (an
+    upper bound, coarser than 2 %), else ``hint`` (the last answer stands), else ``None``."""
     if not problem.groups:
         return 1.0
+    enough: list[float] = []
+    try:
+        return _capacity_search(problem, limit, hint, deadline, enough)
+    except _Spent:
+        return min(enough, default=hint)
+
+
+def _capacity_search(
+    problem: PlanProblem,
+    limit: float,
+    hint: float | None,
+    deadline: Deadline | None,
+    enough: list[float],
+) -> float | None:
     ok = (problem.ready[None, :, None] + problem.floor <= problem.deadline[:, None, None]).sum(
         axis=2
     )
     helpable = (ok >= problem.required_ok).any(axis=1)
 
     def meets(alpha: float) -> bool:
+        if deadline is not None:
+            if deadline.spent():
+                raise _Spent
+            deadline.charge(len(problem.instances))
         scaled = replace(problem, proc=problem.proc / alpha)
         plan = edf_plan(scaled)
         for g, order in enumerate(plan):
             details = score_queue(scaled, g, order)
             if any(miss and helpable[i] for i, miss in zip(order, details.missed, strict=True)):
                 return False
+        enough.append(alpha)
         return True
 
     if meets(1.0):

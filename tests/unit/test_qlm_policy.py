@@ -222,15 +222,14 @@ def test_a_fixed_concurrency_limit_is_held_at_every_plan() -> None:
 
 @pytest.mark.parametrize("simulated", [True, False])
 def test_plans_are_spaced_by_their_compute_only_when_the_budget_is_wall_time(
-    simulated: bool, monkeypatch: pytest.MonkeyPatch
+    simulated: bool,
 ) -> None:
     """A simulated run (budget in evaluations) must not depend on how fast the machine is."""
-    clock = iter(float(100 * i) for i in range(1000))  # every plan "takes" 100 s of compute
-    monkeypatch.setattr("qlm.planner.qlm_policy.time.perf_counter", lambda: next(clock))
+    ticks = iter(float(100 * i) for i in range(1000))  # every plan "takes" 100 s of compute
     config = dataclasses.replace(CONFIG, period_s=5.0, min_interval_s=1.0)
     if not simulated:
         config = dataclasses.replace(config, budget=dataclasses.replace(config.budget, time_s=0.1))
-    qlm = QlmPolicy(PROFILE, config=config)
+    qlm = QlmPolicy(PROFILE, config=config, clock=lambda: next(ticks))
     busy = load(max_running=1, outstanding_requests=1, outstanding_tokens=200)
     qlm.decide(DispatchContext(0.0, (make_request(0, slo=SLO(600.0)),), (busy,)))
     qlm.decide(DispatchContext(6.0, (), (busy,)))  # the period is due

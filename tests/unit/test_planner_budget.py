@@ -1,0 +1,232 @@
+"""Every part of a plan stops when its budget is spent, and a plan cut short is still whole.
+
+The budgets here are fakes (``RunsOut``: spent from its N-th question on; ``ManualClock``: time
+that moves only when the test says): nothing depends on how fast the machine is."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+import pytest
+from builders import make_profile, make_request
+
+from qlm.domain import SLO
+from qlm.planner import PlannerConfig, QlmPolicy, milp
+from qlm.planner.budget import Budget, Deadline
+from qlm.planner.milp import MILP_MIN_S, solve_milp
+from qlm.planner.policy import DispatchContext, InstanceLoad
+from qlm.planner.program import Plan, PlanProblem, check_plan, score_plan
+from qlm.planner.solve import (
+    SWAP_CELLS,
+    _adjacent_swaps,
+    capacity_needed,
+    edf_plan,
+    local_search,
+    solve,
+    warm_plan,
+)
+from qlm.planner.synthetic import random_problem
+
+
+class RunsOut(Deadline):
+    """Answers ``after`` times that there is budget left, then that it is spent; counts the
+    questions (``checks``) and, as any deadline, the candidate orders scored (``count``)."""
+
+    def __init__(self, after: int, budget: Budget | None = None) -> None:
+        super().__init__(budget or Budget(time_s=None), lambda: 0.0)
+        self.after = after
+        self.checks = 0
+
+    def left_s(self) -> float:
+        return 0.0 if self.checks >= self.after else math.inf
+
+    def spent(self) -> bool:
+        self.checks += 1
+        return self.checks > self.after
+
+
+class ManualClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def backlog(queues: int = 8, groups: int = 2400, held: int = 240, seed: int = 7) -> tuple:
+    """A plan problem and a previous plan that holds only the first ``held`` groups (by index):
+    the others arrived at once and are missing from it."""
+    problem = random_problem(queues, groups, seed=seed, models=2, load=2.0)
+    previous = tuple(tuple(i for i in order if i < held) for order in edf_plan(problem))
+    return problem, previous
+
+
+def tails(problem: PlanProblem, plan: Plan, appended: set[int]) -> None:
+    """Every group of ``appended`` sits behind all the others of its queue, and they are in
+    deadline order there."""
+    for order in plan:
+        flags = [i in appended for i in order]
+        first = flags.index(True) if True in flags else len(order)
+        assert all(flags[first:]), "an appended group is followed by an inserted one"
+        tail = order[first:]
+        assert list(tail) == sorted(tail, key=lambda i: (problem.deadline[i], i))
+
+
+def test_warm_plan_with_thousands_of_missing_groups_stops_inserting_when_the_budget_is_out() -> (
+    None
+):
+    problem, previous = backlog()
+    missing = sorted(
+        set(range(len(problem.groups))) - {i for o in previous for i in o},
+        key=lambda i: (problem.deadline[i], i),
+    )
+    assert len(missing) == 2160
+    meter = RunsOut(after=5)
+    plan = warm_plan(problem, previous, meter)
+    check_plan(problem, plan)  # every group exactly once, where it is served
+    assert meter.checks == 6  # five insertions, then the budget was found spent
+    tails(problem, plan, set(missing[5:]))
+    # The groups it held keep their order.
+    for order, before in zip(plan, previous, strict=True):
+        assert [i for i in order if i in set(before)] == list(before)
+
+
+def test_a_budget_spent_at_once_still_yields_a_complete_plan_no_worse_than_edf() -> None:
+    problem, previous = backlog()
+    sol = solve(problem, RunsOut(after=0), previous=previous)
+    check_plan(problem, sol.plan)
+    assert sol.status == "fallback"
+    assert sol.evaluations == 0  # nothing was searched
+    assert sol.objective <= sol.edf_objective
+    assert sol.objective == pytest.approx(score_plan(problem, sol.plan))
+
+
+def test_a_warm_plan_cut_short_puts_what_it_could_not_insert_at_the_tails_in_edf_order() -> None:
+    problem, previous = backlog(queues=4, groups=300, held=200, seed=3)
+    missing = set(range(len(problem.groups))) - {i for o in previous for i in o}
+    plan = warm_plan(problem, previous, RunsOut(after=0))
+    check_plan(problem, plan)
+    tails(problem, plan, missing)
+
+
+def test_the_local_search_stops_at_once_when_the_budget_is_spent() -> None:
+    problem = random_problem(4, 400, seed=1, load=2.0)
+    start = edf_plan(problem)
+    spent = RunsOut(after=0)
+    assert local_search(problem, start, spent) == start
+    assert spent.count == 0
+    few = RunsOut(after=3)
+    local_search(problem, start, few)
+    many = RunsOut(after=30)
+    local_search(problem, start, many)
+    assert 0 < few.count < many.count  # the work done grows with the checks allowed
+
+
+def test_the_swaps_of_a_long_queue_are_scored_in_batches_between_checks() -> None:
+    problem = random_problem(1, 600, seed=2, models=1, load=3.0)
+    queues = [list(o) for o in edf_plan(problem)]
+    costs = [score_plan(problem, tuple(tuple(o) for o in queues))]
+    meter = RunsOut(after=0)
+    _adjacent_swaps(problem, meter, queues, costs, 0)
+    assert meter.count == SWAP_CELLS // 600  # the first batch only, not all 599 swaps
+    whole = RunsOut(after=10**6)
+    _adjacent_swaps(problem, whole, [list(o) for o in edf_plan(problem)], list(costs), 0)
+    assert whole.count == 599
+
+
+def test_the_milp_gets_what_is_left_of_the_deadline_and_is_not_run_without_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    problem = random_problem(2, 5, seed=4)
+    clock = ManualClock()
+    deadline = Budget(time_s=1.0).start(clock)
+    clock.now = 1.0 - MILP_MIN_S / 2
+    assert solve_milp(problem, start=edf_plan(problem), solver="highs", deadline=deadline) is None
+    given: list[float | None] = []
+    real = milp.make_solver
+
+    def spy(name: str, time_limit_s: float | None, warm: bool) -> object:
+        given.append(time_limit_s)
+        return real(name, time_limit_s, warm)
+
+    monkeypatch.setattr(milp, "make_solver", spy)
+    clock.now = 0.5  # 0.5 s left: the solver may not have more, whatever it is asked
+    solve_milp(
+        problem, start=edf_plan(problem), time_limit_s=30.0, solver="highs", deadline=deadline
+    )
+    assert given == [0.5]
+
+
+def test_solve_does_not_start_the_milp_with_less_than_its_minimum_left(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    problem = random_problem(2, 5, seed=4)
+    made: list[float | None] = []
+    real = milp.make_solver
+
+    def spy(name: str, time_limit_s: float | None, warm: bool) -> object:
+        made.append(time_limit_s)
+        return real(name, time_limit_s, warm)
+
+    monkeypatch.setattr(milp, "make_solver", spy)
+    clock = ManualClock()
+    deadline = Budget(time_s=1.0, milp_max_groups=8).start(clock)
+    clock.now = 1.0 - MILP_MIN_S / 2  # the search may go on (the clock stands still), not the MILP
+    sol = solve(problem, deadline)
+    check_plan(problem, sol.plan)
+    assert made == [] and sol.status == "heuristic"
+    clock.now = 0.0
+    solve(problem, Budget(time_s=1.0).start(clock))
+    assert made == [1.0]
+
+
+def test_the_capacity_search_tries_no_more_edf_plans_than_its_budget_allows() -> None:
+    problem = random_problem(4, 200, seed=3, load=2.0)
+    whole = RunsOut(after=10**6)
+    exact = capacity_needed(problem, deadline=whole)
+    assert exact is not None and exact > 1.0
+    tries = whole.count // len(problem.instances)
+    assert tries > 4
+    short = RunsOut(after=3)
+    rough = capacity_needed(problem, deadline=short)
+    assert short.count == 3 * len(problem.instances)  # three EDF plans tried
+    # What it says is a capacity found to be enough (coarser than 2 %), or nothing was.
+    assert rough is None or rough >= exact
+    assert capacity_needed(problem, deadline=RunsOut(after=0), hint=2.5) == 2.5
+
+
+def test_a_part_of_a_deadline_ends_at_its_share_of_the_time_and_counts_its_own_orders() -> None:
+    clock = ManualClock()
+    whole = Budget(time_s=1.0, evaluations=100).start(clock)
+    search = whole.part(0.75)
+    search.charge(100)
+    assert search.spent() and not whole.spent()  # its count is its own
+    other = whole.part(0.75)
+    clock.now = 0.8
+    assert other.spent() and not whole.spent()  # 0.8 s of 1 s: past the share, not the whole
+    assert whole.left_s() == pytest.approx(0.2)
+
+
+def test_a_plan_whose_clock_runs_out_still_queues_every_group_exactly_once() -> None:
+    """The policy plans on its own clock: here each reading of it is a second later, so every
+    budget is spent as soon as it is asked."""
+    ticks = iter(float(i) for i in range(10**6))
+    config = dataclasses.replace(
+        PlannerConfig.for_simulation(), budget=Budget(time_s=0.1), defer_expensive=False
+    )
+    qlm = QlmPolicy(make_profile(), config=config, clock=lambda: next(ticks))
+    instances = tuple(
+        InstanceLoad(name=f"i{k}", models=("m",), gpu="G", max_running=1) for k in range(3)
+    )
+    rng = np.random.default_rng(0)
+    reqs = tuple(
+        make_request(k, arrival_s=0.0, slo=SLO(float(rng.choice([5.0, 60.0, 600.0]))))
+        for k in range(400)
+    )
+    qlm.decide(DispatchContext(0.0, reqs, instances))
+    record = qlm.plans[-1]
+    assert record.status == "fallback"
+    queued = [g for inst in instances for g in qlm.queues.queue(inst.name)]
+    assert len(queued) == len(set(queued)) == len(qlm.grouper)
