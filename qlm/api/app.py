@@ -76,7 +76,11 @@ class BodyLimit:
             length = -1
         if length < 0:
             response = errors.error_response(
-                400, "invalid Content-Length header", errors.INVALID, "Content-Length"
+                400,
+                f"invalid Content-Length header: {declared.decode('latin-1')!r}",
+                errors.INVALID,
+                "Content-Length",
+                "invalid_content_length",
             )
             await response(scope, receive, send)
         elif length > self.max_bytes:

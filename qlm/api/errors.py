@@ -19,7 +19,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
+from qlm.api.schemas import MAX_JSON_DEPTH
 from qlm.global_queue import QueueUnavailable
 from qlm.store import InvalidCursor, StoreError
 
@@ -45,8 +47,9 @@ class ErrorDetail(BaseModel):
     param: str | None = Field(
         default=None, description="The body field, header or query parameter at fault."
     )
-    code: str | None = Field(
-        default=None, description="The limit or rule that was broken, e.g. max_tokens_limit."
+    code: str = Field(
+        description="The limit or rule that was broken, e.g. max_tokens_limit: always set, so a "
+        "client can tell what to change without parsing the message."
     )
 
 
@@ -66,7 +69,7 @@ class ApiError(Exception):
         *,
         type: str,
         param: str | None = None,
-        code: str | None = None,
+        code: str,
         headers: Mapping[str, str] | None = None,
     ) -> None:
         super().__init__(message)
@@ -87,15 +90,15 @@ def error_response(
     status: int,
     message: str,
     type: str,
-    param: str | None = None,
-    code: str | None = None,
+    param: str | None,
+    code: str,
     headers: Mapping[str, str] | None = None,
 ) -> JSONResponse:
     body = {"error": {"message": message, "type": type, "param": param, "code": code}}
     return JSONResponse(body, status_code=status, headers=dict(headers or {}))
 
 
-def invalid(param: str, message: str, *, code: str | None = None) -> ApiError:
+def invalid(param: str, message: str, *, code: str) -> ApiError:
     """A 422 naming ``param``."""
     return ApiError(422, message, type=INVALID, param=param, code=code)
 
@@ -118,6 +121,7 @@ def documented(*statuses: int) -> dict[int | str, dict[str, Any]]:
         404: "No such resource for this tenant",
         409: "Conflicts with the resource's state",
         413: "Body larger than the limit",
+        415: "The body is not JSON (Content-Type)",
         422: "A field, header or query parameter is invalid; `param` names it",
         429: "Rate or queued-request limit reached; see Retry-After",
         502: "The request failed on the serving instance",
@@ -170,7 +174,7 @@ def response_for(exc: Exception) -> JSONResponse | None:
     if isinstance(exc, StoreError):
         log.warning("store unavailable: %s", exc)
         return error_response(
-            503, f"store unavailable: {exc}", UNAVAILABLE, code="store_unavailable"
+            503, f"store unavailable: {exc}", UNAVAILABLE, None, code="store_unavailable"
         )
     if isinstance(exc, QueueUnavailable):
         log.warning("global queue unavailable: %s", exc)
@@ -178,6 +182,7 @@ def response_for(exc: Exception) -> JSONResponse | None:
             503,
             f"global queue unavailable, nothing was accepted: {exc}",
             UNAVAILABLE,
+            None,
             code="broker_unavailable",
             headers={"Retry-After": "1"},
         )
@@ -203,7 +208,7 @@ async def _on_validation(_request: Request, exc: Exception) -> JSONResponse:
         param, message = "body", f"body is not valid JSON: {first.get('ctx', {}).get('error', '')}"
     if len(errors) > 1:
         message += f" (and {len(errors) - 1} more error{'s' if len(errors) > 2 else ''})"
-    return error_response(422, message, INVALID, param, str(first.get("type") or "") or None)
+    return error_response(422, message, INVALID, param, str(first.get("type") or "invalid"))
 
 
 _ID_PROBLEMS = {
@@ -224,17 +229,76 @@ def _invalid_id(param: str, error: Mapping[str, Any]) -> JSONResponse:
     )
 
 
-async def _on_http(_request: Request, exc: Exception) -> JSONResponse:
+async def _on_http(request: Request, exc: Exception) -> JSONResponse:
+    """Starlette's and FastAPI's own errors: no route for the path (404), none for the method
+    (405), a body FastAPI could not read (400)."""
     assert isinstance(exc, StarletteHTTPException)
-    types = {401: AUTHENTICATION, 403: PERMISSION, 404: NOT_FOUND, 405: INVALID}
-    message = str(exc.detail) if exc.detail else "error"
-    param = None
-    if exc.status_code == 404 and message == "Not Found":
-        message = "no such endpoint"
-    if exc.status_code == 400:  # FastAPI could not read the body (not UTF-8, not a form, ...)
-        message, param = f"body: {message.lower()}", "body"
+    status = exc.status_code
+    if status == 404:
+        return error_response(
+            404,
+            f"no endpoint {request.url.path} (the API's calls: /docs, /openapi.json)",
+            NOT_FOUND,
+            None,
+            "unknown_endpoint",
+        )
+    if status == 405:
+        allowed = allowed_methods(request)
+        return error_response(
+            405,
+            f"{request.method} is not allowed on {request.url.path}; allowed: "
+            f"{', '.join(allowed) or 'none'}",
+            INVALID,
+            None,
+            "method_not_allowed",
+            headers={"Allow": ", ".join(allowed)},
+        )
+    if status == 400:
+        return _unreadable_body(exc.__cause__)
+    types = {401: AUTHENTICATION, 403: PERMISSION}
+    message = str(exc.detail) if exc.detail else f"HTTP {status}"
     return error_response(
-        exc.status_code, message, types.get(exc.status_code, INVALID), param, headers=exc.headers
+        status, message, types.get(status, INVALID), None, f"http_{status}", headers=exc.headers
+    )
+
+
+_METHODS = ("DELETE", "GET", "HEAD", "OPTIONS", "PATCH", "POST", "PUT")
+
+
+def allowed_methods(request: Request) -> list[str]:
+    """Every method some route serves on the request's path (the ``Allow`` header of a 405).
+    Starlette names only the methods of the first route whose path matched, so a path served
+    by two routes (``GET`` and ``DELETE /v1/requests/{id}``) lost the other's."""
+    routes = request.app.router.routes
+    return [
+        method
+        for method in _METHODS
+        if any(r.matches({**request.scope, "method": method})[0] is Match.FULL for r in routes)
+    ]
+
+
+def _unreadable_body(cause: BaseException | None) -> JSONResponse:
+    """FastAPI's 400 for a body it could not parse, with what was wrong (its message says only
+    that there was an error)."""
+    if isinstance(cause, UnicodeDecodeError):
+        return error_response(
+            422,
+            f"body is not valid UTF-8: byte 0x{cause.object[cause.start]:02x} at offset "
+            f"{cause.start} ({cause.reason}); JSON bodies are UTF-8",
+            INVALID,
+            "body",
+            "body_not_utf8",
+        )
+    if isinstance(cause, RecursionError):
+        return error_response(
+            422,
+            f"body nests arrays and objects deeper than {MAX_JSON_DEPTH} levels",
+            INVALID,
+            "body",
+            "json_too_deep",
+        )
+    return error_response(
+        400, f"body could not be read: {cause!r}", INVALID, "body", "body_unreadable"
     )
 
 
@@ -252,7 +316,9 @@ async def _on_queue(_request: Request, exc: Exception) -> JSONResponse:
 
 async def _on_unexpected(_request: Request, exc: Exception) -> JSONResponse:
     log.error("unhandled error", exc_info=exc)
-    return error_response(500, "internal error (logged by the server)", INTERNAL)
+    return error_response(
+        500, "internal error (logged by the server)", INTERNAL, None, "internal_error"
+    )
 
 
 def install(app: FastAPI) -> None:

@@ -22,6 +22,7 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from pydantic_core import PydanticCustomError
 
 from qlm.domain import MIN_SLO_S, RequestStatus, Tier
 from qlm.engines.structured import schema_problem
@@ -112,6 +113,41 @@ def status_name(status: RequestStatus) -> StatusName:
 
 
 # --- shared pieces ----------------------------------------------------------------------------
+
+MAX_JSON_DEPTH = 64
+"""The deepest nesting of arrays and objects a body may have. The deepest that QLM reads are
+JSON schemas (``qlm.engines.structured`` takes 16 levels of them, about 40 of JSON in a body);
+free-form values inside them (``default``, ``enum``, ``const``) are kept and passed on as they
+are, and a body nested a thousand levels deep would have every later reader of the queue
+message or the stored row decode it at the edge of Python's recursion limit."""
+
+
+def _deeper_than(value: Any, limit: int) -> bool:
+    """Whether ``value`` (parsed JSON) nests arrays and objects deeper than ``limit`` levels;
+    without recursion, whatever the depth."""
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item
+        if depth > limit:
+            return True
+        stack.extend((c, depth + 1) for c in children if isinstance(c, dict | list))
+    return False
+
+
+class JsonBody(BaseModel):
+    """A request body: refused as a whole when it nests deeper than ``MAX_JSON_DEPTH``."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _not_too_deep(cls, data: Any) -> Any:
+        if isinstance(data, dict | list) and _deeper_than(data, MAX_JSON_DEPTH):
+            raise PydanticCustomError(
+                "json_too_deep",
+                "nests arrays and objects deeper than {limit} levels",
+                {"limit": MAX_JSON_DEPTH},
+            )
+        return data
 
 
 class TextPart(BaseModel):
@@ -374,7 +410,7 @@ class ToolsIn(BaseModel):
 # --- native API --------------------------------------------------------------------------------
 
 
-class SubmitIn(SamplingIn, SloIn, ToolsIn):
+class SubmitIn(JsonBody, SamplingIn, SloIn, ToolsIn):
     """A request to queue: a prompt or chat messages, the output cap, sampling, tools (with
     messages) and SLO."""
 
@@ -506,7 +542,7 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _OpenAiIn(SamplingIn, SloIn):
+class _OpenAiIn(JsonBody, SamplingIn, SloIn):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     model: Name

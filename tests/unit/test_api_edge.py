@@ -5,12 +5,17 @@ code. In process (httpx over ASGI), on the harness of ``tests.unit.test_api``.""
 from __future__ import annotations
 
 import functools
+import json
 from typing import Any
 
+import httpx
 import pytest
 
+from qlm.api import create_app
+from qlm.api.deps import get_principal
 from qlm.api.schemas import MAX_API_SLO_S
 from qlm.domain import MIN_SLO_S
+from qlm.settings import Settings
 from qlm.store import Store, StoreError
 from tests.unit.test_api import Harness, error, published, run
 
@@ -203,3 +208,185 @@ def test_an_idempotency_key_outside_printable_ascii_is_refused_naming_it(key: st
         assert error(r)["param"] == "Idempotency-Key"
 
     run(scenario)
+
+
+# --- every error in one shape ----------------------------------------------------------------------
+
+SUBMIT = b'{"model": "m", "prompt": "x", "max_tokens": 1}'
+CHAT = b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 1}'
+JSON = {"content-type": "application/json"}
+
+
+def nested(levels: int) -> bytes:
+    """A chat submission whose body nests ``levels`` deep: a tool's parameters (depth 5) with
+    a ``default`` of nested arrays."""
+    default = "[" * (levels - 5) + "]" * (levels - 5)
+    tool = (
+        '{"type": "function", "function": {"name": "f", "parameters": '
+        f'{{"type": "object", "default": {default}}}}}}}'
+    )
+    return (
+        b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 1, '
+        b'"tools": [' + tool.encode() + b"]}"
+    )
+
+
+def shaped(response: Any) -> dict[str, Any]:
+    """The error of ``response``, checked to have the one shape, a code and a message."""
+    body = response.json()
+    assert set(body) == {"error"}, body
+    err: dict[str, Any] = body["error"]
+    assert set(err) == {"message", "type", "param", "code"}, err
+    assert err["message"] and err["type"] and err["code"], err
+    return err
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "content", "headers", "answer"),
+    [
+        ("GET", "/v1/nothing", b"", {}, (404, "unknown_endpoint", None)),
+        ("POST", "/v1/requests/x/events", b"", {}, (405, "method_not_allowed", None)),
+        ("PUT", "/v1/requests", SUBMIT, JSON, (405, "method_not_allowed", None)),
+        ("POST", "/v1/requests", SUBMIT, {"content-type": "text/plain"}, (415, "unsupported_media_type", "Content-Type")),
+        ("POST", "/v1/requests", SUBMIT, {}, (415, "unsupported_media_type", "Content-Type")),
+        ("POST", "/v1/completions", SUBMIT, {"content-type": "application/x-www-form-urlencoded"}, (415, "unsupported_media_type", "Content-Type")),
+        ("POST", "/v1/chat/completions", CHAT, {"content-type": "text/plain"}, (415, "unsupported_media_type", "Content-Type")),
+        ("POST", "/v1/requests", b"{nope", JSON, (422, "json_invalid", "body")),
+        ("POST", "/v1/requests", b'{"model": "m\xff", "prompt": "x", "max_tokens": 1}', JSON, (422, "body_not_utf8", "body")),
+        ("POST", "/v1/completions", b'{"model": "\xc3\x28"}', JSON, (422, "body_not_utf8", "body")),
+        ("POST", "/v1/chat/completions", b"\xff\xfe\xfd", JSON, (422, "body_not_utf8", "body")),
+        ("POST", "/v1/requests", b"[" * 1500 + b"]" * 1500, JSON, (422, "json_too_deep", "body")),
+        ("POST", "/v1/requests", nested(65), JSON, (422, "json_too_deep", "body")),
+        ("POST", "/v1/requests", nested(900), JSON, (422, "json_too_deep", "body")),
+        ("POST", "/v1/chat/completions", nested(65), JSON, (422, "json_too_deep", "body")),
+        ("POST", "/v1/chat/completions", b"[" * 1500 + b"]" * 1500, JSON, (422, "json_too_deep", "body")),
+        ("POST", "/v1/requests", b"", JSON, (422, "missing", "body")),
+        ("POST", "/v1/requests", SUBMIT.replace(b"x", b"x" * 5000), JSON, (413, "max_body_bytes", "body")),
+        ("GET", "/v1/requests", b"", {"Authorization": ""}, (401, "missing_api_key", "Authorization")),
+        ("GET", "/v1/requests", b"", {"Authorization": "Bearer qlm_nope"}, (401, "invalid_api_key", "Authorization")),
+        ("POST", "/v1/requests", SUBMIT, {**JSON, "Authorization": "Basic dTpw"}, (401, "missing_api_key", "Authorization")),
+        ("GET", "/v1/admin/queues", b"", {}, (403, "admin_required", "Authorization")),
+        ("GET", "/v1/requests/req_nope", b"", {}, (404, "request_not_found", "request_id")),
+        ("GET", "/v1/requests", b"", {}, (200, None, None)),
+    ],
+)  # fmt: skip
+def test_every_error_has_the_one_shape_with_a_code(
+    method: str,
+    path: str,
+    content: bytes,
+    headers: dict[str, str],
+    answer: tuple[int, str | None, str | None],
+) -> None:
+    async def scenario(h: Harness) -> None:
+        r = await h.client.request(method, path, content=content, headers=h.auth() | headers)
+        assert r.status_code == answer[0], r.text
+        if answer[0] >= 400:
+            err = shaped(r)
+            assert (err["code"], err["param"]) == answer[1:], err
+        assert published(h.queue) == []
+
+    run(scenario, max_body_bytes=4096)
+
+
+def test_a_body_nested_as_deep_as_the_limit_is_accepted() -> None:
+    async def scenario(h: Harness) -> None:
+        r = await h.client.post("/v1/requests", content=nested(64), headers=h.auth(**JSON))
+        assert r.status_code == 202, r.text
+
+    run(scenario)
+
+
+def test_a_405_allows_every_method_of_the_path() -> None:
+    async def scenario(h: Harness) -> None:
+        for method, path, allow in [
+            ("OPTIONS", "/v1/requests/req_x", "DELETE, GET"),
+            ("PUT", "/v1/requests/req_x", "DELETE, GET"),
+            ("PATCH", "/v1/requests", "GET, POST"),
+            ("GET", "/v1/admin/instances/i0/drain", "POST"),
+        ]:
+            r = await h.client.request(method, path, headers=h.auth())
+            assert r.status_code == 405, r.text
+            assert r.headers["allow"] == allow, (method, path)
+            assert method in shaped(r)["message"] and allow in shaped(r)["message"]
+
+    run(scenario)
+
+
+async def raw_call(h: Harness, method: str, path: str, headers: list[tuple[bytes, bytes]]) -> Any:
+    """Call the app with headers httpx would not send (an invalid Content-Length)."""
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": b"{}", "more_body": False}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": method,
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "root_path": "",
+        "query_string": b"",
+        "headers": headers,
+        "server": ("qlm", 80),
+        "client": ("127.0.0.1", 1),
+    }
+    await h.app(scope, receive, send)
+    start = next(m for m in sent if m["type"] == "http.response.start")
+    body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    return start["status"], json.loads(body)
+
+
+def test_an_invalid_content_length_is_400_naming_it() -> None:
+    async def scenario(h: Harness) -> None:
+        key = h.auth()["Authorization"].encode()
+        for value in (b"-1", b"lots"):
+            status, body = await raw_call(
+                h,
+                "POST",
+                "/v1/requests",
+                [(b"authorization", key), (b"content-length", value), (b"content-type", b"application/json")],
+            )  # fmt: skip
+            assert status == 400
+            assert body["error"]["code"] == "invalid_content_length"
+            assert body["error"]["param"] == "Content-Length"
+
+    run(scenario)
+
+
+def test_an_unexpected_failure_is_a_500_with_the_shape() -> None:
+    async def scenario(h: Harness) -> None:
+        def broken() -> None:
+            raise RuntimeError("a bug")
+
+        h.app.dependency_overrides[get_principal] = broken
+        transport = httpx.ASGITransport(app=h.app, raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://qlm") as client:
+            r = await client.get("/v1/requests", headers=h.auth())
+        assert r.status_code == 500
+        err = shaped(r)
+        assert err["code"] == "internal_error" and "a bug" not in err["message"]
+
+    run(scenario)
+
+
+def test_not_ready_carries_the_error_with_a_code_beside_the_checks() -> None:
+    async def scenario(h: Harness) -> None:
+        r = await h.client.get("/readyz")  # no controller published its state
+        assert r.status_code == 503
+        body = r.json()
+        assert body["checks"]["controller"]["ok"] is False
+        assert body["error"]["code"] == "not_ready" and "controller" in body["error"]["message"]
+
+    run(scenario)
+
+
+def test_the_schema_says_every_error_has_a_code() -> None:
+    schema = create_app(Settings()).openapi()
+    detail = schema["components"]["schemas"]["ErrorDetail"]
+    assert "code" in detail["required"] and detail["properties"]["code"]["type"] == "string"

@@ -19,7 +19,7 @@ from qlm.api import metrics
 from qlm.api.auth import require_admin
 from qlm.api.context import ApiContext
 from qlm.api.deps import ContextDep, bearer
-from qlm.api.errors import documented
+from qlm.api.errors import UNAVAILABLE, ErrorDetail, documented
 from qlm.api.schemas import CheckOut, HealthOut, ReadyOut
 from qlm.store import StoreError
 
@@ -70,19 +70,33 @@ async def readiness(ctx: ApiContext) -> dict[str, CheckOut]:
     return checks
 
 
+class NotReadyOut(ReadyOut):
+    """The checks, and the error every 4xx and 5xx answer carries."""
+
+    error: ErrorDetail
+
+
 @router.get(
     "/readyz",
     response_model=ReadyOut,
-    responses={503: {"model": ReadyOut, "description": "Some dependency is down (named)."}},
+    responses={503: {"model": NotReadyOut, "description": "Some dependency is down (named)."}},
     summary="Readiness",
 )
 async def readyz(ctx: ContextDep) -> JSONResponse:
     """200 when broker, store and controller are reachable, else 503 naming what is down. It
     recovers by itself: the broker client reconnects with back-off."""
     checks = await readiness(ctx)
-    ready = all(c.ok for c in checks.values())
-    body = ReadyOut(status="ready" if ready else "unavailable", checks=checks)
-    return JSONResponse(body.model_dump(mode="json"), status_code=200 if ready else 503)
+    down = [name for name, check in checks.items() if not check.ok]
+    if not down:
+        body = ReadyOut(status="ready", checks=checks)
+        return JSONResponse(body.model_dump(mode="json"))
+    error = ErrorDetail(
+        message="not ready: " + "; ".join(f"{name}: {checks[name].detail}" for name in down),
+        type=UNAVAILABLE,
+        code="not_ready",
+    )
+    not_ready = NotReadyOut(status="unavailable", checks=checks, error=error)
+    return JSONResponse(not_ready.model_dump(mode="json"), status_code=503)
 
 
 @router.get(

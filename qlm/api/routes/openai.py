@@ -26,7 +26,7 @@ from fastapi.responses import JSONResponse
 
 from qlm.api import sse
 from qlm.api.context import ApiContext
-from qlm.api.deps import ContextDep, PrincipalDep
+from qlm.api.deps import ContextDep, JsonBodyDep, PrincipalDep
 from qlm.api.errors import (
     CONFLICT,
     TIMEOUT,
@@ -321,6 +321,7 @@ async def _stream(
                             "error": {
                                 "message": error.message,
                                 "type": error.type,
+                                "param": error.param,
                                 "code": error.code,
                             }
                         }
@@ -358,12 +359,13 @@ _RESPONSES = {
         "streaming format ending with `data: [DONE]`.",
         "content": {"text/event-stream": {}},
     },
-    **documented(400, 401, 404, 409, 413, 422, 429, 502, 503, 504),
+    **documented(400, 401, 404, 409, 413, 415, 422, 429, 502, 503, 504),
 }
 
 
 @router.post(
     "/completions",
+    dependencies=[JsonBodyDep],
     response_model=CompletionOut,
     responses=_RESPONSES,
     summary="Create a completion (OpenAI-compatible)",
@@ -447,6 +449,7 @@ async def _answer(
 
 @router.post(
     "/chat/completions",
+    dependencies=[JsonBodyDep],
     response_model=ChatCompletionOut,
     responses=_RESPONSES,
     summary="Create a chat completion (OpenAI-compatible)",

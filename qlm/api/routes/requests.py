@@ -13,7 +13,7 @@ from fastapi.responses import StreamingResponse
 from qlm.api import sse
 from qlm.api.auth import Principal
 from qlm.api.context import ApiContext
-from qlm.api.deps import ContextDep, PrincipalDep
+from qlm.api.deps import ContextDep, JsonBodyDep, PrincipalDep
 from qlm.api.errors import CONFLICT, PERMISSION, ApiError, documented, invalid, not_found
 from qlm.api.intake import Submission, admit
 from qlm.api.results import Chunk, Final, Restart
@@ -65,7 +65,8 @@ async def own_row(ctx: ApiContext, principal: Principal, request_id: str) -> Req
     "",
     status_code=202,
     response_model=SubmitOut,
-    responses=documented(400, 401, 404, 409, 413, 422, 429, 503),
+    responses=documented(400, 401, 404, 409, 413, 415, 422, 429, 503),
+    dependencies=[JsonBodyDep],
     summary="Queue a request",
 )
 async def submit_request(
@@ -234,7 +235,7 @@ async def list_requests(
         pair = (key, value)
     for name, text in (("model", model), ("label", label), ("tenant", tenant), ("cursor", cursor)):
         if text is not None and "\x00" in text:
-            raise invalid(name, f"{name} must not contain the NUL character")
+            raise invalid(name, f"{name} must not contain the NUL character", code="nul_character")
     rows, next_cursor = await asyncio.to_thread(
         ctx.store.list_requests,
         tenant=scope,
