@@ -1,7 +1,10 @@
 """Hardware profiling of a vLLM server over its HTTP API, on the wall clock: the parameters
 ``qlm.rct.profiling`` measures on the simulated engine, measured through the API an agent uses
-(docs/estimator.md, "Profiles"). Nothing is streamed: each request's time is from sending it to
-its answer, so the client's parsing of tokens cannot slow what is measured.
+(docs/estimator.md, "Profiles"). Nothing is streamed. A run's time is the server's own
+measure where it exports one (vLLM's ``vllm:e2e_request_latency_seconds``: from a request's
+arrival to its last token), so neither the round trips nor a busy client host are measured;
+otherwise, and for the saturating batch (whose requests end one after another), it is from
+sending the requests to the last answer.
 
 1. a request alone at several prompt lengths with one output token: the prefill line
    ``P(I) = a + b·I`` (the HTTP round trip lands in ``a``);
@@ -40,6 +43,8 @@ from qlm.rct.profiling import PREFILL_LENGTHS, fit_line
 TOKEN_IDS = (1000, 30000)  # random prompt token ids from here: inside every modern vocabulary
 DECODE_TRIES = 3  # pairs of runs a decode time per token is measured from, at most
 PLAUSIBLE_SHARE = 0.02  # of the longer run that its extra output must take to be believed
+SERVED_READS = 20  # reads of the server's latency counts after a run, until they count it
+SERVED_READ_S = 0.05
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,19 +78,41 @@ class _Prompts:
 
 
 async def _makespan(
-    engine: VllmEngine, clock: WallClock, prompts: _Prompts, n: int, prompt: int, output: int
+    engine: VllmEngine,
+    clock: WallClock,
+    prompts: _Prompts,
+    n: int,
+    prompt: int,
+    output: int,
+    *,
+    served: bool = False,
 ) -> float:
-    """Send ``n`` requests together; the time until the last answer."""
+    """Send ``n`` requests together; the time until the last answer. ``served``: the mean time
+    the server itself measured for them (``VllmEngine.latency_totals``), where it says — so
+    the round trips, and a client host's or the server's event loop falling behind, are not
+    measured; the client's measure otherwise (or when another client's request ended
+    meanwhile, or the server's counts lag)."""
+    before = await engine.latency_totals() if served else None
     requests = [prompts.request(prompt, output) for _ in range(n)]
     t0 = clock.now()
     outs = await asyncio.gather(*(engine.complete(r) for r in requests))
+    elapsed = clock.now() - t0
     for r, out in zip(requests, outs, strict=True):
         if out.tokens != r.tokens_to_generate:
             raise EngineError(
                 f"{engine.name}: a profiling request generated {out.tokens} tokens, not "
                 f"{r.tokens_to_generate} (ignore_eos not honoured?)"
             )
-    return clock.now() - t0
+    if before is None:
+        return elapsed
+    for _ in range(SERVED_READS):  # the server may count a request just after answering it
+        after = await engine.latency_totals()
+        if after is None or after[1] - before[1] > n:
+            return elapsed
+        if after[1] - before[1] == n:
+            return (after[0] - before[0]) / n
+        await asyncio.sleep(SERVED_READ_S)
+    return elapsed
 
 
 async def profile_engine(
@@ -122,7 +149,8 @@ async def profile_engine(
     prompts = _Prompts(model, seed)
 
     async def span(n: int, prompt: int, output: int) -> float:
-        return await _makespan(engine, clock, prompts, n, prompt, output)
+        """As the server timed it (its requests run together, so their mean is the span)."""
+        return await _makespan(engine, clock, prompts, n, prompt, output, served=True)
 
     lengths = [n for n in PREFILL_LENGTHS if n + 1 <= ctx]
     ttfts = [await span(1, n, 1) for n in lengths]
@@ -164,7 +192,8 @@ async def profile_engine(
     d, _ = await per_token(concurrent, input_tokens)
     n_req = max(2, math.ceil(concurrent * oversubscribe))
     before = (await engine.stats()).preemptions_total
-    makespan = await span(n_req, input_tokens, output_tokens)
+    # more requests than run at once: they end one after another, so the client's span
+    makespan = await _makespan(engine, clock, prompts, n_req, input_tokens, output_tokens)
     preempted = (await engine.stats()).preemptions_total - before
     # Each preemption recomputes about a prompt (docs/estimator.md): its share of the time.
     eps = 1.0 + preempted * input_tokens * b / makespan

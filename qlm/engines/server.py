@@ -44,12 +44,17 @@ from typing import Annotated, Any, Literal
 from fastapi import FastAPI, Query, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from qlm.engines.base import EngineOutput, EngineRequest, TokenChunk
-from qlm.engines.wallclock import WallClockEngine, count_tokens
+from qlm.engines.wallclock import LATENCY_BUCKETS, WallClockEngine, count_tokens
 from qlm.errors import EngineError, UnknownRequest, check_setting
 
 DISCONNECT_POLL_S = 0.25
@@ -296,6 +301,17 @@ class _SimCollector(Collector):
         )
         counter.add_metric(values, float(stats.preemptions_total))
         yield counter
+        hist = self.engine.latencies
+        latency = HistogramMetricFamily(
+            "vllm:e2e_request_latency_seconds",
+            "Histogram of e2e request latency in seconds.",
+            labels=labels,
+        )
+        bounds = [*(str(b) for b in LATENCY_BUCKETS), "+Inf"]
+        latency.add_metric(
+            values, list(zip(bounds, map(float, hist.counts), strict=True)), hist.total
+        )
+        yield latency
         cfg = self.engine.sim.config
         blocks = self.engine.sim.token_capacity() // cfg.block_size
         info = {

@@ -558,6 +558,17 @@ class VllmEngine:
             raise RequestRejected(str(self._fail("the request ended in error", detail)))
         return finish
 
+    async def latency_totals(self) -> tuple[float, int] | None:
+        """The server's own measure of its finished requests: the sum of their end-to-end
+        latencies (seconds, from arrival to the last token, as the server timed them) and their
+        count, from ``vllm:e2e_request_latency_seconds``; None when it does not export it."""
+        families = await self._metrics()
+        sums = _values(families, "vllm:e2e_request_latency_seconds_sum", self.models)
+        counts = _values(families, "vllm:e2e_request_latency_seconds_count", self.models)
+        if not sums or not counts:
+            return None
+        return sum(sums), round(sum(counts))
+
     async def _metrics(self) -> dict[str, list[tuple[dict[str, str], float]]]:
         text = (await self._call("GET", "/metrics")).text
         families: dict[str, list[tuple[dict[str, str], float]]] = {}

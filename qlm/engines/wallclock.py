@@ -25,7 +25,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from qlm.clock import WallClock
@@ -83,6 +83,7 @@ class _Flight:
     """The text of each output token of a structured answer (``qlm.engines.structured``)."""
     call: str | None = None
     """The function a tool-calling answer calls: ``pieces`` are then its arguments."""
+    arrived: float = 0.0  # on the engine's clock
 
     def text(self, start: int, end: int) -> str:
         if self.call is not None:
@@ -111,6 +112,28 @@ class _Flight:
         return ({"id": f"call_{self.request.request_id}", "type": "function", "function": call},)
 
 
+LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                   60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+"""vLLM's buckets of ``vllm:e2e_request_latency_seconds`` (seconds)."""
+
+
+@dataclass(slots=True)
+class LatencyHistogram:
+    """Cumulative counts per upper bound (``LATENCY_BUCKETS``, then +Inf), sum and count."""
+
+    counts: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS) + 1))
+    total: float = 0.0
+    count: int = 0
+
+    def append(self, seconds: float) -> None:
+        self.total += seconds
+        self.count += 1
+        for i, bound in enumerate(LATENCY_BUCKETS):
+            if seconds <= bound:
+                self.counts[i] += 1
+        self.counts[-1] += 1
+
+
 class WallClockEngine:
     """A ``SimEngine`` on the wall clock, behind the ``Engine`` protocol (module docstring)."""
 
@@ -127,6 +150,9 @@ class WallClockEngine:
         self._wake_lock: asyncio.Lock | None = None
         self._failed: BaseException | None = None
         self._closing = False
+        self.latencies = LatencyHistogram()
+        """End-to-end latency of every finished request, from its arrival to its last token on
+        the engine's clock (vLLM's ``vllm:e2e_request_latency_seconds``)."""
 
     @classmethod
     def from_catalog(
@@ -243,7 +269,7 @@ class WallClockEngine:
         function = planned_call(sampling, request.messages)
         # complete within max_tokens when it can: a grammar ends the answer itself
         target = min(request.tokens_to_generate, request.max_tokens - 1)
-        field = "tools" if function is not None else "response_format"
+        part = "tools" if function is not None else "response_format"
         try:
             if function is not None:
                 call, pieces = str(function.get("name", "")), call_pieces(function, target)
@@ -251,14 +277,14 @@ class WallClockEngine:
                 pieces = document_pieces(fmt, target)
         except (SchemaUnsupported, ValueError, TypeError, RecursionError) as exc:
             # The request is at fault, not the instance (vLLM answers such a schema 400).
-            raise RequestRejected(f"{self.name}: {field}: {exc}") from None
+            raise RequestRejected(f"{self.name}: {part}: {exc}") from None
         if pieces is not None:
             request = replace(request, output_tokens=min(len(pieces), request.max_tokens))
         now = self._advance()
         self.sim.submit(request, now)
         done: asyncio.Future[EngineOutput] = asyncio.get_running_loop().create_future()
         self._flights[request.request_id] = _Flight(
-            request, on_chunk, done, pieces=pieces, call=call
+            request, on_chunk, done, pieces=pieces, call=call, arrived=now
         )
         self._wake_driver()
         return done
@@ -405,6 +431,7 @@ class WallClockEngine:
             self._emit(flight, event.tokens, None)
         elif event.kind is EventKind.FINISHED:
             del self._flights[event.request_id]
+            self.latencies.append(event.time - flight.arrived)
             reason: FinishReason = "length" if event.tokens >= flight.request.max_tokens else "stop"
             named = isinstance(dict(flight.request.sampling).get("tool_choice"), Mapping)
             if reason == "stop" and flight.call is not None and not named:

@@ -1,9 +1,11 @@
 """End to end: ``qlm profile server`` profiles a vLLM server over its HTTP API — here a
 ``qlm sim-engine serve`` process, whose hardware the in-process profiler of the simulated engine
-measures directly, so the two must agree. The server runs 16 requests at once and 5x faster than
-real time, so the whole profile takes seconds (at vLLM's 256 and real time it takes a minute:
-docs/estimator.md); the tolerances leave room for HTTP jitter, which the speed-up magnifies, and
-the noisy context slope is not compared. No assertion is about how long anything took."""
+measures directly, so the two must agree. The server runs 16 requests at once, in real time.
+Each run is timed by the server itself (``vllm:e2e_request_latency_seconds``, on its engine's
+clock), so neither round trips nor a busy host count; the saturating batch, timed by the
+client, runs long enough in real time that a busy host's delays stay small against it (a
+server sped up 5x made them 5x larger: throughput 20 % off beside four CPU burners). The noisy
+context slope is not compared. No assertion is about how long anything took."""
 
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from qlm.rct.profiling import profile_sim_hardware
 
 MODEL = "llama-3-8b"
 SEQS = 16
-SCALE = 5.0
+SCALE = 1.0
 LENGTHS = ("--input-tokens", "512", "--output-tokens", "256")
 
 pytestmark = pytest.mark.timeout(300)

@@ -36,6 +36,8 @@ TIME_SCALE = "10"
 
 pytestmark = pytest.mark.timeout(180)
 
+LOADED_HOST_S = 60.0  # the client's timeout per call: a scrape on a busy host can take seconds
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -105,7 +107,7 @@ def request(rid: str, tokens: int, **kw: object) -> EngineRequest:
 
 def test_vllm_client_streams_aborts_reads_metrics_and_sleeps(server_url: str) -> None:
     async def scenario() -> None:
-        engine = VllmEngine("sim-0", server_url, MODEL)
+        engine = VllmEngine("sim-0", server_url, MODEL, timeout_s=LOADED_HOST_S)
         assert isinstance(engine, Engine)
         try:
             assert await engine.health()
@@ -174,7 +176,7 @@ def test_vllm_client_streams_aborts_reads_metrics_and_sleeps(server_url: str) ->
 
 def test_vllm_client_errors_name_the_instance_and_url(server_url: str) -> None:
     async def scenario() -> None:
-        engine = VllmEngine("sim-0", server_url, MODEL)
+        engine = VllmEngine("sim-0", server_url, MODEL, timeout_s=LOADED_HOST_S)
         try:
             with pytest.raises(RequestRejected, match=r"sim-0 \(http://127\.0\.0\.1:\d+\).*404"):
                 await engine.submit(request("r-x", 4, model="no-such-model"))
@@ -202,7 +204,7 @@ def test_the_client_runs_as_many_requests_at_once_as_the_agent_sends(server_url:
     n = 150
 
     async def scenario() -> None:
-        engine = VllmEngine("sim-0", server_url, MODEL)
+        engine = VllmEngine("sim-0", server_url, MODEL, timeout_s=LOADED_HOST_S)
         peak = 0
         try:
             runs = [asyncio.create_task(engine.submit(request(f"c-{i}", 4000))) for i in range(n)]
@@ -251,7 +253,7 @@ def test_a_chat_reaches_the_chat_endpoint_and_a_resumed_one_continues_its_answer
     wire = Recording()
 
     async def scenario() -> None:
-        engine = VllmEngine("sim-0", server_url, MODEL, transport=wire)
+        engine = VllmEngine("sim-0", server_url, MODEL, transport=wire, timeout_s=LOADED_HOST_S)
         try:
             chunks: list[TokenChunk] = []
             chat = Job(prompt="<|im_start|>user ...", messages=messages).fill(
@@ -302,7 +304,7 @@ def test_a_response_format_reaches_the_server_which_answers_a_document_of_its_sc
     wire = Recording()
 
     async def scenario() -> str:
-        engine = VllmEngine("sim-0", server_url, MODEL, transport=wire)
+        engine = VllmEngine("sim-0", server_url, MODEL, transport=wire, timeout_s=LOADED_HOST_S)
         try:
             messages = [{"role": "user", "content": "Where?"}]
             job = Job(messages=messages, sampling={"seed": 3, "response_format": fmt})
@@ -333,7 +335,7 @@ def test_a_chat_with_tools_comes_back_as_the_calls_the_server_made(server_url: s
     }
 
     async def scenario() -> Any:
-        engine = VllmEngine("sim-0", server_url, MODEL)
+        engine = VllmEngine("sim-0", server_url, MODEL, timeout_s=LOADED_HOST_S)
         try:
             job = Job(
                 messages=[{"role": "user", "content": "Oslo?"}], sampling={"tools": [weather]}

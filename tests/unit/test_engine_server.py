@@ -529,3 +529,27 @@ def test_a_stream_interval_sends_the_first_token_at_once_then_every_n() -> None:
         assert json.loads("".join(c["function"]["arguments"] for c in calls)) == {}
     with pytest.raises(ConfigError, match="stream_interval"):
         create_app(engine, stream_interval=0)
+
+
+def test_the_server_times_each_finished_request_as_vllm_exports_it() -> None:
+    """``vllm:e2e_request_latency_seconds``: arrival to last token on the engine's clock, read
+    back by the vLLM client; an aborted request is not counted."""
+
+    async def scenario() -> None:
+        client, engine = simulated_vllm()
+        try:
+            assert await client.latency_totals() == (0.0, 0)
+            for rid, tokens in (("a", 5), ("b", 40)):
+                await client.submit(
+                    EngineRequest(rid, "m", 100, max_tokens=tokens, output_tokens=tokens)
+                )
+            total, count = await client.latency_totals() or (0.0, 0)
+            assert count == 2 and total == pytest.approx(engine.latencies.total)
+            assert engine.latencies.counts[-1] == 2  # +Inf counts every one
+            # each took at least its prefill and decode steps on the engine's clock
+            assert total > 0.0
+        finally:
+            await client.close()
+            await engine.close()
+
+    asyncio.run(scenario())

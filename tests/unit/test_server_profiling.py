@@ -34,7 +34,9 @@ def scripted(monkeypatch: pytest.MonkeyPatch, decode_runs: Iterator[float]) -> l
     """Prefill runs (output 1) take 0.1 s; a decode run's time comes from ``decode_runs``."""
     asked: list[int] = []
 
-    async def makespan(engine: Any, clock: Any, prompts: Any, n: int, p: int, o: int) -> float:
+    async def makespan(
+        engine: Any, clock: Any, prompts: Any, n: int, p: int, o: int, **kw: Any
+    ) -> float:
         asked.append(o)
         return 0.1 if o == 1 else next(decode_runs)
 
@@ -74,3 +76,50 @@ def test_no_decode_time_after_every_try_is_an_error(
     scripted(monkeypatch, iter([1.0, shorter] * profiling.DECODE_TRIES))
     with pytest.raises(EngineError, match=r"decode time could not be measured .* 3 tries"):
         run()
+
+
+class TimedServer:
+    """Answers each request at once; its latency counts (``latency_totals``) come from a
+    script, as a server that timed them itself would export them."""
+
+    name = "timed"
+
+    def __init__(self, totals: list[tuple[float, int] | None]) -> None:
+        self.totals = totals
+        self.reads = 0
+
+    async def latency_totals(self) -> tuple[float, int] | None:
+        self.reads += 1
+        return self.totals[min(self.reads, len(self.totals)) - 1]
+
+    async def complete(self, request: Any) -> Any:
+        n = request.tokens_to_generate
+        return SimpleNamespace(tokens=n)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def now(self) -> float:
+        self.t += 10.0  # the client's span: 10 s between two reads of its clock
+        return self.t
+
+
+def span(server: TimedServer, n: int) -> float:
+    prompts = profiling._Prompts(MODEL, 0)
+    run = profiling._makespan(server, Clock(), prompts, n, 8, 4, served=True)  # type: ignore[arg-type]
+    return asyncio.run(run)
+
+
+def test_a_run_is_timed_by_the_server_where_it_says_how_long_its_requests_took() -> None:
+    # two requests, 3 s and 5 s as the server measured them: 4 s, not the client's 10
+    assert span(TimedServer([(100.0, 7), (108.0, 9)]), 2) == pytest.approx(4.0)
+    # counted a moment after the answers: read again
+    server = TimedServer([(100.0, 7), (100.0, 7), (101.0, 8), (104.0, 9)])
+    assert span(server, 2) == pytest.approx(2.0)
+
+
+def test_the_client_times_a_run_when_the_server_cannot_tell_it_apart() -> None:
+    assert span(TimedServer([None]), 2) == 10.0  # no latency histogram exported
+    assert span(TimedServer([(100.0, 7), (130.0, 10)]), 2) == 10.0  # another request ended
