@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from qlm.api.errors import AUTHENTICATION, PERMISSION, ApiError
+from qlm.api.threads import StoreThreads
 from qlm.settings import ApiSettings
 from qlm.store import ApiKey, Store
 
@@ -40,8 +41,10 @@ class Authenticator:
         settings: ApiSettings,
         *,
         clock: Callable[[], float] = time.monotonic,
+        threads: StoreThreads | None = None,
     ) -> None:
         self._store = store
+        self._threads = threads if threads is not None else StoreThreads()
         self._settings = settings
         self._clock = clock
         self._cache: dict[str, tuple[ApiKey, float]] = {}
@@ -90,7 +93,7 @@ class Authenticator:
         return await asyncio.shield(task)
 
     async def _fetch(self, token: str, now: float) -> ApiKey | None:
-        key = await asyncio.to_thread(self._store.lookup_api_key, token)
+        key = await self._threads.run(self._store.lookup_api_key, token)
         if key is not None:
             if len(self._cache) >= _MAX_CACHED:
                 self._cache.clear()

@@ -18,6 +18,7 @@ from qlm.api.limits import QueuedCounter, RateLimiter
 from qlm.api.ports import LocalController
 from qlm.api.results import Results
 from qlm.api.submission import Submitter
+from qlm.api.threads import StoreThreads
 from qlm.global_queue import GlobalQueue
 from qlm.settings import ApiSettings
 from qlm.store import Store
@@ -43,6 +44,8 @@ class ApiContext:
     submitter: Submitter
     results: Results
     control: ControlView
+    threads: StoreThreads
+    """Every blocking store call of the app runs through it (``qlm.api.threads``)."""
     submissions: Counter[tuple[str, str]] = field(default_factory=Counter)
     """``(tenant, outcome)`` -> count since start: accepted, replayed, rate_limited, ..."""
     started_at: float = field(default_factory=time.time)
@@ -58,39 +61,48 @@ class ApiContext:
         controller: LocalController | None = None,
         clock: Callable[[], float] = time.time,
     ) -> ApiContext:
+        threads = StoreThreads()
         return cls(
             settings=settings,
             store=store,
             queue=queue,
             controller=controller,
             clock=clock,
-            auth=Authenticator(store, settings),
+            auth=Authenticator(store, settings, threads=threads),
             limiter=RateLimiter(settings.rate_per_s, settings.rate_burst),
-            queued=QueuedCounter(store, settings.queued_count_ttl_s),
+            queued=QueuedCounter(store, settings.queued_count_ttl_s, threads=threads),
             submitter=Submitter(
                 store,
                 queue,
                 max_batch=settings.commit_max_batch,
                 writers=WRITERS if store.backend == "postgresql" else 1,
+                threads=threads,
             ),
             results=Results(
                 store,
                 hub=controller.hub if controller is not None else None,
                 poll_interval_s=settings.poll_interval_s,
+                threads=threads,
             ),
-            control=ControlView(store, controller=controller, ttl_s=settings.snapshot_ttl_s),
+            control=ControlView(
+                store, controller=controller, ttl_s=settings.snapshot_ttl_s, threads=threads
+            ),
+            threads=threads,
         )
 
     def start(self) -> None:
         self.submitter.start()
 
     async def close(self) -> None:
+        """Stop the background work, in order, then wait for every store call still running
+        in a thread: the store may be closed once this returns, not before."""
         await self.submitter.close()
         await self.results.close()
         for task in list(self.background):
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        await self.threads.join()
 
     def spawn(self, coro: object, name: str) -> None:
         """Run ``coro`` in the background, kept referenced, errors logged."""

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from qlm.api.ports import LocalController
+from qlm.api.threads import StoreThreads
 from qlm.store import Store
 
 SnapshotDoc = Mapping[str, Any]
@@ -87,8 +88,10 @@ class ControlView:
         ttl_s: float = 1.0,
         models_ttl_s: float = 2.0,
         clock: Callable[[], float] = time.monotonic,
+        threads: StoreThreads | None = None,
     ) -> None:
         self._store = store
+        self._threads = threads if threads is not None else StoreThreads()
         self.controller = controller
         self._ttl_s = ttl_s
         self._models_ttl_s = models_ttl_s
@@ -117,7 +120,7 @@ class ControlView:
             if cached is not None and self._clock() - cached[0] <= self._ttl_s:
                 return cached[1], cached[2]
             now = self._clock()
-            rows = await asyncio.to_thread(self._store.controller_states)
+            rows = await self._threads.run(self._store.controller_states)
             row = next((r for r in rows if r.active), rows[0] if rows else None)
             doc = dict(row.snapshot) if row is not None else None
             published = row.updated_at if row is not None else None
@@ -134,7 +137,7 @@ class ControlView:
             if cached is not None and self._clock() - cached[0] <= self._models_ttl_s:
                 return cached[1]
             now = self._clock()
-            instances = await asyncio.to_thread(self._store.instances)
+            instances = await self._threads.run(self._store.instances)
             models = frozenset(m for i in instances for m in i.models)
             self._models = (now, models)
             return models

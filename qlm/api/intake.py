@@ -9,7 +9,6 @@ unknown model), the tenant's rate (429), its queued requests (429), the plan (50
 
 from __future__ import annotations
 
-import asyncio
 import json
 import random
 import secrets
@@ -228,7 +227,7 @@ async def admit(
         if not verdict.feasible:
             ctx.count(tenant, "accepted_at_risk")
             ctx.spawn(
-                asyncio.to_thread(
+                ctx.threads.run(
                     ctx.store.record_prediction,
                     request_id,
                     predicted_at=verdict.predicted_start_at,

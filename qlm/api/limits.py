@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from qlm.api.threads import StoreThreads
 from qlm.store import Store
 
 
@@ -66,9 +67,15 @@ class QueuedCounter:
     """How many requests each tenant has queued, for its limit (module docstring)."""
 
     def __init__(
-        self, store: Store, ttl_s: float, *, clock: Callable[[], float] = time.monotonic
+        self,
+        store: Store,
+        ttl_s: float,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        threads: StoreThreads | None = None,
     ) -> None:
         self._store = store
+        self._threads = threads if threads is not None else StoreThreads()
         self._ttl_s = ttl_s
         self._clock = clock
         self._counts: dict[str, _Count] = {}
@@ -98,7 +105,7 @@ class QueuedCounter:
         self._refreshing[tenant] = future
         try:
             at = self._clock()
-            queued = await asyncio.to_thread(self._store.queued_count, tenant)
+            queued = await self._threads.run(self._store.queued_count, tenant)
             count = _Count(queued, at)
             self._counts[tenant] = count
             future.set_result(count)

@@ -25,7 +25,6 @@ Metrics (labels in braces):
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -222,7 +221,7 @@ async def render(ctx: ApiContext) -> bytes:
     """One scrape."""
     doc = await ctx.control.snapshot()
     since = ctx.clock() - ctx.settings.metrics_window_s
-    figures = await asyncio.to_thread(read_store, ctx.store, since)
+    figures = await ctx.threads.run(read_store, ctx.store, since)
     registry = CollectorRegistry(auto_describe=False)
     collector: Collector = _Families(families(doc, figures, dict(ctx.submissions)))
     registry.register(collector)

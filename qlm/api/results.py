@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from qlm.api.ports import ResultHubLike
+from qlm.api.threads import StoreThreads
 from qlm.store import RequestRow, Store
 
 log = logging.getLogger(__name__)
@@ -56,9 +57,15 @@ Event = Chunk | Restart | Final
 
 class Results:
     def __init__(
-        self, store: Store, *, hub: ResultHubLike | None = None, poll_interval_s: float = 0.25
+        self,
+        store: Store,
+        *,
+        hub: ResultHubLike | None = None,
+        poll_interval_s: float = 0.25,
+        threads: StoreThreads | None = None,
     ) -> None:
         self._store = store
+        self._threads = threads if threads is not None else StoreThreads()
         self._hub = hub
         self._poll_interval_s = poll_interval_s
         self._waiters: dict[str, list[asyncio.Future[None]]] = {}
@@ -78,7 +85,7 @@ class Results:
             self._poller = None
 
     async def get(self, request_id: str) -> RequestRow | None:
-        return await asyncio.to_thread(self._store.get, request_id)
+        return await self._threads.run(self._store.get, request_id)
 
     async def wait(self, row: RequestRow, timeout_s: float) -> Final:
         """The request's row once final, or as it stands after ``timeout_s``."""
@@ -174,7 +181,7 @@ class Results:
             self._wake.clear()
             ids = list(self._waiters)
             try:
-                final = await asyncio.to_thread(self._store.final_ids, ids) if ids else set()
+                final = await self._threads.run(self._store.final_ids, ids) if ids else set()
             except Exception:
                 log.exception("polling the store for %d results failed", len(ids))
                 final = set()

@@ -33,6 +33,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from qlm.api.prompts import render_chat
+from qlm.api.threads import StoreThreads
 from qlm.domain import RequestStatus
 from qlm.global_queue import GlobalQueue, QueuedRequest, QueueUnavailable
 from qlm.store import NewRequest, RequestRow, Store, StoreError
@@ -97,9 +98,16 @@ class Submitter:
     """The group-committing writer (module docstring). ``start`` before use, ``close`` after."""
 
     def __init__(
-        self, store: Store, queue: GlobalQueue, *, max_batch: int = 512, writers: int = 1
+        self,
+        store: Store,
+        queue: GlobalQueue,
+        *,
+        max_batch: int = 512,
+        writers: int = 1,
+        threads: StoreThreads | None = None,
     ) -> None:
         self._store = store
+        self._threads = threads if threads is not None else StoreThreads()
         self._queue = queue
         self._max_batch = max_batch
         self._pending: list[_Pending] = []
@@ -187,7 +195,7 @@ class Submitter:
             return
         # Rare: an Idempotency-Key used before. Look up the request that holds it.
         try:
-            found = await asyncio.to_thread(self._lookup, [p.new for p in taken])
+            found = await self._threads.run(self._lookup, [p.new for p in taken])
         except Exception as exc:  # not the batch's: its new requests are being published
             log.exception("looking up %d taken Idempotency-Keys failed", len(taken))
             _fail(taken, exc)
@@ -275,7 +283,7 @@ class Submitter:
         # Remove the rows before answering, so that a retry cannot find one that is going away.
         ids = [pending.new.id for pending, _ in failed]
         try:
-            await asyncio.to_thread(self._store.delete_requests, ids)
+            await self._threads.run(self._store.delete_requests, ids)
         except StoreError:
             log.exception(
                 "could not remove %d requests whose publish failed; they stay queued without "

@@ -3,7 +3,6 @@ with their model tiers and load, plans and why they were made, drain/undrain, co
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Mapping
 from typing import Annotated, Any
@@ -98,7 +97,7 @@ async def instances(ctx: ContextDep, _admin: AdminDep) -> InstancesOut:
 
 
 async def _instances(ctx: ApiContext) -> list[InstanceOut]:
-    rows = await asyncio.to_thread(ctx.store.instances)
+    rows = await ctx.threads.run(ctx.store.instances)
     doc = await ctx.control.snapshot()
     live = {i.get("name"): i for i in (doc or {}).get("instances") or []}
     data = []
@@ -125,7 +124,7 @@ async def _instances(ctx: ApiContext) -> list[InstanceOut]:
 
 
 async def _set_state(ctx: ApiContext, name: str, state: InstanceState) -> InstanceOut:
-    if not await asyncio.to_thread(ctx.store.set_instance_state, name, state):
+    if not await ctx.threads.run(ctx.store.set_instance_state, name, state):
         raise not_found(f"instance {name!r}", "name", code="instance_not_found")
     found = [i for i in await _instances(ctx) if i.name == name]
     if not found:
@@ -184,7 +183,7 @@ def _plan(row: PlanRow) -> PlanOut:
 async def latest_plan(ctx: ContextDep, _admin: AdminDep) -> PlanOut:
     """What triggered it, how it was solved, its expected violation against EDF's, the groups
     left at risk and the capacity every SLO would need."""
-    row = await asyncio.to_thread(ctx.store.latest_plan)
+    row = await ctx.threads.run(ctx.store.latest_plan)
     if row is None:
         raise not_found("plan", code="no_plan")
     return _plan(row)
@@ -196,14 +195,14 @@ async def plans(
     _admin: AdminDep,
     limit: Annotated[int, Query(ge=1, le=1000, description="How many, newest first.")] = 50,
 ) -> PlansOut:
-    rows = await asyncio.to_thread(ctx.store.plans, limit=limit)
+    rows = await ctx.threads.run(ctx.store.plans, limit=limit)
     return PlansOut(data=[_plan(r) for r in rows])
 
 
 @router.get("/controllers", response_model=ControllersOut, responses=_ERRORS, summary="Controllers")
 async def controllers(ctx: ContextDep, _admin: AdminDep) -> ControllersOut:
     """Each controller's last published state: which one is active, and how fresh."""
-    rows = await asyncio.to_thread(ctx.store.controller_states)
+    rows = await ctx.threads.run(ctx.store.controller_states)
     now = time.time()
     return ControllersOut(
         data=[

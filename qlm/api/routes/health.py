@@ -43,7 +43,7 @@ async def readiness(ctx: ApiContext) -> dict[str, CheckOut]:
         broker_ok = False
     checks = {"broker": CheckOut(ok=broker_ok, detail="ok" if broker_ok else "unreachable")}
     try:
-        states = await asyncio.to_thread(ctx.store.controller_states)
+        states = await ctx.threads.run(ctx.store.controller_states)
     except StoreError as exc:
         checks["store"] = CheckOut(ok=False, detail=str(exc))
         checks["controller"] = CheckOut(ok=False, detail="unknown: the store is unreachable")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import AsyncIterator
 from typing import Annotated
@@ -55,7 +54,7 @@ class EventStream(StreamingResponse):
 async def own_row(ctx: ApiContext, principal: Principal, request_id: str) -> RequestRow:
     """The caller's request ``request_id``; 404 for another tenant's (admins see every one)."""
     tenant = None if principal.admin else principal.tenant
-    row = await asyncio.to_thread(ctx.store.get, request_id, tenant=tenant)
+    row = await ctx.threads.run(ctx.store.get, request_id, tenant=tenant)
     if row is None:
         raise not_found(f"request {request_id!r}", "request_id", code="request_not_found")
     return row
@@ -236,7 +235,7 @@ async def list_requests(
     for name, text in (("model", model), ("label", label), ("tenant", tenant), ("cursor", cursor)):
         if text is not None and "\x00" in text:
             raise invalid(name, f"{name} must not contain the NUL character", code="nul_character")
-    rows, next_cursor = await asyncio.to_thread(
+    rows, next_cursor = await ctx.threads.run(
         ctx.store.list_requests,
         tenant=scope,
         status=RequestStatus[status.upper()] if status is not None else None,
@@ -285,7 +284,7 @@ async def cancel_request(
 async def cancel(ctx: ApiContext, request_id: str) -> RequestStatus | None:
     """Cancel in the store (durable; a controller elsewhere polls it), then tell a controller in
     this process at once."""
-    status = await asyncio.to_thread(ctx.store.cancel, request_id, at=ctx.clock())
+    status = await ctx.threads.run(ctx.store.cancel, request_id, at=ctx.clock())
     if ctx.controller is not None and status in (RequestStatus.CANCELLED, RequestStatus.RUNNING):
         await ctx.controller.cancel(request_id)
     return status
