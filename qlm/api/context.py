@@ -17,6 +17,7 @@ from qlm.api.control import ControlView
 from qlm.api.limits import QueuedCounter, RateLimiter
 from qlm.api.ports import LocalController
 from qlm.api.results import Results
+from qlm.api.risk import AtRiskFlags
 from qlm.api.submission import Submitter
 from qlm.api.threads import StoreThreads
 from qlm.global_queue import GlobalQueue
@@ -44,6 +45,7 @@ class ApiContext:
     submitter: Submitter
     results: Results
     control: ControlView
+    at_risk: AtRiskFlags
     threads: StoreThreads
     """Every blocking store call of the app runs through it (``qlm.api.threads``)."""
     submissions: Counter[tuple[str, str]] = field(default_factory=Counter)
@@ -87,16 +89,19 @@ class ApiContext:
             control=ControlView(
                 store, controller=controller, ttl_s=settings.snapshot_ttl_s, threads=threads
             ),
+            at_risk=AtRiskFlags(store, threads=threads),
             threads=threads,
         )
 
     def start(self) -> None:
         self.submitter.start()
+        self.at_risk.start()
 
     async def close(self) -> None:
         """Stop the background work, in order, then wait for every store call still running
         in a thread: the store may be closed once this returns, not before."""
-        await self.submitter.close()
+        await self.submitter.close()  # no new request is recorded (flagged at risk)
+        await self.at_risk.close()  # the flags of those recorded
         await self.results.close()
         for task in list(self.background):
             task.cancel()

@@ -226,13 +226,5 @@ async def admit(
         ctx.count(tenant, "accepted")
         if not verdict.feasible:
             ctx.count(tenant, "accepted_at_risk")
-            ctx.spawn(
-                ctx.threads.run(
-                    ctx.store.record_prediction,
-                    request_id,
-                    predicted_at=verdict.predicted_start_at,
-                    at_risk=True,
-                ),
-                name="qlm-api-flag-at-risk",
-            )
+            ctx.at_risk.add(request_id, verdict.predicted_start_at)
     return Admitted(accepted, verdict)

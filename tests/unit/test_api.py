@@ -579,11 +579,8 @@ def test_admission_accepts_and_flags_at_risk_by_default() -> None:
         r = await h.submit(slo_seconds=30)
         assert r.status_code == 202 and r.json()["at_risk"] is True
         rid = r.json()["id"]
-        for _ in range(100):
-            row = h.store.get(rid)
-            if row is not None and row.at_risk:
-                break
-            await asyncio.sleep(0.01)
+        await h.app.state.ctx.at_risk.flushed()
+        row = h.store.get(rid)
         assert row is not None and row.at_risk and row.predicted_completion_at == now + 100
 
     run(scenario, controller=FakeController(busy_snapshot(now)), clock=lambda: now)
