@@ -26,10 +26,7 @@ async def served(
 ) -> AsyncIterator[tuple[Harness, ControllerService]]:
     store = Store.open("sqlite://")
     broker = MemoryBroker()
-    service = make_service(store, broker, policy="edf")
-    if max_running is not None:
-        for inst in service.runtime._instances.values():
-            inst.max_running = max_running
+    service = make_service(store, broker, policy="edf", max_running=max_running)
     await service.start()
     try:
         async with api_harness(
@@ -74,17 +71,69 @@ def test_a_submitted_request_is_served_and_its_result_read_by_long_poll() -> Non
     run(scenario)
 
 
-def test_events_stream_tokens_then_the_result() -> None:
-    async def scenario(h: Harness, _service: ControllerService) -> None:
+def sse_events(text: str) -> list[tuple[str, Any]]:
+    """``(name, data)`` of each event of a stream."""
+    names = [line[7:] for line in text.splitlines() if line.startswith("event: ")]
+    return list(zip(names, [json.loads(d) for d in sse_data(text)], strict=True))
+
+
+async def set_draining(h: Harness, service: ControllerService, draining: bool) -> None:
+    """Drain or undrain both instances through the API, and wait until the controller did."""
+    action = "drain" if draining else "undrain"
+    for name in ("i0", "i1"):
+        r = await h.client.post(f"/v1/admin/instances/{name}/{action}", headers=h.auth("admin"))
+        assert r.status_code == 200, r.text
+    await eventually(
+        lambda: all(i["draining"] is draining for i in service.snapshot()["instances"]),
+        f"the controller {action}s the instances",
+    )
+
+
+def test_events_stream_tokens_as_they_are_generated_then_the_result() -> None:
+    async def scenario(h: Harness, service: ControllerService) -> None:
+        await set_draining(h, service, True)  # the request waits until the stream is open
         rid = (await h.submit(max_tokens=200, slo_seconds=600)).json()["id"]
-        got = await h.client.get(f"/v1/requests/{rid}/events", headers=h.auth())
-        events = [line for line in got.text.splitlines() if line.startswith("event: ")]
-        assert events[-1] == "event: done" and "event: token" in events
-        datas = [json.loads(d) for d in sse_data(got.text)]
-        text = "".join(d["text"] for d in datas[:-1])
-        assert datas[-1]["output"]["text"].endswith(text)
+        stream = asyncio.create_task(h.client.get(f"/v1/requests/{rid}/events", headers=h.auth()))
+        await eventually(lambda: service.hub.watched(rid), "the stream subscribes")
+        await set_draining(h, service, False)
+        events = sse_events((await stream).text)
+        assert [name for name, _ in events[-1:]] == ["done"]
+        tokens = [data for name, data in events if name == "token"]
+        assert len(tokens) > 1  # as generated, not in one piece at the end
+        output = events[-1][1]["output"]
+        assert "".join(t["text"] for t in tokens) == output["text"]
+        assert tokens[-1]["tokens"] == output["tokens"] == 200
 
     run(scenario)
+
+
+def test_a_stream_opened_after_the_request_ended_replays_its_output_then_the_result() -> None:
+    async def scenario(h: Harness, _service: ControllerService) -> None:
+        rid = (await h.submit(max_tokens=50, slo_seconds=600)).json()["id"]
+        done = await h.client.get(f"/v1/requests/{rid}", params={"wait": 60}, headers=h.auth())
+        assert done.json()["status"] == "finished", done.text
+        got = await h.client.get(f"/v1/requests/{rid}/events", headers=h.auth())
+        events = sse_events(got.text)
+        assert [name for name, _ in events] == ["token", "done"]
+        output = done.json()["output"]
+        assert events[0][1] == {"text": output["text"], "tokens": 50}
+        assert events[1][1]["output"] == output
+
+    run(scenario)
+
+
+def test_events_from_the_store_carry_the_output_as_a_token_event() -> None:
+    """Without the controller in process there is no token stream: the text comes whole."""
+
+    async def scenario(h: Harness, _service: ControllerService) -> None:
+        rid = (await h.submit(max_tokens=20, slo_seconds=600)).json()["id"]
+        got = await h.client.get(f"/v1/requests/{rid}/events", headers=h.auth())
+        events = sse_events(got.text)
+        assert [name for name, _ in events] == ["token", "done"]
+        assert events[0][1]["text"] == events[1][1]["output"]["text"]
+        assert count_tokens(events[0][1]["text"]) == 20
+
+    run(scenario, in_process=False)
 
 
 def test_openai_completion_and_chat_wait_behind_the_queue() -> None:

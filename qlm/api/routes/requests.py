@@ -173,16 +173,30 @@ async def stream_request(
 
 
 async def _events(ctx: ApiContext, row: RequestRow) -> AsyncIterator[bytes]:
+    """The request's events. Text the stream did not carry as it was generated — all of it for
+    a request that ended before the stream opened, or that another process served (no token
+    stream here) — comes from the store in one ``token`` event before ``done``, so every client
+    sees the whole output as tokens, however late it subscribed."""
     events = ctx.results.events(row, ctx.settings.wait_timeout_s)
+    sent = ""
     async for event in sse.with_keepalive(events):
         if event is None:
             yield sse.KEEPALIVE
         elif isinstance(event, Chunk):
+            sent += event.text
             yield sse.event({"text": event.text, "tokens": event.tokens}, "token")
         elif isinstance(event, Restart):
+            sent = ""
             yield sse.event({"tokens": 0}, "restart")
         elif isinstance(event, Final):
-            body = RequestOut.of(event.row).model_dump(mode="json")
+            final = event.row
+            text = final.output_text or ""
+            # A subscriber that came in mid-answer streamed a tail, not the start: nothing to
+            # add to that (``done`` carries the whole output).
+            if final.is_final and len(text) > len(sent) and text.startswith(sent):
+                rest = {"text": text[len(sent) :], "tokens": final.output_tokens}
+                yield sse.event(rest, "token")
+            body = RequestOut.of(final).model_dump(mode="json")
             yield sse.event(body, "timeout" if event.timed_out else "done")
             return
 
