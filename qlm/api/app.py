@@ -27,6 +27,7 @@ from qlm.api.errors import TOO_LARGE, ApiError
 from qlm.api.hotpath import SubmitFastPath
 from qlm.api.ports import LocalController
 from qlm.api.routes import admin, health, openai, requests
+from qlm.api.schemas import with_limits
 from qlm.global_queue import GlobalQueue, open_global_queue
 from qlm.settings import Settings
 from qlm.store import Store
@@ -130,6 +131,16 @@ def freeze_startup_objects() -> None:
     gc.freeze()
 
 
+def _not_null(schema: dict[str, Any]) -> dict[str, Any]:
+    """A parameter's schema without the ``null`` FastAPI adds for an optional one: a header or
+    a query parameter is absent or a string, and the text ``null`` is no value of it."""
+    branches = [b for b in schema.get("anyOf", ()) if b != {"type": "null"}]
+    if "anyOf" not in schema or len(branches) == len(schema["anyOf"]):
+        return schema
+    rest = {k: v for k, v in schema.items() if k != "anyOf"}
+    return {**branches[0], **rest} if len(branches) == 1 else {**rest, "anyOf": branches}
+
+
 def _open_store(settings: Settings) -> Store:
     return Store.open(settings.database_url)
 
@@ -207,9 +218,13 @@ def create_app(
                 routes=app.routes,
                 tags=app.openapi_tags,
             )
-            schema.setdefault("components", {}).setdefault("schemas", {}).update(
-                errors.error_schemas()
-            )
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            components.update(errors.error_schemas())
+            with_limits(components, settings.api)
+            for path in schema.get("paths", {}).values():
+                for operation in path.values():
+                    for parameter in operation.get("parameters", ()):
+                        parameter["schema"] = _not_null(parameter["schema"])
             app.openapi_schema = schema
         return app.openapi_schema
 

@@ -9,7 +9,9 @@ cannot honour (``n`` > 1, ``logprobs``, ``tools``, ...), naming them. A ``respon
 
 from __future__ import annotations
 
+import copy
 import json
+import math
 from typing import Annotated, Any, Literal
 
 from fastapi import Path
@@ -18,14 +20,18 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    GetJsonSchemaHandler,
     ValidationInfo,
     field_validator,
     model_validator,
 )
-from pydantic_core import PydanticCustomError
+from pydantic.json_schema import JsonSchemaValue
+from pydantic_core import CoreSchema, PydanticCustomError
 
+from qlm.api.prompts import CHARS_PER_TOKEN
 from qlm.domain import MIN_SLO_S, RequestStatus, Tier
 from qlm.engines.structured import schema_problem
+from qlm.settings import ApiSettings
 from qlm.store import RequestRow
 
 TierName = Literal["interactive", "standard", "batch"]
@@ -46,11 +52,44 @@ def clean_text(value: str) -> str:
     return value
 
 
-Text = Annotated[str, AfterValidator(clean_text)]
-Name = Annotated[str, Field(min_length=1, max_length=256), AfterValidator(clean_text)]
+class JsonSchemaRules:
+    """Adds ``rules`` to a type's JSON schema: what its validators check that the schema
+    generated from the type would not say (the OpenAPI schema says what the API accepts: a
+    client, or a fuzzer, can trust a body the schema admits). Models add theirs with
+    ``json_schema_extra``."""
+
+    def __init__(self, **rules: Any) -> None:
+        self.rules = rules
+
+    def __get_pydantic_json_schema__(
+        self, core_schema: CoreSchema, handler: GetJsonSchemaHandler
+    ) -> JsonSchemaValue:
+        schema = handler(core_schema)
+        schema.update(self.rules)
+        return schema
+
+
+NO_NUL = r"^[^\u0000]*$"
+"""``clean_text`` as a pattern. (The lone surrogates it refuses too have no pattern in JSON
+Schema's regular expressions.)"""
+
+Text = Annotated[str, AfterValidator(clean_text), JsonSchemaRules(pattern=NO_NUL)]
+Name = Annotated[
+    str,
+    Field(min_length=1, max_length=256),
+    AfterValidator(clean_text),
+    JsonSchemaRules(pattern=NO_NUL),
+]
 LabelKey = Annotated[str, Field(min_length=1, max_length=64), AfterValidator(clean_text)]
-LabelValue = Annotated[str, Field(max_length=256), AfterValidator(clean_text)]
-Stop = Annotated[str, Field(min_length=1, max_length=256), AfterValidator(clean_text)]
+LabelValue = Annotated[
+    str, Field(max_length=256), AfterValidator(clean_text), JsonSchemaRules(pattern=NO_NUL)
+]
+Stop = Annotated[
+    str,
+    Field(min_length=1, max_length=256),
+    AfterValidator(clean_text),
+    JsonSchemaRules(pattern=NO_NUL),
+]
 Seconds = Annotated[float, Field(ge=MIN_SLO_S, le=MAX_API_SLO_S, allow_inf_nan=False)]
 
 ID_MAX_CHARS = 256
@@ -176,16 +215,64 @@ class ToolCall(BaseModel):
     function: FunctionCall
 
 
+def _rule(schema: dict[str, Any], rule: dict[str, Any]) -> None:
+    """Add ``rule`` to a model's JSON schema (every rule must hold)."""
+    schema.setdefault("allOf", []).append(copy.deepcopy(rule))
+
+
+NULL = {"type": "null"}
+NOT_NULL = {"not": NULL}
+
+
+def _message_rules(schema: dict[str, Any]) -> None:
+    """``ChatMessage``'s validator as JSON Schema, one branch per role."""
+    _rule(
+        schema,
+        {
+            "oneOf": [
+                {
+                    "properties": {
+                        "role": {"enum": ["system", "developer", "user"]},
+                        "content": NOT_NULL,
+                        "tool_calls": NULL,
+                        "tool_call_id": NULL,
+                    },
+                    "required": ["content"],
+                },
+                {
+                    "properties": {"role": {"const": "assistant"}, "tool_call_id": NULL},
+                    "anyOf": [
+                        {"properties": {"content": NOT_NULL}, "required": ["content"]},
+                        {
+                            "properties": {"tool_calls": {"type": "array", "minItems": 1}},
+                            "required": ["tool_calls"],
+                        },
+                    ],
+                },
+                {
+                    "properties": {
+                        "role": {"const": "tool"},
+                        "content": NOT_NULL,
+                        "tool_calls": NULL,
+                        "tool_call_id": {"type": "string"},
+                    },
+                    "required": ["content", "tool_call_id"],
+                },
+            ]
+        },
+    )
+
+
 class ChatMessage(BaseModel):
     """One message of a conversation. Earlier turns of a tool-using conversation keep their
     ``tool_calls`` (assistant) and ``tool_call_id`` (tool) on their way to vLLM's chat template."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", json_schema_extra=_message_rules)
 
     role: Literal["system", "developer", "user", "assistant", "tool"] = Field(
         description="Who wrote it."
     )
-    content: Annotated[str, AfterValidator(clean_text)] | list[TextPart] | None = Field(
+    content: Text | list[TextPart] | None = Field(
         default=None,
         description="The text, or a list of text parts; may be null on an assistant turn that "
         "made tool calls.",
@@ -235,11 +322,40 @@ class JsonSchemaFormat(BaseModel):
         """``schema`` if it is a JSON Schema of a size QLM takes (ValueError saying why not)."""
         size = len(json.dumps(schema, separators=(",", ":")))
         if size > MAX_SCHEMA_CHARS:
-            raise ValueError(f"is {size} characters as JSON; at most {MAX_SCHEMA_CHARS}")
+            raise PydanticCustomError(
+                "schema_too_large",
+                "is {size} characters as JSON; at most {limit}",
+                {"size": size, "limit": MAX_SCHEMA_CHARS},
+            )
         problem = schema_problem(schema)
         if problem is not None:
-            raise ValueError(problem)
+            # Which JSON Schemas QLM takes is checked here, not described by the OpenAPI
+            # schema (it would be a copy of JSON Schema's own metaschema).
+            raise PydanticCustomError("invalid_schema", "{problem}", {"problem": problem})
         return schema
+
+
+def _format_rules(schema: dict[str, Any]) -> None:
+    _rule(
+        schema,
+        {
+            "oneOf": [
+                {
+                    "properties": {
+                        "type": {"enum": ["text", "json_object"]},
+                        "json_schema": NULL,
+                    }
+                },
+                {
+                    "properties": {
+                        "type": {"const": "json_schema"},
+                        "json_schema": {"type": "object"},
+                    },
+                    "required": ["json_schema"],
+                },
+            ]
+        },
+    )
 
 
 class ResponseFormat(BaseModel):
@@ -247,7 +363,7 @@ class ResponseFormat(BaseModel):
     document of a schema. vLLM enforces it with a grammar; such an answer is never resumed
     after an eviction but started again (docs/api.md, "Structured output")."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", json_schema_extra=_format_rules)
 
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = Field(
@@ -270,7 +386,7 @@ class SamplingIn(BaseModel):
     top_p: float | None = Field(default=None, gt=0, le=1, description="Nucleus sampling mass.")
     top_k: int | None = Field(default=None, ge=-1, le=1_000_000, description="-1 = off (vLLM).")
     seed: int | None = Field(default=None, ge=-(2**63), lt=2**63)
-    stop: Stop | list[Stop] | None = Field(
+    stop: Stop | Annotated[list[Stop], JsonSchemaRules(maxItems=4)] | None = Field(
         default=None, description="Up to 4 sequences that end the output."
     )
     presence_penalty: float | None = Field(default=None, ge=-2, le=2)
@@ -298,6 +414,12 @@ class SamplingIn(BaseModel):
         return out
 
 
+def _label_keys(schema: dict[str, Any]) -> None:
+    for branch in schema.get("anyOf", ()):
+        if branch.get("type") == "object":
+            branch.setdefault("propertyNames", {})["pattern"] = NO_NUL
+
+
 class SloIn(BaseModel):
     """QLM's SLO metadata. OpenAI-style calls may instead send the ``x-qlm-*`` headers; a body
     field wins over its header."""
@@ -318,6 +440,7 @@ class SloIn(BaseModel):
         default=None,
         description="Free-form key=value labels (at most QLM_API__MAX_LABELS); "
         "GET /v1/requests filters by one.",
+        json_schema_extra=_label_keys,
     )
 
 
@@ -361,9 +484,29 @@ class NamedToolChoice(BaseModel):
     function: ChosenFunction
 
 
+def _tools_rules(schema: dict[str, Any]) -> None:
+    """A ``tool_choice`` other than ``none`` needs tools. (That a named choice names one of
+    them, and that no two have one name, JSON Schema cannot say: codes
+    ``tool_choice_not_offered``, ``duplicate_function_name``.)"""
+    _rule(
+        schema,
+        {
+            "anyOf": [
+                {"properties": {"tool_choice": {"enum": [None, "none"]}}},
+                {
+                    "properties": {"tools": {"type": "array", "minItems": 1}},
+                    "required": ["tools"],
+                },
+            ]
+        },
+    )
+
+
 class ToolsIn(BaseModel):
     """Functions a chat's model may call (OpenAI's ``tools``, ``tool_choice``,
     ``parallel_tool_calls``), passed to vLLM with the sampling parameters (docs/api.md)."""
+
+    model_config = ConfigDict(json_schema_extra=_tools_rules)
 
     tools: list[Tool] | None = Field(
         default=None, max_length=128, description="Functions the model may call (a chat only)."
@@ -378,7 +521,7 @@ class ToolsIn(BaseModel):
     def _distinct_names(cls, tools: list[Tool] | None) -> list[Tool] | None:
         names = [t.function.name for t in tools or ()]
         if len(set(names)) != len(names):
-            raise ValueError("two functions have the same name")
+            raise PydanticCustomError("duplicate_function_name", "two functions have the same name")
         return tools
 
     @field_validator("tool_choice")
@@ -388,9 +531,16 @@ class ToolsIn(BaseModel):
     ) -> str | NamedToolChoice | None:
         names = [t.function.name for t in info.data.get("tools") or ()]
         if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
-            raise ValueError(f"names {choice.function.name!r}, which is not in tools")
+            raise PydanticCustomError(
+                "tool_choice_not_offered",
+                "names {name}, which is not in tools",
+                {"name": repr(choice.function.name)},
+            )
         if choice not in (None, "none") and not names:
-            raise ValueError("tool_choice needs tools (vLLM refuses it without them)")
+            raise PydanticCustomError(
+                "tool_choice_without_tools",
+                "tool_choice needs tools (vLLM refuses it without them)",
+            )
         return choice
 
     def tool_parameters(self) -> dict[str, Any]:
@@ -410,11 +560,35 @@ class ToolsIn(BaseModel):
 # --- native API --------------------------------------------------------------------------------
 
 
+def _submit_rules(schema: dict[str, Any]) -> None:
+    """A prompt or messages, not both; tools with messages only."""
+    _tools_rules(schema)
+    _rule(
+        schema,
+        {
+            "oneOf": [
+                {
+                    "properties": {
+                        "prompt": {"type": "string"},
+                        "messages": NULL,
+                        "tools": {"type": ["array", "null"], "maxItems": 0},
+                    },
+                    "required": ["prompt"],
+                },
+                {
+                    "properties": {"messages": {"type": "array"}, "prompt": NULL},
+                    "required": ["messages"],
+                },
+            ]
+        },
+    )
+
+
 class SubmitIn(JsonBody, SamplingIn, SloIn, ToolsIn):
     """A request to queue: a prompt or chat messages, the output cap, sampling, tools (with
     messages) and SLO."""
 
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, json_schema_extra=_submit_rules)
 
     model: Name = Field(description="A model some instance serves (GET /v1/models).")
     prompt: Text | None = Field(
@@ -542,6 +716,12 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+ONLY_NULL: dict[str, Any] = {"type": "null"}
+"""The JSON schema of a field refused whatever its value."""
+Prompt = Annotated[str, AfterValidator(clean_text), JsonSchemaRules(pattern=NO_NUL, minLength=1)]
+"""An OpenAI completion's prompt: refused empty by the route (``empty_prompt``)."""
+
+
 class _OpenAiIn(JsonBody, SamplingIn, SloIn):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
@@ -551,26 +731,58 @@ class _OpenAiIn(JsonBody, SamplingIn, SloIn):
     )
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int | None = Field(default=None, description="Only 1 is supported.")
+    # Fields QLM cannot honour are refused by ``unhonoured`` and the routes (a 422 naming
+    # them); the schema says which values are accepted.
+    n: int | None = Field(
+        default=None, description="Only 1 is supported.", json_schema_extra={"enum": [1, None]}
+    )
     user: str | None = Field(default=None, max_length=256, description="Ignored.")
-    structured_outputs: Any = Field(default=None, description="vLLM's; not supported (422).")
-    guided_json: Any = Field(default=None, description="vLLM's (old); not supported (422).")
-    guided_regex: Any = Field(default=None, description="vLLM's (old); not supported (422).")
-    guided_choice: Any = Field(default=None, description="vLLM's (old); not supported (422).")
-    guided_grammar: Any = Field(default=None, description="vLLM's (old); not supported (422).")
+    structured_outputs: Any = Field(
+        default=None, description="vLLM's; not supported (422).", json_schema_extra=ONLY_NULL
+    )
+    guided_json: Any = Field(
+        default=None, description="vLLM's (old); not supported (422).", json_schema_extra=ONLY_NULL
+    )
+    guided_regex: Any = Field(
+        default=None, description="vLLM's (old); not supported (422).", json_schema_extra=ONLY_NULL
+    )
+    guided_choice: Any = Field(
+        default=None, description="vLLM's (old); not supported (422).", json_schema_extra=ONLY_NULL
+    )
+    guided_grammar: Any = Field(
+        default=None, description="vLLM's (old); not supported (422).", json_schema_extra=ONLY_NULL
+    )
     logit_bias: dict[str, Any] | None = Field(
-        default=None, description="Not supported (422 when set)."
+        default=None,
+        description="Not supported (422 when set).",
+        json_schema_extra={"maxProperties": 0},
     )
-    top_logprobs: int | None = Field(default=None, description="Not supported (422 when set).")
+    top_logprobs: int | None = Field(
+        default=None, description="Not supported (422 when set).", json_schema_extra=ONLY_NULL
+    )
     min_tokens: int | None = Field(
-        default=None, description="vLLM's; not supported (422 when > 0)."
+        default=None,
+        description="vLLM's; not supported (422 unless 0).",
+        json_schema_extra={"enum": [0, None]},
     )
-    min_p: float | None = Field(default=None, description="vLLM's; not supported (422 when > 0).")
+    min_p: float | None = Field(
+        default=None,
+        description="vLLM's; not supported (422 unless 0).",
+        json_schema_extra={"enum": [0, None]},
+    )
     ignore_eos: bool | None = Field(
-        default=None, description="vLLM's; not supported (422 when true)."
+        default=None,
+        description="vLLM's; not supported (422 when true).",
+        json_schema_extra={"enum": [False, None]},
     )
-    modalities: list[str] | None = Field(default=None, description='Only ["text"] is supported.')
-    audio: Any = Field(default=None, description="Not supported (422 when set).")
+    modalities: list[str] | None = Field(
+        default=None,
+        description='Only ["text"] is supported.',
+        json_schema_extra={"enum": [["text"], None]},
+    )
+    audio: Any = Field(
+        default=None, description="Not supported (422 when set).", json_schema_extra=ONLY_NULL
+    )
 
     def unhonoured(self) -> tuple[str, str] | None:
         """The first field set to something QLM would silently drop: (name, message)."""
@@ -598,11 +810,23 @@ GUIDED = ("structured_outputs", "guided_json", "guided_regex", "guided_choice", 
 class CompletionIn(_OpenAiIn):
     """OpenAI's ``POST /v1/completions`` body, plus QLM's SLO fields."""
 
-    prompt: Text | list[Text] = Field(description="One prompt (a list of exactly one string).")
-    echo: bool | None = Field(default=None, description="Not supported (422 when true).")
-    logprobs: int | None = Field(default=None, description="Not supported (422 when set).")
-    best_of: int | None = Field(default=None, description="Only 1 is supported.")
-    suffix: str | None = Field(default=None, description="Not supported (422 when set).")
+    prompt: Prompt | Annotated[list[Prompt], JsonSchemaRules(minItems=1, maxItems=1)] = Field(
+        description="One prompt, not empty (or a list of exactly one)."
+    )
+    echo: bool | None = Field(
+        default=None,
+        description="Not supported (422 when true).",
+        json_schema_extra={"enum": [False, None]},
+    )
+    logprobs: int | None = Field(
+        default=None, description="Not supported (422 when set).", json_schema_extra=ONLY_NULL
+    )
+    best_of: int | None = Field(
+        default=None, description="Only 1 is supported.", json_schema_extra={"enum": [1, None]}
+    )
+    suffix: str | None = Field(
+        default=None, description="Not supported (422 when set).", json_schema_extra=ONLY_NULL
+    )
 
 
 class ChatCompletionIn(_OpenAiIn, ToolsIn):
@@ -612,9 +836,17 @@ class ChatCompletionIn(_OpenAiIn, ToolsIn):
     max_completion_tokens: int | None = Field(
         default=None, ge=1, le=2**31 - 1, description="Same as max_tokens (newer name)."
     )
-    logprobs: bool | None = Field(default=None, description="Not supported (422 when true).")
-    functions: list[Any] | None = Field(default=None, description="Legacy: use tools (422).")
-    function_call: Any = Field(default=None, description="Legacy: use tool_choice (422).")
+    logprobs: bool | None = Field(
+        default=None,
+        description="Not supported (422 when true).",
+        json_schema_extra={"enum": [False, None]},
+    )
+    functions: list[Any] | None = Field(
+        default=None, description="Legacy: use tools (422).", json_schema_extra=ONLY_NULL
+    )
+    function_call: Any = Field(
+        default=None, description="Legacy: use tool_choice (422).", json_schema_extra=ONLY_NULL
+    )
 
     def sampling(self) -> dict[str, Any]:
         """The sampling parameters, and the tools (passed to vLLM with them)."""
@@ -677,6 +909,38 @@ class ModelOut(BaseModel):
 class ModelListOut(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelOut]
+
+
+def with_limits(components: dict[str, Any], settings: ApiSettings) -> None:
+    """Write the limits that are settings into the bodies' JSON schemas (``components`` of the
+    OpenAPI schema), so that the app's schema says what it accepts: ``max_tokens`` (and
+    ``max_completion_tokens``) up to ``QLM_API__MAX_TOKENS_LIMIT``, at most
+    ``QLM_API__MAX_LABELS`` labels, a prompt of at most 4 characters per token of
+    ``QLM_API__MAX_PROMPT_TOKENS`` (``qlm.api.prompts``; chat messages count in sum, which JSON
+    Schema cannot say: ``max_prompt_tokens``)."""
+    limits = {
+        "max_tokens": {"maximum": settings.max_tokens_limit},
+        "max_completion_tokens": {"maximum": settings.max_tokens_limit},
+        "labels": {"maxProperties": settings.max_labels},
+        "prompt": {"maxLength": settings.max_prompt_tokens * CHARS_PER_TOKEN},
+    }
+    for name in ("SubmitIn", "CompletionIn", "ChatCompletionIn"):
+        properties = components.get(name, {}).get("properties", {})
+        for field, limit in limits.items():
+            schema = properties.get(field)
+            if schema is None:
+                continue
+            for branch in [schema, *schema.get("anyOf", ())]:
+                # Each keyword constrains its own type only (maxLength strings, ...): set on
+                # the branches where it applies, and on the items of a list of prompts.
+                if "maximum" in limit and branch.get("type") == "integer":
+                    branch["maximum"] = min(branch.get("maximum", math.inf), limit["maximum"])
+                if "maxProperties" in limit and branch.get("type") == "object":
+                    branch.update(limit)
+                if "maxLength" in limit and branch.get("type") == "string":
+                    branch.update(limit)
+                if "maxLength" in limit and branch.get("type") == "array":
+                    branch.get("items", {}).update(limit)
 
 
 # --- operator API -----------------------------------------------------------------------------

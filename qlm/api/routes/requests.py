@@ -17,6 +17,7 @@ from qlm.api.errors import CONFLICT, PERMISSION, ApiError, documented, invalid, 
 from qlm.api.intake import Submission, admit
 from qlm.api.results import Chunk, Final, Restart
 from qlm.api.schemas import (
+    NO_NUL,
     RequestIdPath,
     RequestListOut,
     RequestOut,
@@ -45,6 +46,12 @@ IdempotencyKey = Annotated[
         "(per tenant). Printable ASCII (spaces included), at most 255 characters.",
     ),
 ]
+
+
+LABEL_PATTERN = r"^[^=\u0000]+=[^\u0000]*$"
+"""A ``label`` filter: ``key=value``, the key not empty (the route checks it: ``label_format``,
+``nul_character``; the pattern says it in the schema)."""
+NO_NUL_QUERY = {"pattern": NO_NUL}
 
 
 class EventStream(StreamingResponse):
@@ -211,10 +218,17 @@ async def list_requests(
     ctx: ContextDep,
     principal: PrincipalDep,
     status: Annotated[StatusName | None, Query(description="Only this status.")] = None,
-    model: Annotated[str | None, Query(max_length=256, description="Only this model.")] = None,
+    model: Annotated[
+        str | None,
+        Query(max_length=256, description="Only this model.", json_schema_extra=NO_NUL_QUERY),
+    ] = None,
     label: Annotated[
         str | None,
-        Query(max_length=322, description="Only requests carrying this label, as key=value."),
+        Query(
+            max_length=322,
+            description="Only requests carrying this label, as key=value.",
+            json_schema_extra={"pattern": LABEL_PATTERN},
+        ),
     ] = None,
     since: Annotated[
         float | None, Query(ge=0, le=1e11, description="Submitted at or after (unix seconds).")
@@ -223,11 +237,22 @@ async def list_requests(
         float | None, Query(ge=0, le=1e11, description="Submitted before (unix seconds).")
     ] = None,
     tenant: Annotated[
-        str | None, Query(max_length=256, description="Admins: only this tenant's.")
+        str | None,
+        Query(
+            max_length=256,
+            description="Admins: only this tenant's.",
+            json_schema_extra=NO_NUL_QUERY,
+        ),
     ] = None,
     limit: Annotated[int, Query(ge=1, le=1000, description="Page size.")] = 100,
     cursor: Annotated[
-        str | None, Query(max_length=512, description="`next_cursor` of the previous page.")
+        str | None,
+        Query(
+            max_length=512,
+            description="`next_cursor` of the previous page, as it was (422 `invalid_cursor` "
+            "for any other).",
+            json_schema_extra=NO_NUL_QUERY,
+        ),
     ] = None,
 ) -> RequestListOut:
     """Newest first, a page at a time; a tenant sees only its own requests."""
