@@ -1193,7 +1193,12 @@ def _encode_cursor(at: float, id: str) -> str:
 def _decode_cursor(cursor: str) -> tuple[float, str]:
     try:
         at, id = json.loads(base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)))
-        if isinstance(at, int | float) and not isinstance(at, bool) and isinstance(id, str):
+        if (
+            isinstance(at, int | float)
+            and not isinstance(at, bool)
+            and isinstance(id, str)
+            and "\x00" not in id  # no request has it (PostgreSQL text cannot hold NUL)
+        ):
             return float(at), id
     except (binascii.Error, ValueError, TypeError):
         pass

@@ -9,7 +9,9 @@ Waits poll with deadlines; nothing asserts on timing.
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
+import json
 import subprocess
 import time
 import uuid
@@ -349,5 +351,17 @@ def test_ids_that_postgresql_cannot_hold_are_refused_at_the_edge(settings: Setti
                 r = await s.client.request(method, path, headers=s.auth("admin"))
                 assert r.status_code == 422, (path, r.text)
                 assert r.json()["error"]["code"] == "invalid_id", r.text
+
+    asyncio.run(main())
+
+
+def test_a_forged_cursor_is_a_client_error_on_postgresql(settings: Settings) -> None:
+    async def main() -> None:
+        async with stack(settings, [], controller=False) as s:
+            raw = json.dumps([1.0, "req_\u0000"]).encode()
+            cursor = base64.urlsafe_b64encode(raw).decode().rstrip("=")
+            r = await s.client.get("/v1/requests", params={"cursor": cursor}, headers=s.auth())
+            assert r.status_code == 422, r.text
+            assert r.json()["error"]["code"] == "invalid_cursor"
 
     asyncio.run(main())
