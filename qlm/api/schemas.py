@@ -328,11 +328,35 @@ class JsonSchemaFormat(BaseModel):
                 {"size": size, "limit": MAX_SCHEMA_CHARS},
             )
         problem = schema_problem(schema)
+        unclean = _unclean_text(schema)
+        if problem is None and unclean is not None:
+            problem = f"{unclean}: a text the store cannot keep (NUL, or a lone surrogate)"
         if problem is not None:
             # Which JSON Schemas QLM takes is checked here, not described by the OpenAPI
             # schema (it would be a copy of JSON Schema's own metaschema).
             raise PydanticCustomError("invalid_schema", "{problem}", {"problem": problem})
         return schema
+
+
+def _unclean_text(value: Any) -> str | None:
+    """The JSON pointer of the first key or string in ``value`` (parsed JSON) that
+    ``clean_text`` refuses, None when there is none: free-form JSON is stored as it is."""
+    stack: list[tuple[Any, str]] = [(value, "")]
+    while stack:
+        item, pointer = stack.pop()
+        if isinstance(item, str):
+            try:
+                clean_text(item)
+            except ValueError:
+                return pointer or "/"
+        elif isinstance(item, dict):
+            for key, child in item.items():
+                at = f"{pointer}/{str(key).replace('~', '~0').replace('/', '~1')}"
+                stack.append((key, at))
+                stack.append((child, at))
+        elif isinstance(item, list):
+            stack.extend((child, f"{pointer}/{i}") for i, child in enumerate(item))
+    return None
 
 
 def _format_rules(schema: dict[str, Any]) -> None:

@@ -365,3 +365,22 @@ def test_a_forged_cursor_is_a_client_error_on_postgresql(settings: Settings) -> 
             assert r.json()["error"]["code"] == "invalid_cursor"
 
     asyncio.run(main())
+
+
+def test_a_json_schema_holding_nul_is_a_client_error_on_postgresql(settings: Settings) -> None:
+    async def main() -> None:
+        async with stack(settings, [], controller=False) as s:
+            await asyncio.to_thread(
+                s.store.upsert_instance, InstanceSpec("sim-0", "A100", (MODEL,))
+            )  # as a controller would
+            schema = {"type": "object", "description": "a\u0000b"}
+            r = await s.submit(
+                response_format={
+                    "type": "json_schema",
+                    "json_schema": {"name": "n", "schema": schema},
+                }
+            )
+            assert r.status_code == 422, r.text
+            assert r.json()["error"]["code"] == "invalid_schema"
+
+    asyncio.run(main())

@@ -390,3 +390,44 @@ def test_the_schema_says_every_error_has_a_code() -> None:
     schema = create_app(Settings()).openapi()
     detail = schema["components"]["schemas"]["ErrorDetail"]
     assert "code" in detail["required"] and detail["properties"]["code"]["type"] == "string"
+
+
+# --- free-form JSON the store keeps as it is ------------------------------------------------------
+
+SCHEMA_WITH = {"type": "object", "properties": {"a": {"type": "string"}}}
+
+
+@pytest.mark.parametrize(
+    ("extra", "param", "pointer"),
+    [
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": SCHEMA_WITH | {"description": "a\u0000b"}}}},
+            "response_format.json_schema.schema",
+            "/description",
+        ),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": SCHEMA_WITH | {"properties": {"a\u0000": {"type": "string"}}}}}},
+            "response_format.json_schema.schema",
+            "/properties/a\u0000",
+        ),
+        (
+            {"prompt": None, "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "f", "parameters": SCHEMA_WITH | {"default": {"k": ["\u0000"]}}}}]},
+            "tools[0].function.parameters",
+            "/default/k/0",
+        ),
+    ],
+)  # fmt: skip
+def test_a_json_schema_holding_nul_is_refused_naming_where(
+    extra: dict[str, Any], param: str, pointer: str
+) -> None:
+    """PostgreSQL cannot keep NUL in JSON either: such a request was a 503 store_unavailable."""
+
+    async def scenario(h: Harness) -> None:
+        r = await h.submit(**extra)
+        assert r.status_code == 422, r.text
+        err = error(r)
+        assert (err["param"], err["code"]) == (param, "invalid_schema"), err
+        assert err["message"].startswith(f"{param}: {pointer}: ")
+        assert published(h.queue) == []
+
+    run(scenario)
