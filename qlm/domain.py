@@ -51,7 +51,11 @@ never meetable (an HTTP round trip alone takes longer) and makes deadline arithm
 
 MAX_SLO_S = 1e9
 """The longest SLO the control plane handles (about 31 years): beyond it a deadline means
-"none". The API accepts at most a week (``qlm.api.schemas.MAX_API_SLO_S``)."""
+"none". The API accepts at most a week (``MAX_API_SLO_S``)."""
+
+MAX_API_SLO_S = 7 * 24 * 3600.0
+"""The longest SLO the API accepts, and its default SLOs may be: a week (longer is no objective
+a queue can plan for)."""
 
 
 @dataclass(frozen=True, slots=True)

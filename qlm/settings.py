@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, Field, ValidationError, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from qlm.domain import MAX_API_SLO_S, MIN_SLO_S
 from qlm.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -157,9 +158,9 @@ class ApiSettings(BaseModel):
     """Requests a tenant may have queued (429 beyond, from the store's count)."""
     queued_count_ttl_s: float = Field(default=0.5, ge=0)
     """How stale the store's queued count may be; submissions since are added locally."""
-    interactive_slo_s: float = Field(default=30.0, gt=0)
-    standard_slo_s: float = Field(default=300.0, gt=0)
-    batch_slo_s: float = Field(default=3600.0, gt=0)
+    interactive_slo_s: float = Field(default=30.0, ge=MIN_SLO_S, le=MAX_API_SLO_S)
+    standard_slo_s: float = Field(default=300.0, ge=MIN_SLO_S, le=MAX_API_SLO_S)
+    batch_slo_s: float = Field(default=3600.0, ge=MIN_SLO_S, le=MAX_API_SLO_S)
     """End-to-end SLO of a request that gives none, by its tier."""
     default_tier: Literal["interactive", "standard", "batch"] = "standard"
     admission: Literal["accept", "reject"] = "accept"
@@ -184,6 +185,15 @@ class ApiSettings(BaseModel):
     """Most submissions recorded in one store transaction (group commit)."""
     access_log: bool = False
     """Log every HTTP call (costs throughput at thousands of calls per second)."""
+
+    @model_validator(mode="after")
+    def _default_within_limit(self) -> ApiSettings:
+        if self.default_max_tokens > self.max_tokens_limit:
+            raise ValueError(
+                f"default_max_tokens={self.default_max_tokens} exceeds max_tokens_limit="
+                f"{self.max_tokens_limit}: every request that gives no max_tokens would be refused"
+            )
+        return self
 
     @model_validator(mode="after")
     def _slos_ordered(self) -> ApiSettings:

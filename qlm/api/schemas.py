@@ -29,16 +29,13 @@ from pydantic.json_schema import JsonSchemaValue
 from pydantic_core import CoreSchema, PydanticCustomError
 
 from qlm.api.prompts import CHARS_PER_TOKEN
-from qlm.domain import MIN_SLO_S, RequestStatus, Tier
+from qlm.domain import MAX_API_SLO_S, MIN_SLO_S, RequestStatus, Tier
 from qlm.engines.structured import schema_problem
 from qlm.settings import ApiSettings
 from qlm.store import RequestRow
 
 TierName = Literal["interactive", "standard", "batch"]
 StatusName = Literal["queued", "running", "finished", "failed", "cancelled"]
-MAX_API_SLO_S = 7 * 24 * 3600.0
-"""The longest SLO the API accepts: a week (longer is no objective a queue can plan for). The
-shortest is ``qlm.domain.MIN_SLO_S``, 10 ms."""
 
 
 def clean_text(value: str) -> str:

@@ -13,8 +13,7 @@ import pytest
 
 from qlm.api import create_app
 from qlm.api.deps import get_principal
-from qlm.api.schemas import MAX_API_SLO_S
-from qlm.domain import MIN_SLO_S
+from qlm.domain import MAX_API_SLO_S, MIN_SLO_S
 from qlm.settings import Settings
 from qlm.store import Store, StoreError
 from tests.unit.test_api import Harness, error, published, run

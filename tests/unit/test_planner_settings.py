@@ -90,3 +90,21 @@ def test_the_group_size_bound_is_configured(monkeypatch: pytest.MonkeyPatch) -> 
         grouper.add(request, 0.0)
     sizes = [len(g.requests) for g in grouper.groups()]
     assert max(sizes) == 6 and sum(sizes) == 20  # delta x batch size = 6 per group
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "named"),
+    [
+        ("QLM_API__DEFAULT_MAX_TOKENS", "100000", "default_max_tokens=100000 exceeds"),
+        ("QLM_API__INTERACTIVE_SLO_S", "0.001", "QLM_API__INTERACTIVE_SLO_S"),
+        ("QLM_API__BATCH_SLO_S", "1e9", "QLM_API__BATCH_SLO_S"),
+    ],
+)
+def test_api_defaults_the_api_itself_would_refuse_stop_start_up(
+    monkeypatch: pytest.MonkeyPatch, name: str, value: str, named: str
+) -> None:
+    """A default ``max_tokens`` over the limit would make every OpenAI call without one a 422,
+    and a default SLO outside what a request may ask for is no SLO the API accepts."""
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ConfigError, match=named):
+        get_settings()

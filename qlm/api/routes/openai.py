@@ -41,7 +41,6 @@ from qlm.api.results import Chunk, Final, Restart
 from qlm.api.routes.requests import EventStream, IdempotencyKey, cancel
 from qlm.api.schemas import (
     GUIDED,
-    MAX_API_SLO_S,
     ChatCompletionIn,
     ChatCompletionOut,
     CompletionIn,
@@ -52,7 +51,7 @@ from qlm.api.schemas import (
     TierName,
     tier_of,
 )
-from qlm.domain import MIN_SLO_S, RequestStatus
+from qlm.domain import MAX_API_SLO_S, MIN_SLO_S, RequestStatus
 from qlm.store import RequestRow
 
 router = APIRouter(prefix="/v1", tags=["openai"])
