@@ -11,6 +11,12 @@ order gives some group ``P(meet) < Δ`` — checked when groups changed, at most
 ``check_interval_s``), an instance joining, leaving or going idle while others have work, and the
 period ``period_s`` otherwise. Never more often than ``min_interval_s`` nor, on the wall clock, than
 ``keep_up`` × the last plan's compute time (problem, solve, concurrency choice, capacity).
+
+Bounds (production, where the budget is wall time, on the clock the policy is given): a plan's
+solver and capacity signal share its ``budget`` (``qlm.planner.budget``); a step groups arrivals
+and pulls within ``step_budget_s`` and leaves the rest, a recluster or a plan that did not fit,
+to the next step. A simulated run, whose budget is counted in scored orders, does everything at
+every step, so that it is the same on any machine.
 """
 
 from __future__ import annotations
@@ -83,6 +89,11 @@ class PlannerConfig:
     concurrency_hysteresis: float = 0.05
     defer_expensive: bool = True
     seed: int = 0
+    step_budget_s: float = 0.5
+    """With a wall-time ``budget`` (production): what a control step spends on work that can wait
+    for the next one (the agents step at least every quarter of a second) — grouping arrivals in
+    its first half, pulling in the second (each instance its share), a recluster or a plan only
+    while the first half lasts (else first at the next step). A simulated run does it all."""
     grouping: GroupingConfig = DEFAULT_GROUPING
     """How requests are grouped (δ × average batch size bounds a group: ``DEFAULT_GROUPING``)."""
 
@@ -99,7 +110,13 @@ class PlannerConfig:
         check_setting(self.scenarios >= 1, "planner.scenarios", ">= 1", self.scenarios)
         ok = self.solver in ("auto", "cbc", "highs")
         check_setting(ok, "planner.solver", "auto, cbc or highs", self.solver)
-        for name in ("period_s", "min_interval_s", "check_interval_s", "rate_window_s"):
+        for name in (
+            "period_s",
+            "min_interval_s",
+            "check_interval_s",
+            "rate_window_s",
+            "step_budget_s",
+        ):
             value = getattr(self, name)
             check_setting(value > 0, f"planner.{name}", "> 0", value)
         ok = 0 < self.max_utilisation <= 1
@@ -134,6 +151,10 @@ class _Inflight:
     request: Request
     pulled_s: float
     generated: int  # output tokens it had when pulled (resumed after an eviction)
+    running: Queued = field(init=False)  # as the estimator sees it behind a new pull
+
+    def __post_init__(self) -> None:
+        self.running = Queued(self.request, self.generated, running=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -414,8 +435,9 @@ class QlmPolicy:
         ``experiments/policies.py --oracle`` gives both the true output lengths, to measure what
         knowing them would be worth.
 
-        ``clock`` (seconds, monotonic) times the plans: their budget when it is wall time, and
-        the ``keep_up`` spacing."""
+        ``clock`` (seconds, monotonic) times the plans — their budget when it is wall time, and
+        the ``keep_up`` spacing — and, when plans are spaced by their compute, bounds each step
+        (``PlannerConfig.step_budget_s``)."""
         self.config = config or PlannerConfig()
         self._clock = clock
         # The agents switch models themselves (warm start), so engines must not switch on their own.
@@ -455,6 +477,10 @@ class QlmPolicy:
         self._slots: dict[str, list[Any]] = {}  # per step: queue deadlines and load, for _place
         self._family_cache: tuple[tuple[float, int], tuple[ProblemFamily, list[list[int]]]] | None
         self._family_cache = None  # per step: the plan problem built for the violation check
+        self._inbox: dict[str, tuple[Request, int]] = {}  # handed, not grouped yet (output so far)
+        # Left for the next step (wall-time budget): "rethink" (recluster if due, plan if a
+        # trigger fires) or "plan" (the step reclustered; a trigger is checked first thing).
+        self._owed = ""
 
     @property
     def last_checked_s(self) -> float:
@@ -500,19 +526,46 @@ class QlmPolicy:
             self._forget(rid)
         generated = dict(ctx.generated)
         for req in ctx.arrived:
+            if req.id not in self._inbox:  # (handed again after a failed step: once is enough)
+                self._inbox[req.id] = (req, generated.get(req.id, 0))
+        # With a wall-time budget a step is bounded: arrivals are taken while the first half of
+        # ``step_budget_s`` lasts (the rest wait for the next step, first in line), then a
+        # recluster or a plan only if time is left — else it goes first at the next step, and
+        # never both in one step —, then pulls in the second half.
+        wall = self._measure
+        start = self._clock() if wall else 0.0
+        half = self.config.step_budget_s / 2
+        owed, self._owed = self._owed, ""
+        if owed:
+            self._rethink(now, recluster=owed == "rethink")
+        self._take_arrivals(now, start + half if wall else math.inf)
+        if not owed:
+            if wall and self._clock() - start >= half:
+                self._owed = "rethink"
+            else:
+                self._rethink(now)
+        return self._pull(now, start + self.config.step_budget_s if wall else math.inf)
+
+    def _take_arrivals(self, now: float, until: float) -> None:
+        """Group the requests handed to the policy (new ones, and ones back from an engine),
+        oldest first, until ``until`` on the policy's clock (at least one)."""
+        taken = 0
+        while self._inbox and not (taken and self._clock() >= until):
+            taken += 1
+            req, generated = self._inbox.pop(next(iter(self._inbox)))
             if self.grouper.group_of(req.id) is not None:
                 continue  # handed again after a failed step: already held
             sent_before = [
                 s for s in (*self._inflight.values(), *self._swapped.values()) if req.id in s
             ]
             back = bool(sent_before) or req.id in self._generated
-            if not back and not generated.get(req.id):  # new: not one coming back to run again
+            if not back and not generated:  # new: not one coming back to run again
                 self._arrivals.add(now, req)
             for sent in sent_before:
                 sent.pop(req.id, None)  # an evicted request comes back
             self._started.discard(req.id)
-            if generated.get(req.id):
-                self._generated[req.id] = generated[req.id]
+            if generated:
+                self._generated[req.id] = generated
             else:  # started over (or never started): nothing of an earlier attempt is kept
                 self._generated.pop(req.id, None)
             gid = self.grouper.add(req, now)
@@ -522,12 +575,19 @@ class QlmPolicy:
             elif held_by in self._slots:
                 self._slots[held_by][1] += 1  # its group grew
             self._changed = True
-        if self.grouper.needs_recluster(now):
+
+    def _rethink(self, now: float, *, recluster: bool = True) -> None:
+        """Recluster the groups when it is due, and re-plan when a trigger fires (with a
+        wall-time budget, not in the step that reclustered: the plan goes first at the next)."""
+        if recluster and self.grouper.needs_recluster(now):
             self.queues.sync(self.grouper.recluster(now))
             self._slots = {}
             for gid in self.queues.unassigned():
                 self._place(gid, self.grouper.peek(gid))
             self._changed = True
+            if self._measure:
+                self._owed = "plan"
+                return
         trigger = self._trigger(now)
         if trigger:
             try:
@@ -535,10 +595,10 @@ class QlmPolicy:
             except Exception:  # keep serving in the current order; the next trigger retries
                 log.exception("planning (%s) failed; keeping the current virtual queues", trigger)
                 self._last_plan_s = now
-        return self._pull(now)
 
     def _forget(self, request_id: str) -> None:
         """A cancelled request: out of its group if it waits, out of the agents' books if sent."""
+        self._inbox.pop(request_id, None)
         if self.grouper.group_of(request_id) is not None:
             self.queues.remove_request(request_id)
             self._changed = True
@@ -664,12 +724,21 @@ class QlmPolicy:
                 by_bin.setdefault(prompt_bin(r.input_tokens), []).append(r)
             mix[key] = [(rs[-1], len(rs) / len(recent)) for rs in by_bin.values()]
         out: list[dict[int, _Fluid] | None] = []
+        # Instances alike in models, hardware, limits and learnt decode speed have the same
+        # fluid model: computed once (a fleet of replicas, before their speeds part).
+        alike: dict[tuple[object, ...], dict[int, _Fluid] | None] = {}
+        loads = {i.name: i for i in self._instances}
         for inst, limits in zip(family.instances, family.batches, strict=True):
-            ld = next(i for i in self._instances if i.name == inst.name)
+            ld = loads[inst.name]
+            eps_f = self.estimator.calibration_factors(inst.name)[1]  # decode as observed
+            same = (inst.models, ld.gpu, ld.gpu_count, limits, eps_f)
+            if same in alike:
+                out.append(alike[same])
+                continue
             serving = {m: max(1, sum(m in i.models for i in family.instances)) for m in inst.models}
             keys = [k for k in classes if k[0] in inst.models]
             if not keys:
-                out.append(None)
+                out.append(alike.setdefault(same, None))
                 continue
             hws = {
                 m: self.estimator.profile.hardware_for(m, ld.gpu, ld.gpu_count) for m in inst.models
@@ -686,7 +755,6 @@ class QlmPolicy:
             output_rate = float(np.sum(outputs[row] * weights))
             refill = prompt_work / max(output_rate, 1e-9)
             per_input = {m: hw.input_token_work_s for m, hw in hws.items()}
-            eps_f = self.estimator.calibration_factors(inst.name)[1]  # decode as observed
             fluids: dict[int, _Fluid] = {}
             for b in limits:
                 per_output = {
@@ -725,7 +793,7 @@ class QlmPolicy:
                 fluids[b] = _Fluid(
                     admission, class_value, {k: means[k][1] for k in keys}, per_output, per_input
                 )
-            out.append(fluids)
+            out.append(alike.setdefault(same, fluids))
         return out
 
     def _concurrency(
@@ -968,14 +1036,20 @@ class QlmPolicy:
 
     # --- pulling ---------------------------------------------------------------------------------
 
-    def _pull(self, now: float) -> list[Decision]:
+    def _pull(self, now: float, deadline: float = math.inf) -> list[Decision]:
         """Per instance: swap back in what waits in CPU memory when it is the most urgent, pull the
         head group's requests while there is room, then make room for the head group if it is at
-        risk (``qlm.agents.make_room``)."""
+        risk (``qlm.agents.make_room``). Before ``deadline`` on the policy's clock: each instance
+        has its share of the time left (and one pull at least); what does not fit is pulled at
+        the next step."""
         decisions: list[Decision] = []
-        for load in self._instances:
-            if not load.up:
-                continue
+        up = [load for load in self._instances if load.up]
+        bounded = math.isfinite(deadline)
+        for k, load in enumerate(up):
+            until = math.inf
+            if bounded:
+                now_s = self._clock()
+                until = now_s + max(deadline - now_s, 0.0) / (len(up) - k)
             swapped = self._swapped.setdefault(load.name, {})
             parked = sum(prompt_tokens(x.request, x.generated) for x in swapped.values())
             limit = self._batch.get(load.name, load.max_running)
@@ -990,7 +1064,7 @@ class QlmPolicy:
                 outstanding_tokens=load.outstanding_tokens - parked,
             )
             count = tokens = 0
-            while True:
+            while not (count and bounded and self._clock() >= until):
                 req = self.queues.next_request(inst.name)
                 back = min(swapped.values(), key=lambda x: x.request.deadline_s, default=None)
                 if back is not None and (req is None or back.request.deadline_s <= req.deadline_s):
@@ -1051,10 +1125,7 @@ class QlmPolicy:
         what it learns is the decode speed (ε), with the batch refilled from the virtual queue
         while it holds more work; the profile's Θ stays the planner's. A request pulled again
         (after an eviction) is judged on its latest pull."""
-        running = [
-            Queued(x.request, x.generated, running=True)
-            for x in self._inflight.get(load.name, {}).values()
-        ]
+        running = [x.running for x in self._inflight.get(load.name, {}).values()]
         view = self._view(load)
         self.estimator.forget([req.id])
         queued = Queued(req, self._generated.get(req.id, 0))

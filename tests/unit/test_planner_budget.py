@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from builders import make_profile, make_request
 
-from qlm.domain import SLO
+from qlm.domain import SLO, Pull
 from qlm.planner import PlannerConfig, QlmPolicy, milp
 from qlm.planner.budget import Budget, Deadline
 from qlm.planner.milp import MILP_MIN_S, solve_milp
@@ -214,7 +214,10 @@ def test_a_plan_whose_clock_runs_out_still_queues_every_group_exactly_once() -> 
     budget is spent as soon as it is asked."""
     ticks = iter(float(i) for i in range(10**6))
     config = dataclasses.replace(
-        PlannerConfig.for_simulation(), budget=Budget(time_s=0.1), defer_expensive=False
+        PlannerConfig.for_simulation(),
+        budget=Budget(time_s=0.1),
+        defer_expensive=False,
+        step_budget_s=1e9,  # the step itself is not bounded here: only the plan's budget
     )
     qlm = QlmPolicy(make_profile(), config=config, clock=lambda: next(ticks))
     instances = tuple(
@@ -226,7 +229,73 @@ def test_a_plan_whose_clock_runs_out_still_queues_every_group_exactly_once() -> 
         for k in range(400)
     )
     qlm.decide(DispatchContext(0.0, reqs, instances))
+    qlm.decide(DispatchContext(0.0, (), instances))  # the plan, if the first step reclustered
     record = qlm.plans[-1]
     assert record.status == "fallback"
     queued = [g for inst in instances for g in qlm.queues.queue(inst.name)]
     assert len(queued) == len(set(queued)) == len(qlm.grouper)
+
+
+def wall_policy(clock: ManualClock | object, **config: object) -> QlmPolicy:
+    """The policy as production runs it (a wall-time budget), on a clock the test moves."""
+    base = dataclasses.replace(PlannerConfig(), defer_expensive=False, choose_concurrency=False)
+    return QlmPolicy(make_profile(), config=dataclasses.replace(base, **config), clock=clock)  # type: ignore[arg-type]
+
+
+class Ticking:
+    """A clock that moves ``tick`` seconds at every reading."""
+
+    def __init__(self, tick: float) -> None:
+        self.now, self.tick = 0.0, tick
+
+    def __call__(self) -> float:
+        self.now += self.tick
+        return self.now
+
+
+def test_a_burst_of_arrivals_is_grouped_over_steps_within_the_step_budget() -> None:
+    clock = Ticking(0.01)  # every reading: 10 ms later
+    qlm = wall_policy(clock, step_budget_s=0.5)
+    busy = InstanceLoad(name="i0", models=("m",), gpu="G", max_running=1, outstanding_requests=1)
+    burst = tuple(make_request(k, arrival_s=0.0, slo=SLO(600.0)) for k in range(200))
+    qlm.decide(DispatchContext(0.0, burst, (busy,)))
+    first = qlm.grouper.num_requests
+    assert 1 <= first < 200  # the first half of the step (0.25 s) took what fitted
+    qlm.decide(DispatchContext(0.5, (burst[-1],), (busy,), cancelled=(burst[-2].id,)))
+    steps = 2
+    while qlm.grouper.num_requests < 198 and steps < 100:
+        qlm.decide(DispatchContext(0.5 + steps, (), (busy,)))
+        steps += 1
+    # Every request handed was grouped once (the one handed twice too), the cancelled one never.
+    assert qlm.grouper.num_requests == 199 and steps > 2
+    assert qlm.grouper.group_of(burst[-2].id) is None
+
+
+def test_pulls_stop_at_the_step_budget_and_go_on_at_the_next_step() -> None:
+    clock = Ticking(0.01)
+    qlm = wall_policy(clock, step_budget_s=0.2)
+    reqs = tuple(make_request(k, arrival_s=0.0, slo=SLO(600.0)) for k in range(40))
+    idle = InstanceLoad(name="i0", models=("m",), gpu="G", max_running=64)
+    pulled: list[str] = []
+    for step in range(40):
+        out = qlm.decide(DispatchContext(float(step), reqs if step == 0 else (), (idle,)))
+        pulled += [d.request_id for d in out if isinstance(d, Pull)]
+        idle = dataclasses.replace(idle, outstanding_requests=len(pulled))
+        if len(pulled) == 40:
+            break
+    assert sorted(pulled) == sorted(r.id for r in reqs)  # each once
+    assert step > 1  # not all in one step: the clock ran out
+
+
+def test_a_step_that_reclusters_leaves_the_plan_to_the_next_step() -> None:
+    clock = ManualClock()
+    qlm = wall_policy(clock, period_s=1.0, min_interval_s=0.1)
+    qlm.grouper.set_config(dataclasses.replace(qlm.grouper.config, recluster_interval_s=1.0))
+    inst = InstanceLoad(name="i0", models=("m",), gpu="G", max_running=1, outstanding_requests=1)
+    qlm.decide(DispatchContext(0.0, (make_request(0, arrival_s=0.0, slo=SLO(600.0)),), (inst,)))
+    plans = len(qlm.plans)
+    late = (make_request(1, arrival_s=5.0, slo=SLO(600.0)),)
+    qlm.decide(DispatchContext(5.0, late, (inst,)))  # a recluster and the period are due
+    assert len(qlm.plans) == plans  # reclustered only
+    qlm.decide(DispatchContext(5.1, (), (inst,)))
+    assert len(qlm.plans) == plans + 1 and qlm.plans[-1].trigger == "period"
