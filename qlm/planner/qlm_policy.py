@@ -483,6 +483,12 @@ class QlmPolicy:
         self._owed = ""
 
     @property
+    def ungrouped(self) -> int:
+        """Requests handed to the policy that a bounded step has not grouped yet (the next step
+        takes them first)."""
+        return len(self._inbox)
+
+    @property
     def last_checked_s(self) -> float:
         """When the current virtual queues were last judged against the SLOs: a violation check
         (which re-plans when it predicts a miss) or a plan, whichever came later."""

@@ -261,13 +261,14 @@ def test_a_burst_of_arrivals_is_grouped_over_steps_within_the_step_budget() -> N
     qlm.decide(DispatchContext(0.0, burst, (busy,)))
     first = qlm.grouper.num_requests
     assert 1 <= first < 200  # the first half of the step (0.25 s) took what fitted
+    assert qlm.ungrouped == 200 - first
     qlm.decide(DispatchContext(0.5, (burst[-1],), (busy,), cancelled=(burst[-2].id,)))
     steps = 2
     while qlm.grouper.num_requests < 198 and steps < 100:
         qlm.decide(DispatchContext(0.5 + steps, (), (busy,)))
         steps += 1
     # Every request handed was grouped once (the one handed twice too), the cancelled one never.
-    assert qlm.grouper.num_requests == 199 and steps > 2
+    assert qlm.grouper.num_requests == 199 and qlm.ungrouped == 0 and steps > 2
     assert qlm.grouper.group_of(burst[-2].id) is None
 
 
