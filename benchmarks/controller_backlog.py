@@ -23,13 +23,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import cProfile
 import dataclasses
+import gc
 import resource
 import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from qlm.agents.executor import AgentRuntime
 from qlm.clock import EpochClock
@@ -51,51 +55,149 @@ def rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-async def main(args: argparse.Namespace) -> None:
+class StepTimer:
+    """Wall time of every ``Controller.step``: the controller's event loop does nothing else
+    while one runs (no outcome recorded, no ack, no state published)."""
+
+    def __init__(
+        self, controller: Controller, policy: QlmPolicy, profile: Path | None = None
+    ) -> None:
+        self.policy = policy
+        self.longest = 0.0
+        self.steps = 0
+        self.what = ""
+        self.parts: dict[str, float] = {}  # seconds in each part of the step under way
+        self.longest_parts: dict[str, float] = {}
+        self._watch_parts()
+        self._gc_started = 0.0
+
+        def collecting(phase: str, info: dict[str, Any]) -> None:
+            if phase == "start":
+                self._gc_started = time.perf_counter()
+            else:
+                spent = time.perf_counter() - self._gc_started
+                name = f"gc{info.get('generation', '')}"
+                self.parts[name] = self.parts.get(name, 0.0) + spent
+
+        gc.callbacks.append(collecting)
+        step = controller.step
+
+        def timed(now: float, views: Any) -> Any:
+            held = policy.grouper.num_requests
+            plans = len(policy.plans)
+            self.parts = {}
+            profiler = cProfile.Profile() if profile is not None else None
+            t0 = time.perf_counter()
+            try:
+                if profiler is not None:
+                    profiler.enable()
+                return step(now, views)
+            finally:
+                wall = time.perf_counter() - t0
+                if profiler is not None:
+                    profiler.disable()
+                self.steps += 1
+                if wall > self.longest:
+                    self.longest = wall
+                    self.longest_parts = self.parts
+                    if profiler is not None and profile is not None:
+                        profiler.dump_stats(profile)
+                    made = policy.plans[plans:]
+                    self.what = f"{policy.grouper.num_requests - held:+,} requests held" + "".join(
+                        f"; plan ({p.trigger}) of {p.groups:,} groups, {p.status} "
+                        f"{p.method} in {p.solve_s:.2f} s"
+                        for p in made
+                    )
+
+        controller.step = timed  # type: ignore[method-assign]
+
+    def _watch_parts(self) -> None:
+        """Time the parts of a step (nested: a plan holds the solver's time)."""
+        import qlm.planner.qlm_policy as module
+
+        def timed(name: str, fn: Any) -> Any:
+            def run(*args: Any, **kwargs: Any) -> Any:
+                t0 = time.perf_counter()
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    self.parts[name] = self.parts.get(name, 0.0) + time.perf_counter() - t0
+
+            return run
+
+        policy = self.policy
+        for obj, names in (
+            (
+                policy,
+                ("decide", "_place", "_trigger", "_family", "plan", "_fluid", "_pull", "_remember"),
+            ),
+            (policy.grouper, ("add", "recluster")),
+            (policy.queues, ("sync",)),
+            (policy.estimator, ("observe",)),
+        ):
+            for name in names:
+                setattr(obj, name, timed(name.lstrip("_"), getattr(obj, name)))
+        for name in ("solve", "capacity_needed", "build_family"):
+            setattr(module, name, timed(name, getattr(module, name)))
+
+    def reset(self) -> None:
+        self.longest, self.steps, self.what = 0.0, 0, ""
+
+    def report(self, phase: str) -> str:
+        parts = ", ".join(
+            f"{name} {t:.3f}"
+            for name, t in sorted(self.longest_parts.items(), key=lambda kv: -kv[1])
+        )
+        return (
+            f"longest control step: {self.longest:.3f} s ({phase}; {self.steps:,} steps; "
+            f"longest: {self.what}; seconds in: {parts})"
+        )
+
+
+def make_requests(count: int, tag: str) -> list[Any]:
+    """``count`` requests of W_B on Azure-conversation lengths, the trace repeated with fresh
+    ids (prefixed with ``tag``) until there are enough."""
     base = create_workload("wb", load_trace("azure-conv", seed=0), seed=0)
-    requests = [  # the trace repeated with fresh ids until there are enough
-        dataclasses.replace(r, id=f"{k}-{r.id}")
-        for k in range(-(-args.requests // len(base)))
+    return [
+        dataclasses.replace(r, id=f"{tag}{k}-{r.id}")
+        for k in range(-(-count // len(base)))
         for r in base
-    ][: args.requests]
-    names = {}
-    if args.broker:
-        prefix = f"qlm.bench.{uuid.uuid4().hex[:8]}"
-        names = {
-            "queue": prefix,
-            "dead_letter_exchange": f"{prefix}.dlx",
-            "dead_letter_queue": f"{prefix}.dead",
-        }
-    queue: GlobalQueue = open_global_queue(args.broker, shards=args.shards, **names)
-    run = uuid.uuid4().hex[:6]
+    ][:count]
+
+
+async def publish(queue: GlobalQueue, requests: Sequence[Any], run: str) -> float:
     now = time.time()
     t0 = time.perf_counter()
     for start in range(0, len(requests), 500):
         await asyncio.gather(
             *(queue.publish(to_message(r, now, run)) for r in requests[start : start + 500])
         )
-    publish_s = time.perf_counter() - t0
-    print(f"published {len(requests):,} requests in {publish_s:.1f} s", flush=True)
-    base_rss = rss_mb()
+    return time.perf_counter() - t0
 
-    db = Path(tempfile.mkdtemp()) / "backlog.db"
-    store = Store.open(f"sqlite:///{db}")
-    configs = default_instances(args.instances)
-    policy = create_policy("qlm")
-    runtime = AgentRuntime(
-        Controller(policy, [c.spec for c in configs]),
-        build_engines(configs),
-        clock=EpochClock(),
-    )
-    service = ControllerService(queue, store, runtime, name="bench")
-    capacity = args.shards * MAX_PREFETCH
-    expect = len(requests) if not args.broker else min(len(requests), capacity)
-    t0 = time.perf_counter()
-    await service.start()
-    assert isinstance(policy, QlmPolicy)
-    held_s = checked_s = planned_s = None
+
+@dataclasses.dataclass
+class Taken:
+    """Seconds from the start until every request expected was held and handed to the policy,
+    until their order was checked against the SLOs, and until a whole plan covered them."""
+
+    held_s: float | None = None
+    checked_s: float | None = None
+    planned_s: float | None = None
+
+
+async def take(
+    service: ControllerService,
+    policy: QlmPolicy,
+    expect: int,
+    args: argparse.Namespace,
+) -> Taken:
+    """Wait until the controller has received ``expect`` requests in all, handed them to the
+    policy, checked their order and re-planned them as a whole."""
+    runtime = service.runtime
+    out = Taken()
     handed_at: float | None = None
     received_at: float | None = None  # the controller has them all: the next step takes them
+    t0 = time.perf_counter()
     next_report = 5.0
     while time.perf_counter() - t0 < args.timeout:
         await asyncio.sleep(0.05)
@@ -113,19 +215,77 @@ async def main(args: argparse.Namespace) -> None:
         held = service.received
         if received_at is None and held >= expect:
             received_at = runtime.clock.now()
-        if handed_at is None and held >= expect and not runtime.controller.has_arrivals:
-            held_s = time.perf_counter() - t0  # held, recorded and handed to the policy
+        handed = not runtime.controller.has_arrivals and not policy.ungrouped
+        if handed_at is None and held >= expect and handed:
+            out.held_s = time.perf_counter() - t0  # held, recorded and handed to the policy
             handed_at = runtime.clock.now()
         if (
             handed_at is not None
             and received_at is not None
-            and checked_s is None
+            and out.checked_s is None
             and (policy.last_checked_s >= received_at)
         ):
-            checked_s = time.perf_counter() - t0  # the order judged against the SLOs since
-        if handed_at is not None and policy.plans and policy.plans[-1].at_s >= received_at:
-            planned_s = time.perf_counter() - t0  # a plan over every group since
+            out.checked_s = time.perf_counter() - t0  # the order judged against the SLOs since
+        if (
+            handed_at is not None
+            and received_at is not None
+            and policy.plans
+            and policy.plans[-1].at_s >= received_at
+        ):
+            out.planned_s = time.perf_counter() - t0  # a plan over every group since
             break
+    return out
+
+
+def report(taken: Taken, policy: QlmPolicy, args: argparse.Namespace) -> None:
+    if taken.planned_s is None or taken.held_s is None:
+        print(f"did not finish within {args.timeout:.0f} s")
+        return
+    last = policy.plans[-1]
+    print(
+        f"all held, recorded in the store, grouped and placed in virtual queues after "
+        f"{taken.held_s:.1f} s"
+    )
+    if taken.checked_s is not None:
+        print(
+            f"their order checked against the SLOs (violation check) after {taken.checked_s:.1f} s"
+        )
+    print(
+        f"re-planned as a whole after {taken.planned_s:.1f} s (the next periodic plan, unless a "
+        f"violation is predicted first): {len(policy.grouper):,} groups, "
+        f"plan {last.status} in {last.solve_s:.2f} s ({len(policy.plans)} plans so far)"
+    )
+
+
+async def main(args: argparse.Namespace) -> None:
+    requests = make_requests(args.requests, "")
+    names = {}
+    if args.broker:
+        prefix = f"qlm.bench.{uuid.uuid4().hex[:8]}"
+        names = {
+            "queue": prefix,
+            "dead_letter_exchange": f"{prefix}.dlx",
+            "dead_letter_queue": f"{prefix}.dead",
+        }
+    queue: GlobalQueue = open_global_queue(args.broker, shards=args.shards, **names)
+    run = uuid.uuid4().hex[:6]
+    publish_s = await publish(queue, requests, run)
+    print(f"published {len(requests):,} requests in {publish_s:.1f} s", flush=True)
+    base_rss = rss_mb()
+
+    db = Path(tempfile.mkdtemp()) / "backlog.db"
+    store = Store.open(f"sqlite:///{db}")
+    configs = default_instances(args.instances)
+    policy = create_policy("qlm")
+    assert isinstance(policy, QlmPolicy)
+    controller = Controller(policy, [c.spec for c in configs])
+    timer = StepTimer(controller, policy, args.profile_longest)
+    runtime = AgentRuntime(controller, build_engines(configs), clock=EpochClock())
+    service = ControllerService(queue, store, runtime, name="bench")
+    capacity = args.shards * MAX_PREFETCH
+    expect = len(requests) if not args.broker else min(len(requests), capacity)
+    await service.start()
+    taken = await take(service, policy, expect, args)
     peak = rss_mb()
     print(
         f"controller: held {service.received:,} of {len(requests):,} "
@@ -135,21 +295,38 @@ async def main(args: argparse.Namespace) -> None:
             else "(in-process queue)"
         )
     )
-    if planned_s is None or held_s is None:
-        print(f"did not finish within {args.timeout:.0f} s")
-    else:
-        last = policy.plans[-1]
+    report(taken, policy, args)
+    print(timer.report(f"take-over of {len(requests):,} queued requests"), flush=True)
+    if args.redeliver and taken.planned_s is not None:
+        # The broker hands the leader a burst at once (as after a broker restart, when every
+        # un-acked message is delivered again): the controller holds a plan already.
+        burst = make_requests(args.redeliver, "again-")
+        timer.reset()
+        names = [c.spec.name for c in configs]
+        expect = service.received + len(burst)
+        if args.drained:  # no instance to put them on yet: every group waits for the planner
+            for name in names:
+                runtime.set_draining(name, True)
+        publish_s = await publish(queue, burst, run)
         print(
-            f"all held, recorded in the store, grouped and placed in virtual queues after "
-            f"{held_s:.1f} s"
+            f"delivered {len(burst):,} more requests at once (published in {publish_s:.1f} s) "
+            f"to the controller holding {policy.grouper.num_requests:,} requests and a plan"
+            + (", every instance drained" if args.drained else ""),
+            flush=True,
         )
-        if checked_s is not None:
-            print(f"their order checked against the SLOs (violation check) after {checked_s:.1f} s")
-        print(
-            f"re-planned as a whole after {planned_s:.1f} s (the next periodic plan, unless a "
-            f"violation is predicted first): {len(policy.grouper):,} groups, "
-            f"plan {last.status} in {last.solve_s:.2f} s ({len(policy.plans)} plans so far)"
-        )
+        if args.drained:
+            while service.received < expect or runtime.controller.has_arrivals or policy.ungrouped:
+                await asyncio.sleep(0.05)
+            for name in names:
+                runtime.set_draining(name, False)
+            print(
+                f"all held; the instances are back: {len(policy.grouper):,} groups to plan",
+                flush=True,
+            )
+        taken = await take(service, policy, expect, args)
+        report(taken, policy, args)
+        print(timer.report(f"{len(burst):,} requests delivered at once"), flush=True)
+        peak = rss_mb()
     print(f"peak RSS {peak:,.0f} MB (after publishing: {base_rss:,.0f} MB)")
     print("reproduce: .venv/bin/python " + " ".join(sys.argv))
     await service.stop()
@@ -179,4 +356,26 @@ if __name__ == "__main__":
     parser.add_argument("--instances", default="16xA100:llama-3-8b")
     parser.add_argument("--timeout", type=float, default=300.0)
     parser.add_argument("--verbose", action="store_true", help="progress every 5 s")
+    parser.add_argument(
+        "--profile-longest",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="profile every step (cProfile: slower) and keep the longest one's stats in FILE",
+    )
+    parser.add_argument(
+        "--redeliver",
+        type=int,
+        default=0,
+        metavar="N",
+        help="after the take-over, deliver N more requests at once (a broker restart "
+        "redelivers what the leader held) and time that too",
+    )
+    parser.add_argument(
+        "--drained",
+        action="store_true",
+        help="with --redeliver: the burst arrives while every instance is drained (a leader "
+        "whose engines have not answered yet) and they come back once it is held, so one plan "
+        "places every group",
+    )
     asyncio.run(main(parser.parse_args()))
