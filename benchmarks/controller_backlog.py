@@ -9,9 +9,21 @@ the SLOs (a predicted violation re-plans at once); and until the next whole plan
 ``period_s`` = 10 s, when no violation is predicted). And the peak memory (RSS) of the process.
 Target here (issue 6): <= 60 s and <= 1.5 GB.
 
+It also prints the longest control step, ``longest control step: X s``: the wall time of the
+longest single ``Controller.step`` (the controller's event loop records no outcome, acks nothing
+and publishes nothing while one runs), with what that step spent its time in (parts of the
+policy, nested: a plan holds its solver; ``gcN``: Python's garbage collections). Target: <= 1 s.
+``--redeliver 2400`` then delivers 2,400 more requests at once to the controller holding its
+plan (what a broker restart does: it delivers again every message the leader held) and prints
+the longest step of that too; with ``--drained`` they arrive while every instance is drained (a
+leader whose engines have not answered yet), and the instances come back once all are held, so
+that one plan places every group.
+
     .venv/bin/python benchmarks/controller_backlog.py    # in-process queue, SQLite file
     .venv/bin/python benchmarks/controller_backlog.py \
         --broker amqp://guest:guest@127.0.0.1:5672/%2F --shards 2
+    .venv/bin/python benchmarks/controller_backlog.py --requests 2400 --redeliver 2400
+    .venv/bin/python benchmarks/controller_backlog.py --redeliver 2400 --drained
 
 With RabbitMQ one consumer can hold at most 65,535 un-acked deliveries per shard (AMQP's prefetch
 limit; quorum queues turn "unlimited" into 2,000), so the controller holds
