@@ -20,8 +20,9 @@ says how many tokens it counted (vLLM's ``usage``) teaches the controller the ra
 and every request that arrives after is planned with its estimate scaled by it.
 
 **Poison.** A request whose handling raises inside a step (an input no validation foresaw, a
-corner of the policy's arithmetic) must not stop the step for everyone, tick after tick: the
-controller asks the policy to step without the suspects — the step's arrivals, then every
+corner of the policy's arithmetic) must not stop the step for everyone, tick after tick. A
+policy that knows which request broke (``RequestFailed``) has it rejected and the step taken
+again without it. Otherwise the controller asks the policy to step without the suspects — the step's arrivals, then every
 waiting request — and hands them back in halves, so each request that fails a step alone ends
 with a ``Reject`` (failed, with the error as its reason: the service dead-letters it), in
 O(k log n) extra policy calls for k such requests among n. A step that fails even with no
@@ -45,7 +46,7 @@ from qlm.domain import (
     RequestStatus,
 )
 from qlm.engines.base import EngineEvent, EngineRequest, EventKind
-from qlm.errors import ConfigError
+from qlm.errors import ConfigError, RequestFailed
 from qlm.planner.policy import (
     Completion,
     DispatchContext,
@@ -331,8 +332,18 @@ class Controller:
         finished, self._completions = self._completions, []
         started, self._started = self._started, []
         cancelled, self._cancelled = self._cancelled, []
+        rejects: list[Decision] = []
         try:
-            return self._decide(now, views, arrived, finished, started, cancelled)
+            while True:
+                try:
+                    return rejects + self._decide(now, views, arrived, finished, started, cancelled)
+                except RequestFailed as exc:
+                    if exc.request_id not in self._pending:
+                        raise
+                    # the policy took everything before that request: again without it
+                    rejects.append(self._reject(exc.request_id, exc.cause))
+                    arrived = [r for r in arrived if r.id != exc.request_id]
+                    finished, started, cancelled = [], [], [exc.request_id]
         except Exception as exc:
             decisions = self._isolate(now, views, arrived, finished, started, cancelled, exc)
             if decisions is None:
@@ -344,7 +355,7 @@ class Controller:
                 self._started[:0] = started
                 self._cancelled[:0] = cancelled
                 raise
-            return decisions
+            return rejects + decisions
 
     def _decide(
         self,
@@ -436,6 +447,8 @@ class Controller:
         return decisions
 
     def _reject(self, request_id: str, error: Exception) -> Reject:
+        if isinstance(error, RequestFailed):
+            error = error.cause
         track = self._tracks[request_id]
         self._pending.pop(request_id, None)
         reason = f"could not be planned ({type(error).__name__}: {error})"

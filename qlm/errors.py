@@ -30,6 +30,17 @@ class UnknownRequest(EngineError):
     """The engine has no request with that id (finished, aborted, or never submitted)."""
 
 
+class RequestFailed(QLMError):
+    """A policy could not handle one request (its fields broke a computation): raised by the
+    policy with everything of its step before that request taken, so the controller rejects
+    that request alone and takes the step again without it."""
+
+    def __init__(self, request_id: str, cause: Exception) -> None:
+        super().__init__(f"{type(cause).__name__}: {cause}")
+        self.request_id = request_id
+        self.cause = cause
+
+
 class WorkloadError(QLMError):
     """A trace or workload description cannot be loaded or built."""
 

@@ -40,7 +40,7 @@ from qlm.agents.decide import (
     plan_tiers,
 )
 from qlm.domain import Decision, Evict, ModelTier, Pull, Request, SwapIn, SwapOut, Tier
-from qlm.errors import check_setting
+from qlm.errors import RequestFailed, check_setting
 from qlm.groups import Grouper, GroupingConfig, PredictOutput, default_predict_output
 from qlm.planner.admission import Admission, TokenBucket, admit
 from qlm.planner.arrivals import ArrivalWindow, ClassKey, class_of
@@ -559,28 +559,35 @@ class QlmPolicy:
         while self._inbox and not (taken and self._clock() >= until):
             taken += 1
             req, generated = self._inbox.pop(next(iter(self._inbox)))
-            if self.grouper.group_of(req.id) is not None:
-                continue  # handed again after a failed step: already held
-            sent_before = [
-                s for s in (*self._inflight.values(), *self._swapped.values()) if req.id in s
-            ]
-            back = bool(sent_before) or req.id in self._generated
-            if not back and not generated:  # new: not one coming back to run again
-                self._arrivals.add(now, req)
-            for sent in sent_before:
-                sent.pop(req.id, None)  # an evicted request comes back
-            self._started.discard(req.id)
-            if generated:
-                self._generated[req.id] = generated
-            else:  # started over (or never started): nothing of an earlier attempt is kept
-                self._generated.pop(req.id, None)
-            gid = self.grouper.add(req, now)
-            held_by = self.queues.instance_of(gid)
-            if held_by is None:
-                self._place(gid, req)
-            elif held_by in self._slots:
-                self._slots[held_by][1] += 1  # its group grew
-            self._changed = True
+            try:
+                self._take(now, req, generated)
+            except Exception as exc:
+                raise RequestFailed(req.id, exc) from exc
+
+    def _take(self, now: float, req: Request, generated: int) -> None:
+        """Group one request handed to the policy and place its group if it is new."""
+        if self.grouper.group_of(req.id) is not None:
+            return  # handed again after a failed step: already held
+        sent_before = [
+            s for s in (*self._inflight.values(), *self._swapped.values()) if req.id in s
+        ]
+        back = bool(sent_before) or req.id in self._generated
+        if not back and not generated:  # new: not one coming back to run again
+            self._arrivals.add(now, req)
+        for sent in sent_before:
+            sent.pop(req.id, None)  # an evicted request comes back
+        self._started.discard(req.id)
+        if generated:
+            self._generated[req.id] = generated
+        else:  # started over (or never started): nothing of an earlier attempt is kept
+            self._generated.pop(req.id, None)
+        gid = self.grouper.add(req, now)
+        held_by = self.queues.instance_of(gid)
+        if held_by is None:
+            self._place(gid, req)
+        elif held_by in self._slots:
+            self._slots[held_by][1] += 1  # its group grew
+        self._changed = True
 
     def _rethink(self, now: float, *, recluster: bool = True) -> None:
         """Recluster the groups when it is due, and re-plan when a trigger fires (with a

@@ -122,3 +122,39 @@ def test_a_step_that_fails_with_no_request_to_blame_raises_and_keeps_its_news() 
     assert controller.track("r0000").status is RequestStatus.QUEUED
     policy.fail_always = False
     assert controller.step(1.0, [VIEW]) == [Pull("r0000", "i0")]
+
+
+def test_a_poisoned_request_a_bounded_step_left_waiting_is_named_by_the_policy() -> None:
+    """With a wall-time budget the QLM policy groups only part of a backlog per step: the
+    request it cannot group comes up in a later step, with no arrival to suspect. The policy
+    names it (``RequestFailed``): it alone is rejected, with one extra policy call."""
+    ticks = iter(float(i) for i in range(10**6))  # every read of the clock: one second later
+    config = PlannerConfig.for_simulation(2000)
+    config = dataclasses.replace(
+        config, budget=dataclasses.replace(config.budget, time_s=0.1), step_budget_s=40.0
+    )
+    policy = QlmPolicy(make_profile(), config=config, clock=lambda: next(ticks))
+    calls = [0]
+    decide = policy.decide
+
+    def counted(ctx: DispatchContext) -> list[Decision]:
+        calls[0] += 1
+        return decide(ctx)
+
+    policy.decide = counted  # type: ignore[method-assign]
+    controller = Controller(policy, [SPEC])
+    backlog = [make_request(i, arrival_s=EPOCH) for i in range(60)]
+    backlog[45] = make_request(45, arrival_s=EPOCH, slo=SLO(1e-300))
+    for r in backlog:
+        controller.arrive(r)
+    rejected: list[str] = []
+    for step in range(20):
+        calls[0] = 0
+        decisions = controller.step(EPOCH + step, [VIEW])
+        rejected += [d.request_id for d in decisions if isinstance(d, Reject)]
+        assert calls[0] <= 2
+        if rejected:
+            break
+    assert step > 0 and rejected == ["r0045"]
+    assert calls[0] == 2  # the failed step and the same step without it
+    assert controller.track("r0045").status is RequestStatus.FAILED
