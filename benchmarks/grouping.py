@@ -40,7 +40,7 @@ import numpy as np
 from qlm.domain import Request
 from qlm.engines.perf_model import default_catalog
 from qlm.groups import Grouper
-from qlm.rct.estimator import GroupLoad, InstanceView, Queued, RCTEstimator
+from qlm.rct.estimator import EstimatorInstance, GroupLoad, Queued, RCTEstimator
 from qlm.rct.output_model import NIG
 from qlm.rct.profile import RctProfile
 from qlm.rct.profiling import profile_sim_hardware
@@ -157,7 +157,9 @@ def bench_estimate_queue(
     for k in range(groups):
         est.group_load(f"g{k}", members[k])
     rebuild_ms = (time.perf_counter() - t0) * 1e3
-    instances = [InstanceView(f"a100-{k}", hw.gpu, hw.gpu_count, hw.model) for k in range(queues)]
+    instances = [
+        EstimatorInstance(f"a100-{k}", hw.gpu, hw.gpu_count, hw.model) for k in range(queues)
+    ]
     per_queue: list[list[GroupLoad]] = [loads[k::queues] for k in range(queues)]
     rng = np.random.default_rng(0)
     running = [

@@ -59,7 +59,7 @@ from qlm.domain import Request, RequestRecord
 from qlm.engines.perf_model import default_catalog
 from qlm.engines.sim import SimEngine
 from qlm.planner import create_policy
-from qlm.rct.estimator import InstanceView, Queued, RCTEstimator
+from qlm.rct.estimator import EstimatorInstance, Queued, RCTEstimator
 from qlm.rct.profile import RctProfile
 from qlm.rct.profiling import profile_sim_hardware, profile_workload
 from qlm.sim.cluster import ClusterSimulation
@@ -86,7 +86,7 @@ class Recorder:
     """Predicts at dispatch (through the production estimator), learns at completion."""
 
     estimator: RCTEstimator
-    views: dict[str, InstanceView]
+    views: dict[str, EstimatorInstance]
     requests: dict[str, Request]
     predicted: dict[str, tuple[float, float]] = field(default_factory=dict)  # id -> (mean, p)
     predicted_wait: dict[str, float] = field(default_factory=dict)
@@ -102,7 +102,7 @@ class Recorder:
     def __post_init__(self) -> None:
         self.pending = set(self.scored or ())
 
-    def view(self, engine: SimEngine) -> InstanceView:
+    def view(self, engine: SimEngine) -> EstimatorInstance:
         """The instance as an agent sees it now (with the engine's preemption counter)."""
         return dataclasses.replace(
             self.views[engine.name], preemptions_total=engine.preemptions_total
@@ -191,7 +191,8 @@ def run_case(
         hardware=hardware, output_priors={"default": profile_workload(prior_outputs)}
     )
     views = {
-        s.name: InstanceView(s.name, s.gpu, s.gpu_count, active_model=s.models[0]) for s in specs
+        s.name: EstimatorInstance(s.name, s.gpu, s.gpu_count, active_model=s.models[0])
+        for s in specs
     }
     estimator = RCTEstimator(profile, by_prompt=by_prompt)
     tail, warmup = tail or [], warmup or []

@@ -35,7 +35,7 @@ import rct_accuracy as ra
 
 from qlm.domain import Request
 from qlm.engines.sim import SimEngine
-from qlm.rct.estimator import Estimate
+from qlm.rct.distribution import CompletionDistribution
 from qlm.rct.output_model import _phi
 
 
@@ -43,7 +43,7 @@ from qlm.rct.output_model import _phi
 class DiagnosingRecorder(ra.Recorder):
     """``rct_accuracy``'s recorder that also keeps each request's whole estimate."""
 
-    estimates: dict[str, tuple[Estimate, float]] = field(default_factory=dict)
+    estimates: dict[str, tuple[CompletionDistribution, float]] = field(default_factory=dict)
     factors: dict[str, tuple[float, float]] = field(default_factory=dict)  # at arrival
 
     def on_dispatch(self, now: float, request: Request, engine: SimEngine) -> None:

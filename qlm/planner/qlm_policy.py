@@ -48,7 +48,7 @@ from qlm.planner.budget import Budget, Clock
 from qlm.planner.policy import DispatchContext, InstanceLoad, has_room, prompt_tokens
 from qlm.planner.program import FloatArray, PlanGroup, PlanInstance, PlanProblem, score_queue
 from qlm.planner.solve import Solution, capacity_needed, solve
-from qlm.rct.estimator import InstanceView, Queued, RCTEstimator, prompt_bin
+from qlm.rct.estimator import EstimatorInstance, Queued, RCTEstimator, prompt_bin
 from qlm.rct.profile import HardwareProfile, RctProfile, default_profile
 from qlm.rct.trigger import Violation, violations
 from qlm.virtual_queues import Estimate, VirtualQueueSet
@@ -1119,9 +1119,9 @@ class QlmPolicy:
         return decisions
 
     @staticmethod
-    def _view(load: InstanceLoad) -> InstanceView:
+    def _view(load: InstanceLoad) -> EstimatorInstance:
         warm = frozenset(m for m, tier in load.model_tiers if tier is ModelTier.WARM)
-        return InstanceView(
+        return EstimatorInstance(
             load.name,
             load.gpu,
             load.gpu_count,

@@ -48,7 +48,7 @@ replays 0–0.2, on Azure conv 1).
 
 *Preemption.* With its KV cache full, vLLM preempts the newest running request and later
 recomputes what it had computed (usually a prompt being prefilled in chunks: about one prompt
-of the mix). From the engine's counter (``InstanceView.preemptions_total``) each instance learns
+of the mix). From the engine's counter (``EstimatorInstance.preemptions_total``) each instance learns
 its preemptions per completed request ``ρ``, and every prompt's work counts ``1 + ρ`` times (the
 waiting requests' and the refill's). A completion is judged against the rate it met, not the
 one known at its arrival, so that ``κ_W`` and ``ε`` do not learn the preemptions a second time.
@@ -81,13 +81,14 @@ of waiting-time errors (added to the start's variance) and the spread of
 in changes under it; ``P(C ≤ t)`` integrates over it, mean-preserving), so that ``P(C ≤ SLO)`` is
 not over-confident.
 
-Pure: no I/O, no clock; ``now`` comes in, observations come in through ``observe``.
+Pure: no I/O, no clock; ``now`` comes in, observations come in through ``observe``. The
+distributions it answers with are in ``qlm.rct.distribution``, what it learns per instance in
+``qlm.rct.calibration``, its tuning constants in ``qlm.rct.tuning``.
 """
 
 from __future__ import annotations
 
 import math
-from collections import deque
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -96,133 +97,16 @@ import numpy as np
 import numpy.typing as npt
 
 from qlm.domain import Request
-from qlm.rct.output_model import HIST_BINS, LengthHistogram, OutputBelief, _phi, length_bin
+from qlm.rct.calibration import Calibration, Prediction, shrunk
+from qlm.rct.distribution import CompletionDistribution, GroupEstimate
+from qlm.rct.output_model import HIST_BINS, LengthHistogram, OutputBelief, length_bin
 from qlm.rct.profile import HardwareProfile, RctProfile
-
-PRIOR_COMPLETIONS = 30.0  # weight of the profile in the drain-rate calibration, in completions
-RATE_FORGETTING = 0.995  # per completion, for drain rate and decode speed: remember ~200
-PRIOR_DECODE_S = 600.0  # weight of the profile in the decode-speed calibration, in seconds
-FILL_SHARE = 0.75  # filling: fewer running than this share of the batch it will hold
-SPEED_PRIOR_SD = 0.3  # spread of log(actual / predicted time per token) before any decode
-SPEED_PRIOR_N = 20.0  # ... worth this many observed decodes
-GROUP_SUMS_MAX = 100_000  # groups whose sums group_load keeps at most (keep_group_loads prunes)
-SLOPE_PRIOR = 20.0  # weight of "predictions come true" (slope 1), in departures of 10 %
-SLOPE_CENTER_ARRIVALS = 64.0  # the recent mean of predicted times per token: ~64 arrivals
-PREEMPT_PRIOR = 10.0  # weight of "no preemptions" in an instance's preemption rate, in completions
-
-PROMPT_BIN_WIDTH = 0.125  # output beliefs per bin of log(1 + prompt tokens): bins 13 % wide
-POOL_STRENGTH = 10.0  # weight of the class-wide belief in a prompt bin's belief, in outputs
+from qlm.rct.tuning import FILL_SHARE, GROUP_SUMS_MAX, POOL_STRENGTH, PROMPT_BIN_WIDTH
 
 
 def prompt_bin(input_tokens: int) -> int:
     """The prompt-length bin whose output belief a request of ``input_tokens`` uses."""
     return int(math.log1p(max(input_tokens, 0)) / PROMPT_BIN_WIDTH)
-
-
-Z = {0.5: 0.0, 0.9: 1.2815515655446004, 0.95: 1.6448536269514722, 0.99: 2.3263478740408408}
-
-
-@dataclass(frozen=True, slots=True)
-class Estimate:
-    """A completion time on the absolute clock (seconds): its mean and variance and, for one
-    request, the shape of its distribution.
-
-    A group's completion sums many requests and is treated as normal. A single request's is
-    dominated by its own output length, which is skewed (and capped at ``max_tokens``): with
-    ``output`` set, ``P(completion ≤ t)`` is computed from that distribution —
-    decode starts at a normal time ``start`` and takes ``O · d`` — instead of a normal
-    approximation, which would be badly calibrated for one request.
-    """
-
-    mean: float
-    var: float
-    start_mean: float = 0.0
-    start_sd: float = 0.0
-    output: OutputBelief | None = None  # the request's output-length posterior
-    generated: int = 0
-    cap: int = 0
-    per_token_s: float = 0.0
-    speed_sd: float = 0.0  # spread of log(actual / predicted time per output token)
-
-    @property
-    def std(self) -> float:
-        return math.sqrt(max(self.var, 0.0))
-
-    def quantile(self, q: float) -> float:
-        """The ``q``-quantile: exact for a single request (bisection), normal for a group."""
-        if not 0 < q < 1:
-            raise ValueError(f"quantile must be in (0, 1), got {q}")
-        if self.output is None:
-            z = Z.get(q)
-            if z is None:
-                z = _normal_ppf(q)
-            return self.mean + z * self.std
-        lo, hi = self.start_mean - 8 * self.start_sd - 1.0, self.mean + 20 * self.std + 1.0
-        for _ in range(60):
-            mid = (lo + hi) / 2
-            if self.p_before(mid) < q:
-                lo = mid
-            else:
-                hi = mid
-        return (lo + hi) / 2
-
-    def p_before(self, t: float) -> float:
-        """``P(completion ≤ t)``."""
-        if self.output is None:
-            sd = self.std
-            if sd <= 0:
-                return 1.0 if self.mean <= t else 0.0
-            return _phi((t - self.mean) / sd)
-        # Average over the normal start time and the log-normal speed (Gauss–Hermite nodes).
-        starts = _GH_NODES if self.start_sd > 0 else ((0.0, 1.0),)
-        speeds = _GH_NODES if self.speed_sd > 0 else ((0.0, 1.0),)
-        total = 0.0
-        for y, v in speeds:
-            # Mean-preserving: the learnt ε already matches the mean time per token.
-            per_token = self.per_token_s * math.exp(self.speed_sd * y - self.speed_sd**2 / 2)
-            for x, w in starts:
-                total += (
-                    v
-                    * w
-                    * self._p_output_within(t - (self.start_mean + x * self.start_sd), per_token)
-                )
-        return total
-
-    def _p_output_within(self, seconds: float, per_token_s: float) -> float:
-        """``P(the remaining output decodes within seconds)`` at ``per_token_s``."""
-        if seconds < 0:
-            return 0.0
-        if per_token_s <= 0 or self.output is None:
-            return 1.0
-        return self.output.p_remaining_within(
-            seconds / per_token_s, cap=self.cap, generated=self.generated
-        )
-
-
-def _normal_ppf(q: float) -> float:
-    lo, hi = -10.0, 10.0
-    for _ in range(80):
-        mid = (lo + hi) / 2
-        if _phi(mid) < q:
-            lo = mid
-        else:
-            hi = mid
-    return (lo + hi) / 2
-
-
-# Probabilists' Gauss–Hermite nodes and weights for E[f(Z)], Z ~ N(0, 1).
-_GH_NODES = tuple(
-    (x * math.sqrt(2.0), w / math.sqrt(math.pi))
-    for x, w in (
-        (-2.651961356835233, 0.0009717812450995192),
-        (-1.673551628767471, 0.05451558281912703),
-        (-0.8162878828589647, 0.4256072526101278),
-        (0.0, 0.8102646175568073),
-        (0.8162878828589647, 0.4256072526101278),
-        (1.673551628767471, 0.05451558281912703),
-        (2.651961356835233, 0.0009717812450995192),
-    )
-)
 
 
 def _context(hw: HardwareProfile, batch: int, slots: int, per_request: float) -> float:
@@ -262,16 +146,6 @@ def _sustained(hw: HardwareProfile, refill: float) -> float:
     return max(1.0, budget / (1.0 + refill / hw.input_token_work_s))
 
 
-def _shrunk(per_token: float, center: float | None, slope: float) -> float:
-    """A time per token predicted from the instance's state now, regressed toward the recent
-    predictions' mean (log scale) by the slope observed: unsaturated, the batch a request decodes
-    in turns over while it runs, and how much of today's departure from the usual lasts is an
-    empirical matter (ShareGPT replays: 0–0.2; Azure conv: 1)."""
-    if center is None or per_token <= 0 or slope >= 1.0:
-        return per_token
-    return math.exp(center + slope * (math.log(per_token) - center))
-
-
 @dataclass(frozen=True, slots=True)
 class Queued:
     """A request on an instance, with the output tokens it has generated so far; ``running`` when
@@ -283,8 +157,9 @@ class Queued:
 
 
 @dataclass(frozen=True, slots=True)
-class InstanceView:
-    """What the estimator needs to know of an instance right now."""
+class EstimatorInstance:
+    """An instance as the estimator sees it right now: its hardware, the models it holds and
+    its engine's preemption counter."""
 
     name: str
     gpu: str
@@ -309,23 +184,6 @@ class GroupLoad:
     last_output_mean: float  # the last request's expected output (Eq. 5)
     last_output_var: float
     last_input_tokens: int
-
-
-@dataclass(frozen=True, slots=True)
-class GroupEstimate:
-    group_id: str
-    instance: str
-    position: int
-    completion: Estimate
-    deadline_s: float
-
-    @property
-    def p_meet_slo(self) -> float:
-        return self.completion.p_before(self.deadline_s)
-
-    @property
-    def predicted_completion_s(self) -> float:
-        return self.completion.mean
 
 
 @dataclass(frozen=True, slots=True)
@@ -388,147 +246,6 @@ class _Scan:
         self.model = self.hws[-1].model if self.hws else active_model
 
 
-@dataclass(slots=True)
-class _Calibration:
-    """Online corrections for one instance (ratio-of-sums with exponential forgetting)."""
-
-    wait_obs: float = 0.0
-    wait_pred: float = 0.0
-    decode_obs: float = 0.0
-    decode_pred: float = 0.0
-    # The same for requests that arrived while the batch was filling (slots free, others waiting
-    # to be admitted): each step then also prefills the prompts being admitted, a regime of its
-    # own that must not teach the full batch's factor.
-    fill_obs: float = 0.0
-    fill_pred: float = 0.0
-    fill_prior: float = 1.0
-    # Observed log(actual / predicted time per token): count and sum of squares, starting from
-    # the prior's pseudo-observations (forgotten like the observations).
-    speed_n: float = SPEED_PRIOR_N
-    speed_sq: float = SPEED_PRIOR_N * SPEED_PRIOR_SD**2
-    n_wait: float = 0.0
-    wait_e2: float = 0.0  # sum of squared waiting errors ...
-    wait_p2: float = 0.0  # ... and of squared predicted waits
-    saturated: bool = False  # had waiting requests at the last estimate
-
-    arrivals: deque[float] = field(default_factory=lambda: deque(maxlen=64))
-    # Regression of the actual log time per token on the predicted one, both about the recent
-    # predictions' mean (``speed_center``): how much of a prediction's departure from what recent
-    # arrivals were told comes true.
-    speed_center: float | None = None
-    slope_xy: float = 0.0
-    slope_xx: float = 0.0
-
-    def arrival_rate(self) -> float:
-        """Requests per second recently sent to this instance (0 until a few arrived)."""
-        if len(self.arrivals) < 8:
-            return 0.0
-        span = self.arrivals[-1] - self.arrivals[0]
-        return (len(self.arrivals) - 1) / span if span > 0 else 0.0
-
-    last_finish: float | None = None
-    work_done: float = 0.0  # profile-seconds of work completed while saturated ...
-    busy_time: float = 0.0  # ... the wall time it took ...
-    done: float = 0.0  # ... and how many completions that was
-    # What is left of the profile's pseudo-evidence on decode speed: forgotten at the rate of the
-    # observations (else, where decodes are short, 600 s of profile would outweigh them forever).
-    decode_prior: float = 1.0
-    # Preemptions per completion: the engine's counter when last read, the preemptions since
-    # the last completion, and their sums over completions (forgotten like the drain rate).
-    preempt_seen: int | None = None
-    preempt_new: float = 0.0
-    preempt_sum: float = 0.0
-    preempt_done: float = 0.0
-
-    def count_preemptions(self, total: int | None) -> None:
-        """Read the engine's preemption counter (a counter that went down is a restarted
-        engine: counted from there)."""
-        if total is None:
-            return
-        if self.preempt_seen is not None and total >= self.preempt_seen:
-            self.preempt_new += total - self.preempt_seen
-        self.preempt_seen = total
-
-    def completed(self) -> None:
-        """A request finished on this instance: the preemptions since the last one are its."""
-        self.preempt_sum = RATE_FORGETTING * self.preempt_sum + self.preempt_new
-        self.preempt_done = RATE_FORGETTING * self.preempt_done + 1.0
-        self.preempt_new = 0.0
-
-    def preemption_rate(self) -> float:
-        """Preemptions per completed request (0 until the engine is seen preempting). Each one
-        throws away what the victim — the newest admitted, usually a prompt being prefilled in
-        chunks — had computed, about one prompt of the mix, recomputed when it is readmitted."""
-        return (self.preempt_sum + self.preempt_new) / (self.preempt_done + PREEMPT_PRIOR)
-
-    def wait_factor(self) -> float:
-        """Seconds per profile-second of work: the observed drain rate of a saturated instance
-        (online calibration of Θ and w_in); the ratio of observed to predicted waits before."""
-        if self.busy_time > 0 and self.work_done > 0:
-            # Shrunk toward the profile (factor 1) by PRIOR_COMPLETIONS of pseudo-evidence,
-            # so that the first few completions, which come in bursts, cannot swing it.
-            prior = PRIOR_COMPLETIONS * self.work_done / max(self.done, 1e-9)
-            ratio = (self.busy_time + prior) / (self.work_done + prior)
-            return min(4.0, max(0.25, ratio))
-        ratio = self.wait_obs / self.wait_pred if self.wait_pred > 1.0 else 1.0
-        return min(4.0, max(0.25, ratio))
-
-    def eps_factor(self, filling: bool = False) -> float:
-        """Observed over predicted decode time, shrunk toward 1 (the profile) by
-        ``PRIOR_DECODE_S`` seconds of pseudo-evidence: decode speed depends on the load regime,
-        and a few early completions must not set it for everyone after them. The pseudo-evidence
-        is forgotten like the observations, so it fades once they are many. ``filling``: the
-        factor of requests that arrived while the batch filled, learnt from them alone."""
-        if filling:
-            obs, pred, weight = self.fill_obs, self.fill_pred, self.fill_prior
-        else:
-            obs, pred, weight = self.decode_obs, self.decode_pred, self.decode_prior
-        prior = weight * PRIOR_DECODE_S
-        return min(2.0, max(0.5, (obs + prior) / (pred + prior)))
-
-    def speed_slope(self) -> float:
-        """Share of a predicted departure from the recent mean that actually happens (1 until
-        observations say otherwise: pseudo-evidence of ``SLOPE_PRIOR`` departures of 10 %)."""
-        prior = SLOPE_PRIOR * 0.01
-        return min(1.0, max(0.0, (self.slope_xy + prior) / (self.slope_xx + prior)))
-
-    def shrink(self) -> tuple[float | None, float]:
-        """(centre, slope) for ``_shrunk``: what the time per token predicted from the state an
-        instance is in now is regressed by toward what recent arrivals were predicted."""
-        return self.speed_center, self.speed_slope()
-
-    def speed_sd(self) -> float:
-        """Spread of the time per output token around what was predicted for it when the
-        request arrived (the batch a request decodes in changes under it, and the calibration
-        moves on while it waits): ``SPEED_PRIOR_SD`` until decodes are observed. Root mean
-        square, not centred: a bias the calibration has not caught up with is error too."""
-        return min(1.0, math.sqrt(max(self.speed_sq / self.speed_n, 0.0)))
-
-    def wait_rel_sd(self) -> float:
-        """Relative spread of waiting-time errors seen so far (model error beyond the output
-        lengths of the requests ahead); 0.25 until 20 waits were observed."""
-        if self.n_wait < 20 or self.wait_p2 <= 0:
-            return 0.25
-        return min(2.0, math.sqrt(self.wait_e2 / self.wait_p2))
-
-
-@dataclass(frozen=True, slots=True)
-class _Prediction:
-    instance: str
-    wait_raw: float  # work ahead in seconds, before calibration
-    d_eff: float  # ε · d from the profile, before calibration
-    redo: float  # 1 + the preemption rate it was predicted with ...
-    d_prefill: float  # ... and the prefill per token in d_eff it multiplied (refilled prompts)
-    per_token_s: float  # the time per output token predicted (calibrated)
-    log_raw: float  # log of the time per token before the slope: the regressor ...
-    center: float  # ... and the recent mean it departed from
-    mean_latency: float
-    work_in: float  # its own prompt work (s) and the work per output token (s)
-    work_per_output: float
-    output_mean: float  # the output it was expected to generate
-    filling: bool = False  # arrived while the batch was filling
-
-
 @dataclass
 class RCTEstimator:
     """Completion-time distributions for requests and groups; learns from completions."""
@@ -551,8 +268,8 @@ class RCTEstimator:
     )
     # ... and the requests seen running: id -> tokens generated when last seen.
     _inflight: dict[tuple[str, str, int], dict[str, int]] = field(default_factory=dict, init=False)
-    _calibration: dict[str, _Calibration] = field(default_factory=dict, init=False)
-    _pending: dict[str, _Prediction] = field(default_factory=dict, init=False)
+    _calibration: dict[str, Calibration] = field(default_factory=dict, init=False)
+    _pending: dict[str, Prediction] = field(default_factory=dict, init=False)
     _moments: dict[tuple[str, str, int, int, int, int], tuple[float, float]] = field(
         default_factory=dict, init=False
     )
@@ -685,7 +402,7 @@ class RCTEstimator:
             for g, m, v in zip(uniq, means, variances, strict=True):
                 self._moments[(*group, g)] = (float(m), float(v))
 
-    def _scan(self, instance: InstanceView, queue: Sequence[Queued]) -> _Scan:
+    def _scan(self, instance: EstimatorInstance, queue: Sequence[Queued]) -> _Scan:
         """The per-request terms of ``queue`` on ``instance``: reused from the last scan of
         the instance as far as the queue is the same (same requests, tokens generated and
         state, in the same order, in the same epoch of the beliefs), computed for the rest."""
@@ -718,7 +435,7 @@ class RCTEstimator:
             raise
         return scan
 
-    def _extend(self, scan: _Scan, instance: InstanceView, rest: Sequence[Queued]) -> None:
+    def _extend(self, scan: _Scan, instance: EstimatorInstance, rest: Sequence[Queued]) -> None:
         self._prefetch_moments(rest)
         by_model = {hw.model: hw for hw in scan.hws}
         model = scan.model
@@ -762,14 +479,14 @@ class RCTEstimator:
 
     def estimate_requests(
         self,
-        instance: InstanceView,
+        instance: EstimatorInstance,
         queue: Sequence[Queued],
         now: float,
         *,
         remember: bool = False,
         only: Sequence[int] | None = None,
         refilled: bool = False,
-    ) -> list[Estimate]:
+    ) -> list[CompletionDistribution]:
         """Completion of every request in ``queue`` (served in that order: running ones first,
         then FCFS), or of those at the positions ``only`` (e.g. ``[-1]`` for a request just
         queued: the sums over the queue are needed anyway, the per-request work is not). With
@@ -838,7 +555,7 @@ class RCTEstimator:
         filling = not refilled and n - n_running > 1 and n_running < FILL_SHARE * full
         ef_fill = cal.eps_factor(filling=True) if filling else ef
         prompt_tokens = mix_prompt / max(hws[0].input_token_work_s, 1e-12) / n
-        out: list[Estimate] = []
+        out: list[CompletionDistribution] = []
         positions = range(n) if only is None else [i % n for i in only]
         for i in positions:
             item = queue[i]
@@ -884,12 +601,12 @@ class RCTEstimator:
             d = d_batch * hw.inefficiency
             start = now + wait + float(own[i])
             e_i = ef_fill if fills else ef
-            per_token = _shrunk(d * e_i, center, slope)
+            per_token = shrunk(d * e_i, center, slope)
             mean = start + float(out_mean[i]) * per_token
             var = wait_var + float(out_var[i]) * per_token**2
             post = self.posterior(req)
             out.append(
-                Estimate(
+                CompletionDistribution(
                     mean,
                     var,
                     start_mean=start,
@@ -902,12 +619,10 @@ class RCTEstimator:
                 )
             )
             if remember and not item.running and req.id not in self._pending:
-                cal.arrivals.append(now)
                 log_raw = math.log(max(d * e_i, 1e-12))
-                c = log_raw if center is None else center
-                cal.speed_center = c + (log_raw - c) / SLOPE_CENTER_ARRIVALS
+                cal.note_arrival(now, log_raw, center)
                 # Learn from the prediction made when the request arrived, not from later ones.
-                self._pending[req.id] = _Prediction(
+                self._pending[req.id] = Prediction(
                     instance=instance.name,
                     wait_raw=wait_raw,
                     d_eff=d,
@@ -924,10 +639,10 @@ class RCTEstimator:
                 )
         return out
 
-    def _load_s(self, hw: HardwareProfile, instance: InstanceView) -> float:
+    def _load_s(self, hw: HardwareProfile, instance: EstimatorInstance) -> float:
         return hw.warm_load_s if hw.model in instance.warm_models else hw.cold_load_s
 
-    def watch(self, instance: InstanceView) -> None:
+    def watch(self, instance: EstimatorInstance) -> None:
         """Read what ``instance`` says of its engine (the preemption counter) without
         predicting anything: callers that predict seldom call it as often as they look, so
         that preemptions are counted against the completions they come with."""
@@ -948,10 +663,10 @@ class RCTEstimator:
         true on ``instance`` (1 before any observation)."""
         return self._cal(instance).speed_slope()
 
-    def _cal(self, instance: str) -> _Calibration:
+    def _cal(self, instance: str) -> Calibration:
         cal = self._calibration.get(instance)
         if cal is None:
-            cal = self._calibration[instance] = _Calibration()
+            cal = self._calibration[instance] = Calibration()
         return cal
 
     # --- groups ----------------------------------------------------------------------------------
@@ -1006,7 +721,7 @@ class RCTEstimator:
 
     def estimate_queue(
         self,
-        instance: InstanceView,
+        instance: EstimatorInstance,
         groups: Sequence[GroupLoad],
         now: float,
         *,
@@ -1099,14 +814,18 @@ class RCTEstimator:
             refilling = before_last - n_running >= 1
             batch = min(before_last + 1, full if refilling else slots)
             dec = hw.decode_s(batch, _context(hw, batch, slots, ctx_per))
-            d = _shrunk(
+            d = shrunk(
                 (dec + (batch * refill if refilling else 0.0)) * hw.inefficiency * ef, center, slope
             )
             mean = now + wait + hw.prefill_s(g.last_input_tokens) + g.last_output_mean * d
             var = wait_var + (rel_sd * wait) ** 2 + g.last_output_var * d * d
             out.append(
                 GroupEstimate(
-                    g.group_id, instance.name, pos, Estimate(mean, var), g.earliest_deadline_s
+                    g.group_id,
+                    instance.name,
+                    pos,
+                    CompletionDistribution(mean, var),
+                    g.earliest_deadline_s,
                 )
             )
             # ... then the last request itself.
@@ -1154,58 +873,17 @@ class RCTEstimator:
         pred = self._pending.pop(request.id, None)
         if pred is None:
             if instance is not None and finish_s is not None:
-                cal = self._cal(instance)
-                cal.completed()
-                if cal.last_finish is None or finish_s > cal.last_finish:
-                    cal.last_finish = finish_s  # its work is unknown: the interval is not counted
+                self._cal(instance).completed_unpredicted(finish_s)
             return
-        cal = self._cal(pred.instance)
-        # Judged against the preemptions it met, not those known when it arrived: else the
-        # calibration learns them too, and counts them twice once the rate is known.
-        redo = 1.0 + cal.preemption_rate()
-        cal.completed()
-        lam = self.forgetting
-        d_eff = pred.d_eff + pred.d_prefill * (redo - pred.redo)
-        work_in = pred.work_in * redo / pred.redo
-        if finish_s is not None:
-            if cal.saturated and cal.last_finish is not None and finish_s >= cal.last_finish:
-                # While requests wait, completions happen at the instance's service rate.
-                rf = RATE_FORGETTING
-                cal.done = rf * cal.done + 1
-                cal.work_done = (
-                    rf * cal.work_done + work_in + pred.output_mean * pred.work_per_output
-                )
-                cal.busy_time = rf * cal.busy_time + (finish_s - cal.last_finish)
-            cal.last_finish = (
-                finish_s if cal.last_finish is None else max(cal.last_finish, finish_s)
-            )
-        if scheduled_s is not None and pred.wait_raw > 0:
-            cal.wait_obs = lam * cal.wait_obs + (scheduled_s - request.arrival_s)
-            cal.wait_pred = lam * cal.wait_pred + pred.wait_raw
-        if first_token_s is not None and finish_s is not None and output_tokens > 1:
-            decoding = finish_s - first_token_s
-            if pred.filling:
-                cal.fill_obs = RATE_FORGETTING * cal.fill_obs + decoding
-                cal.fill_pred = RATE_FORGETTING * cal.fill_pred + d_eff * (output_tokens - 1)
-                cal.fill_prior *= RATE_FORGETTING
-            else:
-                cal.decode_obs = RATE_FORGETTING * cal.decode_obs + decoding
-                cal.decode_pred = RATE_FORGETTING * cal.decode_pred + d_eff * (output_tokens - 1)
-                cal.decode_prior *= RATE_FORGETTING
-            observed = decoding / (output_tokens - 1)
-            if observed > 0 and pred.per_token_s > 0:
-                r = math.log(observed / pred.per_token_s)
-                cal.speed_n = lam * cal.speed_n + 1
-                cal.speed_sq = lam * cal.speed_sq + r * r
-                dx, dy = pred.log_raw - pred.center, math.log(observed) - pred.center
-                cal.slope_xy = lam * cal.slope_xy + dx * dy
-                cal.slope_xx = lam * cal.slope_xx + dx * dx
-        if scheduled_s is not None and pred.wait_raw > 1e-3:
-            predicted = pred.wait_raw * cal.wait_factor()
-            error = scheduled_s - request.arrival_s - predicted
-            cal.n_wait = lam * cal.n_wait + 1
-            cal.wait_e2 = lam * cal.wait_e2 + error * error
-            cal.wait_p2 = lam * cal.wait_p2 + predicted * predicted
+        self._cal(pred.instance).learn(
+            pred,
+            arrival_s=request.arrival_s,
+            output_tokens=output_tokens,
+            scheduled_s=scheduled_s,
+            first_token_s=first_token_s,
+            finish_s=finish_s,
+            forgetting=self.forgetting,
+        )
 
     def predicted_wait(self, request_id: str) -> float:
         """The waiting time predicted (calibrated) for a remembered request when it arrived."""

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from qlm.errors import ConfigError
-from qlm.rct.estimator import GroupEstimate
+from qlm.rct.distribution import GroupEstimate
 
 
 class GroupRisk(Protocol):

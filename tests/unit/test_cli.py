@@ -10,7 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from qlm.cli import app
-from qlm.rct.estimator import InstanceView, Queued, RCTEstimator
+from qlm.rct.estimator import EstimatorInstance, Queued, RCTEstimator
 from tests.builders import make_request
 
 runner = CliRunner()
@@ -133,7 +133,7 @@ def test_profile_commands_write_a_profile_the_estimator_loads(tmp_path: Path) ->
     # The file alone serves an estimate (the prior is found for the model's requests).
     estimator = RCTEstimator(profile)
     request = make_request(model="llama-3-8b", replay_output_tokens=None)
-    view = InstanceView("h0", "H100", 1, "llama-3-8b")
+    view = EstimatorInstance("h0", "H100", 1, "llama-3-8b")
     (estimate,) = estimator.estimate_requests(view, [Queued(request, 0)], 0.0)
     assert 0 < estimate.mean < request.slo.e2e_s
     assert estimator.expected_output(request) == pytest.approx(

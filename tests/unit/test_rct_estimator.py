@@ -17,20 +17,12 @@ import pytest
 from qlm.domain import SLO, Request
 from qlm.engines.perf_model import default_catalog
 from qlm.errors import ConfigError
-from qlm.rct.estimator import (
-    POOL_STRENGTH,
-    PREEMPT_PRIOR,
-    RATE_FORGETTING,
-    SPEED_PRIOR_SD,
-    Estimate,
-    InstanceView,
-    Queued,
-    RCTEstimator,
-    _sustained,
-)
+from qlm.rct.distribution import CompletionDistribution
+from qlm.rct.estimator import EstimatorInstance, Queued, RCTEstimator, _sustained
 from qlm.rct.output_model import HIST_BINS, NIG, LengthHistogram, length_bin
 from qlm.rct.profile import HardwareProfile, RctProfile, dump_profile, parse_profile
 from qlm.rct.profiling import profile_sim_hardware
+from qlm.rct.tuning import POOL_STRENGTH, PREEMPT_PRIOR, RATE_FORGETTING, SPEED_PRIOR_SD
 from tests.builders import make_hardware, make_request
 
 NOW = 100.0
@@ -57,8 +49,8 @@ def estimator(**overrides: Any) -> RCTEstimator:
     return RCTEstimator(RctProfile(hardware=hw, output_priors={"default": PRIOR}))
 
 
-def instance(active: str | None = "m", warm: frozenset[str] = frozenset()) -> InstanceView:
-    return InstanceView("i0", "G", 1, active, warm)
+def instance(active: str | None = "m", warm: frozenset[str] = frozenset()) -> EstimatorInstance:
+    return EstimatorInstance("i0", "G", 1, active, warm)
 
 
 def waiting(requests: list[Request]) -> list[Queued]:
@@ -216,7 +208,7 @@ def test_a_queue_extending_the_last_one_is_estimated_as_if_scanned_afresh() -> N
     def queue(k: int, generated: int = 0) -> list[Queued]:
         return [Queued(r, generated, running=True) for r in reqs[:k]] + [Queued(reqs[k])]
 
-    steps: list[tuple[list[Queued], InstanceView]] = [
+    steps: list[tuple[list[Queued], EstimatorInstance]] = [
         (queue(3), instance()),
         (queue(4), instance()),  # one more pulled: the scan goes on
         (queue(7), instance()),
@@ -392,13 +384,13 @@ def test_p_before_of_a_request_follows_its_skewed_output_distribution() -> None:
 
 
 def test_p_before_of_a_group_is_normal_around_its_mean() -> None:
-    group = Estimate(mean=100.0, var=25.0)
+    group = CompletionDistribution(mean=100.0, var=25.0)
     assert group.p_before(100.0) == pytest.approx(0.5, abs=1e-12)
     assert group.p_before(group.quantile(0.9)) == pytest.approx(0.9, abs=1e-6)
 
 
 def test_a_certain_completion_is_met_exactly_from_its_time_on() -> None:
-    sure = Estimate(mean=10.0, var=0.0)
+    sure = CompletionDistribution(mean=10.0, var=0.0)
     assert sure.p_before(9.999) == 0.0 and sure.p_before(10.0) == 1.0
 
 

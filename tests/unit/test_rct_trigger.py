@@ -3,12 +3,12 @@ from __future__ import annotations
 import pytest
 
 from qlm.errors import ConfigError
-from qlm.rct.estimator import Estimate, GroupEstimate
+from qlm.rct.distribution import CompletionDistribution, GroupEstimate
 from qlm.rct.trigger import violations
 
 
 def est(gid: str, mean: float, sd: float, deadline: float) -> GroupEstimate:
-    return GroupEstimate(gid, "i0", 0, Estimate(mean, sd * sd), deadline)
+    return GroupEstimate(gid, "i0", 0, CompletionDistribution(mean, sd * sd), deadline)
 
 
 def test_only_groups_likely_to_miss_trigger_and_the_worst_comes_first() -> None:
