@@ -2,11 +2,12 @@
 
 A ``Budget`` says what a plan may spend: seconds of compute (production) and/or a count of
 candidate orders scored (simulation: the count makes a simulated run the same on any machine and
-under any load). ``Budget.start(clock)`` opens one plan's ``Deadline``, which every part of the plan
-consults between units of work — the EDF construction's checks, each insertion of the warm start,
-each move of the local search, the MILP's time limit, each EDF trial of the capacity signal — and
-which stops them when it is spent. The planner's code never reads a clock itself: the deadline
-reads the one it was given, and a test drives it with a fake clock or a fake deadline.
+under any load). ``Budget.start(clock)`` opens one plan's ``Deadline``, which every searching part
+of the plan consults between units of work — each insertion of the warm start, each move of the
+local search (and each batch of its swaps), the MILP's time limit, each EDF plan the capacity
+signal tries — and which stops them when it is spent; the EDF plan itself, linear and the floor of
+every other, is always built. The planner's code never reads a clock itself: the deadline reads
+the one it was given, and a test drives it with a fake clock or a fake deadline.
 """
 
 from __future__ import annotations

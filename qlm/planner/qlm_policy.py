@@ -44,7 +44,7 @@ from qlm.errors import RequestFailed, check_setting
 from qlm.groups import Grouper, GroupingConfig, PredictOutput, default_predict_output
 from qlm.planner.admission import Admission, TokenBucket, admit
 from qlm.planner.arrivals import ArrivalWindow, ClassKey, class_of
-from qlm.planner.budget import Budget, Clock
+from qlm.planner.budget import Budget, Clock, Deadline
 from qlm.planner.policy import DispatchContext, InstanceLoad, has_room, prompt_tokens
 from qlm.planner.program import FloatArray, PlanGroup, PlanInstance, PlanProblem, score_queue
 from qlm.planner.solve import Solution, capacity_needed, solve
@@ -188,9 +188,13 @@ class _Fluid:
 CLASS_SAMPLE = 256
 """Recent arrivals of a request class whose lengths give the class's means (``_concurrency``)."""
 
+FLUID_SHARE = 0.25
+"""The share of a plan's budget within which the concurrency choice re-evaluates instances (the
+least recently evaluated first; the others keep their last evaluation)."""
+
 SEARCH_SHARE = 0.75
-"""The share of a plan's budget the solver may use; the capacity signal (computed when some
-group is left at risk) has the rest."""
+"""The share of a plan's budget (from the plan's start) by which the solver stops; the capacity
+signal (computed when some group is left at risk) has the rest."""
 
 BATCH_CHOICES = (16, 32, 64, 96, 128, 192, 256, 384, 512)
 """Concurrency limits the planner considers for an instance (capped by its ``max_num_seqs``)."""
@@ -298,7 +302,6 @@ def build_family(
     z_total = rng.standard_normal((n, s_count))
     z_last = rng.standard_normal((n, s_count))
     loads = [estimator.group_load(gid, requests) for gid, requests, _ in groups]
-    estimator.keep_group_loads(gid for gid, _, _ in groups)
     plan_groups = tuple(
         PlanGroup(gid, ld.model, ld.earliest_deadline_s, config.tier_weights[tier] * ld.size)
         for (gid, _, tier), ld in zip(groups, loads, strict=True)
@@ -478,6 +481,8 @@ class QlmPolicy:
         self._family_cache: tuple[tuple[float, int], tuple[ProblemFamily, list[list[int]]]] | None
         self._family_cache = None  # per step: the plan problem built for the violation check
         self._inbox: dict[str, tuple[Request, int]] = {}  # handed, not grouped yet (output so far)
+        # Per instance: the plan that last evaluated its fluid model, and that evaluation.
+        self._fluids: dict[str, tuple[int, dict[int, _Fluid] | None]] = {}
         # Left for the next step (wall-time budget): "rethink" (recluster if due, plan if a
         # trigger fires) or "plan" (the step reclustered; a trigger is checked first thing).
         self._owed = ""
@@ -680,6 +685,9 @@ class QlmPolicy:
         if self._family_cache is not None and self._family_cache[0] == key:
             return self._family_cache[1]  # the violation check's, in the same step: same draws
         groups, current = self._groups()
+        # What the estimator keeps of a group's requests goes when the group ends, not while no
+        # instance is up to plan it on.
+        self.estimator.keep_group_loads(self.grouper.group_ids())
         rng = np.random.default_rng((self.config.seed, self._plans_made))
         family = build_family(
             groups, self._instances, self._ready(now), self.estimator, self.config, rng
@@ -707,7 +715,9 @@ class QlmPolicy:
             for inst, limits in zip(family.instances, family.batches, strict=True)
         ]
 
-    def _fluid(self, now: float, family: ProblemFamily) -> list[dict[int, _Fluid] | None]:
+    def _fluid(
+        self, now: float, family: ProblemFamily, deadline: Deadline | None = None
+    ) -> list[dict[int, _Fluid] | None]:
         """Per instance and concurrency limit, a steady-state fluid model of what keeps arriving
         (the last ``rate_window_s``; None for an instance none of it is for). A larger batch
         serves more requests per second and serves each one slower. For a limit ``b``, a request
@@ -716,7 +726,11 @@ class QlmPolicy:
         ``P(output × (decode_s(b) + b × refill) + prefill ≤ SLO)`` (the output posterior).
         Requests are admitted by value per GPU-second up to ``max_utilisation`` of the instance
         (``qlm.planner.admission``); the model gives the expected weighted SLOs met per second
-        (which limit to use) and the value density below which work is deferred."""
+        (which limit to use) and the value density below which work is deferred.
+
+        Instances are evaluated the least recently evaluated first; once ``deadline`` is spent,
+        one evaluated before keeps its last evaluation (the first in turn and a new one are
+        always evaluated)."""
         horizon = self.config.rate_window_s
         window = self._arrivals
         window.expire(now - horizon)
@@ -736,22 +750,37 @@ class QlmPolicy:
             for r in recent:
                 by_bin.setdefault(prompt_bin(r.input_tokens), []).append(r)
             mix[key] = [(rs[-1], len(rs) / len(recent)) for rs in by_bin.values()]
-        out: list[dict[int, _Fluid] | None] = []
+        out: list[dict[int, _Fluid] | None] = [None] * len(family.instances)
         # Instances alike in models, hardware, limits and learnt decode speed have the same
         # fluid model: computed once (a fleet of replicas, before their speeds part).
         alike: dict[tuple[object, ...], dict[int, _Fluid] | None] = {}
         loads = {i.name: i for i in self._instances}
-        for inst, limits in zip(family.instances, family.batches, strict=True):
+        self._fluids = {
+            i.name: self._fluids[i.name] for i in family.instances if i.name in self._fluids
+        }
+        turn = sorted(
+            range(len(family.instances)),
+            key=lambda g: (self._fluids.get(family.instances[g].name, (-1, None))[0], g),
+        )
+        for k, g in enumerate(turn):
+            inst, limits = family.instances[g], family.batches[g]
+            last = self._fluids.get(inst.name, (-1, None))[1]
+            reuse = k > 0 and last is not None and set(last) == set(limits)
+            if reuse and deadline is not None and deadline.spent():
+                out[g] = last
+                continue
             ld = loads[inst.name]
             eps_f = self.estimator.calibration_factors(inst.name)[1]  # decode as observed
             same = (inst.models, ld.gpu, ld.gpu_count, limits, eps_f)
             if same in alike:
-                out.append(alike[same])
+                out[g] = alike[same]
+                self._fluids[inst.name] = (self._plans_made, out[g])
                 continue
             serving = {m: max(1, sum(m in i.models for i in family.instances)) for m in inst.models}
             keys = [k for k in classes if k[0] in inst.models]
             if not keys:
-                out.append(alike.setdefault(same, None))
+                out[g] = alike.setdefault(same, None)
+                self._fluids[inst.name] = (self._plans_made, None)
                 continue
             hws = {
                 m: self.estimator.profile.hardware_for(m, ld.gpu, ld.gpu_count) for m in inst.models
@@ -806,7 +835,8 @@ class QlmPolicy:
                 fluids[b] = _Fluid(
                     admission, class_value, {k: means[k][1] for k in keys}, per_output, per_input
                 )
-            out.append(alike.setdefault(same, fluids))
+            out[g] = alike.setdefault(same, fluids)
+            self._fluids[inst.name] = (self._plans_made, fluids)
         return out
 
     def _concurrency(
@@ -905,10 +935,13 @@ class QlmPolicy:
         admitted groups by the solver; deferred groups wait behind them, earliest deadline first."""
         started = self._clock()
         family, current = self._family(now)
+        # One deadline for the plan once its problem is built: the concurrency choice has its
+        # first FLUID_SHARE, the solver runs until SEARCH_SHARE, the capacity signal has the rest.
+        deadline = self.config.budget.start(self._clock)
         self._plans_made += 1
         choice = self._choice(family)
         choose = self.config.choose_concurrency and self._fixed is None
-        fluid = self._fluid(now, family)
+        fluid = self._fluid(now, family, deadline.part(FLUID_SHARE))
         best = self._concurrency(family, fluid, choice) if choose else choice
         # Deferral waits for half a rate window of history: a first burst is not a rate.
         settled = now - self._arrivals.first_s >= self.config.rate_window_s / 2
@@ -939,9 +972,6 @@ class QlmPolicy:
         problem = full if len(keep) == len(family.groups) else _subset(full, keep)
         position = {i: k for k, i in enumerate(keep)}
         previous = [[position[i] for i in order if i in position] for order in current]
-        # One deadline for the solver and the capacity signal after it: the search has the first
-        # SEARCH_SHARE of the budget, the signal what is left.
-        deadline = self.config.budget.start(self._clock)
         solution = solve(
             problem, deadline.part(SEARCH_SHARE), previous=previous, solver=self.config.solver
         )

@@ -344,12 +344,13 @@ def solve(
     started now on the wall clock (default ``Budget()``). Every stage asks the deadline between
     units of work and stops when it is spent; the EDF plan is always built and is the floor."""
     meter = budget if isinstance(budget, Deadline) else (budget or Budget()).start()
+    began_s = meter.elapsed_s()  # (a deadline may have started before the solver)
     limits = meter.budget
     n = len(problem.groups)
     edf = edf_plan(problem)
     edf_cost = _total(problem, edf)
     if n == 0:
-        return _solution(problem, edf, "optimal", "empty", edf_cost, meter)
+        return _solution(problem, edf, "optimal", "empty", edf_cost, meter, began_s)
     best, best_cost, method = edf, edf_cost, "edf"
     if previous is not None:
         warm = warm_plan(problem, previous, meter)
@@ -357,7 +358,7 @@ def solve(
         if warm_cost < best_cost:
             best, best_cost, method = warm, warm_cost, "warm"
     if meter.spent():
-        return _solution(problem, best, "fallback", method, edf_cost, meter)
+        return _solution(problem, best, "fallback", method, edf_cost, meter, began_s)
     searched = local_search(problem, best, meter)
     searched_cost = _total(problem, searched)
     if searched_cost < best_cost - 1e-9:
@@ -376,7 +377,7 @@ def solve(
                 best, best_cost = plan, min(cost, best_cost)
                 method += "+milp"
                 status = milp_status
-    return _solution(problem, best, status, method, edf_cost, meter, gap)
+    return _solution(problem, best, status, method, edf_cost, meter, began_s, gap)
 
 
 def _total(problem: PlanProblem, plan: Plan) -> float:
@@ -390,6 +391,7 @@ def _solution(
     method: str,
     edf_cost: float,
     meter: Deadline,
+    began_s: float,
     gap: float | None = None,
 ) -> Solution:
     check_plan(problem, plan)
@@ -406,7 +408,7 @@ def _solution(
         at_risk=tuple(sorted(at_risk)),
         gap=gap,
         evaluations=meter.count,
-        solve_s=meter.elapsed_s(),
+        solve_s=meter.elapsed_s() - began_s,
     )
 
 

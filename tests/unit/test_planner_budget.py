@@ -300,3 +300,40 @@ def test_a_step_that_reclusters_leaves_the_plan_to_the_next_step() -> None:
     assert len(qlm.plans) == plans  # reclustered only
     qlm.decide(DispatchContext(5.1, (), (inst,)))
     assert len(qlm.plans) == plans + 1 and qlm.plans[-1].trigger == "period"
+
+
+def test_the_concurrency_choice_re_evaluates_one_instance_per_plan_once_its_share_is_spent(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each reading of the clock is a second later: the share of the budget the concurrency
+    choice has is spent at once. A new instance is always evaluated; after that one instance per
+    plan, in turn, and the others keep their last evaluation."""
+    import qlm.planner.qlm_policy as module
+
+    evaluated: list[int] = []  # the limits evaluated (one admission per limit and round)
+    real = module.admit
+
+    def counting(*args: object, **kwargs: object) -> object:
+        evaluated.append(1)
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(module, "admit", counting)
+    qlm = wall_policy(
+        Ticking(1.0), step_budget_s=1e9, period_s=1.0, min_interval_s=0.1, keep_up=0.0
+    )
+    # Instances that differ (their limits) so that each has a fluid model of its own.
+    fleet = tuple(
+        InstanceLoad(name=f"i{k}", models=("m",), gpu="G", max_running=m, outstanding_requests=m)
+        for k, m in enumerate((48, 96, 160))
+    )
+    reqs = tuple(make_request(k, arrival_s=0.0, slo=SLO(600.0)) for k in range(30))
+    per_plan = []
+    for step in range(4):
+        evaluated.clear()
+        before = len(qlm.plans)
+        qlm.decide(DispatchContext(2.0 * step, reqs if step == 0 else (), fleet))
+        if len(qlm.plans) > before:
+            per_plan.append(len(evaluated))
+    assert len(per_plan) >= 3
+    first, *later = per_plan
+    assert all(0 < n < first for n in later)  # one instance of three, not all three
