@@ -195,6 +195,7 @@ class Taken:
     held_s: float | None = None
     checked_s: float | None = None
     planned_s: float | None = None
+    emptied: bool = False  # every request was pulled before a plan came: none waits to plan
 
 
 async def take(
@@ -246,6 +247,9 @@ async def take(
         ):
             out.planned_s = time.perf_counter() - t0  # a plan over every group since
             break
+        if handed_at is not None and not len(policy.grouper):
+            out.planned_s, out.emptied = time.perf_counter() - t0, True
+            break
     return out
 
 
@@ -262,6 +266,9 @@ def report(taken: Taken, policy: QlmPolicy, args: argparse.Namespace) -> None:
         print(
             f"their order checked against the SLOs (violation check) after {taken.checked_s:.1f} s"
         )
+    if taken.emptied:
+        print(f"all pulled after {taken.planned_s:.1f} s: none waits to be planned")
+        return
     print(
         f"re-planned as a whole after {taken.planned_s:.1f} s (the next periodic plan, unless a "
         f"violation is predicted first): {len(policy.grouper):,} groups, "
