@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import csv
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -108,6 +110,26 @@ def test_demo_runs_on_embedded_defaults_and_reads_its_settings(monkeypatch) -> N
     assert bad.exit_code == 1 and "QLM_DEMO__DURATION_S" in bad.stderr
 
 
+def test_the_help_names_every_policy_and_workload_preset() -> None:
+    """The CLI names them without importing the planner and the workloads (a fast --help)."""
+    from qlm.cli import simulate
+    from qlm.planner import POLICIES
+    from qlm.sim.workload import PRESETS
+
+    assert simulate.POLICIES == POLICIES
+    assert simulate.PRESETS == PRESETS
+
+
+def test_the_cli_imports_no_slow_library_until_a_command_needs_it() -> None:
+    """``qlm --help`` and the light commands start at once: the planner (scikit-learn, SciPy),
+    numpy, the store, the API and the HTTP client are imported by the commands that use them."""
+    code = "import sys, qlm.cli; print(' '.join(sorted(sys.modules)))"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    loaded = set(run.stdout.split())
+    slow = {"numpy", "scipy", "sklearn", "sqlalchemy", "fastapi", "httpx", "pydantic"}
+    assert not (slow | {"qlm.planner"}) & loaded
+
+
 def test_help_of_every_command_renders() -> None:
     for args in (["--help"], ["simulate", "--help"], ["demo", "--help"]):
         result = runner.invoke(app, args)
@@ -190,19 +212,19 @@ def test_the_log_level_is_checked_and_http_clients_log_each_call_only_at_debug(
 ) -> None:
     import logging
 
-    from qlm.cli import QUIET_LOGGERS, _logging
+    from qlm.cli.service import QUIET_LOGGERS, configure_logging
 
     monkeypatch.setenv("QLM_LOG_LEVEL", "loud")
     bad = runner.invoke(app, ["controller"])
     assert bad.exit_code == 1 and "setting QLM_LOG_LEVEL: Input should be 'DEBUG'" in bad.stderr
     try:
         monkeypatch.setenv("QLM_LOG_LEVEL", "info")
-        _logging()
+        configure_logging()
         assert {logging.getLogger(n).level for n in QUIET_LOGGERS} == {logging.WARNING}
         monkeypatch.setenv("QLM_LOG_LEVEL", "DEBUG")
         for name in QUIET_LOGGERS:
             logging.getLogger(name).setLevel(logging.NOTSET)
-        _logging()
+        configure_logging()
         assert {logging.getLogger(n).level for n in QUIET_LOGGERS} == {logging.NOTSET}
     finally:
         for name in QUIET_LOGGERS:

@@ -19,8 +19,9 @@ from typer.testing import CliRunner, Result
 from qlm.api import create_app
 from qlm.api.server import ApiServer
 from qlm.cli import app
+from qlm.cli.ops import parse_span
 from qlm.global_queue import MemoryBroker, MemoryGlobalQueue
-from qlm.ops import parse_span, slo_report
+from qlm.reports import slo_report
 from qlm.settings import Settings
 from qlm.store import Store
 from tests.unit.test_controller_service import make_service

@@ -1,7 +1,7 @@
 """The operator CLI, ``qlm ops``: what a running QLM's admin endpoints show, as tables — virtual
 queues with their groups, groups, instances, plans, controllers, one request — and the steering
 they allow (drain, undrain); ``qlm ops report`` is the SLO-attainment report a nightly job runs
-(docs/operations.md). It talks to the REST API with an admin key
+(docs/operations.md), computed by ``qlm.reports``. It talks to the REST API with an admin key
 (``qlm keys create --tenant ops --admin``); ``--json`` prints what the API answered instead of
 tables.
 """
@@ -12,16 +12,16 @@ import json
 import math
 import re
 import time
-from collections import defaultdict
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, NoReturn
 
-import httpx
 import typer
 from rich.console import Console
 from rich.table import Table
+
+from qlm.reports import REPORT_COLUMNS, markdown, slo_report
 
 ops_app = typer.Typer(
     help="Inspect and steer a running QLM through its admin endpoints (docs/operations.md).",
@@ -30,8 +30,6 @@ ops_app = typer.Typer(
 )
 console = Console(soft_wrap=True, highlight=False)
 err_console = Console(stderr=True, soft_wrap=True, highlight=False)
-
-FINAL = ("finished", "failed", "cancelled")
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +45,8 @@ def _fail(message: str) -> NoReturn:
 
 
 def _call(target: Target, method: str, path: str, params: Mapping[str, Any] | None = None) -> Any:
+    import httpx
+
     headers = {"Authorization": f"Bearer {target.key}"} if target.key else {}
     try:
         with httpx.Client(base_url=target.url, timeout=30.0) as c:
@@ -349,75 +349,6 @@ def _pages(target: Target, params: Mapping[str, Any]) -> Iterator[Mapping[str, A
             return
 
 
-@dataclass(slots=True)
-class _Tally:
-    total: int = 0
-    final: int = 0
-    failed: int = 0
-    cancelled: int = 0
-    met: int = 0
-    ttft_judged: int = 0
-    ttft_met: int = 0
-
-    def add(self, r: Mapping[str, Any]) -> None:
-        self.total += 1
-        if r["status"] not in FINAL:
-            return
-        self.final += 1
-        self.failed += r["status"] == "failed"
-        self.cancelled += r["status"] == "cancelled"
-        self.met += bool(r.get("slo_met"))
-        if r.get("ttft_met") is not None:
-            self.ttft_judged += 1
-            self.ttft_met += bool(r["ttft_met"])
-
-    def row(self, name: str) -> list[str]:
-        judged = self.final - self.cancelled
-
-        def pct(k: int, n: int) -> str:
-            return "-" if n == 0 else f"{100.0 * k / n:.1f} %"
-
-        return [
-            name,
-            str(self.total),
-            str(self.total - self.final),
-            str(self.failed),
-            str(self.cancelled),
-            pct(self.met, judged),
-            pct(self.ttft_met, self.ttft_judged),
-        ]
-
-
-REPORT_COLUMNS = ("", "requests", "not final", "failed", "cancelled", "SLO met", "TTFT met")
-
-
-def slo_report(requests: Sequence[Mapping[str, Any]]) -> dict[str, list[list[str]]]:
-    """SLO attainment overall and by tier, tenant and model: a request meets its SLO when it
-    finished within every deadline; failed requests count as missed, cancelled ones are left out,
-    requests not final yet are counted but not judged."""
-    by: dict[str, dict[str, _Tally]] = {k: defaultdict(_Tally) for k in ("tier", "tenant", "model")}
-    overall = _Tally()
-    for r in requests:
-        overall.add(r)
-        for k, tallies in by.items():
-            tallies[str(r[k])].add(r)
-    out = {"all": [overall.row("all")]}
-    for k, tallies in by.items():
-        out[k] = [tallies[name].row(name) for name in sorted(tallies)]
-    return out
-
-
-def _markdown(title: str, sections: Mapping[str, list[list[str]]]) -> str:
-    lines = [f"# {title}", ""]
-    for name, rows in sections.items():
-        lines += [f"## {'Overall' if name == 'all' else 'By ' + name}", ""]
-        head = [name if name != "all" else "", *REPORT_COLUMNS[1:]]
-        lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-        lines += ["| " + " | ".join(row) + " |" for row in rows]
-        lines.append("")
-    return "\n".join(lines)
-
-
 @ops_app.command("report")
 def report_cmd(
     ctx: typer.Context,
@@ -464,5 +395,5 @@ def report_cmd(
             console.print(table)
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(_markdown(title, sections), encoding="utf-8")
+        out.write_text(markdown(title, sections), encoding="utf-8")
         console.print(f"wrote {out}")

@@ -1,0 +1,80 @@
+"""``qlm instance``: real serving instances — ``vllm serve`` started with the flags QLM needs
+(``qlm.engines.vllm``)."""
+
+from __future__ import annotations
+
+import sys
+from typing import Annotated
+
+import typer
+
+from qlm.cli.common import fail, guard
+
+instance_app = typer.Typer(
+    help="Real serving instances (vLLM) for QLM.", no_args_is_help=True, rich_markup_mode=None
+)
+
+
+@instance_app.command("launch")
+def instance_launch_cmd(
+    model: Annotated[str, typer.Option(help="Model to serve (Hugging Face id or local path).")],
+    port: Annotated[int, typer.Option(help="Port of the vLLM server.")] = 8000,
+    host: Annotated[
+        str | None, typer.Option(help="Address to bind (vLLM's default if unset).")
+    ] = None,
+    served_model_name: Annotated[
+        str | None, typer.Option(help="Name QLM and clients use for the model.")
+    ] = None,
+    sleep_mode: Annotated[
+        bool,
+        typer.Option(
+            "--sleep-mode", help="Enable sleep mode (warm starts) and the dev-mode endpoints."
+        ),
+    ] = False,
+    kv_offload_gb: Annotated[
+        float | None, typer.Option(help="CPU KV-cache offloading buffer in GiB (native backend).")
+    ] = None,
+    tool_call_parser: Annotated[
+        str | None,
+        typer.Option(help="vLLM's tool-call parser for the model (hermes, llama3_json, ...)."),
+    ] = None,
+    stream_interval: Annotated[
+        int | None,
+        typer.Option(
+            help="Tokens vLLM buffers per streamed chunk (--stream-interval): fewer events for "
+            "the agents to parse (docs/engines.md)."
+        ),
+    ] = None,
+    print_only: Annotated[
+        bool, typer.Option("--print-only", help="Print the command instead of running it.")
+    ] = False,
+) -> None:
+    """Start `vllm serve` with the flags QLM needs (priority scheduling, request-id headers,
+    sleep mode, CPU KV offloading, tool calling)."""
+    import os
+    import subprocess
+
+    from qlm.engines.vllm import VLLM_VERSION, vllm_installed, vllm_serve_command
+
+    command = guard(
+        lambda: vllm_serve_command(
+            model,
+            port=port,
+            host=host,
+            served_model_name=served_model_name,
+            sleep_mode=sleep_mode,
+            kv_offload_gb=kv_offload_gb,
+            tool_call_parser=tool_call_parser,
+            stream_interval=stream_interval,
+        )
+    )
+    if print_only:
+        sys.stdout.write(command.shell() + "\n")
+        return
+    if not vllm_installed():
+        sys.stdout.write(command.shell() + "\n")
+        fail(
+            f"vLLM is not installed; install it (pip install 'qlm[vllm]', tested with {VLLM_VERSION}) and run the command above"
+        )
+    env = {**os.environ, **dict(command.env)}
+    raise typer.Exit(subprocess.call(list(command.argv), env=env))

@@ -1,0 +1,92 @@
+"""The commands that run QLM's services: ``qlm controller``, ``qlm serve`` (all in one process)
+and ``qlm api`` (``qlm.service``, ``qlm.api.server``)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from qlm.cli.common import console, guard
+
+QUIET_LOGGERS = ("httpx", "httpcore")
+"""Libraries that log every HTTP call at INFO (each stream to vLLM, each health check): shown
+only at QLM_LOG_LEVEL=DEBUG."""
+
+
+def configure_logging() -> None:
+    """Log at ``QLM_LOG_LEVEL`` (the HTTP clients' calls only at DEBUG)."""
+    import logging
+
+    from qlm.settings import get_settings
+
+    level = logging.getLevelNamesMapping()[guard(get_settings).log_level]
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if level > logging.DEBUG:
+        for name in QUIET_LOGGERS:
+            logging.getLogger(name).setLevel(max(level, logging.WARNING))
+
+
+def controller_cmd() -> None:
+    """Run the controller service: consume the global queue, plan, drive the instances, record
+    outcomes. Configured by QLM_BROKER_URL, QLM_DATABASE_URL, QLM_INSTANCES_FILE and
+    QLM_CONTROLLER__* (docs/operations.md); with none set it runs on embedded defaults. A second
+    controller on the same broker waits as standby and takes over when the active one stops."""
+    import asyncio
+
+    from qlm.service import run_controller
+    from qlm.settings import get_settings
+
+    configure_logging()
+    guard(lambda: asyncio.run(run_controller(get_settings())))
+
+
+def serve_cmd(
+    replay: Annotated[
+        float | None,
+        typer.Option(
+            help="Replay this many seconds of the demo trace (QLM_DEMO__*) through the service, print SLO attainment and exit."
+        ),
+    ] = None,
+    sim_http: Annotated[
+        bool,
+        typer.Option(
+            "--sim-http",
+            help="Run the simulated instances as `qlm sim-engine serve` processes driven over vLLM's HTTP API (QLM_CONTROLLER__SIM_OVER_HTTP).",
+        ),
+    ] = False,
+) -> None:
+    """The all-in-one process: controller, agents and the REST API (QLM_API__HOST:QLM_API__PORT,
+    default 127.0.0.1:8080) on one queue. With no settings: in-process queue, SQLite (./qlm.db)
+    and simulated instances; create a key with `qlm keys create --tenant NAME` (docs/api.md)."""
+    import asyncio
+
+    from qlm.service.serve import serve
+    from qlm.settings import get_settings
+
+    configure_logging()
+    settings = get_settings()
+    if sim_http:
+        controller = settings.controller.model_copy(update={"sim_over_http": True})
+        settings = settings.model_copy(update={"controller": controller})
+    result = guard(lambda: asyncio.run(serve(settings, replay_s=replay)))
+    if result is not None:
+        console.print(
+            f"replayed {result.requests} requests in {result.wall_s:.1f} s: "
+            f"{result.finished} finished, {result.failed} failed, "
+            f"SLO attainment {100 * result.attainment:.1f} %",
+            highlight=False,
+        )
+        flag = " --sim-http" if settings.controller.sim_over_http else ""
+        console.print(f"reproduce: qlm serve --replay {replay:g}{flag}", highlight=False)
+
+
+def api_cmd() -> None:
+    """Run the REST API alone (a controller runs elsewhere: `qlm controller`), on
+    QLM_API__HOST:QLM_API__PORT (default 127.0.0.1:8080). Configured by QLM_BROKER_URL,
+    QLM_DATABASE_URL and QLM_API__* (docs/api.md)."""
+    from qlm.api.server import run, run_api
+    from qlm.settings import get_settings
+
+    configure_logging()
+    guard(lambda: run(run_api(get_settings())))

@@ -1,0 +1,98 @@
+"""``qlm sim-engine``: one simulated vLLM instance behind vLLM's HTTP API
+(``qlm.engines.server``)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from qlm.cli.common import err_console, fail, guard
+
+sim_engine_app = typer.Typer(
+    help="A simulated vLLM instance behind vLLM's HTTP API (docs/engines.md).",
+    no_args_is_help=True,
+    rich_markup_mode=None,
+)
+
+
+@sim_engine_app.command("serve")
+def sim_engine_serve_cmd(
+    model: Annotated[str, typer.Option(help="Model, e.g. llama-3-8b (the served model name).")],
+    gpu: Annotated[str, typer.Option(help="GPU type: A10, A100, H100.")],
+    gpus: Annotated[
+        int | None, typer.Option(help="GPUs of the instance (default: fewest that fit).")
+    ] = None,
+    port: Annotated[int, typer.Option(help="Port to listen on.")] = 8001,
+    host: Annotated[str, typer.Option(help="Address to bind.")] = "127.0.0.1",
+    time_scale: Annotated[
+        float, typer.Option(help="Simulated seconds per real second (> 1: faster than real).")
+    ] = 1.0,
+    dev_mode: Annotated[
+        bool,
+        typer.Option(
+            "--dev-mode",
+            help="Serve /sleep, /wake_up, /is_sleeping (vLLM: VLLM_SERVER_DEV_MODE=1).",
+        ),
+    ] = False,
+    eos_lengths: Annotated[
+        str,
+        typer.Option(
+            help="Without ignore_eos, output lengths come from this length sample (sharegpt, arxiv, a trace or file), or 'max_tokens'."
+        ),
+    ] = "sharegpt",
+    seed: Annotated[int, typer.Option(help="Seed of the output-length draw.")] = 0,
+    max_num_seqs: Annotated[
+        int | None,
+        typer.Option(
+            help="Requests run at once (vLLM's --max-num-seqs; default: vLLM's for the GPU)."
+        ),
+    ] = None,
+    scheduling_policy: Annotated[
+        str,
+        typer.Option(
+            help="vLLM's --scheduling-policy: fcfs (its default) refuses a priority other than 0, "
+            "as vLLM documents; priority accepts it (QLM sends priorities: use priority)."
+        ),
+    ] = "fcfs",
+    stream_interval: Annotated[
+        int,
+        typer.Option(
+            help="Tokens per streamed chunk after the first (vLLM's --stream-interval; 1: each)."
+        ),
+    ] = 1,
+) -> None:
+    """Serve one simulated instance with the same HTTP API as `vllm serve`."""
+    from qlm.engines.server import SCHEDULING_POLICIES, SchedulingPolicy, serve
+
+    if time_scale <= 0:
+        fail(f"--time-scale must be > 0, got {time_scale}")
+    if max_num_seqs is not None and max_num_seqs < 1:
+        fail(f"--max-num-seqs must be >= 1, got {max_num_seqs}")
+    if scheduling_policy not in SCHEDULING_POLICIES:
+        fail(f"--scheduling-policy must be fcfs or priority, got {scheduling_policy!r}")
+    if stream_interval < 1:
+        fail(f"--stream-interval must be >= 1, got {stream_interval}")
+    policy: SchedulingPolicy = "priority" if scheduling_policy == "priority" else "fcfs"
+    err_console.print(
+        f"simulated vLLM: {model} on {f'{gpus}x' if gpus else ''}{gpu} at http://{host}:{port} "
+        f"(time x{time_scale:g}, {policy} scheduling{', dev mode' if dev_mode else ''})",
+        highlight=False,
+        soft_wrap=True,
+    )
+    guard(
+        lambda: serve(
+            model=model,
+            gpu=gpu,
+            gpu_count=gpus,
+            host=host,
+            port=port,
+            time_scale=time_scale,
+            dev_mode=dev_mode,
+            eos_lengths=eos_lengths,
+            seed=seed,
+            max_num_seqs=max_num_seqs,
+            scheduling_policy=policy,
+            stream_interval=stream_interval,
+        )
+    )
