@@ -57,8 +57,8 @@ from qlm.engines.base import (
     TokenChunk,
     ToolCall,
 )
-from qlm.engines.structured import resumable
 from qlm.errors import EngineError, QLMError, RequestRejected
+from qlm.structured import resumable
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +103,7 @@ class Job:
     def resumable(self) -> bool:
         """Whether output so far can be continued: not under a response format (a grammar
         starts at the answer's first token) nor with tools offered (a call half written is no
-        text to go on from): ``qlm.engines.structured.resumable``."""
+        text to go on from): ``qlm.structured.resumable``."""
         return resumable(self.sampling)
 
     def fill(self, request: EngineRequest) -> EngineRequest:

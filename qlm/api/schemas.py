@@ -30,9 +30,9 @@ from pydantic_core import CoreSchema, PydanticCustomError
 
 from qlm.api.prompts import CHARS_PER_TOKEN
 from qlm.domain import MAX_API_SLO_S, MIN_SLO_S, RequestStatus, Tier
-from qlm.engines.structured import schema_problem
 from qlm.settings import ApiSettings
 from qlm.store import RequestRow
+from qlm.structured import schema_problem
 
 TierName = Literal["interactive", "standard", "batch"]
 StatusName = Literal["queued", "running", "finished", "failed", "cancelled"]
@@ -152,7 +152,7 @@ def status_name(status: RequestStatus) -> StatusName:
 
 MAX_JSON_DEPTH = 64
 """The deepest nesting of arrays and objects a body may have. The deepest that QLM reads are
-JSON schemas (``qlm.engines.structured`` takes 16 levels of them, about 40 of JSON in a body);
+JSON schemas (``qlm.structured`` takes 16 levels of them, about 40 of JSON in a body);
 free-form values inside them (``default``, ``enum``, ``const``) are kept and passed on as they
 are, and a body nested a thousand levels deep would have every later reader of the queue
 message or the stored row decode it at the edge of Python's recursion limit."""

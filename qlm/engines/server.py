@@ -19,7 +19,7 @@ ShareGPT output lengths), deterministically from the request id, capped at ``max
 
 With a ``response_format`` of ``json_object`` or ``json_schema`` the answer is a JSON document
 of the schema, which ends the output when complete (the engine writes it:
-``qlm.engines.structured``).
+``qlm.structured``).
 
 Both endpoints run the same generation (``generate``) and stream the same chunks, worded per
 endpoint (``_Format``). A chat has no tokenizer or chat template here: its prompt length is
@@ -99,7 +99,7 @@ class ResponseFormatBody(BaseModel):
 class _GenerationBody(BaseModel):
     """The fields of both endpoints that the simulation honours; others are accepted and
     ignored (sampling parameters do not change a simulated output). A ``response_format``
-    makes the answer a JSON document of its schema (``qlm.engines.structured``)."""
+    makes the answer a JSON document of its schema (``qlm.structured``)."""
 
     model_config = ConfigDict(extra="allow")
 
@@ -112,7 +112,7 @@ class _GenerationBody(BaseModel):
 
     def sampling(self) -> tuple[tuple[str, Any], ...]:
         """What the simulated engine honours of the sampling parameters: the format, and a
-        chat's tools (``qlm.engines.structured.planned_call``)."""
+        chat's tools (``qlm.structured.planned_call``)."""
         out: list[tuple[str, Any]] = []
         if self.response_format is not None:
             fmt = self.response_format.model_dump(by_alias=True, exclude_none=True)

@@ -11,7 +11,7 @@ Output text is filler: token *i* of every request is ``FILLER_TOKEN`` (``" tok"`
 same rule counts a string prompt (whitespace words), which keeps a resumed request (prompt +
 partial output) consistent. A token-id prompt counts its ids. A request with a JSON
 ``response_format`` gets a JSON document of its schema instead, complete within ``max_tokens``
-when it fits (``qlm.engines.structured``).
+when it fits (``qlm.structured``).
 
 Sleep (vLLM sleep mode) is modelled here, around the ``SimEngine``: ``sleep(level)`` needs the
 instance drained, refuses new requests while asleep, and ``wake_up`` takes the model's warm
@@ -44,14 +44,14 @@ from qlm.engines.base import (
 )
 from qlm.engines.perf_model import HardwareCatalog, default_catalog
 from qlm.engines.sim import SimEngine, SimEngineConfig
-from qlm.engines.structured import (
+from qlm.errors import EngineError, RequestRejected, UnknownRequest
+from qlm.structured import (
     SchemaUnsupported,
     call_pieces,
     document_pieces,
     planned_call,
     resumable,
 )
-from qlm.errors import EngineError, RequestRejected, UnknownRequest
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ class _Flight:
     done: asyncio.Future[EngineOutput]
     sent: int = 0
     pieces: list[str] | None = None
-    """The text of each output token of a structured answer (``qlm.engines.structured``)."""
+    """The text of each output token of a structured answer (``qlm.structured``)."""
     call: str | None = None
     """The function a tool-calling answer calls: ``pieces`` are then its arguments."""
     arrived: float = 0.0  # on the engine's clock

@@ -21,8 +21,8 @@ from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
 from qlm.domain import SLO, Request, Tier
-from qlm.engines.structured import resumable
 from qlm.errors import QLMError
+from qlm.structured import resumable
 
 SCHEMA_VERSION = 1
 """The body version this code writes and the only one it reads."""

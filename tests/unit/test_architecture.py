@@ -17,7 +17,7 @@ PURE = [
     "agents/decide.py",
     "controller.py",
     "engines/sim.py",
-    "engines/structured.py",
+    "structured.py",
     "sim",
 ]
 FORBIDDEN = {

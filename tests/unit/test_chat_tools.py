@@ -13,8 +13,8 @@ import pytest
 from qlm.api.prompts import render_chat
 from qlm.domain import RequestStatus
 from qlm.engines.base import EngineOutput, EngineRequest
-from qlm.engines.structured import planned_call, resumable
 from qlm.engines.vllm import VllmEngine
+from qlm.structured import planned_call, resumable
 from tests.unit.test_api import Harness, error, published
 from tests.unit.test_api import run as run_api
 from tests.unit.test_engine_server import chat_sse, make_client
