@@ -1,4 +1,4 @@
-"""How fast does a controller take over a large backlog? (issue 6)
+"""How fast does a controller take over a large backlog?
 
 Publishes N requests (default 100,000; W_B's SLO classes and tiers, real Azure-conversation
 lengths) to the global queue, then starts a controller service (the production one: store
@@ -7,7 +7,7 @@ measures three times: until every request is held, recorded, grouped and placed 
 queue (by the planner's online placement, §4); until the estimator has checked that order against
 the SLOs (a predicted violation re-plans at once); and until the next whole plan (periodic, every
 ``period_s`` = 10 s, when no violation is predicted). And the peak memory (RSS) of the process.
-Target here (issue 6): <= 60 s and <= 1.5 GB.
+Target: <= 60 s and <= 1.5 GB.
 
 It also prints the longest control step, ``longest control step: X s``: the wall time of the
 longest single ``Controller.step`` (the controller's event loop records no outcome, acks nothing

@@ -14,7 +14,7 @@ the queue. No controller runs, so the queue only grows; the run's queue and Post
 are deleted afterwards. On Linux it also prints the CPU each party used during the measured load
 (from ``/proc``).
 
-Target (issue 7): >= 2,000 submissions/s with p99 <= 100 ms at concurrency 32 on the 2-core
+Target: >= 2,000 submissions/s with p99 <= 100 ms at concurrency 32 on the 2-core
 development machine, broker and database on the same host. Results: docs/api.md, "Ingest
 throughput".
 

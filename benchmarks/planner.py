@@ -1,4 +1,4 @@
-"""Planner quality and speed (issue 4): build time, solve time and objective over problem sizes.
+"""Planner quality and speed: build time, solve time and objective over problem sizes.
 
 Sizes are queues × groups (default 2×8, 4×32, 8×64, 16×128, 32×256), 3 models, seeded random
 problems (``qlm.planner.synthetic.random_problem``) whose groups draw input and output lengths from
@@ -47,7 +47,7 @@ from qlm.sim.traces import load_trace
 RESULTS = Path(__file__).resolve().parent / "results"
 SIZES = "2x8,4x32,8x64,16x128,32x256"
 TIME_TARGET_MS = {(8, 64): 100.0, (16, 128): 500.0}
-"""Median solve time targets of issue 4, by (queues, groups)."""
+"""Median solve time targets, by (queues, groups)."""
 REL_TOL = 1e-6
 
 Size = tuple[int, int]

@@ -1,4 +1,4 @@
-"""Ablation of the agents' operations (issue 5; paper Figs. 8–13): QLM with every operation, with
+"""Ablation of the agents' operations (paper Figs. 8–13): QLM with every operation, with
 each one removed, and the FCFS and EDF baselines, on W_A (several models sharing GPUs) and W_B (one
 model, several SLO classes).
 

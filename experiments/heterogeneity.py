@@ -1,4 +1,4 @@
-"""Heterogeneous fleets (issue 5; paper Fig. 14): four instances, 0–100 % of them A10s and the rest
+"""Heterogeneous fleets (paper Fig. 14): four instances, 0–100 % of them A10s and the rest
 A100s, all serving Llama-3-8B, under QLM and under round-robin dispatch (``fcfs-rr``: a load
 balancer that ignores how fast each instance is).
 

@@ -1,4 +1,4 @@
-"""Policy comparison (issue 4; paper §8.1): SLO attainment and throughput as load rises.
+"""Policy comparison (paper §8.1): SLO attainment and throughput as load rises.
 
 W_B (one model, llama-3-8b; classes interactive 20 s 40 %, standard 60 s 30 %, batch 300 s 30 %)
 on the Azure conversation trace's arrivals and lengths, one simulated A100, every policy behind the

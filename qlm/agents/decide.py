@@ -33,12 +33,12 @@ class AgentConfig:
     """Which operations the agent may use and how cautiously. ``warm_start``: choose model tiers
     from the virtual queue (``plan_tiers``) and switch models only when told to (off: the engine
     switches on its own, first come first served, as a multi-model vLLM host without QLM would).
-    Eviction and swap are off by default
-    for now: on W_B at 1.8× the Azure-conv rate on one A100 (600 s), without cost-aware
-    admission, QLM attained 84.7 % without them, 82.8 % with swap and eviction and 77.1 % with
-    eviction alone (with admission on they hardly fire: 87.9 % and 88.3 %) — interactive requests miss
-    there because decoding in a full batch is slow, not because they wait for a slot, so preempting
-    only wastes work. The ablation (issue 5) measures where they pay. ``min_victim_slack_s``: a running request is only preempted if it would still have
+    Eviction and swap are off by default: on W_B at 1.8× the Azure-conv rate on one A100 (600 s),
+    without cost-aware admission, QLM attained 84.7 % without them, 82.8 % with swap and eviction
+    and 77.1 % with eviction alone (with admission on they hardly fire: 87.9 % and 88.3 %) —
+    interactive requests miss there because decoding in a full batch is slow, not because they
+    wait for a slot, so preempting only wastes work. ``experiments/ablation.py`` measures where
+    they pay. ``min_victim_slack_s``: a running request is only preempted if it would still have
     this much slack after waiting ``resume_delay_s`` and being served again."""
 
     evict: bool = False
