@@ -189,12 +189,12 @@ CLASS_SAMPLE = 256
 """Recent arrivals of a request class whose lengths give the class's means (``_concurrency``)."""
 
 FLUID_SHARE = 0.25
-"""The share of a plan's budget within which the concurrency choice re-evaluates instances (the
-least recently evaluated first; the others keep their last evaluation)."""
+"""The share of the budget within which the concurrency choice re-evaluates instances (the least
+recently evaluated first; the others keep their last evaluation), before the search."""
 
 SEARCH_SHARE = 0.75
-"""The share of a plan's budget (from the plan's start) by which the solver stops; the capacity
-signal (computed when some group is left at risk) has the rest."""
+"""The share of the search's budget by which the solver stops; the capacity signal (computed
+when some group is left at risk) has the rest."""
 
 BATCH_CHOICES = (16, 32, 64, 96, 128, 192, 256, 384, 512)
 """Concurrency limits the planner considers for an instance (capped by its ``max_num_seqs``)."""
@@ -935,13 +935,10 @@ class QlmPolicy:
         admitted groups by the solver; deferred groups wait behind them, earliest deadline first."""
         started = self._clock()
         family, current = self._family(now)
-        # One deadline for the plan once its problem is built: the concurrency choice has its
-        # first FLUID_SHARE, the solver runs until SEARCH_SHARE, the capacity signal has the rest.
-        deadline = self.config.budget.start(self._clock)
         self._plans_made += 1
         choice = self._choice(family)
         choose = self.config.choose_concurrency and self._fixed is None
-        fluid = self._fluid(now, family, deadline.part(FLUID_SHARE))
+        fluid = self._fluid(now, family, self.config.budget.start(self._clock).part(FLUID_SHARE))
         best = self._concurrency(family, fluid, choice) if choose else choice
         # Deferral waits for half a rate window of history: a first burst is not a rate.
         settled = now - self._arrivals.first_s >= self.config.rate_window_s / 2
@@ -972,6 +969,9 @@ class QlmPolicy:
         problem = full if len(keep) == len(family.groups) else _subset(full, keep)
         position = {i: k for k, i in enumerate(keep)}
         previous = [[position[i] for i in order if i in position] for order in current]
+        # The search's deadline: the solver stops at SEARCH_SHARE of it, the capacity signal
+        # has the rest.
+        deadline = self.config.budget.start(self._clock)
         solution = solve(
             problem, deadline.part(SEARCH_SHARE), previous=previous, solver=self.config.solver
         )
