@@ -7,6 +7,9 @@ See ``qlm.store.store`` for the guarantees (thread-safe, idempotent outcomes) an
 
 from __future__ import annotations
 
+from qlm.store.base import StoreError
+from qlm.store.plans import PlanLike
+from qlm.store.requests import InvalidCursor, SummaryKey
 from qlm.store.rows import (
     ApiKey,
     ControllerStateRow,
@@ -17,7 +20,7 @@ from qlm.store.rows import (
     RequestRow,
     SloSummaryRow,
 )
-from qlm.store.store import InvalidCursor, PlanLike, Store, StoreError, SummaryKey
+from qlm.store.store import Store
 
 __all__ = [
     "ApiKey",

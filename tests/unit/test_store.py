@@ -901,7 +901,7 @@ def test_plans_recorded_before_the_deferred_column_read_back_with_zero_deferred(
 
 
 def test_batches_are_split_in_power_of_two_runs_and_in_lists_padded() -> None:
-    from qlm.store.store import _in, _pieces
+    from qlm.store.base import _in, _pieces
 
     items = list(range(37))
     runs = list(_pieces(items))
