@@ -4,7 +4,8 @@ Two ``qlm controller`` processes (one leads, one stands by), two ``qlm api`` pro
 ``qlm sim-engine serve`` engines share a RabbitMQ global queue (names of this test's own) and a
 PostgreSQL schema (of its own). Clients submit a bounded load of requests with SLOs over HTTP
 through both APIs (each with an Idempotency-Key; a failed submission is retried, on the other
-API first), cancel a few, and poll every result while the run goes on. Meanwhile faults chosen
+API first; a few accepted ones are sent again at once, as by a client whose answer was lost),
+cancel a few, and poll every result while the run goes on. Meanwhile faults chosen
 by ``random.Random(seed)`` strike: ``kill -9`` of the leading controller, of an API and of an
 engine (each restarted, the engine and the API on their ports), and broker connection cuts
 (``rabbitmqctl close_connection`` of the connections this test's processes named — each is
@@ -76,6 +77,7 @@ REQUESTS = 600
 LOAD_S = 60.0  # submissions spread over this long
 MIN_GAP_S = 5.0  # between the scheduled moments of two faults
 CANCEL_SHARE = 0.05
+RESEND_SHARE = 0.03
 SUBMIT_GIVE_UP_S = 120.0  # a client retries a submission this long before giving up
 HTTP_TIMEOUT_S = 15.0
 POLL_S = 1.0
@@ -144,6 +146,7 @@ class Planned:
     api: int
     body: dict[str, Any]
     cancel_after_s: float | None
+    resend: bool  # submitted again at once with the same Idempotency-Key
 
 
 def workload(rng: random.Random, seed: int) -> list[Planned]:
@@ -170,7 +173,8 @@ def workload(rng: random.Random, seed: int) -> list[Planned]:
         if rng.random() < 0.3:
             body["ttft_slo_seconds"] = round(min(slo, rng.uniform(1.0, 10.0)), 2)
         cancel = round(rng.uniform(0.0, 2.0), 2) if rng.random() < CANCEL_SHARE else None
-        planned.append(Planned(key, round(at, 3), i % 2, body, cancel))
+        resend = rng.random() < RESEND_SHARE
+        planned.append(Planned(key, round(at, 3), i % 2, body, cancel, resend))
     return planned
 
 
@@ -311,6 +315,7 @@ class Record:
     kinds: Counter[str] = field(default_factory=Counter)
     t0: float = 0.0  # when the load began
     replayed: int = 0  # 202s that were an earlier attempt's request (Idempotency-Key)
+    resent: int = 0  # accepted submissions sent again on purpose
     lost: int = 0
     duplicated: int = 0
     kills_of_leader: list[float] = field(default_factory=list)
@@ -349,10 +354,10 @@ async def run_clients(
             except httpx.HTTPError:
                 return None
 
-        async def submit(p: Planned) -> None:
-            await asyncio.sleep(max(0.0, t0 + p.at_s - time.time()))
+        async def post(p: Planned, api: int) -> str | None:
+            """Submit until an API accepts (the other API first after a failure); the id."""
             give_up = time.monotonic() + SUBMIT_GIVE_UP_S
-            api, backoff = p.api, 0.1
+            backoff = 0.1
             while True:
                 answer = await call(
                     api, "POST", "/v1/requests", json=p.body, headers={"Idempotency-Key": p.key}
@@ -361,23 +366,32 @@ async def run_clients(
                 record.attempts.append((api, time.time(), ok))
                 if ok and answer is not None:
                     answered = answer.json()
-                    rid = answered["id"]
-                    record.accepted[p.key].add(rid)
+                    record.accepted[p.key].add(answered["id"])
                     record.replayed += bool(answered.get("replayed"))
-                    break
+                    return str(answered["id"])
                 if (
                     answer is not None
                     and 400 <= answer.status_code < 500
                     and answer.status_code != 429
                 ):
                     record.refused.append(f"{p.key}: {answer.status_code} {answer.text[:300]}")
-                    return
+                    return None
                 if time.monotonic() > give_up:
                     record.gave_up.append(p.key)
-                    return
+                    return None
                 api = 1 - api
                 await asyncio.sleep(backoff)
                 backoff = min(1.0, backoff * 2)
+
+        async def submit(p: Planned) -> None:
+            await asyncio.sleep(max(0.0, t0 + p.at_s - time.time()))
+            rid = await post(p, p.api)
+            if rid is None:
+                return
+            if p.resend:  # as a client whose answer was lost: the same call to the other API
+                record.resent += 1
+                await post(p, 1 - p.api)
+            api = p.api
             if p.cancel_after_s is None:
                 return
             await asyncio.sleep(p.cancel_after_s)
@@ -644,7 +658,8 @@ def judge(
     figures = [
         f"accepted         {len(accepted)} ({dict(statuses)}; {again} dispatched more than once)",
         f"not accepted     {len(record.gave_up)} gave up, {len(record.refused)} refused; "
-        f"{record.replayed} accepted on a retry as the first attempt's request",
+        f"{record.replayed} answered as an earlier attempt's request "
+        f"({record.resent} accepted ones sent again on purpose)",
         f"cancels answered {dict(record.cancels)}",
         f"faults           {dict(record.kinds)}",
         f"lost             {len(lost)}",
