@@ -406,7 +406,15 @@ class SamplingIn(BaseModel):
     temperature: float | None = Field(default=None, ge=0, le=2, description="0 = greedy.")
     top_p: float | None = Field(default=None, gt=0, le=1, description="Nucleus sampling mass.")
     top_k: int | None = Field(default=None, ge=-1, le=1_000_000, description="-1 = off (vLLM).")
-    seed: int | None = Field(default=None, ge=-(2**63), lt=2**63)
+    seed: int | None = Field(
+        default=None,
+        ge=-(2**63),
+        lt=2**63,
+        # JSON Schema validators compare numbers as doubles, which cannot tell 2**63 from its
+        # neighbours: the published bounds are the nearest doubles inside int64, so that every
+        # value the schema admits is one the API takes.
+        json_schema_extra={"minimum": -(2**63) + 1024, "maximum": 2**63 - 1024},
+    )
     stop: Stop | Annotated[list[Stop], JsonSchemaRules(maxItems=4)] | None = Field(
         default=None, description="Up to 4 sequences that end the output."
     )
