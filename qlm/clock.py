@@ -63,3 +63,10 @@ class WallClock:
     def seconds_until(self, t: float) -> float:
         """Real seconds to sleep until this clock reads ``t`` (0 if it is past)."""
         return max(0.0, (t - self.now()) / self.scale)
+
+
+def work_seconds() -> float:
+    """The process's monotonic seconds (``time.perf_counter``): the clock a policy times its
+    own work on — a plan's budget when it is wall time, a control step's — unless it is given
+    another (tests give a fake one; a simulated run's budgets are counts and read none)."""
+    return time.perf_counter()

@@ -25,11 +25,11 @@ from typing import Literal
 import pulp
 
 from qlm.domain import Decision, Pull, Request, Tier
-from qlm.planner.milp import make_solver
 from qlm.planner.policy import Completion, DispatchContext, InstanceLoad, Policy, has_room
 from qlm.planner.queued import QueuedPolicy, Step, instance_queue, model_queue
 from qlm.rct.estimator import RCTEstimator
 from qlm.rct.profile import HardwareProfile, RctProfile, default_profile
+from qlm.solvers import make_solver
 
 
 class FcfsDispatch:

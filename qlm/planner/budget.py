@@ -13,14 +13,14 @@ the one it was given, and a test drives it with a fake clock or a fake deadline.
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+from qlm.clock import work_seconds
 from qlm.errors import check_setting
 
 Clock = Callable[[], float]
-"""Seconds, monotonic (``time.perf_counter`` in production)."""
+"""Seconds, monotonic (``qlm.clock.work_seconds`` in production)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,7 +40,7 @@ class Budget:
         ok = self.evaluations is None or self.evaluations >= 1
         check_setting(ok, "planner.budget.evaluations", ">= 1 or unset", self.evaluations)
 
-    def start(self, clock: Clock = time.perf_counter) -> Deadline:
+    def start(self, clock: Clock = work_seconds) -> Deadline:
         """One plan's deadline, from now on ``clock``."""
         return Deadline(self, clock)
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import logging
 import math
-import warnings
 from typing import Any, Literal
 
 import numpy as np
@@ -35,75 +34,12 @@ import pulp
 
 from qlm.planner.budget import Deadline
 from qlm.planner.program import Plan, PlanProblem
+from qlm.solvers import make_solver, note_failure, resolve_solver
 
 log = logging.getLogger(__name__)
 
-SOLVERS = ("cbc", "highs")
-
 MILP_MIN_S = 0.05
 """Under a deadline the MILP is run only with at least this much of it left."""
-
-_failures = 0  # solver failures in this process (the first one is logged as a warning)
-
-
-def available_solvers() -> tuple[str, ...]:
-    names = set(pulp.listSolvers(onlyAvailable=True))
-    out = ["cbc"] if "PULP_CBC_CMD" in names else []
-    if "HiGHS" in names:
-        out.append("highs")
-    return tuple(out)
-
-
-def resolve_solver(name: str) -> str:
-    """``auto``: HiGHS when ``highspy`` is installed, else CBC (bundled with PuLP)."""
-    if name == "auto":
-        return "highs" if "highs" in available_solvers() else "cbc"
-    if name not in SOLVERS:
-        raise ValueError(f"unknown solver {name!r}; known: auto, {', '.join(SOLVERS)}")
-    return name
-
-
-_greeted: list[bool] = []
-
-
-def _greet_highs_on_stderr() -> None:
-    """HiGHS prints a two-line banner on the process's standard output (file descriptor 1, from
-    C++) when the first solver object is made, before PuLP can turn its output off: it would
-    corrupt what a command prints there (``qlm simulate --json``). The first object is made here,
-    once per process, with descriptor 1 pointed at standard error and the C library's buffers
-    flushed before it is put back."""
-    if _greeted:
-        return
-    _greeted.append(True)
-    import ctypes
-    import os
-    import sys
-
-    import highspy
-
-    sys.stdout.flush()
-    saved = os.dup(1)
-    try:
-        os.dup2(2, 1)
-        highspy.Highs()  # type: ignore[no-untyped-call]
-        ctypes.CDLL(None).fflush(None)
-    finally:
-        os.dup2(saved, 1)
-        os.close(saved)
-
-
-def make_solver(name: str, time_limit_s: float | None, warm: bool) -> Any:
-    name = resolve_solver(name)
-    if name == "cbc":
-        with warnings.catch_warnings():  # PuLP 3.x bundles CBC behind a name it deprecates for 4.0
-            warnings.simplefilter("ignore", DeprecationWarning)
-            return pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s, warmStart=warm)
-    if name == "highs":
-        if "highs" not in available_solvers():
-            raise ValueError("solver 'highs' needs the highspy package (pip install highspy)")
-        _greet_highs_on_stderr()
-        return pulp.HiGHS(msg=False, timeLimit=time_limit_s, warmStart=warm)
-    raise ValueError(f"unknown solver {name!r}; known: {', '.join(SOLVERS)}")
 
 
 def build_milp(problem: PlanProblem) -> tuple[pulp.LpProblem, dict[str, Any]]:
@@ -330,17 +266,7 @@ def solve_milp(
     try:
         status = lp.solve(make_solver(solver, limit, start is not None))
     except pulp.PulpSolverError as exc:
-        global _failures
-        _failures += 1
-        level = logging.WARNING if _failures == 1 else logging.DEBUG
-        log.log(
-            level,
-            "the %s solver failed (%s); the plan is the heuristic's (%d failures so far, "
-            "later ones logged at debug level)",
-            resolve_solver(solver),
-            exc,
-            _failures,
-        )
+        note_failure(resolve_solver(solver), exc)
         return None
     plan = _read_plan(problem, variables)
     if plan is None:

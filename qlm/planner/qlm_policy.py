@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -39,6 +38,7 @@ from qlm.agents.decide import (
     make_room,
     plan_tiers,
 )
+from qlm.clock import work_seconds
 from qlm.domain import Decision, Evict, ModelTier, Pull, Request, SwapIn, SwapOut, Tier
 from qlm.errors import RequestFailed, check_setting
 from qlm.groups import Grouper, GroupingConfig, PredictOutput, default_predict_output
@@ -426,7 +426,7 @@ class QlmPolicy:
         measure_solve_time: bool | None = None,
         estimator: RCTEstimator | None = None,
         predict_output: PredictOutput | None = None,
-        clock: Clock = time.perf_counter,
+        clock: Clock = work_seconds,
     ) -> None:
         """``measure_solve_time``: space plans by ``keep_up`` × their measured compute time; by
         default only when the budget is wall time (production). A budget counted in evaluations

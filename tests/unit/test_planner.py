@@ -216,7 +216,7 @@ def test_a_solver_that_crashes_leaves_the_heuristic_plan(
     monkeypatch.setattr("qlm.planner.milp.make_solver", lambda *a: Crashing(msg=False))
     pr = random_problem(2, 6, seed=11, scenarios=4)
     assert solve_milp(pr, solver="cbc") is None
-    with caplog.at_level("DEBUG", logger="qlm.planner.milp"):
+    with caplog.at_level("DEBUG", logger="qlm.solvers"):
         sol = solve(pr, Budget(time_s=None, milp_max_groups=8), solver="cbc")
     check_plan(pr, sol.plan)
     assert "milp" not in sol.method and sol.status == "heuristic"
@@ -253,7 +253,7 @@ def test_the_highs_banner_goes_to_stderr_and_leaves_stdout_to_the_command() -> N
     pytest.importorskip("highspy")
     code = (
         "import pulp\n"
-        "from qlm.planner.milp import make_solver\n"
+        "from qlm.solvers import make_solver\n"
         "p = pulp.LpProblem('x', pulp.LpMinimize)\n"
         "x = pulp.LpVariable('x', 0, 1, cat='Integer')\n"
         "p += x\n"
