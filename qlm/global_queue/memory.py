@@ -80,6 +80,11 @@ class MemoryBroker:
         """Messages waiting for a consumer (not delivered, or returned)."""
         return len(self._ready)
 
+    @property
+    def unacked(self) -> int:
+        """Messages delivered and not settled yet."""
+        return sum(len(consumer.held) for consumer in self._consumers)
+
     def put_raw(self, body: bytes) -> None:
         """Store a body as is, valid or not (what a foreign producer could put on the queue)."""
         heapq.heappush(self._ready, _Stored(next(self._seq), body))

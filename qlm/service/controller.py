@@ -72,6 +72,23 @@ def default_controller_name() -> str:
 class _Held:
     delivery: Delivery
     message: QueuedRequest
+    copies: list[Delivery] = field(default_factory=list)
+    """More deliveries of the same request on the same connection (it was published twice: a
+    client's resend, an API's retry after a lost confirm): settled with ``delivery``, once the
+    outcome is stored."""
+
+    def take(self, delivery: Delivery) -> bool:
+        """Another delivery of this request: a copy on the same connection, kept to be settled
+        with the first; or, after a reconnect (a new ``epoch``), the one that counts now (the
+        broker took the older ones back). True when it is a redelivery."""
+        if delivery.epoch == self.delivery.epoch:
+            self.copies.append(delivery)
+            return False
+        self.delivery, self.copies = delivery, []
+        return True
+
+    def all(self) -> list[Delivery]:
+        return [self.delivery, *self.copies]
 
 
 @dataclass(slots=True)
@@ -346,15 +363,20 @@ class ControllerService(RuntimeListener):
         if lead != self._lead:
             return  # the lead was lost meanwhile: the broker delivers these again
         fresh: list[Delivery] = []
+        first: dict[str, Delivery] = {}  # of each request in this batch
+        copies: dict[str, list[Delivery]] = {}  # more of the same request in this batch
         for d in batch:
             msg = d.message
             if msg is None:
                 continue
             held = self._held.get(msg.id)
-            if held is not None:  # redelivered after a reconnect: settle the new delivery later
-                held.delivery = d
-                self.redelivered += 1
+            if held is not None:  # delivered again: settled with its outcome
+                self.redelivered += held.take(d)
                 continue
+            if msg.id in first:
+                copies.setdefault(msg.id, []).append(d)
+                continue
+            first[msg.id] = d
             fresh.append(d)
         if not fresh:
             return
@@ -372,16 +394,18 @@ class ControllerService(RuntimeListener):
             msg = d.message
             assert msg is not None
             self.received += 1
+            extra = copies.get(msg.id, [])
             row = rows.get(msg.id)
             if row is None:  # the store did not take it (cannot happen with a working store)
-                await self._poison(d, f"request {msg.id!r} could not be recorded")
+                await self._poison([d, *extra], f"request {msg.id!r} could not be recorded")
                 continue
             if row.is_final:
-                await self.queue.ack(d)  # a previous controller finished it
+                for each in (d, *extra):
+                    await self.queue.ack(each)  # a previous controller finished it
                 self.settled += 1
                 continue
             if row.tenant != msg.tenant:
-                await self._poison(d, f"request id {msg.id!r} belongs to another tenant")
+                await self._poison([d, *extra], f"request id {msg.id!r} belongs to another tenant")
                 continue
             if msg.model not in served:
                 reason = f"no instance serves model {msg.model!r}"
@@ -393,9 +417,9 @@ class ControllerService(RuntimeListener):
                     error=reason,
                 )
                 self._writes.settle.append((msg.id, reason, RequestStatus.FAILED))
-                self._held[msg.id] = _Held(d, msg)
+                self._held[msg.id] = _Held(d, msg, list(extra))
                 continue
-            self._held[msg.id] = _Held(d, msg)
+            self._held[msg.id] = _Held(d, msg, list(extra))
             self._submit(msg, row)
 
     async def _learn_history(self) -> None:
@@ -456,9 +480,12 @@ class ControllerService(RuntimeListener):
         )
         self._writes.settle.append((msg.id, "ack", RequestStatus.FINISHED))
 
-    async def _poison(self, delivery: Delivery, reason: str) -> None:
-        log.warning("dead-lettering %s: %s", delivery.message and delivery.message.id, reason)
-        await self.queue.dead_letter(delivery, reason)
+    async def _poison(self, deliveries: list[Delivery], reason: str) -> None:
+        """Dead-letter every delivery of one request with ``reason``."""
+        message = deliveries[0].message
+        log.warning("dead-lettering %s: %s", message and message.id, reason)
+        for delivery in deliveries:
+            await self.queue.dead_letter(delivery, reason)
         self.settled += 1
 
     # --- what the runtime reports (the event loop; never blocks) ----------------------------------
@@ -583,7 +610,7 @@ class ControllerService(RuntimeListener):
             held = self._held.pop(rid, None)
             if held is None:
                 continue
-            batch.append((held.delivery, how))
+            batch += [(delivery, how) for delivery in held.all()]
             self.settled += 1
         if batch:
             self._unsettled += len(batch)

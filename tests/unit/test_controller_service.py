@@ -208,6 +208,36 @@ def test_a_request_the_policy_cannot_plan_fails_alone_and_the_service_goes_on() 
     run(scenario)
 
 
+def test_a_request_published_twice_runs_once_and_both_deliveries_are_settled() -> None:
+    """A client's resend or an API's retry after a lost confirm puts a request on the queue
+    twice: in the same batch, or while the first delivery's request runs. It runs once and
+    every delivery is acked with its outcome (one was left un-acked for good)."""
+
+    async def scenario(store: Store) -> None:
+        broker = MemoryBroker()
+        service = make_service(store, broker)
+        producer = MemoryGlobalQueue(broker=broker)
+        now = service.runtime.clock.now()
+        await producer.publish_many([message(0, now), message(0, now)])  # one batch
+        await service.start()
+        await eventually(lambda: service.holds("q0000"), "the first is held")
+        long = message(1, now, replay_output_tokens=3000, max_tokens=3000)
+        await producer.publish(long)
+        await eventually(lambda: engines_running(service) >= 1, "it runs")
+        await producer.publish(long)  # again, while it runs
+        await eventually(lambda: final(store, ["q0000", "q0001"]), "both finished")
+        await service.wait_idle()
+        await eventually(lambda: broker.unacked == 0, "every delivery settled")
+        await service.stop()
+        assert broker.ready == 0 and not broker.dead
+        for rid in ("q0000", "q0001"):
+            row = store.get(rid)
+            assert row is not None and row.status is RequestStatus.FINISHED
+            assert row.dispatched_at is not None and row.evictions == 0
+
+    run(scenario)
+
+
 def test_a_standby_controller_takes_over_and_each_request_ends_once() -> None:
     async def scenario(store: Store) -> None:
         broker = MemoryBroker(delivery_limit=10)
