@@ -257,7 +257,6 @@ def report(taken: Taken, policy: QlmPolicy, args: argparse.Namespace) -> None:
     if taken.planned_s is None or taken.held_s is None:
         print(f"did not finish within {args.timeout:.0f} s")
         return
-    last = policy.plans[-1]
     print(
         f"all held, recorded in the store, grouped and placed in virtual queues after "
         f"{taken.held_s:.1f} s"
@@ -269,6 +268,7 @@ def report(taken: Taken, policy: QlmPolicy, args: argparse.Namespace) -> None:
     if taken.emptied:
         print(f"all pulled after {taken.planned_s:.1f} s: none waits to be planned")
         return
+    last = policy.plans[-1]
     print(
         f"re-planned as a whole after {taken.planned_s:.1f} s (the next periodic plan, unless a "
         f"violation is predicted first): {len(policy.grouper):,} groups, "
