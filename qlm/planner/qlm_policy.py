@@ -6,7 +6,7 @@ at its deadline slot; when a trigger fires the planner re-orders and re-assigns 
 (``build_family`` + ``solve``); then each instance pulls from the head of its own virtual queue
 while it has room (§5 *pull*, *load balancing*: a running request never migrates).
 
-Triggers (issue 4): a predicted violation (the estimator's completion distribution of the current
+Triggers: a predicted violation (the estimator's completion distribution of the current
 order gives some group ``P(meet) < Δ`` — checked when groups changed, at most every
 ``check_interval_s``), an instance joining, leaving or going idle while others have work, and the
 period ``period_s`` otherwise. Never more often than ``min_interval_s`` nor, on the wall clock, than

@@ -1,6 +1,6 @@
 """Solving the plan problem fast: construction, local search, and the MILP where it pays.
 
-The literal position-indexed MILP of §7 does not scale (issue 4 measured CBC and HiGHS stalling at
+The literal position-indexed MILP of §7 does not scale (CBC and HiGHS stall already at
 2 × 8). This solver decomposes instead:
 
 1. **Construction.** Two starts, both scored exactly: *EDF with earliest-finish assignment* (groups

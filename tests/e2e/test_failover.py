@@ -1,5 +1,5 @@
 """Kill the active controller, then an engine, in the middle of a run: nothing accepted is lost
-and nothing ends twice (issue 6, ARCHITECTURE.md §4 rule 5).
+and nothing ends twice (ARCHITECTURE.md §4 rule 5).
 
 Two ``qlm controller`` processes share a RabbitMQ quorum queue (one leads, one stands by) and a
 PostgreSQL schema; three ``qlm sim-engine serve`` processes serve over vLLM's HTTP API. The test

@@ -6,7 +6,7 @@ many concurrent HTTP requests and must answer each only after the broker's confi
 are pipelined on one channel (each publish awaits its own delivery tag), and ``publish_many`` sends
 a batch through aiormq's ``basic_publish`` directly, without aio-pika's per-message objects.
 Through ``RabbitGlobalQueue`` that measured 6,100-7,700 confirmed publishes/s, p99 8-9 ms
-(2026-11-25), at concurrency 32 on the 2-core development machine (``benchmarks/global_queue.py``),
+at concurrency 32 on the 2-core development machine (``benchmarks/global_queue.py``),
 against 650-900/s for pika's ``BlockingConnection`` behind a lock; one pika connection per thread
 would multiply threads and connections per API process for the same effect, and a pika
 ``SelectConnection`` in an I/O thread would need a hand-written confirm tracker and a thread
