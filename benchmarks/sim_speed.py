@@ -11,9 +11,9 @@ import argparse
 import platform
 import time
 
+from qlm.fleet import parse_instances
 from qlm.planner import create_policy
 from qlm.sim.cluster import simulate
-from qlm.sim.instances import parse_instances
 from qlm.sim.traces import load_trace
 from qlm.sim.workload import create_workload
 

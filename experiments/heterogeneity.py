@@ -20,9 +20,9 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from qlm.fleet import parse_instances
 from qlm.planner import PlannerConfig, create_policy
 from qlm.sim.cluster import ClusterSimulation
-from qlm.sim.instances import parse_instances
 from qlm.sim.traces import load_trace, scale_rate, window
 from qlm.sim.workload import create_workload
 

@@ -28,13 +28,13 @@ from pathlib import Path
 from typing import Any
 
 from qlm.domain import Request, Tier
+from qlm.fleet import parse_instances
 from qlm.planner import POLICIES, PlannerConfig, create_policy
 from qlm.planner.policy import Policy
 from qlm.planner.qlm_policy import DEFAULT_GROUPING, QlmPolicy
 from qlm.rct.estimator import RCTEstimator
 from qlm.rct.profile import default_profile
 from qlm.sim.cluster import ClusterSimulation
-from qlm.sim.instances import parse_instances
 from qlm.sim.traces import load_trace, scale_rate, window
 from qlm.sim.workload import create_workload
 

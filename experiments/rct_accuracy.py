@@ -58,12 +58,12 @@ from scipy.stats import t as student_t
 from qlm.domain import Request, RequestRecord
 from qlm.engines.perf_model import default_catalog
 from qlm.engines.sim import SimEngine
+from qlm.fleet import parse_instances
 from qlm.planner import create_policy
 from qlm.rct.estimator import EstimatorInstance, Queued, RCTEstimator
 from qlm.rct.profile import RctProfile
 from qlm.rct.profiling import profile_sim_hardware, profile_workload
 from qlm.sim.cluster import ClusterSimulation
-from qlm.sim.instances import parse_instances
 from qlm.sim.traces import (
     LengthSample,
     Trace,

@@ -32,7 +32,7 @@ from qlm.engines.sim import SimEngine, SimEngineConfig
 from qlm.engines.vllm import VllmEngine
 from qlm.engines.wallclock import WallClockEngine
 from qlm.errors import ConfigError
-from qlm.sim.instances import parse_instances
+from qlm.fleet import parse_instances
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,10 +14,10 @@ from typing import Literal
 
 from qlm.domain import InstanceSpec, Request
 from qlm.errors import QLMError
+from qlm.fleet import parse_instances
 from qlm.planner import PlannerConfig, Policy, create_policy
 from qlm.rct.profile import RctProfile, default_profile
 from qlm.sim.cluster import SimResult, simulate
-from qlm.sim.instances import parse_instances
 from qlm.sim.traces import load_lengths, load_trace, scale_rate, synthetic, window
 from qlm.sim.workload import create_workload
 

@@ -26,11 +26,11 @@ from qlm.domain import (
     SwapOut,
     Tier,
 )
+from qlm.fleet import parse_instances
 from qlm.planner import POLICIES, PlannerConfig, QlmPolicy, create_policy
 from qlm.rct.output_model import NIG
 from qlm.rct.profile import default_profile
 from qlm.sim.cluster import ClusterSimulation, Outage
-from qlm.sim.instances import parse_instances
 
 ON = AgentConfig(evict=True, swap=True, min_victim_slack_s=1.0, resume_delay_s=1.0)
 COSTS = InstanceCosts(

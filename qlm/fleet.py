@@ -1,4 +1,6 @@
-"""The ``--instances`` shorthand of ``qlm simulate``: ``2xA100:llama-3-8b,1xH100/4:llama-2-70b``.
+"""A fleet in one line: ``2xA100:llama-3-8b,1xH100/4:llama-2-70b`` — ``qlm simulate
+--instances``, and the simulated instances ``qlm serve`` runs without an instances file
+(``QLM_CONTROLLER__SIM_INSTANCES``).
 
 Each comma-separated item is ``[COUNTx]GPU[/GPUS_PER_INSTANCE]:MODEL[+MODEL...]``: COUNT instances
 (default 1), each with GPUS_PER_INSTANCE GPUs of type GPU (default: the fewest with a shipped
