@@ -321,10 +321,10 @@ async def main(args: argparse.Namespace) -> None:
         # un-acked message is delivered again): the controller holds a plan already.
         burst = make_requests(args.redeliver, "again-")
         timer.reset()
-        names = [c.spec.name for c in configs]
+        instances = [c.spec.name for c in configs]
         expect = service.received + len(burst)
         if args.drained:  # no instance to put them on yet: every group waits for the planner
-            for name in names:
+            for name in instances:
                 runtime.set_draining(name, True)
         publish_s = await publish(queue, burst, run)
         print(
@@ -336,7 +336,7 @@ async def main(args: argparse.Namespace) -> None:
         if args.drained:
             while service.received < expect or runtime.controller.has_arrivals or policy.ungrouped:
                 await asyncio.sleep(0.05)
-            for name in names:
+            for name in instances:
                 runtime.set_draining(name, False)
             print(
                 f"all held; the instances are back: {len(policy.grouper):,} groups to plan",
