@@ -728,9 +728,10 @@ class QlmPolicy:
         (``qlm.planner.admission``); the model gives the expected weighted SLOs met per second
         (which limit to use) and the value density below which work is deferred.
 
-        Instances are evaluated the least recently evaluated first; once ``deadline`` is spent,
-        one evaluated before keeps its last evaluation (the first in turn and a new one are
-        always evaluated)."""
+        Instances are evaluated the least recently evaluated first (one never evaluated before
+        the others), one at least; once ``deadline`` is spent the others keep their last
+        evaluation, or have none until their turn (their limit stays, their admission defers
+        nothing)."""
         horizon = self.config.rate_window_s
         window = self._arrivals
         window.expire(now - horizon)
@@ -764,17 +765,18 @@ class QlmPolicy:
         )
         for k, g in enumerate(turn):
             inst, limits = family.instances[g], family.batches[g]
-            last = self._fluids.get(inst.name, (-1, None))[1]
-            reuse = k > 0 and last is not None and set(last) == set(limits)
-            if reuse and deadline is not None and deadline.spent():
-                out[g] = last
-                continue
             ld = loads[inst.name]
             eps_f = self.estimator.calibration_factors(inst.name)[1]  # decode as observed
             same = (inst.models, ld.gpu, ld.gpu_count, limits, eps_f)
             if same in alike:
                 out[g] = alike[same]
                 self._fluids[inst.name] = (self._plans_made, out[g])
+                continue
+            if k > 0 and deadline is not None and deadline.spent():
+                last = self._fluids.get(inst.name, (-1, None))[1]
+                if last is not None and set(last) != set(limits):
+                    last = None
+                out[g] = last  # (None until its turn comes: its limit stays, nothing deferred)
                 continue
             serving = {m: max(1, sum(m in i.models for i in family.instances)) for m in inst.models}
             keys = [k for k in classes if k[0] in inst.models]
