@@ -42,6 +42,7 @@ import resource
 import sys
 import tempfile
 import time
+import traceback
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
@@ -304,54 +305,62 @@ async def main(args: argparse.Namespace) -> None:
     capacity = args.shards * MAX_PREFETCH
     expect = len(requests) if not args.broker else min(len(requests), capacity)
     await service.start()
-    taken = await take(service, policy, expect, args)
-    peak = rss_mb()
-    print(
-        f"controller: held {service.received:,} of {len(requests):,} "
-        + (
-            f"(RabbitMQ, {args.shards} shard(s): holds at most {capacity:,})"
-            if args.broker
-            else "(in-process queue)"
-        )
-    )
-    report(taken, policy, args)
-    print(timer.report(f"take-over of {len(requests):,} queued requests"), flush=True)
-    if args.redeliver and taken.planned_s is not None:
-        # The broker hands the leader a burst at once (as after a broker restart, when every
-        # un-acked message is delivered again): the controller holds a plan already.
-        burst = make_requests(args.redeliver, "again-")
-        timer.reset()
-        instances = [c.spec.name for c in configs]
-        expect = service.received + len(burst)
-        if args.drained:  # no instance to put them on yet: every group waits for the planner
-            for name in instances:
-                runtime.set_draining(name, True)
-        publish_s = await publish(queue, burst, run)
+    peak = base_rss
+    try:
+        taken = await take(service, policy, expect, args)
+        peak = rss_mb()
         print(
-            f"delivered {len(burst):,} more requests at once (published in {publish_s:.1f} s) "
-            f"to the controller holding {policy.grouper.num_requests:,} requests and a plan"
-            + (", every instance drained" if args.drained else ""),
-            flush=True,
+            f"controller: held {service.received:,} of {len(requests):,} "
+            + (
+                f"(RabbitMQ, {args.shards} shard(s): holds at most {capacity:,})"
+                if args.broker
+                else "(in-process queue)"
+            )
         )
-        if args.drained:
-            while service.received < expect or runtime.controller.has_arrivals or policy.ungrouped:
-                await asyncio.sleep(0.05)
-            for name in instances:
-                runtime.set_draining(name, False)
+        report(taken, policy, args)
+        print(timer.report(f"take-over of {len(requests):,} queued requests"), flush=True)
+        if args.redeliver and taken.planned_s is not None:
+            # The broker hands the leader a burst at once (as after a broker restart, when every
+            # un-acked message is delivered again): the controller holds a plan already.
+            burst = make_requests(args.redeliver, "again-")
+            timer.reset()
+            instances = [c.spec.name for c in configs]
+            expect = service.received + len(burst)
+            if args.drained:  # no instance to put them on yet: every group waits for the planner
+                for name in instances:
+                    runtime.set_draining(name, True)
+            publish_s = await publish(queue, burst, run)
             print(
-                f"all held; the instances are back: {len(policy.grouper):,} groups to plan",
+                f"delivered {len(burst):,} more requests at once (published in {publish_s:.1f} s) "
+                f"to the controller holding {policy.grouper.num_requests:,} requests and a plan"
+                + (", every instance drained" if args.drained else ""),
                 flush=True,
             )
-        taken = await take(service, policy, expect, args)
-        report(taken, policy, args)
-        print(timer.report(f"{len(burst):,} requests delivered at once"), flush=True)
-        peak = rss_mb()
-    print(f"peak RSS {peak:,.0f} MB (after publishing: {base_rss:,.0f} MB)")
-    print("reproduce: .venv/bin/python " + " ".join(sys.argv))
-    await service.stop()
-    store.close()
-    if args.broker:
-        await delete_queues(args.broker, names, args.shards)
+            if args.drained:
+                while (
+                    service.received < expect or runtime.controller.has_arrivals or policy.ungrouped
+                ):
+                    await asyncio.sleep(0.05)
+                for name in instances:
+                    runtime.set_draining(name, False)
+                print(
+                    f"all held; the instances are back: {len(policy.grouper):,} groups to plan",
+                    flush=True,
+                )
+            taken = await take(service, policy, expect, args)
+            report(taken, policy, args)
+            print(timer.report(f"{len(burst):,} requests delivered at once"), flush=True)
+            peak = rss_mb()
+        print(f"peak RSS {peak:,.0f} MB (after publishing: {base_rss:,.0f} MB)")
+        print("reproduce: .venv/bin/python " + " ".join(sys.argv))
+    except BaseException:
+        traceback.print_exc()  # now: stopping what runs may take a while
+        raise
+    finally:
+        await service.stop()
+        store.close()
+        if args.broker:
+            await delete_queues(args.broker, names, args.shards)
 
 
 async def delete_queues(url: str, names: dict[str, str], shards: int) -> None:
