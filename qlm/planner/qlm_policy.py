@@ -542,24 +542,27 @@ class QlmPolicy:
         # With a wall-time budget a step is bounded: arrivals are taken while the first half of
         # ``step_budget_s`` lasts (the rest wait for the next step, first in line), then a
         # recluster or a plan only if time is left — else it goes first at the next step, and
-        # never both in one step —, then pulls in the second half.
+        # never both in one step; a recluster never in a step that grouped arrivals —, then
+        # pulls in the second half.
         wall = self._measure
         start = self._clock() if wall else 0.0
         half = self.config.step_budget_s / 2
         owed, self._owed = self._owed, ""
         if owed:
             self._rethink(now, recluster=owed == "rethink")
-        self._take_arrivals(now, start + half if wall else math.inf)
+        taken = self._take_arrivals(now, start + half if wall else math.inf)
         if not owed:
-            if wall and self._clock() - start >= half:
+            if wall and (
+                self._clock() - start >= half or (taken and self.grouper.needs_recluster(now))
+            ):  # a recluster (the largest part, at 100,000 requests) gets a step of its own
                 self._owed = "rethink"
             else:
                 self._rethink(now)
         return self._pull(now, start + self.config.step_budget_s if wall else math.inf)
 
-    def _take_arrivals(self, now: float, until: float) -> None:
+    def _take_arrivals(self, now: float, until: float) -> int:
         """Group the requests handed to the policy (new ones, and ones back from an engine),
-        oldest first, until ``until`` on the policy's clock (at least one)."""
+        oldest first, until ``until`` on the policy's clock (at least one). How many it took."""
         taken = 0
         while self._inbox and not (taken and self._clock() >= until):
             taken += 1
@@ -568,6 +571,7 @@ class QlmPolicy:
                 self._take(now, req, generated)
             except Exception as exc:
                 raise RequestFailed(req.id, exc) from exc
+        return taken
 
     def _take(self, now: float, req: Request, generated: int) -> None:
         """Group one request handed to the policy and place its group if it is new."""

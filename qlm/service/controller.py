@@ -41,6 +41,7 @@ from qlm.domain import RequestRecord, RequestStatus
 from qlm.engines.base import TokenChunk, ToolCall
 from qlm.errors import check_setting
 from qlm.global_queue import DeadLetter, Delivery, GlobalQueue, MessageError, QueuedRequest
+from qlm.service.backlog_gc import BacklogGC
 from qlm.service.hub import ResultEvent, ResultHub
 from qlm.store import NewRequest, RequestRow, Store, StoreError
 from qlm.store.rows import InstanceState
@@ -146,6 +147,7 @@ class ControllerService(RuntimeListener):
         self.hub = ResultHub()
         runtime.listener = self
         self._held: dict[str, _Held] = {}
+        self.backlog_gc = BacklogGC()  # full collections kept out of the step under a backlog
         self._inbox: list[Delivery] = []
         self._writes = _Writes()
         self._settling: set[asyncio.Task[None]] = set()  # acks of committed outcomes
@@ -213,6 +215,7 @@ class ControllerService(RuntimeListener):
                 self.store.put_controller_state, self.name, active=False, snapshot=self.snapshot()
             )
         await self.queue.close()
+        self.backlog_gc.settled(0)  # what it held is the next controller's now
 
     @property
     def active(self) -> bool:
@@ -312,6 +315,7 @@ class ControllerService(RuntimeListener):
         recorded stays (an outcome is written once: the first wins)."""
         ids = list(self._held)
         self._held.clear()
+        self.backlog_gc.settled(0)
         for rid in ids:
             self._predicted.pop(rid, None)
         log.warning(
@@ -344,6 +348,7 @@ class ControllerService(RuntimeListener):
                 self._taking = {d.message.id for d in batch if d.message is not None}
                 try:
                     await self._take(batch)
+                    self.backlog_gc.taken(len(self._held))
                 except Exception:
                     log.exception("could not take %d deliveries; requeueing them", len(batch))
                     for d in batch:
@@ -612,6 +617,7 @@ class ControllerService(RuntimeListener):
                 continue
             batch += [(delivery, how) for delivery in held.all()]
             self.settled += 1
+        self.backlog_gc.settled(len(self._held))
         if batch:
             self._unsettled += len(batch)
             task = asyncio.create_task(self._settle(batch), name="qlm-settle")

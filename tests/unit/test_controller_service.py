@@ -4,6 +4,7 @@ simulated instances on the wall clock at 50x. Waits poll with a deadline; no tim
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import math
 import threading
@@ -31,6 +32,7 @@ from qlm.global_queue import (
 )
 from qlm.planner import PlannerConfig, create_policy
 from qlm.service import ControllerService
+from qlm.service.backlog_gc import BacklogGC
 from qlm.service.controller import ORPHAN_ERROR
 from qlm.store import NewRequest, Store, StoreError
 from qlm.store.rows import InstanceState
@@ -132,6 +134,33 @@ def test_published_requests_finish_are_recorded_and_acked() -> None:
         assert not list(service.runtime.controller.tracks())
         assert store.latest_plan() is not None  # the planner's history is in the store
         assert {r.state for r in store.instances()} == {"up"}
+
+    run(scenario)
+
+
+def test_a_large_backlog_is_frozen_out_of_full_collections_until_it_drains() -> None:
+    async def scenario(store: Store) -> None:
+        broker = MemoryBroker()
+        service = make_service(store, broker)
+        service.backlog_gc = BacklogGC(min_held=10)  # "large" at 10 held requests
+        producer = MemoryGlobalQueue(broker=broker)
+        now = service.runtime.clock.now()
+        ids = [f"q{i:04d}" for i in range(30)]
+        for i in range(30):
+            await producer.publish(message(i, now))
+        frozen_before = gc.get_freeze_count()
+        try:
+            await service.start()
+            await eventually(lambda: service.backlog_gc.freezes > 0, "the backlog is frozen")
+            assert gc.get_freeze_count() > frozen_before
+            await eventually(lambda: final(store, ids), "every request is final")
+            await service.wait_idle()
+            # drained below a quarter of the largest backlog: collected as usual again
+            assert service.backlog_gc.unfreezes >= 1 and not service.backlog_gc.frozen
+            assert gc.get_freeze_count() == 0
+        finally:
+            await service.stop()
+            gc.unfreeze()
 
     run(scenario)
 

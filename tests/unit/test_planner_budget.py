@@ -231,7 +231,9 @@ def test_a_plan_whose_clock_runs_out_still_queues_every_group_exactly_once() -> 
         for k in range(400)
     )
     qlm.decide(DispatchContext(0.0, reqs, instances))
-    qlm.decide(DispatchContext(0.0, (), instances))  # the plan, if the first step reclustered
+    for _ in range(2):  # a recluster due waits for a step of its own, the plan for the next
+        if not qlm.plans:
+            qlm.decide(DispatchContext(0.0, (), instances))
     record = qlm.plans[-1]
     assert record.status == "fallback"
     queued = [g for inst in instances for g in qlm.queues.queue(inst.name)]
@@ -290,7 +292,7 @@ def test_pulls_stop_at_the_step_budget_and_go_on_at_the_next_step() -> None:
     assert step > 1  # not all in one step: the clock ran out
 
 
-def test_a_step_that_reclusters_leaves_the_plan_to_the_next_step() -> None:
+def test_a_recluster_gets_a_step_of_its_own_and_the_plan_the_next_one() -> None:
     clock = ManualClock()
     qlm = wall_policy(clock, period_s=1.0, min_interval_s=0.1)
     qlm.grouper.set_config(dataclasses.replace(qlm.grouper.config, recluster_interval_s=1.0))
@@ -299,9 +301,22 @@ def test_a_step_that_reclusters_leaves_the_plan_to_the_next_step() -> None:
     plans = len(qlm.plans)
     late = (make_request(1, arrival_s=5.0, slo=SLO(600.0)),)
     qlm.decide(DispatchContext(5.0, late, (inst,)))  # a recluster and the period are due
-    assert len(qlm.plans) == plans  # reclustered only
+    assert len(qlm.plans) == plans and qlm.grouper.needs_recluster(5.0)  # grouped arrivals only
     qlm.decide(DispatchContext(5.1, (), (inst,)))
+    assert len(qlm.plans) == plans and not qlm.grouper.needs_recluster(5.1)  # reclustered only
+    qlm.decide(DispatchContext(5.2, (), (inst,)))
     assert len(qlm.plans) == plans + 1 and qlm.plans[-1].trigger == "period"
+
+
+def test_a_step_with_no_arrivals_reclusters_at_once() -> None:
+    clock = ManualClock()
+    qlm = wall_policy(clock, period_s=1.0, min_interval_s=0.1)
+    qlm.grouper.set_config(dataclasses.replace(qlm.grouper.config, recluster_interval_s=1.0))
+    inst = InstanceLoad(name="i0", models=("m",), gpu="G", max_running=1, outstanding_requests=1)
+    qlm.decide(DispatchContext(0.0, (make_request(0, arrival_s=0.0, slo=SLO(600.0)),), (inst,)))
+    assert qlm.grouper.needs_recluster(5.0)
+    qlm.decide(DispatchContext(5.0, (), (inst,)))
+    assert not qlm.grouper.needs_recluster(5.0)
 
 
 def test_the_concurrency_choice_evaluates_one_instance_per_plan_once_its_share_is_spent(
