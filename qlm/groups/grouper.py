@@ -15,7 +15,7 @@ import numpy as np
 
 from qlm.domain import Request, Tier
 from qlm.errors import GroupError
-from qlm.groups.clustering import form_groups
+from qlm.groups.clustering import form_groups, prepare_threadpools
 from qlm.groups.config import GroupingConfig
 from qlm.groups.features import (
     BOUNDED_FEATURES,
@@ -166,6 +166,7 @@ class Grouper:
     ) -> None:
         self._config = config if config is not None else GroupingConfig()
         self._predict = predict_output
+        prepare_threadpools()  # here, not in the first recluster: it reads the file system
         self._groups: dict[str, _Group] = {}
         self._group_of: dict[str, str] = {}
         self._features: dict[str, FloatArray] = {}

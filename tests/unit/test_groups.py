@@ -11,7 +11,7 @@ from builders import make_request
 
 from qlm.domain import SLO, Request, Tier
 from qlm.errors import ConfigError, GroupError
-from qlm.groups import Grouper, GroupingConfig, default_predict_output
+from qlm.groups import Grouper, GroupingConfig, clustering, default_predict_output
 from qlm.groups.clustering import split_half
 
 SMALL = GroupingConfig(delta=2.0, avg_batch_size=8, deadline_window=0)
@@ -426,3 +426,9 @@ def test_requests_far_apart_in_time_never_share_a_group() -> None:
     grouper.recluster(now=9.0)
     assert {grouper.group_of("r0000"), grouper.group_of("r0001")} != {grouper.group_of("r0002")}
     assert grouper.group_of("r0000") == grouper.group_of("r0001")
+
+
+def test_the_thread_pools_are_found_when_the_grouper_is_made_not_in_its_first_recluster() -> None:
+    clustering._controller.cache_clear()
+    Grouper()
+    assert clustering._controller.cache_info().currsize == 1
