@@ -8,9 +8,13 @@ outcome recorded, nothing acked, no state published meanwhile).
 
 ``BacklogGC`` freezes what the intake has taken (``gc.freeze``: the objects alive now are no longer
 traversed by any collection; reference counting still frees them when they are dropped) once the
-held backlog is large, and unfreezes when the backlog has shrunk to a fraction of what it was:
-cyclic garbage made while frozen is collected then, by a full collection over what is left (a
-quarter of the backlog at most). What a small backlog allocates is collected as usual.
+held backlog is large, after collecting the young generations (so that young cyclic garbage is
+not frozen with it). It unfreezes when the backlog has shrunk to a fraction of its peak, or when
+as many requests as the peak were settled since the first freeze (a backlog that stays large
+turned over once): cyclic garbage made while frozen is collected then, by one full collection,
+run at once, between control steps — one per turnover of the backlog instead of one per quarter
+of growth, and what leaks meanwhile is bounded by one turnover. What a small backlog allocates is
+collected as usual.
 """
 
 from __future__ import annotations
@@ -25,7 +29,8 @@ log = logging.getLogger(__name__)
 
 class BacklogGC:
     """Freeze after each intake batch while at least ``min_held`` requests are held; unfreeze
-    once fewer than ``unfreeze_below`` × the largest backlog frozen remain."""
+    once fewer than ``unfreeze_below`` × the largest backlog frozen remain, or once that many
+    requests were settled since the first freeze."""
 
     def __init__(self, min_held: int = 10_000, unfreeze_below: float = 0.25) -> None:
         check_setting(min_held >= 1, "backlog_gc.min_held", ">= 1", min_held)
@@ -34,6 +39,7 @@ class BacklogGC:
         self.min_held = min_held
         self.unfreeze_below = unfreeze_below
         self.peak = 0  # the largest backlog held while frozen (0: nothing frozen by this)
+        self.released = 0  # requests settled since the first freeze
         self.freezes = 0
         self.unfreezes = 0
 
@@ -45,16 +51,26 @@ class BacklogGC:
         """An intake batch was taken: ``held`` requests are held now."""
         if held < self.min_held:
             return
+        gc.collect(1)  # the young generations: their cyclic garbage is not frozen
         gc.freeze()
         self.freezes += 1
         if not self.frozen:
             log.info("holding %d requests: long-lived objects exempt from full collections", held)
         self.peak = max(self.peak, held)
 
-    def settled(self, held: int) -> None:
-        """Requests were settled: ``held`` remain."""
-        if self.frozen and held < self.peak * self.unfreeze_below:
+    def settled(self, held: int, released: int = 0) -> None:
+        """``released`` requests were settled: ``held`` remain."""
+        if not self.frozen:
+            return
+        self.released += released
+        if held < self.peak * self.unfreeze_below or self.released >= self.peak:
             gc.unfreeze()
+            gc.collect()
             self.unfreezes += 1
-            log.info("holding %d requests (of %d): full collections again", held, self.peak)
-            self.peak = 0
+            log.info(
+                "holding %d requests (peak %d, %d settled): a full collection, then as usual",
+                held,
+                self.peak,
+                self.released,
+            )
+            self.peak = self.released = 0

@@ -608,6 +608,7 @@ class ControllerService(RuntimeListener):
                 await asyncio.sleep(self.poll_s)  # the store may be down: do not spin
                 return
         batch: list[tuple[Delivery, str]] = []
+        settled = self.settled
         for rid, how, status in writes.settle:
             self.hub.publish(ResultEvent(rid, "", 0, done=True, status=status))
             self._predicted.pop(rid, None)
@@ -617,7 +618,7 @@ class ControllerService(RuntimeListener):
                 continue
             batch += [(delivery, how) for delivery in held.all()]
             self.settled += 1
-        self.backlog_gc.settled(len(self._held))
+        self.backlog_gc.settled(len(self._held), self.settled - settled)
         if batch:
             self._unsettled += len(batch)
             task = asyncio.create_task(self._settle(batch), name="qlm-settle")

@@ -59,6 +59,29 @@ def test_the_peak_is_the_largest_backlog_frozen() -> None:
     assert not keeper.frozen
 
 
+def test_a_backlog_that_stays_large_is_collected_once_it_turned_over() -> None:
+    keeper = BacklogGC(min_held=10, unfreeze_below=0.25)
+    keeper.taken(100)
+    held = [Cycle() for _ in range(100)]
+    refs = [weakref.ref(c) for c in held]
+    keeper.taken(100)
+    del held  # settled, as garbage cycles (frozen: not collected)
+    for _ in range(9):
+        keeper.settled(100, released=10)  # as many come in as go out
+        keeper.taken(100)
+    assert keeper.frozen and all(r() is not None for r in refs)
+    keeper.settled(100, released=10)  # 100 settled since the first freeze: turned over once
+    assert not keeper.frozen and gc.get_freeze_count() == 0
+    assert all(r() is None for r in refs)  # collected at once
+
+
+def test_young_cyclic_garbage_is_collected_before_a_freeze() -> None:
+    keeper = BacklogGC(min_held=1)
+    ref = weakref.ref(Cycle())  # garbage already, in the young generation
+    keeper.taken(1)
+    assert ref() is None
+
+
 @pytest.mark.parametrize(("min_held", "below"), [(0, 0.5), (10, 0.0), (10, 1.0)])
 def test_bad_settings_name_themselves(min_held: int, below: float) -> None:
     with pytest.raises(ConfigError, match="backlog_gc"):
