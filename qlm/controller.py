@@ -2,9 +2,15 @@
 
 ``Controller`` is the part of QLM that both the simulator and the service run, unchanged: it
 keeps what happened to every request it was given (``RequestTrack``), counts what each instance
-holds (the agents' own count: engines' gauges lag), hands the policy (``qlm.planner``: groups,
-estimator, planner, virtual queues and agent decisions for ``qlm``; a baseline otherwise) one
-``DispatchContext`` per step, and returns the decisions for an executor to apply.
+holds (the agents' own count: engines' gauges lag), and runs one step as named stages
+(``Controller.step``): *observe* — the news since the last step (arrivals, requests back from
+an engine, completions, starts, cancellations) and each instance's load, as one
+``DispatchContext``; *group, estimate, plan, act* — the policy's ``decide`` (``qlm.planner``:
+groups, RCT estimator, planner, virtual queues and agent decisions for ``qlm``; a baseline
+otherwise), checked; *record* — each pull counted against its instance, and the plans the
+policy made taken over. The step returns a ``StepOutput``: the decisions for an executor to
+apply and the plans made in it. What the policy predicts of its virtual queues is asked for
+on demand (``Controller.snapshot``): under a large backlog it is too costly for every step.
 
 What differs between the two clocks lives outside: the driver that calls ``step`` (the
 discrete-event loop of ``qlm.sim.cluster`` or the asyncio loop of ``qlm.service``) and the
@@ -34,11 +40,13 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from qlm.domain import (
     Decision,
     InstanceSpec,
     ModelTier,
+    PlanRecord,
     Pull,
     Reject,
     Request,
@@ -47,13 +55,10 @@ from qlm.domain import (
 )
 from qlm.engines.base import EngineEvent, EngineRequest, EventKind
 from qlm.errors import ConfigError, RequestFailed
-from qlm.planner.policy import (
-    Completion,
-    DispatchContext,
-    InstanceLoad,
-    LearnsOutputs,
-    Policy,
-)
+from qlm.planner.policy import Completion, DispatchContext, InstanceLoad, Policy
+
+if TYPE_CHECKING:
+    from qlm.virtual_queues import VirtualQueuesSnapshot
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +122,16 @@ class InstanceView:
     preemptions_total: int | None = None  # the engine's own preemptions so far (None: unread)
 
 
+@dataclass(frozen=True, slots=True)
+class StepOutput:
+    """What one control step produced: the decisions for an executor to apply, in order, and
+    the plans the policy made in the step (each handed over once: a plan appears in the output
+    of the step that made it and in no other)."""
+
+    decisions: tuple[Decision, ...]
+    plans: tuple[PlanRecord, ...] = ()
+
+
 class Controller:
     """The control plane's state between steps, around one policy (module docstring)."""
 
@@ -152,14 +167,14 @@ class Controller:
 
     def learn_outputs(self, history: Iterable[tuple[Request, int]]) -> int:
         """Completions this controller did not see — the store's most recent, when it starts or
-        takes over from another: the policy learns their output lengths (``LearnsOutputs``), of
-        the models the fleet serves. Returns how many it learnt from (0 if it learns none)."""
-        if not isinstance(self.policy, LearnsOutputs):
-            return 0
+        takes over from another: the policy learns their output lengths
+        (``Policy.learn_output``), of the models the fleet serves. Returns how many it learnt
+        from (0 if it learns none)."""
         learnt = 0
         for request, output_tokens in history:
             if request.model in self._served and output_tokens > 0:
-                self.policy.learn_output(request, output_tokens)
+                if not self.policy.learn_output(request, output_tokens):
+                    return 0
                 learnt += 1
         return learnt
 
@@ -321,17 +336,46 @@ class Controller:
         """Something arrived, started or finished since the last step."""
         return bool(self._arrived or self._completions or self._started or self._cancelled)
 
-    def step(self, now: float, views: Iterable[InstanceView]) -> list[Decision]:
-        """One control step: the policy's decisions given what changed. Pulls are counted against
-        their instance here, before the executor applies them. A step the policy cannot take is
+    def step(self, now: float, views: Iterable[InstanceView]) -> StepOutput:
+        """One control step (module docstring): observe the news, let the policy group,
+        estimate, plan and act on it, record what it decided. Pulls are counted against their
+        instance here, before the executor applies them. A step the policy cannot take is
         narrowed down to the waiting requests that make it fail (module docstring, "Poison"):
         each of them ends with a ``Reject``, and the step goes on for everyone else."""
         views = tuple(views)
+        arrived, finished, started, cancelled = self._observe()
+        decisions = self._run_policy(now, views, arrived, finished, started, cancelled)
+        return StepOutput(tuple(decisions), tuple(self.policy.take_plans()))
+
+    def snapshot(self, now: float) -> VirtualQueuesSnapshot | None:
+        """The policy's virtual queues now, with what its model predicts of each group (None
+        for a policy without virtual queues). Costly under a large backlog: for operators and
+        clients, asked for when they need it, never by a step."""
+        return self.policy.snapshot(now)
+
+    def _observe(self) -> tuple[list[Request], list[Completion], list[str], list[str]]:
+        """The news since the last step, taken: requests to hand to the policy (not cancelled
+        meanwhile), completions, requests started, requests cancelled."""
         arrived = [r for r in self._arrived if r.id in self._pending]  # not cancelled meanwhile
         self._arrived = []
         finished, self._completions = self._completions, []
         started, self._started = self._started, []
         cancelled, self._cancelled = self._cancelled, []
+        return arrived, finished, started, cancelled
+
+    def _run_policy(
+        self,
+        now: float,
+        views: Sequence[InstanceView],
+        arrived: list[Request],
+        finished: list[Completion],
+        started: list[str],
+        cancelled: list[str],
+    ) -> list[Decision]:
+        """The policy's decisions on the news (``_decide``), the step taken again without a
+        request the policy names as failing it, or narrowed down to the requests that do
+        (``_isolate``). A step that fails for no waiting request puts its news back for the
+        next step and raises."""
         rejects: list[Decision] = []
         try:
             while True:
@@ -366,7 +410,8 @@ class Controller:
         started: Sequence[str] = (),
         cancelled: Sequence[str] = (),
     ) -> list[Decision]:
-        """The policy's decisions on this news, checked, with their pulls counted."""
+        """The policy's decisions on this news (it groups, estimates, plans and acts), checked,
+        and recorded: their pulls counted against their instances."""
         ctx = DispatchContext(
             now=now,
             arrived=tuple(arrived),

@@ -6,7 +6,7 @@ compared, hashed and replayed; the edges (HTTP bodies, settings, the store) tran
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import IntEnum
 
 
@@ -266,3 +266,23 @@ class RequestRecord:
             return False
         ttft_slo = self.request.slo.ttft_s
         return ttft_slo is None or (self.ttft_s is not None and self.ttft_s <= ttft_slo)
+
+
+@dataclass(frozen=True, slots=True)
+class PlanRecord:
+    """One planning event: when and why the planner ran, and how it went (what the store keeps,
+    the API and the CLI show, and a simulation summarises)."""
+
+    at_s: float
+    trigger: str
+    groups: int
+    status: str
+    method: str
+    objective: float
+    edf_objective: float
+    at_risk: tuple[str, ...]
+    capacity_needed: float | None
+    solve_s: float
+    evaluations: int
+    concurrency: dict[str, int] = field(default_factory=dict)
+    deferred: int = 0  # groups deferred by cost-aware admission

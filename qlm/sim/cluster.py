@@ -22,6 +22,7 @@ from qlm.domain import (
     Decision,
     Evict,
     InstanceSpec,
+    PlanRecord,
     Pull,
     Reject,
     Request,
@@ -70,6 +71,7 @@ class SimResult:
     records: tuple[RequestRecord, ...]
     summary: dict[str, Any]
     memory: MemoryTimeline = field(repr=False)
+    plans: tuple[PlanRecord, ...] = field(default=(), repr=False)  # the policy's, in order
 
 
 def build_engines(
@@ -111,7 +113,7 @@ class ClusterSimulation:
         self.policy = policy
         self.observer = observer
         overrides = dict(engine_config or {})
-        switching = getattr(policy, "model_switching", None)  # a policy that switches models itself
+        switching = policy.model_switching  # a policy that switches models itself
         if switching is not None:
             overrides.setdefault("model_switching", switching)
         self.engines = build_engines(instances, catalog=catalog, config_overrides=overrides)
@@ -124,6 +126,7 @@ class ClusterSimulation:
         self._version = [0] * len(self.engines)
         self._seq = 0
         self.controller = Controller(policy, self.specs)
+        self.plans: list[PlanRecord] = []  # every plan the policy made, from the steps' outputs
         self._up = [True] * len(self.engines)
         self._weights = [
             tuple((m, pm.model.weights_gb) for m, pm in e.perf_models.items()) for e in self.engines
@@ -194,7 +197,9 @@ class ClusterSimulation:
             memory=self.memory,
         )
         summary["policy"] = self.policy.name
-        return SimResult(self.policy.name, self.specs, records, summary, self.memory)
+        return SimResult(
+            self.policy.name, self.specs, records, summary, self.memory, tuple(self.plans)
+        )
 
     # --- event handling --------------------------------------------------------------------------
 
@@ -257,7 +262,9 @@ class ClusterSimulation:
             )
             for i, (spec, engine) in enumerate(zip(self.specs, self.engines, strict=True))
         ]
-        for decision in self.controller.step(now, views):
+        output = self.controller.step(now, views)
+        self.plans += output.plans
+        for decision in output.decisions:
             self._apply(decision, now)
 
     def _apply(self, decision: Decision, now: float) -> None:
