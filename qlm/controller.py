@@ -1,9 +1,9 @@
 """One control step: observe -> group -> estimate -> plan -> act -> record.
 
 ``Controller`` is the part of QLM that both the simulator and the service run, unchanged: it
-keeps what happened to every request it was given (``RequestTrack``), counts what each instance
-holds (the agents' own count: engines' gauges lag), and runs one step as named stages
-(``Controller.step``): *observe* — the news since the last step (arrivals, requests back from
+keeps what happened to every request it was given (a ``RequestRecord`` each, filled in as it
+runs), counts what each instance holds (the agents' own count: engines' gauges lag), and runs
+one step as named stages (``Controller.step``): *observe* — the news since the last step (arrivals, requests back from
 an engine, completions, starts, cancellations) and each instance's load, as one
 ``DispatchContext``; *group, estimate, plan, act* — the policy's ``decide`` (``qlm.planner``:
 groups, RCT estimator, planner, virtual queues and agent decisions for ``qlm``; a baseline
@@ -68,42 +68,6 @@ PROMPT_FORGETTING = 0.99  # per observed prompt: the ratio follows the last ~100
 PROMPT_SCALE_LIMITS = (0.25, 4.0)
 
 
-@dataclass(slots=True)
-class RequestTrack:
-    """Mutable measurements of one request while the controller holds it."""
-
-    request: Request
-    instance: str = ""
-    dispatch_s: float | None = None
-    scheduled_s: float | None = None
-    first_token_s: float | None = None
-    finish_s: float | None = None
-    output_tokens: int = 0  # generated before the current attempt (evictions keep their output)
-    preemptions: int = 0
-    evictions: int = 0
-    swaps: int = 0
-    failovers: int = 0  # times the instance running it failed
-    status: RequestStatus = RequestStatus.QUEUED
-    error: str = ""
-    estimated_input_tokens: int = 0  # the API's estimate, before ``prompt_scale`` (0: same)
-
-    def record(self) -> RequestRecord:
-        return RequestRecord(
-            request=self.request,
-            instance=self.instance,
-            dispatch_s=self.dispatch_s,
-            scheduled_s=self.scheduled_s,
-            first_token_s=self.first_token_s,
-            finish_s=self.finish_s,
-            output_tokens=self.output_tokens,
-            preemptions=self.preemptions,
-            evictions=self.evictions,
-            swaps=self.swaps,
-            status=self.status,
-            failovers=self.failovers,
-        )
-
-
 @dataclass(frozen=True, slots=True)
 class InstanceView:
     """What the driver reads off one instance's engine before a step; the controller adds what
@@ -142,7 +106,7 @@ class Controller:
         self.policy = policy
         self.specs = {spec.name: spec for spec in instances}
         self._served = {m for spec in instances for m in spec.models}
-        self._tracks: dict[str, RequestTrack] = {}
+        self._tracks: dict[str, RequestRecord] = {}
         self._pending: dict[str, Request] = {}  # given to the policy, not pulled yet
         self._arrived: list[Request] = []  # to hand to the policy at the next step
         self._completions: list[Completion] = []
@@ -225,7 +189,7 @@ class Controller:
         estimated, scale = request.input_tokens, self.prompt_scale(request.model)
         if scale != 1.0 and estimated_prompt:
             request = replace(request, input_tokens=max(1, round(estimated * scale)))
-        track = RequestTrack(
+        track = RequestRecord(
             request, output_tokens=generated, failovers=failovers, estimated_input_tokens=estimated
         )
         self._tracks[request.id] = track
@@ -520,10 +484,10 @@ class Controller:
 
     # --- reading --------------------------------------------------------------------------------
 
-    def track(self, request_id: str) -> RequestTrack:
+    def track(self, request_id: str) -> RequestRecord:
         return self._tracks[request_id]
 
-    def tracks(self) -> Iterable[RequestTrack]:
+    def tracks(self) -> Iterable[RequestRecord]:
         return self._tracks.values()
 
     def instance_of(self, request_id: str) -> str | None:
@@ -566,7 +530,7 @@ class Controller:
         self._outstanding[pull.instance] += 1
         self._outstanding_tokens[pull.instance] += req.input_tokens + track.output_tokens
 
-    def _release(self, track: RequestTrack) -> None:
+    def _release(self, track: RequestRecord) -> None:
         name = self._on.pop(track.request.id)
         self._outstanding[name] -= 1
         self._outstanding_tokens[name] -= track.request.input_tokens + track.output_tokens

@@ -586,7 +586,7 @@ class AgentRuntime:
         )
         self._flights.pop(rid, None)
         job = self._jobs.pop(rid, Job())
-        record = self.controller.track(rid).record()
+        record = self.controller.track(rid).copy()
         self.listener.finished(
             record, job.partial_text + out.text, out.finish_reason, out.tool_calls
         )

@@ -189,7 +189,7 @@ class ClusterSimulation:
             if progress is not None and (done % step_progress == 0 or ai == total):
                 progress(done, total)
         controller.close()  # a request a policy never dispatched, or left swapped out, fails
-        records = tuple(controller.track(r.id).record() for r in ordered)
+        records = tuple(controller.track(r.id).copy() for r in ordered)
         self.memory.close(self.clock.now())
         summary = summarize(
             records,
@@ -238,7 +238,7 @@ class ClusterSimulation:
         for ev in events:
             finished = self.controller.on_event(engine.name, ev)
             if finished and self.observer is not None:
-                self.observer.on_finish(self.controller.track(ev.request_id).record())
+                self.observer.on_finish(self.controller.track(ev.request_id).copy())
             finished_any |= finished
         self.memory.observe(idx, now, engine.gpu_memory_used_fraction())
         self._wake(idx)
