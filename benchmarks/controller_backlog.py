@@ -51,6 +51,7 @@ from typing import Any
 from qlm.agents.executor import AgentRuntime
 from qlm.clock import EpochClock
 from qlm.controller import Controller
+from qlm.domain import PlanRecord
 from qlm.global_queue import GlobalQueue, open_global_queue
 from qlm.planner import create_policy
 from qlm.planner.qlm_policy import QlmPolicy
@@ -76,6 +77,7 @@ class StepTimer:
         self, controller: Controller, policy: QlmPolicy, profile: Path | None = None
     ) -> None:
         self.policy = policy
+        self.plans: list[PlanRecord] = []  # every plan, from the steps' outputs
         self.longest = 0.0
         self.steps = 0
         self.what = ""
@@ -97,14 +99,16 @@ class StepTimer:
 
         def timed(now: float, views: Any) -> Any:
             held = policy.grouper.num_requests
-            plans = len(policy.plans)
+            plans = len(self.plans)
             self.parts = {}
             profiler = cProfile.Profile() if profile is not None else None
             t0 = time.perf_counter()
             try:
                 if profiler is not None:
                     profiler.enable()
-                return step(now, views)
+                output = step(now, views)
+                self.plans += output.plans
+                return output
             finally:
                 wall = time.perf_counter() - t0
                 if profiler is not None:
@@ -115,7 +119,7 @@ class StepTimer:
                     self.longest_parts = self.parts
                     if profiler is not None and profile is not None:
                         profiler.dump_stats(profile)
-                    made = policy.plans[plans:]
+                    made = self.plans[plans:]
                     self.what = f"{policy.grouper.num_requests - held:+,} requests held" + "".join(
                         f"; plan ({p.trigger}) of {p.groups:,} groups, {p.status} "
                         f"{p.method} in {p.solve_s:.2f} s"
@@ -142,7 +146,7 @@ class StepTimer:
         for obj, names in (
             (
                 policy,
-                ("decide", "_place", "_trigger", "_family", "plan", "_fluid", "_pull", "_remember"),
+                ("decide", "_place", "_trigger", "_family", "plan", "_fluid", "_act", "_remember"),
             ),
             (policy.grouper, ("add", "recluster")),
             (policy.queues, ("sync",)),
@@ -202,6 +206,7 @@ class Taken:
 async def take(
     service: ControllerService,
     policy: QlmPolicy,
+    plans: Sequence[PlanRecord],
     expect: int,
     args: argparse.Namespace,
 ) -> Taken:
@@ -217,11 +222,11 @@ async def take(
         await asyncio.sleep(0.05)
         if args.verbose and time.perf_counter() - t0 >= next_report:
             next_report += 5.0
-            last = policy.plans[-1] if policy.plans else None
+            last = plans[-1] if plans else None
             print(
                 f"  {time.perf_counter() - t0:5.1f} s: held {service.received:,}, "
                 f"{len(policy.grouper):,} groups of {policy.grouper.num_requests:,} requests, "
-                f"{len(policy.plans)} plans"
+                f"{len(plans)} plans"
                 + (f" (last: {last.groups} groups, {last.solve_s:.2f} s)" if last else "")
                 + f", {runtime.steps} steps",
                 flush=True,
@@ -243,8 +248,8 @@ async def take(
         if (
             handed_at is not None
             and received_at is not None
-            and policy.plans
-            and policy.plans[-1].at_s >= received_at
+            and plans
+            and plans[-1].at_s >= received_at
         ):
             out.planned_s = time.perf_counter() - t0  # a plan over every group since
             break
@@ -254,7 +259,9 @@ async def take(
     return out
 
 
-def report(taken: Taken, policy: QlmPolicy, args: argparse.Namespace) -> None:
+def report(
+    taken: Taken, policy: QlmPolicy, plans: Sequence[PlanRecord], args: argparse.Namespace
+) -> None:
     if taken.planned_s is None or taken.held_s is None:
         print(f"did not finish within {args.timeout:.0f} s")
         return
@@ -269,11 +276,11 @@ def report(taken: Taken, policy: QlmPolicy, args: argparse.Namespace) -> None:
     if taken.emptied:
         print(f"all pulled after {taken.planned_s:.1f} s: none waits to be planned")
         return
-    last = policy.plans[-1]
+    last = plans[-1]
     print(
         f"re-planned as a whole after {taken.planned_s:.1f} s (the next periodic plan, unless a "
         f"violation is predicted first): {len(policy.grouper):,} groups, "
-        f"plan {last.status} in {last.solve_s:.2f} s ({len(policy.plans)} plans so far)"
+        f"plan {last.status} in {last.solve_s:.2f} s ({len(plans)} plans so far)"
     )
 
 
@@ -307,7 +314,7 @@ async def main(args: argparse.Namespace) -> None:
     await service.start()
     peak = base_rss
     try:
-        taken = await take(service, policy, expect, args)
+        taken = await take(service, policy, timer.plans, expect, args)
         peak = rss_mb()
         print(
             f"controller: held {service.received:,} of {len(requests):,} "
@@ -317,7 +324,7 @@ async def main(args: argparse.Namespace) -> None:
                 else "(in-process queue)"
             )
         )
-        report(taken, policy, args)
+        report(taken, policy, timer.plans, args)
         print(timer.report(f"take-over of {len(requests):,} queued requests"), flush=True)
         if args.redeliver and taken.planned_s is not None:
             # The broker hands the leader a burst at once (as after a broker restart, when every
@@ -347,8 +354,8 @@ async def main(args: argparse.Namespace) -> None:
                     f"all held; the instances are back: {len(policy.grouper):,} groups to plan",
                     flush=True,
                 )
-            taken = await take(service, policy, expect, args)
-            report(taken, policy, args)
+            taken = await take(service, policy, timer.plans, expect, args)
+            report(taken, policy, timer.plans, args)
             print(timer.report(f"{len(burst):,} requests delivered at once"), flush=True)
             peak = rss_mb()
         print(f"peak RSS {peak:,.0f} MB (after publishing: {base_rss:,.0f} MB)")

@@ -33,6 +33,7 @@ import tracemalloc
 from pathlib import Path
 
 from qlm.global_queue import MemoryGlobalQueue
+from qlm.planner import QlmPolicy
 from qlm.service import build_controller
 from qlm.service.replay import replay
 from qlm.settings import Settings
@@ -95,12 +96,11 @@ def held(service: object) -> dict[str, int]:
         "deliveries held": len(service._held),  # type: ignore[attr-defined]
         "jobs": len(runtime._jobs),
     }
-    estimator = getattr(controller.policy, "estimator", None)
-    if estimator is not None:
+    policy = controller.policy
+    if isinstance(policy, QlmPolicy):  # its own tables, read for the probe
+        estimator = policy.estimator
         sizes["estimator predictions"] = len(estimator._pending) + len(estimator._inflight)
-    grouper = getattr(controller.policy, "grouper", None)
-    if grouper is not None:
-        sizes["grouped"] = grouper.num_requests
+        sizes["grouped"] = policy.grouper.num_requests
     return sizes
 
 

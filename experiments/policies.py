@@ -111,7 +111,7 @@ def run_one(args: tuple[str, float, float, str, int, int]) -> dict[str, Any]:
         "throughput_output_tps": s["throughput_output_tps"],
         "wall_s": wall,
     }
-    plans = getattr(policy, "plans", None)
+    plans = result.plans
     if plans:
         row["plans"] = len(plans)
         row["plan_compute_s"] = sum(p.solve_s for p in plans)

@@ -1,10 +1,16 @@
 """One control step: observe -> group -> estimate -> plan -> act -> record.
 
 ``Controller`` is the part of QLM that both the simulator and the service run, unchanged: it
-keeps what happened to every request it was given (``RequestTrack``), counts what each instance
-holds (the agents' own count: engines' gauges lag), hands the policy (``qlm.planner``: groups,
-estimator, planner, virtual queues and agent decisions for ``qlm``; a baseline otherwise) one
-``DispatchContext`` per step, and returns the decisions for an executor to apply.
+keeps what happened to every request it was given (a ``RequestRecord`` each, filled in as it
+runs), counts what each instance holds (the agents' own count: engines' gauges lag), and runs
+one step as named stages (``Controller.step``): *observe* — the news since the last step (arrivals, requests back from
+an engine, completions, starts, cancellations) and each instance's load, as one
+``DispatchContext``; *group, estimate, plan, act* — the policy's ``decide`` (``qlm.planner``:
+groups, RCT estimator, planner, virtual queues and agent decisions for ``qlm``; a baseline
+otherwise), checked; *record* — each pull counted against its instance, and the plans the
+policy made taken over. The step returns a ``StepOutput``: the decisions for an executor to
+apply and the plans made in it. What the policy predicts of its virtual queues is asked for
+on demand (``Controller.snapshot``): under a large backlog it is too costly for every step.
 
 What differs between the two clocks lives outside: the driver that calls ``step`` (the
 discrete-event loop of ``qlm.sim.cluster`` or the asyncio loop of ``qlm.service``) and the
@@ -34,11 +40,13 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from qlm.domain import (
     Decision,
     InstanceSpec,
     ModelTier,
+    PlanRecord,
     Pull,
     Reject,
     Request,
@@ -47,13 +55,10 @@ from qlm.domain import (
 )
 from qlm.engines.base import EngineEvent, EngineRequest, EventKind
 from qlm.errors import ConfigError, RequestFailed
-from qlm.planner.policy import (
-    Completion,
-    DispatchContext,
-    InstanceLoad,
-    LearnsOutputs,
-    Policy,
-)
+from qlm.planner.policy import Completion, DispatchContext, InstanceLoad, Policy
+
+if TYPE_CHECKING:
+    from qlm.virtual_queues import VirtualQueuesSnapshot
 
 log = logging.getLogger(__name__)
 
@@ -61,42 +66,6 @@ FINAL = frozenset({RequestStatus.FINISHED, RequestStatus.FAILED, RequestStatus.C
 PROMPT_PRIOR_TOKENS = 2000.0  # weight of "the estimate is right", in estimated tokens
 PROMPT_FORGETTING = 0.99  # per observed prompt: the ratio follows the last ~100
 PROMPT_SCALE_LIMITS = (0.25, 4.0)
-
-
-@dataclass(slots=True)
-class RequestTrack:
-    """Mutable measurements of one request while the controller holds it."""
-
-    request: Request
-    instance: str = ""
-    dispatch_s: float | None = None
-    scheduled_s: float | None = None
-    first_token_s: float | None = None
-    finish_s: float | None = None
-    output_tokens: int = 0  # generated before the current attempt (evictions keep their output)
-    preemptions: int = 0
-    evictions: int = 0
-    swaps: int = 0
-    failovers: int = 0  # times the instance running it failed
-    status: RequestStatus = RequestStatus.QUEUED
-    error: str = ""
-    estimated_input_tokens: int = 0  # the API's estimate, before ``prompt_scale`` (0: same)
-
-    def record(self) -> RequestRecord:
-        return RequestRecord(
-            request=self.request,
-            instance=self.instance,
-            dispatch_s=self.dispatch_s,
-            scheduled_s=self.scheduled_s,
-            first_token_s=self.first_token_s,
-            finish_s=self.finish_s,
-            output_tokens=self.output_tokens,
-            preemptions=self.preemptions,
-            evictions=self.evictions,
-            swaps=self.swaps,
-            status=self.status,
-            failovers=self.failovers,
-        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,6 +86,16 @@ class InstanceView:
     preemptions_total: int | None = None  # the engine's own preemptions so far (None: unread)
 
 
+@dataclass(frozen=True, slots=True)
+class StepOutput:
+    """What one control step produced: the decisions for an executor to apply, in order, and
+    the plans the policy made in the step (each handed over once: a plan appears in the output
+    of the step that made it and in no other)."""
+
+    decisions: tuple[Decision, ...]
+    plans: tuple[PlanRecord, ...] = ()
+
+
 class Controller:
     """The control plane's state between steps, around one policy (module docstring)."""
 
@@ -127,7 +106,7 @@ class Controller:
         self.policy = policy
         self.specs = {spec.name: spec for spec in instances}
         self._served = {m for spec in instances for m in spec.models}
-        self._tracks: dict[str, RequestTrack] = {}
+        self._tracks: dict[str, RequestRecord] = {}
         self._pending: dict[str, Request] = {}  # given to the policy, not pulled yet
         self._arrived: list[Request] = []  # to hand to the policy at the next step
         self._completions: list[Completion] = []
@@ -152,14 +131,14 @@ class Controller:
 
     def learn_outputs(self, history: Iterable[tuple[Request, int]]) -> int:
         """Completions this controller did not see — the store's most recent, when it starts or
-        takes over from another: the policy learns their output lengths (``LearnsOutputs``), of
-        the models the fleet serves. Returns how many it learnt from (0 if it learns none)."""
-        if not isinstance(self.policy, LearnsOutputs):
-            return 0
+        takes over from another: the policy learns their output lengths
+        (``Policy.learn_output``), of the models the fleet serves. Returns how many it learnt
+        from (0 if it learns none)."""
         learnt = 0
         for request, output_tokens in history:
             if request.model in self._served and output_tokens > 0:
-                self.policy.learn_output(request, output_tokens)
+                if not self.policy.learn_output(request, output_tokens):
+                    return 0
                 learnt += 1
         return learnt
 
@@ -210,7 +189,7 @@ class Controller:
         estimated, scale = request.input_tokens, self.prompt_scale(request.model)
         if scale != 1.0 and estimated_prompt:
             request = replace(request, input_tokens=max(1, round(estimated * scale)))
-        track = RequestTrack(
+        track = RequestRecord(
             request, output_tokens=generated, failovers=failovers, estimated_input_tokens=estimated
         )
         self._tracks[request.id] = track
@@ -321,17 +300,46 @@ class Controller:
         """Something arrived, started or finished since the last step."""
         return bool(self._arrived or self._completions or self._started or self._cancelled)
 
-    def step(self, now: float, views: Iterable[InstanceView]) -> list[Decision]:
-        """One control step: the policy's decisions given what changed. Pulls are counted against
-        their instance here, before the executor applies them. A step the policy cannot take is
+    def step(self, now: float, views: Iterable[InstanceView]) -> StepOutput:
+        """One control step (module docstring): observe the news, let the policy group,
+        estimate, plan and act on it, record what it decided. Pulls are counted against their
+        instance here, before the executor applies them. A step the policy cannot take is
         narrowed down to the waiting requests that make it fail (module docstring, "Poison"):
         each of them ends with a ``Reject``, and the step goes on for everyone else."""
         views = tuple(views)
+        arrived, finished, started, cancelled = self._observe()
+        decisions = self._run_policy(now, views, arrived, finished, started, cancelled)
+        return StepOutput(tuple(decisions), tuple(self.policy.take_plans()))
+
+    def snapshot(self, now: float) -> VirtualQueuesSnapshot | None:
+        """The policy's virtual queues now, with what its model predicts of each group (None
+        for a policy without virtual queues). Costly under a large backlog: for operators and
+        clients, asked for when they need it, never by a step."""
+        return self.policy.snapshot(now)
+
+    def _observe(self) -> tuple[list[Request], list[Completion], list[str], list[str]]:
+        """The news since the last step, taken: requests to hand to the policy (not cancelled
+        meanwhile), completions, requests started, requests cancelled."""
         arrived = [r for r in self._arrived if r.id in self._pending]  # not cancelled meanwhile
         self._arrived = []
         finished, self._completions = self._completions, []
         started, self._started = self._started, []
         cancelled, self._cancelled = self._cancelled, []
+        return arrived, finished, started, cancelled
+
+    def _run_policy(
+        self,
+        now: float,
+        views: Sequence[InstanceView],
+        arrived: list[Request],
+        finished: list[Completion],
+        started: list[str],
+        cancelled: list[str],
+    ) -> list[Decision]:
+        """The policy's decisions on the news (``_decide``), the step taken again without a
+        request the policy names as failing it, or narrowed down to the requests that do
+        (``_isolate``). A step that fails for no waiting request puts its news back for the
+        next step and raises."""
         rejects: list[Decision] = []
         try:
             while True:
@@ -366,7 +374,8 @@ class Controller:
         started: Sequence[str] = (),
         cancelled: Sequence[str] = (),
     ) -> list[Decision]:
-        """The policy's decisions on this news, checked, with their pulls counted."""
+        """The policy's decisions on this news (it groups, estimates, plans and acts), checked,
+        and recorded: their pulls counted against their instances."""
         ctx = DispatchContext(
             now=now,
             arrived=tuple(arrived),
@@ -475,10 +484,10 @@ class Controller:
 
     # --- reading --------------------------------------------------------------------------------
 
-    def track(self, request_id: str) -> RequestTrack:
+    def track(self, request_id: str) -> RequestRecord:
         return self._tracks[request_id]
 
-    def tracks(self) -> Iterable[RequestTrack]:
+    def tracks(self) -> Iterable[RequestRecord]:
         return self._tracks.values()
 
     def instance_of(self, request_id: str) -> str | None:
@@ -521,7 +530,7 @@ class Controller:
         self._outstanding[pull.instance] += 1
         self._outstanding_tokens[pull.instance] += req.input_tokens + track.output_tokens
 
-    def _release(self, track: RequestTrack) -> None:
+    def _release(self, track: RequestRecord) -> None:
         name = self._on.pop(track.request.id)
         self._outstanding[name] -= 1
         self._outstanding_tokens[name] -= track.request.input_tokens + track.output_tokens

@@ -1,12 +1,14 @@
 """Plain data of the control plane: requests with their SLOs, hardware and model specs, decisions.
 
 Nothing here does I/O or reads a clock. Every type is a frozen dataclass so that it can be logged,
-compared, hashed and replayed; the edges (HTTP bodies, settings, the store) translate to and from it.
+compared, hashed and replayed — except ``RequestRecord``, which the controller fills in while it
+holds the request and hands out as copies; the edges (HTTP bodies, settings, the store)
+translate to and from them.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from enum import IntEnum
 
 
@@ -227,9 +229,13 @@ class Reject:
 Decision = Pull | Evict | SwapOut | SwapIn | SetModelTier | Reject
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class RequestRecord:
-    """What happened to one request, as measured by whoever served it (simulation or production)."""
+    """What happened to one request, as measured by whoever served it (simulation or production).
+
+    The controller keeps one per request it holds and fills it in as the request runs
+    (``Controller.track``); what it hands out (a simulation's results, an outcome to record) is
+    a ``copy``, which later steps leave alone."""
 
     request: Request
     instance: str = ""
@@ -243,6 +249,12 @@ class RequestRecord:
     swaps: int = 0
     status: RequestStatus = RequestStatus.QUEUED
     failovers: int = 0  # times an instance running it failed (it resumed elsewhere or later)
+    error: str = ""  # why it failed
+    estimated_input_tokens: int = 0  # its prompt as the API estimated it, before ``prompt_scale``
+
+    def copy(self) -> RequestRecord:
+        """This record as it is now."""
+        return replace(self)
 
     @property
     def e2e_s(self) -> float | None:
@@ -266,3 +278,23 @@ class RequestRecord:
             return False
         ttft_slo = self.request.slo.ttft_s
         return ttft_slo is None or (self.ttft_s is not None and self.ttft_s <= ttft_slo)
+
+
+@dataclass(frozen=True, slots=True)
+class PlanRecord:
+    """One planning event: when and why the planner ran, and how it went (what the store keeps,
+    the API and the CLI show, and a simulation summarises)."""
+
+    at_s: float
+    trigger: str
+    groups: int
+    status: str
+    method: str
+    objective: float
+    edf_objective: float
+    at_risk: tuple[str, ...]
+    capacity_needed: float | None
+    solve_s: float
+    evaluations: int
+    concurrency: dict[str, int] = field(default_factory=dict)
+    deferred: int = 0  # groups deferred by cost-aware admission

@@ -39,6 +39,7 @@ from qlm.domain import (
     Evict,
     InstanceSpec,
     ModelTier,
+    PlanRecord,
     Pull,
     Reject,
     Request,
@@ -159,6 +160,9 @@ class RuntimeListener:
     def cancelled(self, request_id: str, partial_text: str, tokens: int) -> None: ...
 
     def instance_changed(self, name: str, up: bool) -> None: ...
+
+    def planned(self, plans: Sequence[PlanRecord]) -> None:
+        """The plans a control step made, oldest first (each is told once)."""
 
 
 @dataclass(slots=True)
@@ -412,9 +416,11 @@ class AgentRuntime:
     def step(self) -> None:
         """One control step now, and its decisions set in motion."""
         now = self.clock.now()
-        decisions = self.controller.step(now, [self._view(i) for i in self._instances.values()])
+        output = self.controller.step(now, [self._view(i) for i in self._instances.values()])
         self.steps += 1
-        for decision in decisions:
+        if output.plans:
+            self.listener.planned(output.plans)
+        for decision in output.decisions:
             self._apply(decision, now)
 
     def _view(self, inst: _Instance) -> InstanceView:
@@ -580,7 +586,7 @@ class AgentRuntime:
         )
         self._flights.pop(rid, None)
         job = self._jobs.pop(rid, Job())
-        record = self.controller.track(rid).record()
+        record = self.controller.track(rid).copy()
         self.listener.finished(
             record, job.partial_text + out.text, out.finish_reason, out.tool_calls
         )

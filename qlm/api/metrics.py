@@ -35,8 +35,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from qlm.api.context import ApiContext
-from qlm.domain import RequestStatus
-from qlm.store import ControllerStateRow, PlanRow, SloSummaryRow, Store
+from qlm.domain import PlanRecord, RequestStatus
+from qlm.store import ControllerStateRow, SloSummaryRow, Store
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _ERROR_SAMPLE = 500
@@ -49,7 +49,7 @@ class StoreFigures:
     by_tier: list[SloSummaryRow]
     by_tenant: list[SloSummaryRow]
     errors: list[float]
-    plan: PlanRow | None
+    plan: PlanRecord | None
     controllers: list[ControllerStateRow]
 
 
@@ -63,12 +63,13 @@ def read_store(store: Store, since: float) -> StoreFigures:
         for r in finished
         if r.finished_at is not None and r.predicted_completion_at is not None
     ]
+    latest = store.latest_plan()
     return StoreFigures(
         counts=store.counts(since=since),
         by_tier=store.slo_summary(since=since, group_by="tier"),
         by_tenant=store.slo_summary(since=since, group_by="tenant"),
         errors=errors,
-        plan=store.latest_plan(),
+        plan=None if latest is None else latest.plan,
         controllers=store.controller_states(),
     )
 

@@ -25,14 +25,21 @@ from typing import Literal
 import pulp
 
 from qlm.domain import Decision, Pull, Request, Tier
-from qlm.planner.policy import Completion, DispatchContext, InstanceLoad, Policy, has_room
+from qlm.planner.policy import (
+    Completion,
+    DispatchContext,
+    InstanceLoad,
+    Policy,
+    PolicyBase,
+    has_room,
+)
 from qlm.planner.queued import QueuedPolicy, Step, instance_queue, model_queue
 from qlm.rct.estimator import RCTEstimator
 from qlm.rct.profile import HardwareProfile, RctProfile, default_profile
 from qlm.solvers import make_solver
 
 
-class FcfsDispatch:
+class FcfsDispatch(PolicyBase):
     """vLLM's default: dispatch on arrival, FCFS inside each engine."""
 
     def __init__(self, dispatch: Literal["least-loaded", "round-robin"] = "least-loaded") -> None:
@@ -112,12 +119,13 @@ class ServiceEstimates:
 
 
 class _Learns:
-    """``LearnsOutputs`` for the policies that estimate service times."""
+    """``Policy.learn_output`` for the policies that estimate service times."""
 
     estimates: ServiceEstimates
 
-    def learn_output(self, request: Request, output_tokens: int) -> None:
+    def learn_output(self, request: Request, output_tokens: int) -> bool:
         self.estimates.estimator.observe(request, output_tokens=output_tokens)
+        return True
 
 
 def _serving(ctx: DispatchContext, model: str) -> list[InstanceLoad]:

@@ -8,14 +8,27 @@ and returns decisions (``Pull``, ``Evict``, ...). The harness (simulation) or th
 Policies that hold requests back keep them in their own queues and *pull* them onto an instance
 while it has room (``has_room``): the agent counts what it sent itself, because an engine's gauges
 lag (vLLM's ``num_requests_running`` is sampled once per iteration).
+
+Besides ``decide``, a policy answers what the controller, the service and the simulator read of
+it (``Policy``): the plans it made since it was last asked (handed over once), its virtual queues
+with their predictions, whether the agents switch models themselves, and the output lengths it
+learns from completions it did not see. ``PolicyBase`` answers them for a policy that plans
+nothing, holds no virtual queues and learns nothing: every baseline builds on it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Literal, Protocol
 
-from qlm.domain import Decision, ModelTier, Request
+from qlm.domain import Decision, ModelTier, PlanRecord, Request
+
+if TYPE_CHECKING:
+    from qlm.virtual_queues import VirtualQueuesSnapshot
+
+ModelSwitching = Literal["fcfs", "explicit"]
+"""How the simulated engines switch models: on their own as vLLM does (``fcfs``), or only when a
+decision tells them (``explicit``: the policy's agents warm-start models)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,22 +99,54 @@ class DispatchContext:
 
 
 class Policy(Protocol):
-    name: str
+    """What the controller, the service and the simulator need of a scheduling policy."""
+
+    @property
+    def name(self) -> str:
+        """The name it is selected by (``qlm.planner.POLICIES``)."""
+        ...
+
+    @property
+    def model_switching(self) -> ModelSwitching | None:
+        """How simulated engines must switch models under this policy (None: their default)."""
+        ...
 
     def decide(self, ctx: DispatchContext) -> list[Decision]:
         """Called whenever something changed (arrival, completion, tick); returns what to do."""
         ...
 
-
-@runtime_checkable
-class LearnsOutputs(Protocol):
-    """A policy whose estimates learn output lengths from completions, and can learn them from
-    completions it did not see (the store's, when a controller starts or takes over)."""
-
-    def learn_output(self, request: Request, output_tokens: int) -> None:
-        """``request`` finished with ``output_tokens`` before this policy started: learn its
-        output length (nothing about any instance: the policy did not predict it)."""
+    def take_plans(self) -> list[PlanRecord]:
+        """The plans made since the last call, oldest first; each is handed over once."""
         ...
+
+    def snapshot(self, now: float) -> VirtualQueuesSnapshot | None:
+        """The virtual queues now, with what the planner's model predicts of each group; None
+        for a policy without virtual queues. Costly under a large backlog: asked for on demand,
+        never by a step."""
+        ...
+
+    def learn_output(self, request: Request, output_tokens: int) -> bool:
+        """``request`` finished with ``output_tokens`` before this policy started (the store's
+        completions, when a controller starts or takes over): learn its output length (nothing
+        about any instance: the policy did not predict it). Returns whether it learns from
+        it (False: the policy keeps no output-length belief)."""
+        ...
+
+
+class PolicyBase:
+    """``Policy``'s answers for a policy that plans nothing, holds no virtual queues and learns
+    no output lengths; a policy overrides what it does."""
+
+    model_switching: ModelSwitching | None = None
+
+    def take_plans(self) -> list[PlanRecord]:
+        return []
+
+    def snapshot(self, now: float) -> VirtualQueuesSnapshot | None:
+        return None
+
+    def learn_output(self, request: Request, output_tokens: int) -> bool:
+        return False
 
 
 def prompt_tokens(request: Request, generated: int = 0) -> int:

@@ -1,10 +1,13 @@
 """QLM's own policy: request groups in virtual queues, ordered by the stochastic planner.
 
-Every step: completions teach the RCT estimator; arrivals are classified into request groups
-(§4), and a group the queues do not hold yet is put on the least-loaded instance serving its model
-at its deadline slot; when a trigger fires the planner re-orders and re-assigns every group
-(``build_family`` + ``solve``); then each instance pulls from the head of its own virtual queue
-while it has room (§5 *pull*, *load balancing*: a running request never migrates).
+Every step runs four stages in order (``QlmPolicy.decide``): *observe* — instances joining or
+leaving, completions teaching the RCT estimator, cancellations; *group* — arrivals are classified
+into request groups (§4), and a group the queues do not hold yet is put on the least-loaded
+instance serving its model at its deadline slot; *plan* — the groups are reclustered when due,
+and when a trigger fires the planner re-orders and re-assigns every group (``build_family`` +
+``solve``); *act* — each instance pulls from the head of its own virtual queue while it has room
+(§5 *pull*, *load balancing*: a running request never migrates), makes room for an urgent head
+group and warm-starts models.
 
 Triggers: a predicted violation (the estimator's completion distribution of the current
 order gives some group ``P(meet) < Δ`` — checked when groups changed, at most every
@@ -39,19 +42,35 @@ from qlm.agents.decide import (
     plan_tiers,
 )
 from qlm.clock import work_seconds
-from qlm.domain import Decision, Evict, ModelTier, Pull, Request, SwapIn, SwapOut, Tier
+from qlm.domain import (
+    Decision,
+    Evict,
+    ModelTier,
+    PlanRecord,
+    Pull,
+    Request,
+    SwapIn,
+    SwapOut,
+    Tier,
+)
 from qlm.errors import RequestFailed, check_setting
 from qlm.groups import Grouper, GroupingConfig, PredictOutput, default_predict_output
 from qlm.planner.admission import Admission, TokenBucket, admit
 from qlm.planner.arrivals import ArrivalWindow, ClassKey, class_of
 from qlm.planner.budget import Budget, Clock, Deadline
-from qlm.planner.policy import DispatchContext, InstanceLoad, has_room, prompt_tokens
+from qlm.planner.policy import (
+    DispatchContext,
+    InstanceLoad,
+    ModelSwitching,
+    has_room,
+    prompt_tokens,
+)
 from qlm.planner.program import FloatArray, PlanGroup, PlanInstance, PlanProblem, score_queue
 from qlm.planner.solve import Solution, capacity_needed, solve
 from qlm.rct.estimator import EstimatorInstance, Queued, RCTEstimator, prompt_bin
 from qlm.rct.profile import HardwareProfile, RctProfile, default_profile
 from qlm.rct.trigger import Violation, violations
-from qlm.virtual_queues import Estimate, VirtualQueueSet
+from qlm.virtual_queues import GroupPrediction, VirtualQueueSet, VirtualQueuesSnapshot
 
 log = logging.getLogger(__name__)
 
@@ -125,25 +144,6 @@ class PlannerConfig:
         check_setting(
             ok, "planner.concurrency_hysteresis", "in [0, 1)", self.concurrency_hysteresis
         )
-
-
-@dataclass(frozen=True, slots=True)
-class PlanRecord:
-    """One planning event, for the store, the API and the CLI: when, why and how it went."""
-
-    at_s: float
-    trigger: str
-    groups: int
-    status: str
-    method: str
-    objective: float
-    edf_objective: float
-    at_risk: tuple[str, ...]
-    capacity_needed: float | None
-    solve_s: float
-    evaluations: int
-    concurrency: dict[str, int] = field(default_factory=dict)
-    deferred: int = 0  # groups deferred by cost-aware admission
 
 
 @dataclass(slots=True)
@@ -413,7 +413,7 @@ def pick_limit(values: Mapping[int, float], current: int | None, hysteresis: flo
 
 
 class QlmPolicy:
-    """Groups, RCT estimator and planner behind the one ``Policy`` interface."""
+    """Groups, RCT estimator and planner behind the one ``Policy`` interface (module docstring)."""
 
     name = "qlm"
 
@@ -444,14 +444,17 @@ class QlmPolicy:
         self.config = config or PlannerConfig()
         self._clock = clock
         # The agents switch models themselves (warm start), so engines must not switch on their own.
-        self.model_switching = "explicit" if self.config.agent.warm_start else "fcfs"
+        self.model_switching: ModelSwitching = (
+            "explicit" if self.config.agent.warm_start else "fcfs"
+        )
         self.estimator = estimator or RCTEstimator(profile or default_profile())
         self.grouper = Grouper(
             grouping or self.config.grouping,
             predict_output=predict_output or default_predict_output,
         )
         self.queues = VirtualQueueSet(self.grouper)
-        self.plans: list[PlanRecord] = []
+        self.last_plan: PlanRecord | None = None
+        self._new_plans: list[PlanRecord] = []  # made since the last ``take_plans``
         self.last_solution: Solution | None = None
         self._measure = (
             self.config.budget.time_s is not None
@@ -502,7 +505,35 @@ class QlmPolicy:
     # --- the step --------------------------------------------------------------------------------
 
     def decide(self, ctx: DispatchContext) -> list[Decision]:
+        """One step: observe, group, plan, act (module docstring).
+
+        With a wall-time budget a step is bounded: arrivals are grouped while the first half of
+        ``step_budget_s`` lasts (the rest wait for the next step, first in line), then a
+        recluster or a plan only if time is left — else it goes first at the next step
+        (``_owed``), and never both in one step; a recluster never in a step that grouped
+        arrivals —, then the agents act in the second half."""
         now = ctx.now
+        self._observe(ctx)
+        wall = self._measure
+        start = self._clock() if wall else 0.0
+        half = self.config.step_budget_s / 2
+        owed, self._owed = self._owed, ""
+        if owed:
+            self._plan_stage(now, recluster=owed == "rethink")
+        taken = self._group(now, start + half if wall else math.inf)
+        if not owed:
+            if wall and (
+                self._clock() - start >= half or (taken and self.grouper.needs_recluster(now))
+            ):  # a recluster (the largest part, at 100,000 requests) gets a step of its own
+                self._owed = "rethink"
+            else:
+                self._plan_stage(now)
+        return self._act(now, start + self.config.step_budget_s if wall else math.inf)
+
+    def _observe(self, ctx: DispatchContext) -> None:
+        """What changed since the last step: instances up or down (a down instance's groups go
+        back to the planner), requests started, completions (they teach the estimator),
+        cancellations; arrivals wait in the inbox for ``_group``."""
         self._instances = ctx.instances
         held = set(self.queues.instances())
         for inst in ctx.instances:
@@ -539,28 +570,8 @@ class QlmPolicy:
         for req in ctx.arrived:
             if req.id not in self._inbox:  # (handed again after a failed step: once is enough)
                 self._inbox[req.id] = (req, generated.get(req.id, 0))
-        # With a wall-time budget a step is bounded: arrivals are taken while the first half of
-        # ``step_budget_s`` lasts (the rest wait for the next step, first in line), then a
-        # recluster or a plan only if time is left — else it goes first at the next step, and
-        # never both in one step; a recluster never in a step that grouped arrivals —, then
-        # pulls in the second half.
-        wall = self._measure
-        start = self._clock() if wall else 0.0
-        half = self.config.step_budget_s / 2
-        owed, self._owed = self._owed, ""
-        if owed:
-            self._rethink(now, recluster=owed == "rethink")
-        taken = self._take_arrivals(now, start + half if wall else math.inf)
-        if not owed:
-            if wall and (
-                self._clock() - start >= half or (taken and self.grouper.needs_recluster(now))
-            ):  # a recluster (the largest part, at 100,000 requests) gets a step of its own
-                self._owed = "rethink"
-            else:
-                self._rethink(now)
-        return self._pull(now, start + self.config.step_budget_s if wall else math.inf)
 
-    def _take_arrivals(self, now: float, until: float) -> int:
+    def _group(self, now: float, until: float) -> int:
         """Group the requests handed to the policy (new ones, and ones back from an engine),
         oldest first, until ``until`` on the policy's clock (at least one). How many it took."""
         taken = 0
@@ -598,7 +609,7 @@ class QlmPolicy:
             self._slots[held_by][1] += 1  # its group grew
         self._changed = True
 
-    def _rethink(self, now: float, *, recluster: bool = True) -> None:
+    def _plan_stage(self, now: float, *, recluster: bool = True) -> None:
         """Recluster the groups when it is due, and re-plan when a trigger fires (with a
         wall-time budget, not in the step that reclustered: the plan goes first at the next)."""
         if recluster and self.grouper.needs_recluster(now):
@@ -631,9 +642,22 @@ class QlmPolicy:
         self._preemptions.pop(request_id, None)
         self.estimator.forget([request_id])
 
-    def learn_output(self, request: Request, output_tokens: int) -> None:
-        """``LearnsOutputs``: the output-length belief only."""
+    def learn_output(self, request: Request, output_tokens: int) -> bool:
+        """``Policy.learn_output``: the output-length belief only."""
         self.estimator.observe(request, output_tokens=output_tokens)
+        return True
+
+    def take_plans(self) -> list[PlanRecord]:
+        """``Policy.take_plans``: the plans made since the last call, handed over once."""
+        plans, self._new_plans = self._new_plans, []
+        return plans
+
+    def snapshot(self, now: float) -> VirtualQueuesSnapshot:
+        """``Policy.snapshot``: the virtual queues with the planner's predictions
+        (``estimates``), a group at risk when its ``P(meet SLO)`` is below Δ."""
+        groups, drain = self.estimates(now)
+        queues = self.queues.snapshot(groups, drain, self.config.delta)
+        return VirtualQueuesSnapshot(now, self.config.delta, tuple(queues))
 
     # --- planning --------------------------------------------------------------------------------
 
@@ -910,7 +934,7 @@ class QlmPolicy:
         # met than ``required_ok`` (the same test, without Δ·S's rounding).
         return bool(violations(risks, problem.required_ok / problem.scenarios))
 
-    def estimates(self, now: float) -> tuple[dict[str, Estimate], dict[str, float]]:
+    def estimates(self, now: float) -> tuple[dict[str, GroupPrediction], dict[str, float]]:
         """What the planner's model predicts of the current virtual queues: per group
         ``(mean, std, P(meet SLO))`` of its completion (its last request's) over the scenarios,
         and per instance when its queue drains. For operators and clients, not for decisions."""
@@ -918,14 +942,14 @@ class QlmPolicy:
             return {}, {i.name: now for i in self._instances if i.up}
         family, current = self._family(now)
         problem = family.problem(self._choice(family))
-        groups: dict[str, Estimate] = {}
+        groups: dict[str, GroupPrediction] = {}
         drain: dict[str, float] = {}
         for g, order in enumerate(current):
             score = score_queue(problem, g, order)
             done = score.completion if score.completion is not None else np.zeros((0, 1))
             for k, i in enumerate(order):
                 row = done[k]
-                groups[problem.groups[i].id] = (
+                groups[problem.groups[i].id] = GroupPrediction(
                     float(row.mean()),
                     float(row.std()),
                     float(score.p_meet[k]),
@@ -1010,14 +1034,15 @@ class QlmPolicy:
             concurrency=dict(self._batch),
             deferred=len(self._deferred),
         )
-        self.plans.append(record)
+        self.last_plan = record
+        self._new_plans.append(record)
         # What keeping up costs is the whole plan (problem, solve, concurrency, capacity), not
         # only the solver's share of it.
         self._last_plan_cost_s = self._clock() - started
         return record
 
     def _capacity_hint(self) -> float | None:
-        last = self.plans[-1].capacity_needed if self.plans else None
+        last = self.last_plan.capacity_needed if self.last_plan is not None else None
         return last if last is not None and last > 1.0 else None
 
     def _ready(self, now: float) -> dict[str, float]:
@@ -1083,9 +1108,9 @@ class QlmPolicy:
         self.queues.assign(gid, target.name, pos)
         deadlines.insert(pos, deadline)
 
-    # --- pulling ---------------------------------------------------------------------------------
+    # --- acting ---------------------------------------------------------------------------------
 
-    def _pull(self, now: float, deadline: float = math.inf) -> list[Decision]:
+    def _act(self, now: float, deadline: float = math.inf) -> list[Decision]:
         """Per instance: swap back in what waits in CPU memory when it is the most urgent, pull the
         head group's requests while there is room, then make room for the head group if it is at
         risk (``qlm.agents.make_room``). Before ``deadline`` on the policy's clock: each instance

@@ -17,7 +17,14 @@ import heapq
 from dataclasses import dataclass, field
 
 from qlm.domain import Decision, Evict, Pull, Request
-from qlm.planner.policy import Completion, DispatchContext, InstanceLoad, has_room, prompt_tokens
+from qlm.planner.policy import (
+    Completion,
+    DispatchContext,
+    InstanceLoad,
+    PolicyBase,
+    has_room,
+    prompt_tokens,
+)
 
 Key = tuple[float, ...]
 
@@ -58,7 +65,7 @@ class Step:
         self.tokens[instance] = self.tokens.get(instance, 0) + tokens
 
 
-class QueuedPolicy:
+class QueuedPolicy(PolicyBase):
     """Holds every request it is given in a heap and pulls it when an instance has room.
 
     Subclasses override ``key`` and, when they need to, ``route`` (default: the model's global

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import heapq
 import logging
 import math
@@ -37,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from qlm.agents.executor import AgentRuntime, Job, RuntimeListener, resume_point
-from qlm.domain import RequestRecord, RequestStatus
+from qlm.domain import PlanRecord, RequestRecord, RequestStatus
 from qlm.engines.base import TokenChunk, ToolCall
 from qlm.errors import check_setting
 from qlm.global_queue import DeadLetter, Delivery, GlobalQueue, MessageError, QueuedRequest
@@ -45,7 +44,7 @@ from qlm.service.backlog_gc import BacklogGC
 from qlm.service.hub import ResultEvent, ResultHub
 from qlm.store import NewRequest, RequestRow, Store, StoreError
 from qlm.store.rows import InstanceState
-from qlm.virtual_queues import VirtualQueueSet
+from qlm.virtual_queues import QueueSnapshot, VirtualQueuesSnapshot
 
 log = logging.getLogger(__name__)
 
@@ -154,8 +153,8 @@ class ControllerService(RuntimeListener):
         self._unsettled = 0  # deliveries they are settling
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
-        self._plans_written = 0
-        self._plans_seen = 0
+        self._plans = 0  # plans the policy made
+        self._latest_plan: PlanRecord | None = None
         self._predicted: dict[str, tuple[float | None, bool]] = {}  # as last written
         self._last_poll = 0.0
         self._stopping = False
@@ -597,7 +596,6 @@ class ControllerService(RuntimeListener):
         """Apply the queued store operations in order, then settle the deliveries whose outcome
         they committed. A failed write is retried at the next flush (nothing is acked before)."""
         writes, self._writes = self._writes, _Writes()
-        self._record_plans(writes)
         if writes.ops:
             try:
                 await asyncio.to_thread(self._run_all, writes.ops)
@@ -655,19 +653,12 @@ class ControllerService(RuntimeListener):
             for op in ops:
                 op()
 
-    def _record_plans(self, writes: _Writes) -> None:
-        plans = getattr(self.runtime.controller.policy, "plans", None)
-        if not isinstance(plans, list):
-            return
-        self._plans_seen += len(plans) - self._plans_written
-        for record in plans[self._plans_written :]:
-            writes.ops.append(
-                functools.partial(self.store.record_plan, record, controller=self.name)
-            )
-        self._plans_written = len(plans)
-        if len(plans) > 1000:  # the store keeps the history; the policy need not
-            del plans[:-100]
-            self._plans_written = len(plans)
+    def planned(self, plans: Sequence[PlanRecord]) -> None:
+        """The plans a control step made: counted, the latest shown, each one stored."""
+        self._plans += len(plans)
+        self._latest_plan = plans[-1]
+        for record in plans:
+            self._queue_op(self.store.record_plan, record, controller=self.name)
 
     # --- retention ------------------------------------------------------------------------------
 
@@ -861,44 +852,21 @@ class ControllerService(RuntimeListener):
 
     # --- what this controller shows of itself -------------------------------------------------
 
-    def snapshot(self) -> dict[str, Any]:
+    def snapshot(self, queues: VirtualQueuesSnapshot | None = None) -> dict[str, Any]:
         """Virtual queues (groups, sizes, models, predicted completion, SLO risk), instances and
-        counters, as JSON-ready data (published to the store for the API and the CLI)."""
+        counters, as JSON-ready data (published to the store for the API and the CLI).
+        ``queues``: the controller's snapshot of them, if just taken (else taken now)."""
         now = self.runtime.clock.now()
-        policy = self.runtime.controller.policy
-        queues: list[dict[str, Any]] = []
-        estimates = getattr(policy, "estimates", None)
-        vqs = getattr(policy, "queues", None)
-        if callable(estimates) and isinstance(vqs, VirtualQueueSet):
-            groups, drain = estimates(now)
-            delta = policy.config.delta  # type: ignore[attr-defined]
-            for q in vqs.snapshot(groups):
-                queues.append(
-                    {
-                        "instance": q.instance,
-                        "predicted_drain_at": drain.get(q.instance),
-                        "groups": [
-                            {
-                                "id": g.id,
-                                "model": g.model,
-                                "size": g.size,
-                                "tier": g.tier.name.lower(),
-                                "earliest_deadline_at": g.earliest_deadline_s,
-                                "predicted_completion_at": g.predicted_completion_s,
-                                "p_meet_slo": g.p_meet_slo,
-                                "at_risk": g.p_meet_slo is not None and g.p_meet_slo < delta,
-                            }
-                            for g in q.groups
-                        ],
-                    }
-                )
-        plans = getattr(policy, "plans", None)
-        latest = plans[-1] if isinstance(plans, list) and plans else None
+        if queues is None:
+            queues = self.runtime.controller.snapshot(now)
+        else:
+            now = queues.at_s
+        latest = self._latest_plan
         return {
             "controller": self.name,
             "at": now,
-            "policy": policy.name,
-            "queues": queues,
+            "policy": self.runtime.controller.policy.name,
+            "queues": [] if queues is None else [_queue_dict(q) for q in queues.queues],
             "instances": self.runtime.instance_states(),
             "counters": {
                 "received": self.received,
@@ -907,29 +875,28 @@ class ControllerService(RuntimeListener):
                 "evictions": self.runtime.evictions,
                 "swaps": self.runtime.swaps,
                 "model_switches": self.runtime.model_switches,
-                "plans": self._plans_seen,
+                "plans": self._plans,
             },
             "plan": None if latest is None else _plan_dict(latest),
         }
 
-    def predictions_to_write(self, snap: dict[str, Any]) -> dict[str, tuple[float | None, bool]]:
+    def predictions_to_write(
+        self, queues: VirtualQueuesSnapshot | None
+    ) -> dict[str, tuple[float | None, bool]]:
         """The waiting requests whose stored prediction moved (``_moved``), at most
         ``prediction_writes`` of them, the most moved first (new ones and risk flips before
         all; among equals the oldest request): under a large backlog every re-plan moves most
         predictions, and rewriting all of them each second would hold the store from recording
         new deliveries. The rest are written at the next publishes."""
-        grouper = getattr(self.runtime.controller.policy, "grouper", None)
-        if grouper is None:
+        if queues is None:
             return {}
         written = self._predicted
         moved: list[tuple[float, float, str, tuple[float | None, bool]]] = []
-        for q in snap["queues"]:
-            for g in q["groups"]:
-                if not grouper.has_group(g["id"]):
-                    continue
-                value = (g["predicted_completion_at"], g["at_risk"])
-                for req in grouper.group(g["id"]).requests:
-                    how_far = _moved(written.get(req.id), value, snap["at"])
+        for q in queues.queues:
+            for g in q.groups:
+                value = (g.predicted_completion_s, g.at_risk)
+                for req in g.requests:
+                    how_far = _moved(written.get(req.id), value, queues.at_s)
                     if how_far > 1.0:
                         moved.append((how_far, -req.arrival_s, req.id, value))
         if len(moved) > self.prediction_writes:  # (ties: the oldest request first)
@@ -944,11 +911,12 @@ class ControllerService(RuntimeListener):
         while True:
             await asyncio.sleep(self.publish_s)
             try:
-                snap = self.snapshot()
+                queues = self.runtime.controller.snapshot(self.runtime.clock.now())
+                snap = self.snapshot(queues)
             except Exception:
                 log.exception("could not take a snapshot")
                 continue
-            predictions = self.predictions_to_write(snap)
+            predictions = self.predictions_to_write(queues)
             if predictions:
                 # Through the writer, in its transaction: run beside it, this batch of updates
                 # and the writer's (dispatches, outcomes) took row locks in different orders, and
@@ -987,7 +955,27 @@ def _moved(
     return abs(old[0] - new[0]) / slack
 
 
-def _plan_dict(record: Any) -> dict[str, Any]:
+def _queue_dict(q: QueueSnapshot) -> dict[str, Any]:
+    return {
+        "instance": q.instance,
+        "predicted_drain_at": q.predicted_drain_s,
+        "groups": [
+            {
+                "id": g.id,
+                "model": g.model,
+                "size": g.size,
+                "tier": g.tier.name.lower(),
+                "earliest_deadline_at": g.earliest_deadline_s,
+                "predicted_completion_at": g.predicted_completion_s,
+                "p_meet_slo": g.p_meet_slo,
+                "at_risk": g.at_risk,
+            }
+            for g in q.groups
+        ],
+    }
+
+
+def _plan_dict(record: PlanRecord) -> dict[str, Any]:
     return {
         "at": record.at_s,
         "trigger": record.trigger,

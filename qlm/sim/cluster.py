@@ -22,6 +22,7 @@ from qlm.domain import (
     Decision,
     Evict,
     InstanceSpec,
+    PlanRecord,
     Pull,
     Reject,
     Request,
@@ -70,6 +71,7 @@ class SimResult:
     records: tuple[RequestRecord, ...]
     summary: dict[str, Any]
     memory: MemoryTimeline = field(repr=False)
+    plans: tuple[PlanRecord, ...] = field(default=(), repr=False)  # the policy's, in order
 
 
 def build_engines(
@@ -111,7 +113,7 @@ class ClusterSimulation:
         self.policy = policy
         self.observer = observer
         overrides = dict(engine_config or {})
-        switching = getattr(policy, "model_switching", None)  # a policy that switches models itself
+        switching = policy.model_switching  # a policy that switches models itself
         if switching is not None:
             overrides.setdefault("model_switching", switching)
         self.engines = build_engines(instances, catalog=catalog, config_overrides=overrides)
@@ -124,6 +126,7 @@ class ClusterSimulation:
         self._version = [0] * len(self.engines)
         self._seq = 0
         self.controller = Controller(policy, self.specs)
+        self.plans: list[PlanRecord] = []  # every plan the policy made, from the steps' outputs
         self._up = [True] * len(self.engines)
         self._weights = [
             tuple((m, pm.model.weights_gb) for m, pm in e.perf_models.items()) for e in self.engines
@@ -186,7 +189,7 @@ class ClusterSimulation:
             if progress is not None and (done % step_progress == 0 or ai == total):
                 progress(done, total)
         controller.close()  # a request a policy never dispatched, or left swapped out, fails
-        records = tuple(controller.track(r.id).record() for r in ordered)
+        records = tuple(controller.track(r.id).copy() for r in ordered)
         self.memory.close(self.clock.now())
         summary = summarize(
             records,
@@ -194,7 +197,9 @@ class ClusterSimulation:
             memory=self.memory,
         )
         summary["policy"] = self.policy.name
-        return SimResult(self.policy.name, self.specs, records, summary, self.memory)
+        return SimResult(
+            self.policy.name, self.specs, records, summary, self.memory, tuple(self.plans)
+        )
 
     # --- event handling --------------------------------------------------------------------------
 
@@ -233,7 +238,7 @@ class ClusterSimulation:
         for ev in events:
             finished = self.controller.on_event(engine.name, ev)
             if finished and self.observer is not None:
-                self.observer.on_finish(self.controller.track(ev.request_id).record())
+                self.observer.on_finish(self.controller.track(ev.request_id).copy())
             finished_any |= finished
         self.memory.observe(idx, now, engine.gpu_memory_used_fraction())
         self._wake(idx)
@@ -257,7 +262,9 @@ class ClusterSimulation:
             )
             for i, (spec, engine) in enumerate(zip(self.specs, self.engines, strict=True))
         ]
-        for decision in self.controller.step(now, views):
+        output = self.controller.step(now, views)
+        self.plans += output.plans
+        for decision in output.decisions:
             self._apply(decision, now)
 
     def _apply(self, decision: Decision, now: float) -> None:

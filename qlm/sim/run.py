@@ -33,7 +33,7 @@ class Simulation:
     def run(self, progress: Callable[[int, int], None] | None = None) -> SimResult:
         """Replay the requests; ``progress(done, total)`` is called as requests finish."""
         result = simulate(self.requests, self.instances, self.policy, progress=progress)
-        return with_planner_summary(result, self.policy)
+        return with_planner_summary(result)
 
 
 def prepare_simulation(
@@ -123,10 +123,10 @@ def run_simulation(
     ).run(progress)
 
 
-def with_planner_summary(result: SimResult, policy: object) -> SimResult:
+def with_planner_summary(result: SimResult) -> SimResult:
     """Add what the planner did (``qlm`` only) to the summary: plans, their status, the groups
     left at risk and the scale-up signal (capacity needed to meet every SLO)."""
-    plans = getattr(policy, "plans", None)
+    plans = result.plans
     if plans:
         needed = [p.capacity_needed for p in plans]
         result.summary["planner"] = {

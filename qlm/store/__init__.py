@@ -8,7 +8,6 @@ See ``qlm.store.store`` for the guarantees (thread-safe, idempotent outcomes) an
 from __future__ import annotations
 
 from qlm.store.base import StoreError
-from qlm.store.plans import PlanLike
 from qlm.store.requests import InvalidCursor, SummaryKey
 from qlm.store.rows import (
     ApiKey,
@@ -29,7 +28,6 @@ __all__ = [
     "InstanceState",
     "InvalidCursor",
     "NewRequest",
-    "PlanLike",
     "PlanRow",
     "RequestRow",
     "SloSummaryRow",

@@ -142,7 +142,7 @@ class InstanceModel(Base):
 
 
 class PlanModel(Base):
-    """One planning event (``qlm.planner.qlm_policy.PlanRecord``) and the controller that made it."""
+    """One planning event (``qlm.domain.PlanRecord``) and the controller that made it."""
 
     __tablename__ = "plans"
 

@@ -3,52 +3,18 @@ newest first for the API and the CLI, and pruned to the latest few."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Protocol
-
 from sqlalchemy import delete, select
 
+from qlm.domain import PlanRecord
 from qlm.store.base import StoreBase, _rowcount
 from qlm.store.models import PlanModel
 from qlm.store.rows import PlanRow
 
 
-class PlanLike(Protocol):
-    """The fields of ``qlm.planner.qlm_policy.PlanRecord`` the store keeps. A protocol, so that
-    importing the store does not import the planner (numpy, scikit-learn, PuLP)."""
-
-    @property
-    def at_s(self) -> float: ...
-    @property
-    def trigger(self) -> str: ...
-    @property
-    def groups(self) -> int: ...
-    @property
-    def status(self) -> str: ...
-    @property
-    def method(self) -> str: ...
-    @property
-    def objective(self) -> float: ...
-    @property
-    def edf_objective(self) -> float: ...
-    @property
-    def at_risk(self) -> tuple[str, ...]: ...
-    @property
-    def capacity_needed(self) -> float | None: ...
-    @property
-    def solve_s(self) -> float: ...
-    @property
-    def evaluations(self) -> int: ...
-    @property
-    def concurrency(self) -> Mapping[str, int]: ...
-    @property
-    def deferred(self) -> int: ...
-
-
 class Plans(StoreBase):
     """The store's plans."""
 
-    def record_plan(self, record: PlanLike, *, controller: str) -> int:
+    def record_plan(self, record: PlanRecord, *, controller: str) -> int:
         """Keep one planning event made by ``controller``; returns its id (increasing)."""
         plan = PlanModel(
             controller=controller,
@@ -99,17 +65,19 @@ def _plan_row(m: PlanModel) -> PlanRow:
     return PlanRow(
         id=m.id,
         controller=m.controller,
-        at=m.at,
-        trigger=m.trigger,
-        groups=m.groups,
-        status=m.status,
-        method=m.method,
-        objective=m.objective,
-        edf_objective=m.edf_objective,
-        at_risk=tuple(m.at_risk),
-        capacity_needed=m.capacity_needed,
-        solve_s=m.solve_s,
-        evaluations=m.evaluations,
-        concurrency=m.concurrency,
-        deferred=m.deferred,
+        plan=PlanRecord(
+            at_s=m.at,
+            trigger=m.trigger,
+            groups=m.groups,
+            status=m.status,
+            method=m.method,
+            objective=m.objective,
+            edf_objective=m.edf_objective,
+            at_risk=tuple(m.at_risk),
+            capacity_needed=m.capacity_needed,
+            solve_s=m.solve_s,
+            evaluations=m.evaluations,
+            concurrency=dict(m.concurrency),
+            deferred=m.deferred,
+        ),
     )

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from qlm.domain import SLO, InstanceSpec, ModelTier, Request, RequestStatus, Tier
+from qlm.domain import SLO, InstanceSpec, ModelTier, PlanRecord, Request, RequestStatus, Tier
 
 
 class InstanceState(StrEnum):
@@ -198,23 +198,11 @@ class InstanceRow:
 
 @dataclass(frozen=True, slots=True)
 class PlanRow:
-    """A stored ``PlanRecord`` (same fields, ``at_s`` as ``at``) with its id and controller."""
+    """A stored plan: the ``PlanRecord`` with its id (increasing) and the controller that made it."""
 
     id: int
     controller: str
-    at: float
-    trigger: str
-    groups: int
-    status: str
-    method: str
-    objective: float
-    edf_objective: float
-    at_risk: tuple[str, ...]
-    capacity_needed: float | None
-    solve_s: float
-    evaluations: int
-    concurrency: Mapping[str, int]
-    deferred: int = 0  # groups cost-aware admission put behind the others
+    plan: PlanRecord
 
 
 @dataclass(frozen=True, slots=True)

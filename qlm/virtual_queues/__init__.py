@@ -6,10 +6,17 @@ See ``docs/groups.md``. Pure: no I/O, no clock.
 from __future__ import annotations
 
 from qlm.virtual_queues.virtual_queue import (
-    Estimate,
+    GroupPrediction,
     GroupSnapshot,
     QueueSnapshot,
     VirtualQueueSet,
+    VirtualQueuesSnapshot,
 )
 
-__all__ = ["Estimate", "GroupSnapshot", "QueueSnapshot", "VirtualQueueSet"]
+__all__ = [
+    "GroupPrediction",
+    "GroupSnapshot",
+    "QueueSnapshot",
+    "VirtualQueueSet",
+    "VirtualQueuesSnapshot",
+]

@@ -12,22 +12,31 @@ lazily (on the next read of that queue) or at once through ``sync`` and ``remove
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from qlm.domain import Request, Tier
 from qlm.errors import VirtualQueueError
 from qlm.groups import Grouper, ReclusterResult
 
-Estimate = tuple[float, float, float]
-"""``(mean_s, std_s, p_meet_slo)`` of a group's completion, as the estimator gives it."""
+
+class GroupPrediction(NamedTuple):
+    """What the planner's model predicts of a group's completion (its last request's) where it
+    waits: mean and standard deviation, and the probability that it meets its SLO."""
+
+    mean_s: float
+    std_s: float
+    p_meet_slo: float
 
 
 @dataclass(frozen=True, slots=True)
 class GroupSnapshot:
     """One group at one position of a virtual queue, for the CLI and the API.
 
-    The prediction fields are set only when ``snapshot`` was given estimates for this group;
-    ``slo_risk`` is ``1 - p_meet_slo``.
+    The prediction fields are set only when ``snapshot`` was given a prediction for this group;
+    ``slo_risk`` is ``1 - p_meet_slo``, and ``at_risk`` says ``p_meet_slo`` is below the Δ
+    ``snapshot`` was given (the planner's chance constraint). ``requests`` are its members in
+    FCFS order.
     """
 
     id: str
@@ -41,14 +50,18 @@ class GroupSnapshot:
     predicted_completion_std_s: float | None = None
     p_meet_slo: float | None = None
     slo_risk: float | None = None
+    at_risk: bool = False
+    requests: tuple[Request, ...] = field(default=(), repr=False, compare=False)
 
 
 @dataclass(frozen=True, slots=True)
 class QueueSnapshot:
-    """One instance's virtual queue, head first."""
+    """One instance's virtual queue, head first; ``predicted_drain_s``: when the planner's model
+    expects it to be empty (None when not predicted)."""
 
     instance: str
     groups: tuple[GroupSnapshot, ...]
+    predicted_drain_s: float | None = None
 
     @property
     def requests(self) -> int:
@@ -222,17 +235,24 @@ class VirtualQueueSet:
         for name in self._queues:
             self._live(name)
 
-    def snapshot(self, estimates: Mapping[str, Estimate] | None = None) -> list[QueueSnapshot]:
-        """Every queue, head first, as plain data; ``estimates`` maps group id to
-        ``(mean_s, std_s, p_meet_slo)`` and fills the prediction fields of the groups it names."""
-        estimates = estimates or {}
+    def snapshot(
+        self,
+        predictions: Mapping[str, GroupPrediction] | None = None,
+        drain: Mapping[str, float] | None = None,
+        delta: float | None = None,
+    ) -> list[QueueSnapshot]:
+        """Every queue, head first, as plain data; ``predictions`` (by group id) fill the
+        prediction fields of the groups they name, ``drain`` (by instance) each queue's
+        ``predicted_drain_s``, and a group whose ``p_meet_slo`` is below ``delta`` is at risk."""
+        predictions = predictions or {}
+        drain = drain or {}
         result = []
         for name in self._queues:
             rows = []
             for position, gid in enumerate(self._live(name)):
                 group = self._grouper.group(gid)
-                estimate = estimates.get(gid)
-                mean, std, p = estimate if estimate is not None else (None, None, None)
+                prediction = predictions.get(gid)
+                mean, std, p = prediction if prediction is not None else (None, None, None)
                 rows.append(
                     GroupSnapshot(
                         id=gid,
@@ -246,9 +266,11 @@ class VirtualQueueSet:
                         predicted_completion_std_s=std,
                         p_meet_slo=p,
                         slo_risk=None if p is None else 1.0 - p,
+                        at_risk=p is not None and delta is not None and p < delta,
+                        requests=group.requests,
                     )
                 )
-            result.append(QueueSnapshot(instance=name, groups=tuple(rows)))
+            result.append(QueueSnapshot(name, tuple(rows), drain.get(name)))
         return result
 
     def check(self) -> None:
@@ -302,3 +324,14 @@ class VirtualQueueSet:
     def _forget_all(self, gids: Iterable[str]) -> None:
         for gid in list(gids):
             self._forget(gid)
+
+
+@dataclass(frozen=True, slots=True)
+class VirtualQueuesSnapshot:
+    """Every virtual queue at ``at_s`` with what the planner's model predicts of it: for the
+    operator endpoints, the metrics and the predictions a client reads, never for decisions.
+    ``delta`` is the chance constraint's Δ that ``GroupSnapshot.at_risk`` was judged against."""
+
+    at_s: float
+    delta: float
+    queues: tuple[QueueSnapshot, ...]

@@ -17,9 +17,8 @@ from fastapi import FastAPI
 
 from qlm.api import create_app
 from qlm.api.ports import LocalController
-from qlm.domain import InstanceSpec, RequestStatus
+from qlm.domain import InstanceSpec, PlanRecord, RequestStatus
 from qlm.global_queue import GlobalQueue, MemoryGlobalQueue, QueuedRequest, QueueUnavailable
-from qlm.planner.qlm_policy import PlanRecord
 from qlm.service.hub import ResultEvent
 from qlm.settings import ApiSettings, Settings
 from qlm.store import InstanceState, Store

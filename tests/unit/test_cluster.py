@@ -21,6 +21,7 @@ from qlm.domain import (
 from qlm.engines.sim import SimEngine
 from qlm.errors import ConfigError
 from qlm.planner import DispatchContext, create_policy
+from qlm.planner.policy import PolicyBase
 from qlm.sim.cluster import ClusterSimulation, SimResult
 
 TWO = [InstanceSpec("i0", "G", ("m",)), InstanceSpec("i1", "G", ("m",))]
@@ -92,7 +93,7 @@ def test_a_model_no_instance_serves_is_refused_up_front() -> None:
 
 
 @dataclass
-class EvictOnce:
+class EvictOnce(PolicyBase):
     """Dispatch to i0; evict request r0000 once, when the second request arrives."""
 
     name: str = "evict-once"

@@ -12,7 +12,7 @@ from builders import make_profile, make_request
 from qlm.controller import Controller, InstanceView
 from qlm.domain import SLO, Decision, InstanceSpec, Pull, Reject, Request, RequestStatus
 from qlm.planner import PlannerConfig, QlmPolicy
-from qlm.planner.policy import DispatchContext
+from qlm.planner.policy import DispatchContext, PolicyBase
 
 SPEC = InstanceSpec("i0", "G", ("m",))
 VIEW = InstanceView(spec=SPEC, max_running=1000, token_capacity=10**9, active_model="m")
@@ -20,7 +20,7 @@ EPOCH = 1.7e9  # the service's clock: seconds since 1970
 
 
 @dataclass
-class Scripted:
+class Scripted(PolicyBase):
     """Holds what it is given and pulls everything; raises while it holds a poisoned request
     (as a policy whose arithmetic breaks on one request's fields would, step after step)."""
 
@@ -50,7 +50,7 @@ def test_a_request_the_qlm_policy_cannot_group_is_rejected_and_the_others_are_se
     controller = Controller(policy, [SPEC])
     controller.arrive(make_request(0, arrival_s=EPOCH, slo=SLO(1e-300)))
     controller.arrive(make_request(1, arrival_s=EPOCH))
-    decisions = controller.step(EPOCH, [VIEW])
+    decisions = controller.step(EPOCH, [VIEW]).decisions
     rejects = [d for d in decisions if isinstance(d, Reject)]
     assert [d.request_id for d in rejects] == ["r0000"]
     assert "OverflowError" in rejects[0].reason
@@ -59,7 +59,7 @@ def test_a_request_the_qlm_policy_cannot_group_is_rejected_and_the_others_are_se
     assert track.status is RequestStatus.FAILED and "could not be planned" in track.error
     # the next steps go on: a new request is served
     controller.arrive(make_request(2, arrival_s=EPOCH + 1))
-    assert Pull("r0002", "i0") in controller.step(EPOCH + 1, [VIEW])
+    assert Pull("r0002", "i0") in controller.step(EPOCH + 1, [VIEW]).decisions
 
 
 def test_every_poisoned_request_among_many_fails_alone_in_few_policy_calls() -> None:
@@ -69,7 +69,7 @@ def test_every_poisoned_request_among_many_fails_alone_in_few_policy_calls() -> 
     controller = Controller(policy, [SPEC])
     for r in requests:
         controller.arrive(r)
-    decisions = controller.step(0.0, [VIEW])
+    decisions = controller.step(0.0, [VIEW]).decisions
     assert {d.request_id for d in decisions if isinstance(d, Reject)} == poison
     pulled = {d.request_id for d in decisions if isinstance(d, Pull)}
     assert pulled == {r.id for r in requests} - poison
@@ -104,9 +104,9 @@ def test_a_request_that_turns_poisonous_while_it_waits_is_found_among_the_waitin
     policy.decide = hold  # type: ignore[method-assign]
     for r in waiting:
         controller.arrive(r)
-    assert controller.step(0.0, [full]) == []
+    assert controller.step(0.0, [full]).decisions == ()
     policy.poison.add("r0003")  # no arrival in the next step: the suspects are the waiting
-    decisions = controller.step(1.0, [VIEW])
+    decisions = controller.step(1.0, [VIEW]).decisions
     assert [d.request_id for d in decisions if isinstance(d, Reject)] == ["r0003"]
     assert {d.request_id for d in decisions if isinstance(d, Pull)} == {
         r.id for r in waiting if r.id != "r0003"
@@ -121,7 +121,7 @@ def test_a_step_that_fails_with_no_request_to_blame_raises_and_keeps_its_news() 
         controller.step(0.0, [VIEW])
     assert controller.track("r0000").status is RequestStatus.QUEUED
     policy.fail_always = False
-    assert controller.step(1.0, [VIEW]) == [Pull("r0000", "i0")]
+    assert controller.step(1.0, [VIEW]).decisions == (Pull("r0000", "i0"),)
 
 
 def test_a_poisoned_request_a_bounded_step_left_waiting_is_named_by_the_policy() -> None:
@@ -150,7 +150,7 @@ def test_a_poisoned_request_a_bounded_step_left_waiting_is_named_by_the_policy()
     rejected: list[str] = []
     for step in range(20):
         calls[0] = 0
-        decisions = controller.step(EPOCH + step, [VIEW])
+        decisions = controller.step(EPOCH + step, [VIEW]).decisions
         rejected += [d.request_id for d in decisions if isinstance(d, Reject)]
         assert calls[0] <= 2
         if rejected:

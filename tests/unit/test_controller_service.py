@@ -9,7 +9,6 @@ import json
 import math
 import threading
 import time
-import types
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from typing import Any
@@ -20,7 +19,7 @@ from builders import make_catalog, make_profile, make_request
 from qlm.agents.executor import AgentRuntime
 from qlm.clock import WallClock
 from qlm.controller import Controller
-from qlm.domain import InstanceSpec, RequestStatus
+from qlm.domain import InstanceSpec, RequestStatus, Tier
 from qlm.engines.wallclock import WallClockEngine, count_tokens, filler_text
 from qlm.errors import ConfigError
 from qlm.global_queue import (
@@ -36,6 +35,7 @@ from qlm.service.backlog_gc import BacklogGC
 from qlm.service.controller import ORPHAN_ERROR
 from qlm.store import NewRequest, Store, StoreError
 from qlm.store.rows import InstanceState
+from qlm.virtual_queues import GroupSnapshot, QueueSnapshot, VirtualQueuesSnapshot
 
 SCALE = 50.0
 
@@ -622,16 +622,10 @@ def test_capped_prediction_writes_go_to_the_oldest_requests_first_and_catch_up()
         service.prediction_writes = 2
         reqs = [make_request(i, arrival_s=t) for i, t in enumerate((5.0, 1.0, 3.0, 4.0))]
 
-        class Grouper:
-            def has_group(self, gid: str) -> bool:
-                return gid == "g"
-
-            def group(self, gid: str) -> Any:
-                return types.SimpleNamespace(requests=reqs)
-
-        service.runtime.controller.policy = types.SimpleNamespace(grouper=Grouper())  # type: ignore[assignment]
-        group = {"id": "g", "predicted_completion_at": 50.0, "at_risk": False}
-        snap = {"at": 0.0, "queues": [{"groups": [group]}]}
+        group = GroupSnapshot(
+            "g", 0, "m", Tier.STANDARD, "default", 4, 100.0, 50.0, requests=tuple(reqs)
+        )
+        snap = VirtualQueuesSnapshot(0.0, 0.9, (QueueSnapshot("i0", (group,)),))
         assert set(service.predictions_to_write(snap)) == {"r0001", "r0002"}
         assert set(service.predictions_to_write(snap)) == {"r0003", "r0000"}
         assert service.predictions_to_write(snap) == {}  # all written, nothing moved

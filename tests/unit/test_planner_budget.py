@@ -232,9 +232,10 @@ def test_a_plan_whose_clock_runs_out_still_queues_every_group_exactly_once() -> 
     )
     qlm.decide(DispatchContext(0.0, reqs, instances))
     for _ in range(2):  # a recluster due waits for a step of its own, the plan for the next
-        if not qlm.plans:
+        if qlm.last_plan is None:
             qlm.decide(DispatchContext(0.0, (), instances))
-    record = qlm.plans[-1]
+    record = qlm.last_plan
+    assert record is not None
     assert record.status == "fallback"
     queued = [g for inst in instances for g in qlm.queues.queue(inst.name)]
     assert len(queued) == len(set(queued)) == len(qlm.grouper)
@@ -298,14 +299,14 @@ def test_a_recluster_gets_a_step_of_its_own_and_the_plan_the_next_one() -> None:
     qlm.grouper.set_config(dataclasses.replace(qlm.grouper.config, recluster_interval_s=1.0))
     inst = InstanceLoad(name="i0", models=("m",), gpu="G", max_running=1, outstanding_requests=1)
     qlm.decide(DispatchContext(0.0, (make_request(0, arrival_s=0.0, slo=SLO(600.0)),), (inst,)))
-    plans = len(qlm.plans)
+    qlm.take_plans()
     late = (make_request(1, arrival_s=5.0, slo=SLO(600.0)),)
     qlm.decide(DispatchContext(5.0, late, (inst,)))  # a recluster and the period are due
-    assert len(qlm.plans) == plans and qlm.grouper.needs_recluster(5.0)  # grouped arrivals only
+    assert qlm.take_plans() == [] and qlm.grouper.needs_recluster(5.0)  # grouped arrivals only
     qlm.decide(DispatchContext(5.1, (), (inst,)))
-    assert len(qlm.plans) == plans and not qlm.grouper.needs_recluster(5.1)  # reclustered only
+    assert qlm.take_plans() == [] and not qlm.grouper.needs_recluster(5.1)  # reclustered only
     qlm.decide(DispatchContext(5.2, (), (inst,)))
-    assert len(qlm.plans) == plans + 1 and qlm.plans[-1].trigger == "period"
+    assert [p.trigger for p in qlm.take_plans()] == ["period"]
 
 
 def test_a_step_with_no_arrivals_reclusters_at_once() -> None:
@@ -347,9 +348,8 @@ def test_the_concurrency_choice_evaluates_one_instance_per_plan_once_its_share_i
     per_plan = []
     for step in range(4):
         evaluated.clear()
-        before = len(qlm.plans)
         qlm.decide(DispatchContext(2.0 * step, reqs if step == 0 else (), fleet))
-        if len(qlm.plans) > before:
+        if qlm.take_plans():
             per_plan.append(len(evaluated))
     # One instance per plan: 3, 4 and 6 limits (up to 48, 96 and 160 running), then again.
     assert per_plan == [3, 4, 6, 3]

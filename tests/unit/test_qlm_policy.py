@@ -70,14 +70,15 @@ def test_instance_change_and_period_trigger_a_plan() -> None:
     qlm = policy(period_s=5.0, min_interval_s=1.0)
     busy = load(max_running=1, outstanding_requests=1, outstanding_tokens=200)
     qlm.decide(DispatchContext(0.0, (make_request(0, slo=SLO(600.0)),), (busy,)))
-    assert [p.trigger for p in qlm.plans] == ["instances"]
+    assert [p.trigger for p in qlm.take_plans()] == ["instances"]
     qlm.decide(DispatchContext(0.5, (make_request(1, slo=SLO(600.0)),), (busy,)))
-    assert len(qlm.plans) == 1  # within min_interval_s, and nothing at risk
+    assert qlm.take_plans() == []  # within min_interval_s, and nothing at risk
     qlm.decide(DispatchContext(6.0, (), (busy,)))
-    assert [p.trigger for p in qlm.plans] == ["instances", "period"]
+    assert [p.trigger for p in qlm.take_plans()] == ["period"]
+    assert qlm.take_plans() == []  # each plan is handed over once
     second = load("i1", max_running=1)
     qlm.decide(DispatchContext(7.5, (), (busy, second)))
-    assert qlm.plans[-1].trigger == "instances"
+    assert [p.trigger for p in qlm.take_plans()] == ["instances"]
 
 
 def test_predicted_violation_triggers_a_plan_and_reports_risk() -> None:
@@ -86,8 +87,9 @@ def test_predicted_violation_triggers_a_plan_and_reports_risk() -> None:
     qlm.decide(DispatchContext(0.0, (make_request(0, slo=SLO(600.0)),), (busy,)))
     hopeless = make_request(1, arrival_s=2.0, slo=SLO(0.01), tier=Tier.INTERACTIVE)
     qlm.decide(DispatchContext(2.0, (hopeless,), (busy,)))
-    assert qlm.plans[-1].trigger == "violation"
-    assert qlm.plans[-1].at_risk  # a 10 ms SLO behind a running request cannot be met
+    plan = qlm.last_plan
+    assert plan is not None and plan.trigger == "violation"
+    assert plan.at_risk  # a 10 ms SLO behind a running request cannot be met
 
 
 def test_down_instance_gets_nothing() -> None:
@@ -121,7 +123,9 @@ def test_a_down_instance_does_not_break_the_idle_check_of_later_steps() -> None:
     ran = load("i2", max_running=100, outstanding_requests=5, outstanding_tokens=1000)
     qlm.decide(DispatchContext(5.0, (), (down, load("i1", **busy), ran)))
     qlm.decide(DispatchContext(6.0, (), (down, load("i1", **busy), free)))
-    assert qlm.plans[-1].trigger == "idle"  # i2 idle with i1's queue waiting: re-planned
+    assert (
+        qlm.last_plan is not None and qlm.last_plan.trigger == "idle"
+    )  # i2 idle with i1's queue waiting: re-planned
 
 
 def test_runs_a_workload_to_the_end() -> None:
@@ -143,7 +147,7 @@ def test_runs_a_workload_to_the_end() -> None:
     result = sim.run(reqs)
     assert all(r.status is RequestStatus.FINISHED for r in result.records)
     assert all(r.output_tokens == r.request.replay_output_tokens for r in result.records)
-    assert qlm.plans and all(p.status == "heuristic" for p in qlm.plans)
+    assert result.plans and all(p.status == "heuristic" for p in result.plans)
 
 
 def test_decisions_do_not_depend_on_true_output_lengths() -> None:
@@ -214,7 +218,7 @@ def test_a_fixed_concurrency_limit_is_held_at_every_plan() -> None:
     qlm.fix_concurrency(40)  # the choices under 64 running at most are 16, 32 and 64
     reqs = tuple(make_request(i, slo=SLO(600.0)) for i in range(40))
     out = qlm.decide(DispatchContext(0.0, reqs, (load(max_running=64),)))
-    assert qlm.plans[-1].concurrency == {"i0": 32}
+    assert qlm.last_plan is not None and qlm.last_plan.concurrency == {"i0": 32}
     assert sum(isinstance(d, Pull) for d in out) == 32
     with pytest.raises(ConfigError, match="concurrency limit"):
         qlm.fix_concurrency(0)
@@ -233,7 +237,7 @@ def test_plans_are_spaced_by_their_compute_only_when_the_budget_is_wall_time(
     busy = load(max_running=1, outstanding_requests=1, outstanding_tokens=200)
     qlm.decide(DispatchContext(0.0, (make_request(0, slo=SLO(600.0)),), (busy,)))
     qlm.decide(DispatchContext(6.0, (), (busy,)))  # the period is due
-    assert len(qlm.plans) == (2 if simulated else 1)
+    assert len(qlm.take_plans()) == (2 if simulated else 1)
 
 
 def test_the_concurrency_limit_worth_the_most_wins_unless_the_current_one_is_close() -> None:

@@ -18,9 +18,8 @@ from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from sqlalchemy import event
 
-from qlm.domain import InstanceSpec, ModelTier, RequestStatus, Tier
+from qlm.domain import InstanceSpec, ModelTier, PlanRecord, RequestStatus, Tier
 from qlm.errors import ConfigError
-from qlm.planner.qlm_policy import PlanRecord
 from qlm.store import InstanceState, InvalidCursor, NewRequest, Store, StoreError
 from qlm.store.database import make_engine, parse_url
 from qlm.store.models import Base
@@ -655,18 +654,9 @@ class StoreContract:
         assert ids == sorted(ids)
         latest = store.latest_plan()
         assert latest is not None
-        record = plan_record(at_s=4.0)
-        assert (latest.id, latest.controller, latest.at) == (ids[-1], "c0", 4.0)
-        assert (latest.trigger, latest.groups, latest.status, latest.method) == (
-            record.trigger,
-            record.groups,
-            record.status,
-            record.method,
-        )
-        assert (latest.objective, latest.edf_objective, latest.at_risk) == (1.5, 2.5, ("g1", "g2"))
-        assert (latest.capacity_needed, latest.solve_s, latest.evaluations) == (None, 0.25, 40)
-        assert (latest.concurrency, latest.deferred) == ({"i0": 64, "i1": 128}, 2)
-        assert [p.at for p in store.plans(limit=3)] == [4.0, 3.0, 2.0]
+        assert (latest.id, latest.controller) == (ids[-1], "c0")
+        assert latest.plan == plan_record(at_s=4.0)  # every field as recorded
+        assert [p.plan.at_s for p in store.plans(limit=3)] == [4.0, 3.0, 2.0]
 
         assert store.prune_plans(keep=2) == 3
         assert [p.id for p in store.plans()] == ids[:-3:-1]
@@ -720,8 +710,9 @@ class StoreContract:
     def test_a_plan_with_unbounded_numbers_reads_back(self, store: Store) -> None:
         record = plan_record(capacity_needed=math.inf, objective=math.inf, at_risk=())
         store.record_plan(record, controller="c1")
-        plan = store.latest_plan()
-        assert plan is not None
+        row = store.latest_plan()
+        assert row is not None
+        plan = row.plan
         assert (plan.capacity_needed, plan.objective, plan.at_risk) == (math.inf, math.inf, ())
 
     # --- API keys --------------------------------------------------------------------------
@@ -894,10 +885,10 @@ def test_plans_recorded_before_the_deferred_column_read_back_with_zero_deferred(
         )
     engine.dispose()
     with Store.open(url) as store:  # migrates to the latest revision
-        plan = store.latest_plan()
-        assert plan is not None and (plan.trigger, plan.deferred) == ("period", 0)
+        row = store.latest_plan()
+        assert row is not None and (row.plan.trigger, row.plan.deferred) == ("period", 0)
         store.record_plan(plan_record(at_s=2.0, deferred=3), controller="c0")
-        assert [p.deferred for p in store.plans()] == [3, 0]
+        assert [p.plan.deferred for p in store.plans()] == [3, 0]
 
 
 def test_batches_are_split_in_power_of_two_runs_and_in_lists_padded() -> None:

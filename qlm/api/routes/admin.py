@@ -155,22 +155,23 @@ async def undrain(name: InstanceNamePath, ctx: ContextDep, _admin: AdminDep) -> 
 
 
 def _plan(row: PlanRow) -> PlanOut:
+    plan = row.plan
     return PlanOut(
         id=row.id,
         controller=row.controller,
-        at=row.at,
-        trigger=row.trigger,
-        groups=row.groups,
-        status=row.status,
-        method=row.method,
-        objective=row.objective,
-        edf_objective=row.edf_objective,
-        at_risk=list(row.at_risk),
-        capacity_needed=row.capacity_needed,
-        solve_s=row.solve_s,
-        evaluations=row.evaluations,
-        concurrency=dict(row.concurrency),
-        deferred=row.deferred,
+        at=plan.at_s,
+        trigger=plan.trigger,
+        groups=plan.groups,
+        status=plan.status,
+        method=plan.method,
+        objective=plan.objective,
+        edf_objective=plan.edf_objective,
+        at_risk=list(plan.at_risk),
+        capacity_needed=plan.capacity_needed,
+        solve_s=plan.solve_s,
+        evaluations=plan.evaluations,
+        concurrency=dict(plan.concurrency),
+        deferred=plan.deferred,
     )
 
 
