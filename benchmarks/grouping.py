@@ -40,10 +40,10 @@ import numpy as np
 from qlm.domain import Request
 from qlm.engines.perf_model import default_catalog
 from qlm.groups import Grouper
+from qlm.profiling.sim import profile_sim_hardware
 from qlm.rct.estimator import EstimatorInstance, GroupLoad, Queued, RCTEstimator
 from qlm.rct.output_model import NIG
 from qlm.rct.profile import RctProfile
-from qlm.rct.profiling import profile_sim_hardware
 from qlm.sim.traces import load_lengths, synthetic
 from qlm.sim.workload import create_workload
 

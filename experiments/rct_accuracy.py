@@ -60,9 +60,10 @@ from qlm.engines.perf_model import default_catalog
 from qlm.engines.sim import SimEngine
 from qlm.fleet import parse_instances
 from qlm.planner import create_policy
+from qlm.profiling.sim import profile_sim_hardware
 from qlm.rct.estimator import EstimatorInstance, Queued, RCTEstimator
+from qlm.rct.fit import profile_workload
 from qlm.rct.profile import RctProfile
-from qlm.rct.profiling import profile_sim_hardware, profile_workload
 from qlm.sim.cluster import ClusterSimulation
 from qlm.sim.traces import (
     LengthSample,

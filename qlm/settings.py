@@ -1,22 +1,18 @@
 """One ``Settings`` object for every process, read from the environment (prefix ``QLM_``, nested
 sections with ``__``, e.g. ``QLM_DEMO__TRACE=azure-code``). Built by ``get_settings()``, never at
-import, so tests construct their own."""
+import, so tests construct their own. Values and their validation only: the planner's
+configuration and the estimator's profile they stand for are built by ``qlm.wiring``."""
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, Field, ValidationError, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from qlm.domain import MAX_API_SLO_S, MIN_SLO_S
 from qlm.errors import ConfigError
-
-if TYPE_CHECKING:
-    from qlm.planner import PlannerConfig
-    from qlm.rct.profile import RctProfile
 
 
 class DemoSettings(BaseModel):
@@ -75,7 +71,7 @@ TierName = Literal["interactive", "standard", "batch"]
 
 class PlannerSettings(BaseModel):
     """The ``qlm`` policy's planner and agents (``QLM_PLANNER__*``; docs/planner.md). Unset
-    fields keep ``PlannerConfig``'s defaults."""
+    fields keep ``PlannerConfig``'s defaults (``qlm.wiring.planner_config``)."""
 
     delta: float = Field(default=0.9, gt=0, lt=1)
     """The chance constraint: a group is safe when ``P(meet SLO) >= delta``."""
@@ -102,33 +98,6 @@ class PlannerSettings(BaseModel):
     """δ of the request groups (paper §4): a group holds at most δ × ``group_batch_size``."""
     group_batch_size: float = Field(default=8.0, ge=1, allow_inf_nan=False)
     """The average batch size groups are sized by (smaller groups: finer plans, more planning)."""
-
-    def planner_config(self) -> PlannerConfig:
-        """The ``PlannerConfig`` these settings stand for."""
-        from qlm.agents.decide import AgentConfig
-        from qlm.domain import Tier
-        from qlm.planner import PlannerConfig
-        from qlm.planner.qlm_policy import DEFAULT_GROUPING, DEFAULT_TIER_WEIGHTS
-        from qlm.planner.solve import Budget
-
-        weights = dict(DEFAULT_TIER_WEIGHTS)
-        weights.update({Tier[t.upper()]: w for t, w in self.tier_weights.items()})
-        return PlannerConfig(
-            delta=self.delta,
-            tier_weights=weights,
-            budget=Budget(time_s=self.budget_s),
-            period_s=self.period_s,
-            min_interval_s=self.min_interval_s,
-            defer_expensive=self.defer_expensive,
-            max_utilisation=self.max_utilisation,
-            rate_window_s=self.rate_window_s,
-            choose_concurrency=self.choose_concurrency,
-            agent=AgentConfig(evict=self.evict, swap=self.swap, warm_start=self.warm_start),
-            solver=self.solver,
-            grouping=dataclasses.replace(
-                DEFAULT_GROUPING, delta=self.group_delta, avg_batch_size=self.group_batch_size
-            ),
-        )
 
 
 class ApiSettings(BaseModel):
@@ -244,29 +213,6 @@ class Settings(BaseSettings):
     planner: PlannerSettings = PlannerSettings()
     api: ApiSettings = ApiSettings()
     demo: DemoSettings = DemoSettings()
-
-
-def rct_profile(settings: Settings) -> RctProfile:
-    """The estimator's profile: the shipped one, with ``QLM_PROFILE_FILE``'s entries over it.
-    A file that cannot be read or parsed stops with one line naming the setting."""
-    from qlm.rct.profile import default_profile, parse_profile
-
-    shipped = default_profile()
-    path = settings.profile_file
-    if path is None:
-        return shipped
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise ConfigError(
-            f"setting QLM_PROFILE_FILE: cannot read {path} ({exc.strerror})"
-        ) from None
-    except UnicodeDecodeError:
-        raise ConfigError(f"setting QLM_PROFILE_FILE: {path} is not UTF-8 text") from None
-    try:
-        return shipped.merged(parse_profile(text, str(path)))
-    except ConfigError as exc:
-        raise ConfigError(f"setting QLM_PROFILE_FILE: {exc}") from None
 
 
 def get_settings() -> Settings:

@@ -73,9 +73,9 @@ def profile_server_cmd(
     """Run profiling batches on a vLLM server over its HTTP API and fit its hardware parameters
     (prompts are random, so its prefix cache cannot help; a few minutes on a GPU)."""
     from qlm.engines.perf_model import default_catalog
-    from qlm.engines.profiling import ServerSettings
     from qlm.errors import QLMError
     from qlm.profiling import merge_into, profile_server
+    from qlm.profiling.vllm import ServerSettings
     from qlm.rct.profile import RctProfile
 
     for name, value in (

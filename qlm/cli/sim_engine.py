@@ -74,6 +74,15 @@ def sim_engine_serve_cmd(
     if stream_interval < 1:
         fail(f"--stream-interval must be >= 1, got {stream_interval}")
     policy: SchedulingPolicy = "priority" if scheduling_policy == "priority" else "fcfs"
+
+    def lengths() -> list[int]:
+        """The output lengths a request without ignore_eos ends after (none: at max_tokens)."""
+        if eos_lengths == "max_tokens":
+            return []
+        from qlm.sim.traces import load_lengths
+
+        return [int(x) for x in load_lengths(eos_lengths).output_tokens]
+
     err_console.print(
         f"simulated vLLM: {model} on {f'{gpus}x' if gpus else ''}{gpu} at http://{host}:{port} "
         f"(time x{time_scale:g}, {policy} scheduling{', dev mode' if dev_mode else ''})",
@@ -89,7 +98,7 @@ def sim_engine_serve_cmd(
             port=port,
             time_scale=time_scale,
             dev_mode=dev_mode,
-            eos_lengths=eos_lengths,
+            eos_lengths=lengths(),
             seed=seed,
             max_num_seqs=max_num_seqs,
             scheduling_policy=policy,

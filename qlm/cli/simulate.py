@@ -186,7 +186,8 @@ def simulate_cmd(
 
 def _settings_profile() -> RctProfile:
     """The estimator's profile the settings name (``QLM_PROFILE_FILE`` over the shipped one)."""
-    from qlm.settings import get_settings, rct_profile
+    from qlm.settings import get_settings
+    from qlm.wiring import rct_profile
 
     return rct_profile(get_settings())
 
@@ -221,8 +222,9 @@ def _sim_planner() -> PlannerConfig:
     that a simulated run is the same on any machine."""
     from qlm.planner import PlannerConfig
     from qlm.settings import get_settings
+    from qlm.wiring import planner_config
 
-    config = get_settings().planner.planner_config()
+    config = planner_config(get_settings().planner)
     return dataclasses.replace(config, budget=PlannerConfig.for_simulation().budget)
 
 

@@ -14,8 +14,9 @@ documents (``PRIORITY_REFUSED``); under ``priority`` it accepts it, but the simu
 stays FCFS (docs/simulator.md).
 
 Output length: with ``ignore_eos`` the request generates exactly ``max_tokens`` tokens. Without
-it, the "end of sequence" comes after a length drawn from ``eos_lengths`` (by default the shipped
-ShareGPT output lengths), deterministically from the request id, capped at ``max_tokens``.
+it, the "end of sequence" comes after a length drawn from ``eos_lengths`` (``qlm sim-engine serve``
+loads them; by default the shipped ShareGPT output lengths), deterministically from the request
+id, capped at ``max_tokens``.
 
 With a ``response_format`` of ``json_object`` or ``json_schema`` the answer is a JSON document
 of the schema, which ends the output when complete (the engine writes it:
@@ -637,16 +638,16 @@ def serve(
     port: int,
     time_scale: float,
     dev_mode: bool,
-    eos_lengths: str,
+    eos_lengths: Sequence[int],
     seed: int,
     max_num_seqs: int | None = None,
     scheduling_policy: SchedulingPolicy = "fcfs",
     stream_interval: int = 1,
 ) -> None:
-    """Run the server until interrupted (``qlm sim-engine serve``)."""
+    """Run the server until interrupted (``qlm sim-engine serve``). ``eos_lengths``: the output
+    lengths a request without ``ignore_eos`` ends after (drawn per request; empty: at
+    ``max_tokens``)."""
     import uvicorn
-
-    from qlm.sim.traces import load_lengths
 
     engine = WallClockEngine.from_catalog(
         f"sim-{model}-{port}",
@@ -656,13 +657,10 @@ def serve(
         time_scale=time_scale,
         max_num_seqs=max_num_seqs,
     )
-    lengths: Sequence[int] = ()
-    if eos_lengths != "max_tokens":
-        lengths = [int(x) for x in load_lengths(eos_lengths).output_tokens]
     app = create_app(
         engine,
         dev_mode=dev_mode,
-        eos_lengths=lengths,
+        eos_lengths=eos_lengths,
         seed=seed,
         scheduling_policy=scheduling_policy,
         stream_interval=stream_interval,

@@ -5,7 +5,7 @@ paper's §6: prefill time ``P`` as a function of input tokens, decode time per t
 batch, without preemption), the inefficiency factor ``ε`` (decode slowed by preemption and
 recompute under continuous batching), token throughput ``Θ`` at saturation, the cost of a prompt
 token when the instance is saturated, KV bytes per token, KV capacity and load times per tier. It is
-measured by ``qlm.rct.profiling`` (``qlm profile``), never assumed.
+measured by ``qlm.profiling`` (``qlm profile``), never assumed.
 
 An ``RctProfile`` bundles hardware profiles and output-length priors (``NIG`` per workload) and is
 read from / written to JSON (``load_profile`` / ``dump_profile``); the estimator loads it.

@@ -27,8 +27,9 @@ from qlm.service.instances import (
     host_links,
     load_instances,
 )
-from qlm.settings import Settings, rct_profile
+from qlm.settings import Settings
 from qlm.store import Store
+from qlm.wiring import planner_config, rct_profile
 
 __all__ = ["ControllerService", "build_controller", "instance_configs", "run_controller"]
 
@@ -78,7 +79,7 @@ def build_controller(
                         else ""
                     )
                     raise ConfigError(f"instance {spec.name!r}: {exc}{fix}") from None
-    policy = create_policy(cs.policy, profile=profile, planner=settings.planner.planner_config())
+    policy = create_policy(cs.policy, profile=profile, planner=planner_config(settings.planner))
     runtime = AgentRuntime(
         Controller(policy, specs),
         build_engines(configs, time_scale=cs.sim_time_scale),

@@ -19,8 +19,8 @@ from typer.testing import CliRunner
 from qlm.cli import app
 from qlm.engines.perf_model import default_catalog
 from qlm.engines.sim import SimEngineConfig
+from qlm.profiling.sim import profile_sim_hardware
 from qlm.rct.profile import parse_profile
-from qlm.rct.profiling import profile_sim_hardware
 
 MODEL = "llama-3-8b"
 SEQS = 16

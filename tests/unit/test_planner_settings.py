@@ -15,11 +15,12 @@ from qlm.errors import ConfigError
 from qlm.planner import PlannerConfig
 from qlm.service import build_controller
 from qlm.settings import PlannerSettings, Settings, get_settings
+from qlm.wiring import planner_config
 from tests.builders import make_request
 
 
 def test_unset_planner_settings_are_the_planners_defaults() -> None:
-    assert PlannerSettings().planner_config() == PlannerConfig()
+    assert planner_config(PlannerSettings()) == PlannerConfig()
 
 
 def test_planner_settings_are_read_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -28,7 +29,7 @@ def test_planner_settings_are_read_from_the_environment(monkeypatch: pytest.Monk
     monkeypatch.setenv("QLM_PLANNER__DELTA", "0.8")
     monkeypatch.setenv("QLM_PLANNER__EVICT", "true")
     monkeypatch.setenv("QLM_PLANNER__SOLVER", "cbc")
-    config = get_settings().planner.planner_config()
+    config = planner_config(get_settings().planner)
     assert config.tier_weights == {Tier.INTERACTIVE: 1.0, Tier.STANDARD: 1.5, Tier.BATCH: 0.5}
     assert not config.defer_expensive and config.delta == 0.8 and config.agent.evict
     expected = dataclasses.replace(
@@ -79,7 +80,7 @@ def test_the_controller_and_the_simulator_run_the_configured_planner(
 
 
 def test_the_group_size_bound_is_configured(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert PlannerSettings().planner_config().grouping.max_group_size == 32  # the policy's default
+    assert planner_config(PlannerSettings()).grouping.max_group_size == 32  # the policy's default
     monkeypatch.setenv("QLM_PLANNER__GROUP_DELTA", "2")
     monkeypatch.setenv("QLM_PLANNER__GROUP_BATCH_SIZE", "3")
     settings = get_settings()

@@ -17,7 +17,8 @@ from qlm.rct.output_model import NIG
 from qlm.rct.profile import RctProfile, default_profile, dump_profile
 from qlm.service import build_controller
 from qlm.service.instances import InstanceConfig
-from qlm.settings import ControllerSettings, Settings, get_settings, rct_profile
+from qlm.settings import ControllerSettings, Settings, get_settings
+from qlm.wiring import rct_profile
 
 KEY = ("llama-3-8b", "A100", 1)
 

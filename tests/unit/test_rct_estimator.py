@@ -17,11 +17,11 @@ import pytest
 from qlm.domain import SLO, Request
 from qlm.engines.perf_model import default_catalog
 from qlm.errors import ConfigError
+from qlm.profiling.sim import profile_sim_hardware
 from qlm.rct.distribution import CompletionDistribution
 from qlm.rct.estimator import EstimatorInstance, Queued, RCTEstimator, _sustained
 from qlm.rct.output_model import HIST_BINS, NIG, LengthHistogram, length_bin
 from qlm.rct.profile import HardwareProfile, RctProfile, dump_profile, parse_profile
-from qlm.rct.profiling import profile_sim_hardware
 from qlm.rct.tuning import POOL_STRENGTH, PREEMPT_PRIOR, RATE_FORGETTING, SPEED_PRIOR_SD
 from tests.builders import make_hardware, make_request
 

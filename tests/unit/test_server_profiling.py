@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-from qlm.engines import profiling
 from qlm.engines.base import EngineCapabilities
 from qlm.errors import EngineError
+from qlm.profiling import vllm as profiling
 
 MODEL = "m"
 

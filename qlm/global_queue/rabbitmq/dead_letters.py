@@ -17,9 +17,23 @@ T = TypeVar("T")
 
 
 def dead_letter_reason(headers: Mapping[str, Any]) -> str:
-    """Why a message in the dead-letter queue is there: QLM's reason, else the broker's."""
-    reason = headers.get(REASON_HEADER) or headers.get("x-first-death-reason") or "unknown"
-    return reason.decode() if isinstance(reason, bytes) else str(reason)
+    """Why a message in the dead-letter queue is there: QLM's reason (``x-qlm-reason``) when QLM
+    parked it, else the broker's reason for its latest death — the first entry of ``x-death``,
+    which RabbitMQ keeps most recent first (``delivery_limit``, or ``rejected`` when QLM could
+    not republish it); ``dead-lettered`` when neither says."""
+    reason = headers.get(REASON_HEADER)
+    if isinstance(reason, (str, bytes)):
+        return _text(reason)
+    deaths = headers.get("x-death")
+    if isinstance(deaths, list) and deaths and isinstance(deaths[0], Mapping):
+        why = deaths[0].get("reason")
+        if isinstance(why, (str, bytes)):
+            return _text(why)
+    return "dead-lettered"
+
+
+def _text(value: str | bytes) -> str:
+    return value.decode() if isinstance(value, bytes) else value
 
 
 class DeadLetters(RabbitBase):
@@ -71,7 +85,7 @@ class DeadLetters(RabbitBase):
             if not held:
                 return 0
             try:
-                await record([DeadLetter(m.body, _dead_reason(m.headers)) for m in held])
+                await record([DeadLetter(m.body, dead_letter_reason(m.headers)) for m in held])
             except BaseException:
                 for m in held:  # a lost channel returns them anyway
                     with contextlib.suppress(*BROKER_ERRORS):
@@ -85,16 +99,3 @@ class DeadLetters(RabbitBase):
             return len(held)
         finally:
             await _close_quietly(connection)
-
-
-def _dead_reason(headers: Mapping[str, Any]) -> str:
-    """QLM's own reason if it dead-lettered the message, else the broker's (``x-death``)."""
-    reason = headers.get(REASON_HEADER)
-    if isinstance(reason, (str, bytes)):
-        return reason.decode() if isinstance(reason, bytes) else reason
-    deaths = headers.get("x-death")
-    if isinstance(deaths, list) and deaths and isinstance(deaths[0], Mapping):
-        why = deaths[0].get("reason")
-        if isinstance(why, (str, bytes)):
-            return why.decode() if isinstance(why, bytes) else why
-    return "dead-lettered"

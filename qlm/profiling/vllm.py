@@ -1,5 +1,5 @@
 """Hardware profiling of a vLLM server over its HTTP API, on the wall clock: the parameters
-``qlm.rct.profiling`` measures on the simulated engine, measured through the API an agent uses
+``qlm.profiling.sim`` measures on the simulated engine, measured through the API an agent uses
 (docs/estimator.md, "Profiles"). Nothing is streamed. A run's time is the server's own
 measure where it exports one (vLLM's ``vllm:e2e_request_latency_seconds``: from a request's
 arrival to its last token), so neither the round trips nor a busy client host are measured;
@@ -37,8 +37,8 @@ from qlm.domain import ModelTier
 from qlm.engines.base import EngineRequest
 from qlm.engines.vllm import VllmEngine
 from qlm.errors import ConfigError, EngineError
+from qlm.rct.fit import PREFILL_LENGTHS, fit_line
 from qlm.rct.profile import HardwareProfile
-from qlm.rct.profiling import PREFILL_LENGTHS, fit_line
 
 TOKEN_IDS = (1000, 30000)  # random prompt token ids from here: inside every modern vocabulary
 DECODE_TRIES = 3  # pairs of runs a decode time per token is measured from, at most

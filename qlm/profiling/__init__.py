@@ -1,9 +1,9 @@
 """What ``qlm profile`` runs: the estimator's profiles measured and written to a profile file.
 
-The measurements themselves are elsewhere: ``qlm.rct.profiling`` runs batches on a simulated
-instance and fits a workload's output-length prior, ``qlm.engines.profiling`` runs them on a vLLM
-server over HTTP. Here they are pointed at a catalog entry, a server or a trace, and their results
-merged into a file (docs/estimator.md#profiles).
+The measurements are taken by ``qlm.profiling.sim`` (batches on a simulated instance) and
+``qlm.profiling.vllm`` (on a vLLM server over HTTP), and fitted by ``qlm.rct.fit``. Here they are
+pointed at a catalog entry, a server or a trace, and their results merged into a file
+(docs/estimator.md#profiles).
 """
 
 from __future__ import annotations
@@ -15,13 +15,14 @@ from typing import TYPE_CHECKING
 
 from qlm.engines.perf_model import default_catalog
 from qlm.errors import QLMError
+from qlm.profiling.sim import profile_sim_hardware
+from qlm.rct.fit import profile_workload
 from qlm.rct.output_model import NIG
 from qlm.rct.profile import HardwareProfile, RctProfile, dump_profile, parse_profile
-from qlm.rct.profiling import profile_sim_hardware, profile_workload
 from qlm.sim.traces import load_lengths
 
 if TYPE_CHECKING:
-    from qlm.engines.profiling import ServerSettings
+    from qlm.profiling.vllm import ServerSettings
 
 WORKLOAD_PRIORS = ("azure-conv", "azure-code", "mooncake-conversation", "sharegpt", "arxiv")
 """The shipped traces and length samples whose priors the shipped profile holds."""
@@ -70,8 +71,8 @@ def profile_server(
     """The hardware profile of the vLLM server at ``url`` serving ``model``, measured over its
     HTTP API (``time_scale``: server seconds per real second)."""
     from qlm.clock import WallClock
-    from qlm.engines.profiling import profile_engine
     from qlm.engines.vllm import VllmEngine
+    from qlm.profiling.vllm import profile_engine
 
     # A GPU the catalog knows is named as the instances file names it (A100, not a100); any
     # other as given (profiles match GPU names in any case).

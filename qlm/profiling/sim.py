@@ -1,7 +1,6 @@
-"""Profiling (paper §6, "Offline Profiling"): measure an engine, fit the estimator's parameters.
-
-*Hardware profiling* runs batches on an engine and measures them — nothing is read from the
-engine's own performance model:
+"""Hardware profiling of a simulated instance (paper §6, "Offline Profiling"): batches run on a
+``SimEngine`` in virtual time and measured — nothing is read from the engine's own performance
+model:
 
 1. a request alone at several prompt lengths (one output token): its TTFT gives the prefill line
    ``P(I) = a + b·I`` (least squares); a request alone decoding after a prompt of the workload's
@@ -17,12 +16,8 @@ engine's own performance model:
    load times per tier.
 
 The KV bytes per token are the model's (its architecture, from the catalog), as for a vLLM
-server, whose API does not export them either.
-
-This drives the simulated engine (``SimEngine``); the same measurements against a vLLM server come
-with the vLLM engine client.
-
-*Workload profiling* fits the output-length prior (``NIG.fit``) from a trace's output lengths.
+server, whose API does not export them either. The same measurements against a vLLM server:
+``qlm.profiling.vllm``; the fitting: ``qlm.rct.fit``.
 """
 
 from __future__ import annotations
@@ -37,10 +32,8 @@ from qlm.engines.base import EngineRequest, EventKind
 from qlm.engines.perf_model import PerfModel
 from qlm.engines.sim import SimEngine, SimEngineConfig
 from qlm.errors import ConfigError
-from qlm.rct.output_model import NIG
+from qlm.rct.fit import PREFILL_LENGTHS, fit_line
 from qlm.rct.profile import HardwareProfile
-
-PREFILL_LENGTHS = (128, 256, 512, 1024, 2048, 4096)
 
 
 def _run(engine: SimEngine, requests: Sequence[EngineRequest]) -> dict[str, dict[str, float]]:
@@ -192,17 +185,3 @@ def _decode_alone(perf: PerfModel, cfg: SimEngineConfig, prompt: int, output: in
     engine = SimEngine("profile", {perf.model.name: perf}, cfg)
     alone = _run(engine, [EngineRequest("d", perf.model.name, prompt, output)])["d"]
     return (alone["finish"] - alone["first"]) / (output - 1)
-
-
-def fit_line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
-    """Least-squares slope and intercept."""
-    n = len(xs)
-    mx, my = sum(xs) / n, sum(ys) / n
-    sxx = sum((x - mx) ** 2 for x in xs)
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx if sxx else 0.0
-    return slope, my - slope * mx
-
-
-def profile_workload(outputs: Sequence[int], *, strength: float = 20.0) -> NIG:
-    """The output-length prior of a workload from a sample of its output lengths."""
-    return NIG.fit(list(outputs), strength=strength)
