@@ -27,13 +27,13 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from qlm.agents.executor import AgentRuntime, RuntimeListener
 from qlm.clock import WallClock
 from qlm.controller import Controller
 from qlm.domain import SLO, InstanceSpec, Request, RequestRecord
 from qlm.engines.base import TokenChunk
 from qlm.engines.vllm import VllmEngine
 from qlm.planner import create_policy
+from qlm.service.runtime import AgentRuntime, RuntimeListener
 
 MODEL = "llama-3-8b"
 

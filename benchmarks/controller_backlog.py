@@ -48,7 +48,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from qlm.agents.executor import AgentRuntime
 from qlm.clock import EpochClock
 from qlm.controller import Controller
 from qlm.domain import PlanRecord
@@ -58,6 +57,7 @@ from qlm.planner.qlm_policy import QlmPolicy
 from qlm.service import ControllerService
 from qlm.service.instances import build_engines, default_instances
 from qlm.service.replay import to_message
+from qlm.service.runtime import AgentRuntime
 from qlm.sim.traces import load_trace
 from qlm.sim.workload import create_workload
 from qlm.store import Store

@@ -13,7 +13,6 @@ import contextlib
 import logging
 import signal
 
-from qlm.agents.executor import AgentRuntime
 from qlm.clock import EpochClock
 from qlm.controller import Controller
 from qlm.errors import ConfigError
@@ -27,6 +26,7 @@ from qlm.service.instances import (
     host_links,
     load_instances,
 )
+from qlm.service.runtime import AgentRuntime
 from qlm.settings import Settings
 from qlm.store import Store
 from qlm.wiring import planner_config, rct_profile

@@ -35,13 +35,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from qlm.agents.executor import AgentRuntime, Job, RuntimeListener, resume_point
 from qlm.domain import PlanRecord, RequestRecord, RequestStatus
 from qlm.engines.base import TokenChunk, ToolCall
 from qlm.errors import check_setting
 from qlm.global_queue import DeadLetter, Delivery, GlobalQueue, MessageError, QueuedRequest
 from qlm.service.backlog_gc import BacklogGC
 from qlm.service.hub import ResultEvent, ResultHub
+from qlm.service.runtime import AgentRuntime, Job, RuntimeListener, resume_point
 from qlm.store import NewRequest, RequestRow, Store, StoreError
 from qlm.store.rows import InstanceState
 from qlm.virtual_queues import QueueSnapshot, VirtualQueuesSnapshot

@@ -21,12 +21,12 @@ from typing import Any
 import httpx
 import pytest
 
-from qlm.agents.executor import Job
 from qlm.domain import ModelTier
 from qlm.engines.base import Engine, EngineRequest, TokenChunk
 from qlm.engines.vllm import VllmEngine
 from qlm.engines.wallclock import filler_text
 from qlm.errors import EngineError, RequestRejected, UnknownRequest
+from qlm.service.runtime import Job
 
 MODEL = "llama-3-8b"
 DEADLINE_S = 60.0

@@ -14,7 +14,6 @@ from typing import Any
 import pytest
 from builders import make_catalog, make_profile, make_request, simulated_vllm
 
-from qlm.agents.executor import MAX_STREAM_FAILURES, AgentRuntime, Job, RuntimeListener
 from qlm.clock import WallClock
 from qlm.controller import Controller
 from qlm.domain import SLO, Decision, Evict, InstanceSpec, Pull, RequestRecord, RequestStatus
@@ -23,6 +22,7 @@ from qlm.engines.wallclock import WallClockEngine, count_tokens, filler_text
 from qlm.errors import EngineError
 from qlm.planner import PlannerConfig, create_policy
 from qlm.planner.policy import DispatchContext, Policy, PolicyBase
+from qlm.service.runtime import MAX_STREAM_FAILURES, AgentRuntime, Job, RuntimeListener
 
 SCALE = 50.0
 

@@ -19,14 +19,14 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("virtual_queues", "fleet"),  # queues of groups; a fleet of the engines' catalog
     ("planner",),
     ("controller",),
-    ("sim", "agents.executor"),  # the controller run on simulated engines; on real ones
+    ("sim",),  # the controller run on simulated engines
     ("profiling", "api", "reports", "wiring"),  # what the service and the CLI stand on
     ("service",),
     ("cli",),
 )
 """QLM's packages and modules (under ``qlm.``), lowest layer first. A module imports its own
 entry and those of lower layers: never a higher layer, nor a neighbour in its own. A module
-belongs to the longest entry its name starts with (``agents.executor`` before ``agents``)."""
+belongs to the longest entry its name starts with."""
 
 PURE = [
     "domain.py",
@@ -34,7 +34,7 @@ PURE = [
     "virtual_queues",
     "rct",
     "planner",
-    "agents/decide.py",
+    "agents",
     "controller.py",
     "engines/sim.py",
     "structured.py",

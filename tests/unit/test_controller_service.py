@@ -16,7 +16,6 @@ from typing import Any
 import pytest
 from builders import make_catalog, make_profile, make_request
 
-from qlm.agents.executor import AgentRuntime
 from qlm.clock import WallClock
 from qlm.controller import Controller
 from qlm.domain import InstanceSpec, RequestStatus, Tier
@@ -33,6 +32,7 @@ from qlm.planner import PlannerConfig, create_policy
 from qlm.service import ControllerService
 from qlm.service.backlog_gc import BacklogGC
 from qlm.service.controller import ORPHAN_ERROR
+from qlm.service.runtime import AgentRuntime
 from qlm.store import NewRequest, Store, StoreError
 from qlm.store.rows import InstanceState
 from qlm.virtual_queues import GroupSnapshot, QueueSnapshot, VirtualQueuesSnapshot

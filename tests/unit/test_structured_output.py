@@ -11,12 +11,12 @@ from typing import Any
 import pytest
 from builders import make_request
 
-from qlm.agents.executor import Job
 from qlm.domain import RequestStatus
 from qlm.engines.base import EngineRequest
 from qlm.errors import EngineError, RequestRejected
 from qlm.global_queue.message import MessageError, QueuedRequest
 from qlm.service.hub import ResultEvent
+from qlm.service.runtime import Job
 from qlm.structured import SchemaUnsupported, document_pieces, resumable, schema_problem
 from tests.unit.test_agent_runtime import EvictOnce, Recorder, Seen, engine, eventually, run, start
 from tests.unit.test_api import FakeController, Harness, busy_snapshot, error, published
