@@ -4,15 +4,18 @@
 ``qlm.sim.cluster.ClusterSimulation`` is its virtual-time driver. A step runs whenever something
 changed (an arrival, a first token, a completion, an instance going up or down, a cancel) and at
 least every ``tick_s`` (the planner's period and violation triggers need the time to move), then
-each decision becomes engine calls:
+each decision is carried out with the executor's rules (``qlm.agents.executor``, the simulator's
+too: what each decision becomes, the fallbacks, the counts), its engine operations awaited in a
+task of its own:
 
-- ``Pull``: a task streams the request (``Engine.submit``); its first chunk marks it started, its
-  end finishes it. A resumed request is sent as prompt + partial output (a chat: its messages
-  and the partial output as the assistant's message to continue) with ``max_tokens`` reduced
-  (``Controller.engine_request``), so the client still receives one whole answer.
-- ``Evict``: ``Engine.abort``; the partial output is kept and the request goes back to the policy.
-- ``SwapOut`` / ``SwapIn``: the engine's KV swap; an engine that cannot swap gets an eviction.
-- ``SetModelTier``: sleep / wake-up, one change at a time per instance.
+- ``Submit`` (a ``Pull``): stream the request (``Engine.submit``); its first chunk marks it
+  started, its end finishes it. A resumed request is sent as prompt + partial output (a chat: its
+  messages and the partial output as the assistant's message to continue) with ``max_tokens``
+  reduced (``Controller.engine_request``), so the client still receives one whole answer.
+- ``Abort`` (an ``Evict``): ``Engine.abort``; the partial output is kept and the request goes back
+  to the policy.
+- ``Swap`` (``SwapOut`` / ``SwapIn``): the engine's KV swap.
+- ``ChangeTier`` (``SetModelTier``): sleep / wake-up, one change at a time per instance.
 
 **Fault isolation.** An engine that fails a call or its health check is marked down: every request
 sent to it returns to the policy with the output streamed so far (nothing is lost: the agent holds
@@ -32,22 +35,24 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from qlm.agents.executor import (
+    DONE,
+    Abort,
+    ChangeTier,
+    Done,
+    Execution,
+    Executor,
+    Fail,
+    Forget,
+    Operation,
+    Outcome,
+    Refused,
+    Submit,
+    Swap,
+)
 from qlm.clock import Clock
 from qlm.controller import Controller, InstanceView
-from qlm.domain import (
-    Decision,
-    Evict,
-    InstanceSpec,
-    ModelTier,
-    PlanRecord,
-    Pull,
-    Reject,
-    Request,
-    RequestRecord,
-    SetModelTier,
-    SwapIn,
-    SwapOut,
-)
+from qlm.domain import Decision, InstanceSpec, ModelTier, PlanRecord, Request, RequestRecord
 from qlm.engines.base import (
     Engine,
     EngineCapabilities,
@@ -236,9 +241,19 @@ class AgentRuntime:
         self._draining: set[str] = set()
         self._cancelling: set[str] = set()
         self.steps = 0
-        self.evictions = 0
-        self.swaps = 0
-        self.model_switches = 0
+        self.executor = Executor()
+
+    @property
+    def evictions(self) -> int:
+        return self.executor.evictions
+
+    @property
+    def swaps(self) -> int:
+        return self.executor.swaps
+
+    @property
+    def model_switches(self) -> int:
+        return self.executor.model_switches
 
     # --- life cycle -------------------------------------------------------------------------------
 
@@ -442,20 +457,33 @@ class AgentRuntime:
         )
 
     def _apply(self, decision: Decision, now: float) -> None:
-        if isinstance(decision, Reject):
-            self._jobs.pop(decision.request_id, None)
-            self.listener.rejected(decision.request_id, decision.reason)
+        """Carry out one decision: a rejection at once, engine operations in a task."""
+        execution = self.executor.execute(decision)
+        op = execution.next()
+        if isinstance(op, Forget):
+            self._jobs.pop(op.request_id, None)
+            self.listener.rejected(op.request_id, op.reason)
             self._kick.set()
-        elif isinstance(decision, Pull):
-            self._spawn(self._run(decision.request_id, decision.instance, now))
-        elif isinstance(decision, Evict):
-            self._spawn(self._evict(decision.request_id))
-        elif isinstance(decision, SwapOut):
-            self._spawn(self._swap(decision.request_id, decision.instance, out=True))
-        elif isinstance(decision, SwapIn):
-            self._spawn(self._swap(decision.request_id, decision.instance, out=False))
-        elif isinstance(decision, SetModelTier):
-            self._spawn(self._set_tier(decision))
+        elif op is not None:
+            self._spawn(self._carry_out(execution, op, now))
+
+    async def _carry_out(self, execution: Execution, op: Operation | None, now: float) -> None:
+        while op is not None:
+            op = execution.next(await self._perform(op, now))
+
+    async def _perform(self, op: Operation, now: float) -> Outcome:
+        """One engine operation, awaited."""
+        if isinstance(op, Submit):
+            return await self._run(op.request_id, op.instance, now)
+        if isinstance(op, Abort):
+            await self._take_back(op.request_id, evicted=True)
+        elif isinstance(op, Swap):
+            return await self._swap(op)
+        elif isinstance(op, ChangeTier):
+            return await self._set_tier(op)
+        elif isinstance(op, Fail):
+            self._fail(op.request_id, op.reason)
+        return DONE
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.create_task(coro)
@@ -469,11 +497,12 @@ class AgentRuntime:
 
     # --- operations -------------------------------------------------------------------------------
 
-    async def _run(self, rid: str, instance: str, now: float) -> None:
-        """Pull: stream the request on its instance until it ends."""
+    async def _run(self, rid: str, instance: str, now: float) -> Outcome:
+        """Submit: stream the request on its instance until it ends. ``Refused`` when the engine
+        rejects the request (it cannot serve it); a stream that breaks is handled here."""
         job = self._jobs.get(rid)
         if job is None:
-            return  # cancelled between the decision and now
+            return DONE  # cancelled between the decision and now
         inst = self._instances[instance]
         flight = _Flight(instance)
         flight.task = asyncio.current_task()
@@ -482,7 +511,7 @@ class AgentRuntime:
         self.listener.dispatched(rid, instance, now)
         if request.tokens_to_generate <= 0:  # all its output came back with it: nothing to run
             self._finish(rid, flight, EngineOutput(rid, "", 0, "length"))
-            return
+            return DONE
 
         def on_chunk(chunk: TokenChunk) -> None:
             if flight.leaving:
@@ -514,21 +543,20 @@ class AgentRuntime:
             raise
         except RequestRejected as exc:
             if flight.leaving:
-                return
+                return DONE
             log.warning("%s rejected %s: %s", instance, rid, exc)
-            self._fail(rid, str(exc))
-            return
+            return Refused(str(exc))
         except EngineError as exc:
-            if flight.leaving:
-                return
-            await self._stream_failed(inst, rid, flight, job, exc)
-            return
+            if not flight.leaving:
+                await self._stream_failed(inst, rid, flight, job, exc)
+            return DONE
         if flight.leaving or self._flights.get(rid) is not flight:
-            return  # evicted or cancelled: handled where that was decided
+            return DONE  # evicted or cancelled: handled where that was decided
         if out.aborted:  # aborted by someone else (an operator, a restart of the server)
             await self._take_back(rid, evicted=False)
-            return
-        self._finish(rid, flight, out)
+        else:
+            self._finish(rid, flight, out)
+        return DONE
 
     async def _stream_failed(
         self, inst: _Instance, rid: str, flight: _Flight, job: Job, exc: EngineError
@@ -592,10 +620,6 @@ class AgentRuntime:
         )
         self._kick.set()
 
-    async def _evict(self, rid: str) -> None:
-        self.evictions += 1
-        await self._take_back(rid, evicted=True)
-
     async def _take_back(self, rid: str, *, evicted: bool) -> None:
         """Stop a request on its engine and give it back to the policy with its output so far."""
         flight = self._flights.get(rid)
@@ -641,41 +665,44 @@ class AgentRuntime:
             log.info("abort of %s on %s: %s", rid, instance, exc)
             return None
 
-    async def _swap(self, rid: str, instance: str, *, out: bool) -> None:
-        inst = self._instances[instance]
+    async def _swap(self, op: Swap) -> Outcome:
+        inst = self._instances[op.instance]
         try:
-            if out:
-                await inst.engine.swap_out(rid)
-                self.swaps += 1
-                self.controller.on_event(
-                    instance, EngineEvent(EventKind.SWAPPED_OUT, self.clock.now(), rid)
-                )
+            if op.out:
+                await inst.engine.swap_out(op.request_id)
             else:
-                await inst.engine.swap_in(rid)
+                await inst.engine.swap_in(op.request_id)
         except EngineError as exc:
-            log.info("swap of %s on %s refused (%s): evicting instead", rid, instance, exc)
-            await self._evict(rid)
+            log.info(
+                "swap of %s on %s refused (%s): evicting instead", op.request_id, op.instance, exc
+            )
+            return Refused(str(exc))
+        if op.out:  # an engine over HTTP says nothing of it otherwise
+            self.controller.on_event(
+                op.instance, EngineEvent(EventKind.SWAPPED_OUT, self.clock.now(), op.request_id)
+            )
+        return DONE
 
-    async def _set_tier(self, decision: SetModelTier) -> None:
-        inst = self._instances[decision.instance]
+    async def _set_tier(self, op: ChangeTier) -> Outcome:
+        """Change a model's tier; this instance's record of its tiers follows what it accepted."""
+        inst = self._instances[op.instance]
         async with inst.lock:
             try:
-                await inst.engine.set_model_tier(decision.model, decision.tier)
+                await inst.engine.set_model_tier(op.model, op.tier)
             except EngineError as exc:
-                log.warning(
-                    "%s: %s -> %s failed: %s", inst.spec.name, decision.model, decision.tier, exc
-                )
-                return
-            if decision.tier is ModelTier.ACTIVE:
-                self.model_switches += decision.model != inst.active_model
+                log.warning("%s: %s -> %s failed: %s", inst.spec.name, op.model, op.tier, exc)
+                return Refused(str(exc))
+            switched = op.tier is ModelTier.ACTIVE and op.model != inst.active_model
+            if op.tier is ModelTier.ACTIVE:
                 for model, tier in inst.tiers.items():
-                    if tier is ModelTier.ACTIVE and model != decision.model:
+                    if tier is ModelTier.ACTIVE and model != op.model:
                         inst.tiers[model] = ModelTier.WARM
-                inst.active_model = decision.model
-            elif inst.active_model == decision.model:
+                inst.active_model = op.model
+            elif inst.active_model == op.model:
                 inst.active_model = None
-            inst.tiers[decision.model] = decision.tier
+            inst.tiers[op.model] = op.tier
         self._kick.set()
+        return Done(switched)
 
     # --- health -----------------------------------------------------------------------------------
 

@@ -1,14 +1,14 @@
 """Replay a workload against simulated instances under a named policy, in virtual time.
 
 The simulator is a heap of ``(time, seq, instance, version)`` engine wake-ups plus the sorted
-arrivals. At each arrival or engine event the policy's ``decide`` is called with the same context
-production would give it, and its decisions are applied to the engines by ``_apply``. Nothing here
-is a policy: the harness only moves time, routes decisions and measures.
+arrivals. At each arrival or engine event the controller steps with the same view of the instances
+production would give it, and its decisions are carried out on the engines with the executor's
+rules (``qlm.agents.executor``), the service's too. Nothing here is a policy: the harness only
+moves time, performs engine operations and measures.
 """
 
 from __future__ import annotations
 
-import contextlib
 import heapq
 import math
 from collections import Counter
@@ -16,20 +16,29 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from qlm.agents.executor import (
+    DONE,
+    Abort,
+    ChangeTier,
+    Done,
+    Executor,
+    Fail,
+    Operation,
+    Outcome,
+    Refused,
+    Submit,
+    Swap,
+)
 from qlm.clock import VirtualClock
 from qlm.controller import Controller, InstanceView
 from qlm.domain import (
     Decision,
-    Evict,
     InstanceSpec,
+    ModelTier,
     PlanRecord,
-    Pull,
     Reject,
     Request,
     RequestRecord,
-    SetModelTier,
-    SwapIn,
-    SwapOut,
 )
 from qlm.engines.perf_model import HardwareCatalog, default_catalog
 from qlm.engines.sim import SimEngine, SimEngineConfig
@@ -127,6 +136,7 @@ class ClusterSimulation:
         self._seq = 0
         self.controller = Controller(policy, self.specs)
         self.plans: list[PlanRecord] = []  # every plan the policy made, from the steps' outputs
+        self.executor = Executor()
         self._up = [True] * len(self.engines)
         self._weights = [
             tuple((m, pm.model.weights_gb) for m, pm in e.perf_models.items()) for e in self.engines
@@ -268,9 +278,12 @@ class ClusterSimulation:
             self._apply(decision, now)
 
     def _apply(self, decision: Decision, now: float) -> None:
-        """The executor: turn one decision into engine calls."""
+        """Carry out one decision with the executor's rules (``qlm.agents.executor``), each of
+        its operations a call on a simulated engine at ``now``."""
+        execution = self.executor.execute(decision)
         if isinstance(decision, Reject):
-            return  # the controller ended it failed, with its reason
+            execution.next()  # Forget: the controller ended it failed; no engine holds it
+            return
         idx = self._index.get(decision.instance)
         if idx is None:
             raise ConfigError(f"policy {self.policy.name} named unknown instance {decision!r}")
@@ -279,33 +292,43 @@ class ClusterSimulation:
             raise ConfigError(
                 f"policy {self.policy.name} acted on {decision.instance}, which is down"
             )
-        if isinstance(decision, Pull):
-            try:
-                engine.submit(self.controller.engine_request(decision.request_id), now)
-            except EngineError as exc:
-                self.controller.failed(decision.request_id, str(exc))
+        op = execution.next()
+        while op is not None:
+            if isinstance(op, Fail):  # the engine refused the request, unchanged
+                self.controller.failed(op.request_id, op.reason)
                 return
-            if self.observer is not None:
-                self.observer.on_dispatch(
-                    now, self.controller.track(decision.request_id).request, engine
-                )
-        elif isinstance(decision, Evict):
-            generated = engine.abort(decision.request_id, now)
-            self.controller.returned(decision.request_id, generated, evicted=True)
-        elif isinstance(decision, SwapOut):
-            try:
-                engine.swap_out(decision.request_id, now)
-            except EngineError:  # not running (yet or any more), or no swap space: evict
-                self._apply(Evict(decision.request_id, decision.instance), now)
-                return
-        elif isinstance(decision, SwapIn):
-            engine.swap_in(decision.request_id, now)
-        elif isinstance(decision, SetModelTier):
-            # Refused (the CPU model cache full): go on, as the agents' executor does.
-            with contextlib.suppress(EngineError):
-                engine.set_model_tier(decision.model, decision.tier, now)
+            op = execution.next(self._perform(op, engine, now))
         self.memory.observe(idx, now, engine.gpu_memory_used_fraction(now))
         self._wake(idx)
+
+    def _perform(self, op: Operation, engine: SimEngine, now: float) -> Outcome:
+        """One engine operation, at once."""
+        if isinstance(op, Submit):
+            try:
+                engine.submit(self.controller.engine_request(op.request_id), now)
+            except EngineError as exc:
+                return Refused(str(exc))
+            if self.observer is not None:
+                self.observer.on_dispatch(now, self.controller.track(op.request_id).request, engine)
+        elif isinstance(op, Abort):
+            generated = engine.abort(op.request_id, now)
+            self.controller.returned(op.request_id, generated, evicted=True)
+        elif isinstance(op, Swap):
+            try:
+                if op.out:
+                    engine.swap_out(op.request_id, now)
+                else:
+                    engine.swap_in(op.request_id, now)
+            except EngineError as exc:  # not running (yet or any more), or no swap space
+                return Refused(str(exc))
+        elif isinstance(op, ChangeTier):
+            switched = op.tier is ModelTier.ACTIVE and op.model != engine.active_model
+            try:
+                engine.set_model_tier(op.model, op.tier, now)
+            except EngineError as exc:  # the CPU model cache full
+                return Refused(str(exc))
+            return Done(switched)
+        return DONE
 
 
 def simulate(

@@ -17,6 +17,7 @@ from qlm.domain import (
     Request,
     RequestRecord,
     RequestStatus,
+    SwapIn,
 )
 from qlm.engines.sim import SimEngine
 from qlm.errors import ConfigError
@@ -141,3 +142,28 @@ def test_an_evicted_request_resumes_from_its_partial_output() -> None:
     assert first.status is RequestStatus.FINISHED
     assert first.output_tokens == 400  # tokens before the eviction + after the resumption
     assert result.summary["evictions"] == 1
+
+
+@dataclass
+class SwapInOnce(EvictOnce):
+    """As ``EvictOnce``, but asks to swap r0000 in, which was never swapped out."""
+
+    name: str = "swap-in-once"
+
+    def decide(self, ctx: DispatchContext) -> list[Decision]:
+        return [
+            SwapIn(d.request_id, d.instance) if isinstance(d, Evict) else d
+            for d in super().decide(ctx)
+        ]
+
+
+def test_a_swap_the_engine_refuses_becomes_an_eviction() -> None:
+    reqs = [
+        make_request(0, arrival_s=0.0, replay_output_tokens=400, max_tokens=400),
+        make_request(1, arrival_s=1.0, replay_output_tokens=10),
+    ]
+    sim = ClusterSimulation([TWO[0]], SwapInOnce(), catalog=make_catalog())
+    first = sim.run(reqs).records[0]
+    assert (first.evictions, first.swaps, first.output_tokens) == (1, 0, 400)
+    assert first.status is RequestStatus.FINISHED
+    assert (sim.executor.evictions, sim.executor.swaps) == (1, 0)
