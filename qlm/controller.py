@@ -8,16 +8,17 @@ an engine, completions, starts, cancellations) and each instance's load, as one
 ``DispatchContext``; *group, estimate, plan, act* — the policy's ``decide`` (``qlm.planner``:
 groups, RCT estimator, planner, virtual queues and agent decisions for ``qlm``; a baseline
 otherwise), checked; *record* — each pull counted against its instance, and the plans the
-policy made taken over. The step returns a ``StepOutput``: the decisions for an executor to
-apply and the plans made in it. What the policy predicts of its virtual queues is asked for
-on demand (``Controller.snapshot``): under a large backlog it is too costly for every step.
+policy made taken over. The step returns a ``StepOutput``: the decisions, which the executor
+(``qlm.agents.executor``) maps to engine operations on both clocks, and the plans made in it.
+What the policy predicts of its virtual queues is asked for on demand (``Controller.snapshot``):
+under a large backlog it is too costly for every step.
 
-What differs between the two clocks lives outside: the driver that calls ``step`` (the
-discrete-event loop of ``qlm.sim.cluster`` or the asyncio loop of ``qlm.service``) and the
-executor that turns decisions into engine calls (``SimEngine`` calls, or ``Engine`` coroutines
-over HTTP). An executor reports back through ``on_event`` (what the engine did), ``returned``
-(a request came back from an engine with the output it had generated: evicted, or its instance
-failed) and ``failed`` (the engine refused it).
+What differs between the two clocks lives outside: the driver that calls ``step`` and performs
+those operations (the discrete-event loop of ``qlm.sim.cluster`` with ``SimEngine`` calls, or
+the asyncio runtime of ``qlm.service.runtime`` with ``Engine`` coroutines over HTTP). The driver
+reports back through ``on_event`` (what the engine did), ``returned`` (a request came back from
+an engine with the output it had generated: evicted, or its instance failed) and ``failed`` (the
+engine refused it).
 
 **Prompt lengths.** The API estimates a prompt's tokens without the model's tokenizer (about four
 characters per token: ``qlm.api.prompts``); code or non-Latin text runs denser. An engine that

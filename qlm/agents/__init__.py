@@ -1,4 +1,5 @@
-"""Per-instance agents: pure decisions that turn a virtual queue into serving operations (§5)."""
+"""Per-instance agents: pure decisions that turn a virtual queue into serving operations (§5),
+and the executor (``qlm.agents.executor``) that maps decisions to engine operations."""
 
 from qlm.agents.decide import (
     AgentConfig,
