@@ -19,7 +19,7 @@ from qlm.api import create_app
 from qlm.api.ports import LocalController
 from qlm.domain import InstanceSpec, PlanRecord, RequestStatus
 from qlm.global_queue import GlobalQueue, MemoryGlobalQueue, QueuedRequest, QueueUnavailable
-from qlm.service.hub import ResultEvent
+from qlm.service.hub import ResultEvent, ResultHub
 from qlm.settings import ApiSettings, Settings
 from qlm.store import InstanceState, Store
 
@@ -502,8 +502,6 @@ class FakeController:
     def __init__(self, snapshot: dict[str, Any]) -> None:
         self._snapshot = snapshot
         self.cancelled: list[str] = []
-        from qlm.service.hub import ResultHub
-
         self.hub = ResultHub()
         self.active = True
 
@@ -602,6 +600,21 @@ def test_a_stream_whose_request_another_controller_answered_differently_ends_in_
     """A ``qlm serve`` stream: this process's controller streamed part of the answer, then
     stepped down; the leader served the request again and stored another answer."""
     controller = FakeController(busy_snapshot(1000.0))
+    taken = asyncio.Event()  # the stream took the first text from the hub
+
+    class Watched(asyncio.Queue[ResultEvent]):
+        async def get(self) -> ResultEvent:
+            event = await super().get()
+            taken.set()
+            return event
+
+    class Hub(ResultHub):
+        def subscribe(self, request_id: str) -> asyncio.Queue[ResultEvent]:
+            queue = Watched()
+            self._subs.setdefault(request_id, []).append(queue)
+            return queue
+
+    controller.hub = Hub()
 
     async def scenario(h: Harness) -> None:
         body = {"model": "m", "messages": [{"role": "user", "content": "A story"}]}
@@ -618,6 +631,7 @@ def test_a_stream_whose_request_another_controller_answered_differently_ends_in_
         while not controller.hub.watched(rid):
             await asyncio.sleep(0.01)
         controller.hub.publish(ResultEvent(rid, "Once upon a", 3))
+        await taken.wait()  # streamed before the other answer is stored (else it is never sent)
         h.store.record_outcome(
             rid, status=RequestStatus.FINISHED, at=1000.0, output_text="In a land", output_tokens=3
         )
