@@ -33,7 +33,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from qlm.clock import Clock
-from qlm.controller import Controller, InstanceView
+from qlm.controller import Controller
+from qlm.controller import EngineReading as InstanceView
 from qlm.domain import (
     Decision,
     Evict,

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from qlm.clock import VirtualClock
-from qlm.controller import Controller, InstanceView
+from qlm.controller import Controller
+from qlm.controller import EngineReading as InstanceView
 from qlm.domain import (
     Decision,
     Evict,
