@@ -4,8 +4,11 @@
 waits (the broker keeps the one replica, ARCHITECTURE.md §4 rule 5). Every delivery is recorded in
 the store (idempotently: the API usually did already) and handed to the ``AgentRuntime``, which
 runs the one ``Controller`` — groups, estimator, planner, virtual queues, agents — on the wall
-clock. What happens to each request is written to the store in order by one writer task; a
-delivery is acked only after its outcome (finished, failed, cancelled) is committed.
+clock. What happens to each request is written to the store in order by one writer task
+(``qlm.service.writes``); a delivery is acked only after its outcome (finished, failed,
+cancelled) is committed. This module takes deliveries in and lets them go when another controller
+leads; what the service publishes is in ``qlm.service.publishing``, the store's upkeep
+(retention, dead letters, orphans) in ``qlm.service.upkeep``.
 
 **Failover.** A standby controller's consumer waits (the global queue's leader lock). When the
 active one dies, the broker redelivers every message it held; the standby records nothing twice:
@@ -29,7 +32,7 @@ import contextlib
 import logging
 import os
 import socket
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,6 +45,7 @@ from qlm.service.backlog_gc import BacklogGC
 from qlm.service.hub import ResultEvent, ResultHub
 from qlm.service.publishing import PredictionWrites, snapshot_dict
 from qlm.service.upkeep import OrphanSweep, new_request, prune, reap_dead
+from qlm.service.writes import Settle, StoreWriter
 from qlm.store import RequestRow, Store, StoreError
 from qlm.store.rows import InstanceState
 from qlm.virtual_queues import VirtualQueuesSnapshot
@@ -74,15 +78,6 @@ class _Held:
 
     def all(self) -> list[Delivery]:
         return [self.delivery, *self.copies]
-
-
-@dataclass(slots=True)
-class _Writes:
-    """Store operations queued by the runtime's callbacks, applied in order by the writer."""
-
-    ops: list[Callable[[], Any]] = field(default_factory=list)
-    settle: list[tuple[str, str, RequestStatus]] = field(default_factory=list)
-    """(request id, "ack" or the reason to dead-letter it, its final status)"""
 
 
 class ControllerService(RuntimeListener):
@@ -132,9 +127,7 @@ class ControllerService(RuntimeListener):
         self._held: dict[str, _Held] = {}
         self.backlog_gc = BacklogGC()  # full collections kept out of the step under a backlog
         self._inbox: list[Delivery] = []
-        self._writes = _Writes()
-        self._settling: set[asyncio.Task[None]] = set()  # acks of committed outcomes
-        self._unsettled = 0  # deliveries they are settling
+        self._writes = StoreWriter()
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._plans = 0  # plans the policy made
@@ -187,12 +180,8 @@ class ControllerService(RuntimeListener):
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         await self._flush()
-        if self._settling:  # what the store has is settled before leaving the queue
-            _, late = await asyncio.wait(set(self._settling), timeout=SETTLE_ON_STOP_S)
-            if late:
-                log.warning("stopping with deliveries unsettled: the broker delivers them again")
-                for task in late:
-                    task.cancel()
+        # what the store has is settled before leaving the queue
+        await self._writes.wait_settled(SETTLE_ON_STOP_S)
         with contextlib.suppress(Exception):
             await asyncio.to_thread(
                 self.store.put_controller_state, self.name, active=False, snapshot=self.snapshot()
@@ -238,9 +227,7 @@ class ControllerService(RuntimeListener):
 
     async def wait_idle(self, poll_s: float = 0.05) -> None:
         """Until every request received has been settled (tests, replays)."""
-        while (
-            self._inbox or self._held or self._writes.ops or self._writes.settle or self._unsettled
-        ):
+        while self._inbox or self._held or self._writes.pending:
             await asyncio.sleep(poll_s)
 
     # --- intake -----------------------------------------------------------------------------------
@@ -397,14 +384,14 @@ class ControllerService(RuntimeListener):
                 continue
             if msg.model not in served:
                 reason = f"no instance serves model {msg.model!r}"
-                self._queue_op(
+                self._writes.op(
                     self.store.record_outcome,
                     msg.id,
                     status=RequestStatus.FAILED,
                     at=self.runtime.clock.now(),
                     error=reason,
                 )
-                self._writes.settle.append((msg.id, reason, RequestStatus.FAILED))
+                self._writes.settle_after(msg.id, reason, RequestStatus.FAILED)
                 self._held[msg.id] = _Held(d, msg, list(extra))
                 continue
             self._held[msg.id] = _Held(d, msg, list(extra))
@@ -456,7 +443,7 @@ class ControllerService(RuntimeListener):
         at = self.runtime.clock.now()
         ttft, first = row.slo_ttft_s, row.first_token_at
         ttft_met = None if ttft is None else first is not None and first - row.submitted_at <= ttft
-        self._queue_op(
+        self._writes.op(
             self.store.record_outcome,
             msg.id,
             status=RequestStatus.FINISHED,
@@ -466,7 +453,7 @@ class ControllerService(RuntimeListener):
             slo_met=at <= row.deadline_at and ttft_met is not False,
             ttft_met=ttft_met,
         )
-        self._writes.settle.append((msg.id, "ack", RequestStatus.FINISHED))
+        self._writes.settle_after(msg.id, "ack", RequestStatus.FINISHED)
 
     async def _poison(self, deliveries: list[Delivery], reason: str) -> None:
         """Dead-letter every delivery of one request with ``reason``."""
@@ -478,14 +465,11 @@ class ControllerService(RuntimeListener):
 
     # --- what the runtime reports (the event loop; never blocks) ----------------------------------
 
-    def _queue_op(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
-        self._writes.ops.append(lambda: fn(*args, **kwargs))
-
     def dispatched(self, request_id: str, instance: str, at: float) -> None:
-        self._queue_op(self.store.mark_dispatched, request_id, instance=instance, at=at)
+        self._writes.op(self.store.mark_dispatched, request_id, instance=instance, at=at)
 
     def first_token(self, request_id: str, at: float) -> None:
-        self._queue_op(self.store.mark_first_token, request_id, at=at)
+        self._writes.op(self.store.mark_first_token, request_id, at=at)
 
     def chunk(self, request_id: str, chunk: TokenChunk) -> None:
         if chunk.text and self.hub.watched(request_id):
@@ -497,14 +481,14 @@ class ControllerService(RuntimeListener):
         if partial_tokens == 0 and self.hub.watched(request_id):
             self.hub.publish(ResultEvent(request_id, "", 0, restarted=True))
         if evicted:
-            self._queue_op(
+            self._writes.op(
                 self.store.record_eviction,
                 request_id,
                 partial_text=partial_text,
                 partial_tokens=partial_tokens,
             )
         else:
-            self._queue_op(
+            self._writes.op(
                 self.store.record_partial, request_id, text=partial_text, tokens=partial_tokens
             )
 
@@ -517,7 +501,7 @@ class ControllerService(RuntimeListener):
     ) -> None:
         rid = record.request.id
         ttft = record.request.slo.ttft_s
-        self._queue_op(
+        self._writes.op(
             self.store.record_outcome,
             rid,
             status=RequestStatus.FINISHED,
@@ -528,31 +512,31 @@ class ControllerService(RuntimeListener):
             ttft_met=None if ttft is None else record.ttft_s is not None and record.ttft_s <= ttft,
             tool_calls=tool_calls,
         )
-        self._writes.settle.append((rid, "ack", RequestStatus.FINISHED))
+        self._writes.settle_after(rid, "ack", RequestStatus.FINISHED)
 
     def failed(self, request_id: str, error: str) -> None:
-        self._queue_op(
+        self._writes.op(
             self.store.record_outcome,
             request_id,
             status=RequestStatus.FAILED,
             at=self.runtime.clock.now(),
             error=error,
         )
-        self._writes.settle.append((request_id, "ack", RequestStatus.FAILED))
+        self._writes.settle_after(request_id, "ack", RequestStatus.FAILED)
 
     def rejected(self, request_id: str, reason: str) -> None:
         """Poison: recorded failed with the reason, and its delivery dead-lettered with it."""
-        self._queue_op(
+        self._writes.op(
             self.store.record_outcome,
             request_id,
             status=RequestStatus.FAILED,
             at=self.runtime.clock.now(),
             error=reason,
         )
-        self._writes.settle.append((request_id, reason, RequestStatus.FAILED))
+        self._writes.settle_after(request_id, reason, RequestStatus.FAILED)
 
     def cancelled(self, request_id: str, partial_text: str, tokens: int) -> None:
-        self._queue_op(
+        self._writes.op(
             self.store.record_outcome,
             request_id,
             status=RequestStatus.CANCELLED,
@@ -560,10 +544,10 @@ class ControllerService(RuntimeListener):
             output_text=partial_text or None,
             output_tokens=tokens,
         )
-        self._writes.settle.append((request_id, "ack", RequestStatus.CANCELLED))
+        self._writes.settle_after(request_id, "ack", RequestStatus.CANCELLED)
 
     def instance_changed(self, name: str, up: bool) -> None:
-        self._queue_op(self._instance_changed, name, up)
+        self._writes.op(self._instance_changed, name, up)
 
     def _instance_changed(self, name: str, up: bool) -> None:
         """Record up/down, keeping an operator's drain (a drained instance may go down and up)."""
@@ -577,21 +561,15 @@ class ControllerService(RuntimeListener):
             await self._flush()
 
     async def _flush(self) -> None:
-        """Apply the queued store operations in order, then settle the deliveries whose outcome
-        they committed. A failed write is retried at the next flush (nothing is acked before)."""
-        writes, self._writes = self._writes, _Writes()
-        if writes.ops:
-            try:
-                await asyncio.to_thread(self._run_all, writes.ops)
-            except Exception:
-                log.exception("store write failed; retrying")
-                self._writes.ops[:0] = writes.ops
-                self._writes.settle[:0] = writes.settle
-                await asyncio.sleep(self.poll_s)  # the store may be down: do not spin
-                return
+        """Apply the queued store operations, then settle what they committed (``StoreWriter``)."""
+        await self._writes.flush(self.store, self.queue, self.poll_s, self._committed)
+
+    def _committed(self, settle: list[Settle]) -> list[tuple[Delivery, str]]:
+        """Outcomes the store committed: their watchers are told, the controller forgets them,
+        and the deliveries held for them are handed back to be settled."""
         batch: list[tuple[Delivery, str]] = []
         settled = self.settled
-        for rid, how, status in writes.settle:
+        for rid, how, status in settle:
             self.hub.publish(ResultEvent(rid, "", 0, done=True, status=status))
             self._predictions.forget(rid)
             self.runtime.controller.forget(rid)  # recorded: the store answers for it now
@@ -601,48 +579,14 @@ class ControllerService(RuntimeListener):
             batch += [(delivery, how) for delivery in held.all()]
             self.settled += 1
         self.backlog_gc.settled(len(self._held), self.settled - settled)
-        if batch:
-            self._unsettled += len(batch)
-            task = asyncio.create_task(self._settle(batch), name="qlm-settle")
-            self._settling.add(task)
-            task.add_done_callback(self._settling.discard)
-
-    async def _settle(self, batch: list[tuple[Delivery, str]]) -> None:
-        """Ack (or dead-letter) deliveries whose outcome a flush committed: in a task of their
-        own, beside the writer. Awaited in the writer, each settlement waited for the event
-        loop's turn (a control step under a backlog), and a flush settling thousands held the
-        next flushes — and the store writes piling up behind them — for tens of seconds
-        (measured with RabbitMQ); nor does a slow one hold the next batches back."""
-        try:
-            results = await asyncio.gather(
-                *(
-                    self.queue.ack(d) if how == "ack" else self.queue.dead_letter(d, how)
-                    for d, how in batch
-                ),
-                return_exceptions=True,
-            )
-        finally:
-            self._unsettled -= len(batch)
-        for failed in results:
-            if isinstance(failed, BaseException):
-                log.error(
-                    "could not settle a delivery (its outcome is stored; the broker delivers "
-                    "it again when its channel closes): %r",
-                    failed,
-                )
-
-    def _run_all(self, ops: list[Callable[[], Any]]) -> None:
-        """In order, in one transaction (one commit for a whole flush)."""
-        with self.store.batch():
-            for op in ops:
-                op()
+        return batch
 
     def planned(self, plans: Sequence[PlanRecord]) -> None:
         """The plans a control step made: counted, the latest shown, each one stored."""
         self._plans += len(plans)
         self._latest_plan = plans[-1]
         for record in plans:
-            self._queue_op(self.store.record_plan, record, controller=self.name)
+            self._writes.op(self.store.record_plan, record, controller=self.name)
 
     # --- retention ------------------------------------------------------------------------------
 
@@ -801,7 +745,7 @@ class ControllerService(RuntimeListener):
                 # Through the writer, in its transaction: run beside it, this batch of updates
                 # and the writer's (dispatches, outcomes) took row locks in different orders, and
                 # PostgreSQL found them deadlocked (each waits its deadlock_timeout, 1 s, first).
-                self._queue_op(self.store.record_predictions, predictions)
+                self._writes.op(self.store.record_predictions, predictions)
             try:
                 await asyncio.to_thread(
                     self.store.put_controller_state, self.name, active=self.active, snapshot=snap
