@@ -146,7 +146,7 @@ class StepTimer:
         for obj, names in (
             (
                 policy,
-                ("decide", "_place", "_trigger", "_family", "plan", "_fluid", "_act", "_remember"),
+                ("decide", "_place", "_trigger", "_family", "plan", "_act", "_remember"),
             ),
             (policy.grouper, ("add", "recluster")),
             (policy.queues, ("sync",)),
@@ -154,6 +154,8 @@ class StepTimer:
         ):
             for name in names:
                 setattr(obj, name, timed(name.lstrip("_"), getattr(obj, name)))
+        fluid = policy._fluid_models  # the concurrency choice's fluid models
+        fluid.evaluate = timed("fluid", fluid.evaluate)  # type: ignore[method-assign]
         for name in ("solve", "capacity_needed", "build_family"):
             setattr(module, name, timed(name, getattr(module, name)))
 

@@ -30,8 +30,9 @@ from typing import Any
 from qlm.domain import Request, Tier
 from qlm.fleet import parse_instances
 from qlm.planner import POLICIES, PlannerConfig, create_policy
+from qlm.planner.config import DEFAULT_GROUPING
 from qlm.planner.policy import Policy
-from qlm.planner.qlm_policy import DEFAULT_GROUPING, QlmPolicy
+from qlm.planner.qlm_policy import QlmPolicy
 from qlm.rct.estimator import RCTEstimator
 from qlm.rct.profile import default_profile
 from qlm.sim.cluster import ClusterSimulation

@@ -70,7 +70,7 @@ PROMPT_SCALE_LIMITS = (0.25, 4.0)
 
 
 @dataclass(frozen=True, slots=True)
-class InstanceView:
+class EngineReading:
     """What the driver reads off one instance's engine before a step; the controller adds what
     it counts itself (requests and tokens it sent there)."""
 
@@ -301,15 +301,15 @@ class Controller:
         """Something arrived, started or finished since the last step."""
         return bool(self._arrived or self._completions or self._started or self._cancelled)
 
-    def step(self, now: float, views: Iterable[InstanceView]) -> StepOutput:
+    def step(self, now: float, readings: Iterable[EngineReading]) -> StepOutput:
         """One control step (module docstring): observe the news, let the policy group,
         estimate, plan and act on it, record what it decided. Pulls are counted against their
         instance here, before the executor applies them. A step the policy cannot take is
         narrowed down to the waiting requests that make it fail (module docstring, "Poison"):
         each of them ends with a ``Reject``, and the step goes on for everyone else."""
-        views = tuple(views)
+        readings = tuple(readings)
         arrived, finished, started, cancelled = self._observe()
-        decisions = self._run_policy(now, views, arrived, finished, started, cancelled)
+        decisions = self._run_policy(now, readings, arrived, finished, started, cancelled)
         return StepOutput(tuple(decisions), tuple(self.policy.take_plans()))
 
     def snapshot(self, now: float) -> VirtualQueuesSnapshot | None:
@@ -331,7 +331,7 @@ class Controller:
     def _run_policy(
         self,
         now: float,
-        views: Sequence[InstanceView],
+        readings: Sequence[EngineReading],
         arrived: list[Request],
         finished: list[Completion],
         started: list[str],
@@ -345,7 +345,9 @@ class Controller:
         try:
             while True:
                 try:
-                    return rejects + self._decide(now, views, arrived, finished, started, cancelled)
+                    return rejects + self._decide(
+                        now, readings, arrived, finished, started, cancelled
+                    )
                 except RequestFailed as exc:
                     if exc.request_id not in self._pending:
                         raise
@@ -354,7 +356,7 @@ class Controller:
                     arrived = [r for r in arrived if r.id != exc.request_id]
                     finished, started, cancelled = [], [], [exc.request_id]
         except Exception as exc:
-            decisions = self._isolate(now, views, arrived, finished, started, cancelled, exc)
+            decisions = self._isolate(now, readings, arrived, finished, started, cancelled, exc)
             if decisions is None:
                 # Not a waiting request's fault: nothing of this step happened, and its inputs
                 # wait for the next one (policies take a request they already hold again
@@ -369,7 +371,7 @@ class Controller:
     def _decide(
         self,
         now: float,
-        views: Sequence[InstanceView],
+        readings: Sequence[EngineReading],
         arrived: Sequence[Request],
         finished: Sequence[Completion] = (),
         started: Sequence[str] = (),
@@ -388,7 +390,7 @@ class Controller:
                 for r in arrived
                 if self._tracks[r.id].output_tokens
             ),
-            instances=tuple(self._load(v) for v in views),
+            instances=tuple(self._load(r) for r in readings),
         )
         decisions = self.policy.decide(ctx)
         for d in decisions:
@@ -404,7 +406,7 @@ class Controller:
     def _isolate(
         self,
         now: float,
-        views: Sequence[InstanceView],
+        readings: Sequence[EngineReading],
         arrived: list[Request],
         finished: list[Completion],
         started: list[str],
@@ -419,17 +421,23 @@ class Controller:
         narrow = [r.id for r in arrived]
         for suspects in (narrow, list(self._pending)):
             try:
-                decisions = self._decide(now, views, (), finished, started, (*cancelled, *suspects))
+                decisions = self._decide(
+                    now, readings, (), finished, started, (*cancelled, *suspects)
+                )
             except Exception:
                 if suspects is narrow and len(suspects) == len(self._pending):
                     break  # the wider suspicion is the same
                 continue
             back = [self._pending[rid] for rid in suspects if rid in self._pending]
-            return decisions + self._readmit(now, views, back, error)
+            return decisions + self._readmit(now, readings, back, error)
         return None
 
     def _readmit(
-        self, now: float, views: Sequence[InstanceView], requests: list[Request], error: Exception
+        self,
+        now: float,
+        readings: Sequence[EngineReading],
+        requests: list[Request],
+        error: Exception,
     ) -> list[Decision]:
         """Hand ``requests`` back to the policy, halving any part that fails a step (the policy
         forgets that part again) until each one that fails alone is rejected."""
@@ -440,12 +448,12 @@ class Controller:
             if not part:
                 continue
             try:
-                decisions += self._decide(now, views, part)
+                decisions += self._decide(now, readings, part)
                 continue
             except Exception as exc:
                 error = exc
             try:
-                decisions += self._decide(now, views, (), cancelled=[r.id for r in part])
+                decisions += self._decide(now, readings, (), cancelled=[r.id for r in part])
             except Exception:  # the policy cannot even forget them: none of them can run
                 decisions += [self._reject(r.id, error) for r in part]
                 continue
@@ -536,23 +544,23 @@ class Controller:
         self._outstanding[name] -= 1
         self._outstanding_tokens[name] -= track.request.input_tokens + track.output_tokens
 
-    def _load(self, view: InstanceView) -> InstanceLoad:
-        spec = view.spec
+    def _load(self, reading: EngineReading) -> InstanceLoad:
+        spec = reading.spec
         return InstanceLoad(
             name=spec.name,
             models=spec.models,
             outstanding_requests=self._outstanding[spec.name],
             outstanding_tokens=self._outstanding_tokens[spec.name],
-            max_running=view.max_running,
-            token_capacity=view.token_capacity,
+            max_running=reading.max_running,
+            token_capacity=reading.token_capacity,
             gpu=spec.gpu,
             gpu_count=spec.gpu_count,
-            active_model=view.active_model,
-            host_link_gbs=view.host_link_gbs,
-            swap_free_gb=view.swap_free_gb,
-            model_tiers=view.model_tiers,
-            model_weights_gb=view.model_weights_gb,
-            cpu_cache_gb=view.cpu_cache_gb,
-            up=view.up,
-            preemptions_total=view.preemptions_total,
+            active_model=reading.active_model,
+            host_link_gbs=reading.host_link_gbs,
+            swap_free_gb=reading.swap_free_gb,
+            model_tiers=reading.model_tiers,
+            model_weights_gb=reading.model_weights_gb,
+            cpu_cache_gb=reading.cpu_cache_gb,
+            up=reading.up,
+            preemptions_total=reading.preemptions_total,
         )

@@ -11,7 +11,7 @@ from qlm.agents.decide import AgentConfig
 from qlm.domain import Tier
 from qlm.errors import ConfigError
 from qlm.planner import PlannerConfig
-from qlm.planner.qlm_policy import DEFAULT_GROUPING, DEFAULT_TIER_WEIGHTS
+from qlm.planner.config import DEFAULT_GROUPING, DEFAULT_TIER_WEIGHTS
 from qlm.planner.solve import Budget
 from qlm.rct.profile import RctProfile, default_profile, parse_profile
 from qlm.settings import PlannerSettings, Settings

@@ -14,7 +14,7 @@ class GroupingConfig:
 
     ``delta`` × ``avg_batch_size`` bounds the size of every group (``max_group_size``). The paper
     chooses δ = 4 (§8.3: δ = 1 decides most finely but costs the planner most, δ = 16 is coarse).
-    ``avg_batch_size``: the QLM policy uses 8 (``qlm.planner.qlm_policy.DEFAULT_GROUPING``; the
+    ``avg_batch_size``: the QLM policy uses 8 (``qlm.planner.config.DEFAULT_GROUPING``; the
     ``QLM_PLANNER__GROUP_*`` settings).
 
     ``max_clusters_per_model`` bounds the *k* of k-means for one model (its partitions share it in

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from qlm.errors import ConfigError
 from qlm.planner.baselines import create_baseline
+from qlm.planner.config import PlannerConfig
 from qlm.planner.policy import Completion, DispatchContext, InstanceLoad, Policy
-from qlm.planner.qlm_policy import PlannerConfig, QlmPolicy
+from qlm.planner.qlm_policy import QlmPolicy
 from qlm.rct.profile import RctProfile
 
 __all__ = [

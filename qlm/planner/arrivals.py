@@ -1,4 +1,4 @@
-"""The recent arrivals the planner's fluid model reads (``QlmPolicy._fluid``), kept as counts.
+"""The recent arrivals the planner's fluid model reads (``qlm.planner.concurrency.FluidModels``), kept as counts.
 
 The fluid model needs, per request class (model, tier, SLO), how many requests of each prompt
 length arrived in the last ``rate_window_s`` and a bounded sample of the latest ones (for the

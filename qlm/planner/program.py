@@ -250,3 +250,17 @@ def check_plan(problem: PlanProblem, plan: Plan) -> None:
                     f"group {problem.groups[i].id} ({problem.groups[i].model}) placed on "
                     f"{problem.instances[g].name}, which does not serve it"
                 )
+
+
+def subset(problem: PlanProblem, rows: Sequence[int]) -> PlanProblem:
+    """The same problem over the groups at ``rows`` only."""
+    idx = np.asarray(rows, dtype=np.int64)
+    return PlanProblem(
+        tuple(problem.groups[i] for i in rows),
+        problem.instances,
+        problem.proc[idx],
+        problem.floor[idx],
+        delta=problem.delta,
+        risk_weight=problem.risk_weight,
+        flow_weight=problem.flow_weight,
+    )

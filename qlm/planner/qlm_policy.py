@@ -26,15 +26,13 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
-import numpy.typing as npt
 
 from qlm.agents.decide import (
-    AgentConfig,
     HeadGroup,
     InstanceCosts,
     RunningRequest,
@@ -55,9 +53,18 @@ from qlm.domain import (
 )
 from qlm.errors import RequestFailed, check_setting
 from qlm.groups import Grouper, GroupingConfig, PredictOutput, default_predict_output
-from qlm.planner.admission import Admission, TokenBucket, admit
-from qlm.planner.arrivals import ArrivalWindow, ClassKey, class_of
-from qlm.planner.budget import Budget, Clock, Deadline
+from qlm.planner.admission import TokenBucket, hopeless, in_time
+from qlm.planner.arrivals import ArrivalWindow
+from qlm.planner.budget import Clock
+from qlm.planner.concurrency import (
+    CLASS_SAMPLE,
+    FLUID_SHARE,
+    Fluid,
+    FluidModels,
+    choose_limits,
+)
+from qlm.planner.config import PlannerConfig
+from qlm.planner.family import ProblemFamily, build_family
 from qlm.planner.policy import (
     DispatchContext,
     InstanceLoad,
@@ -65,85 +72,14 @@ from qlm.planner.policy import (
     has_room,
     prompt_tokens,
 )
-from qlm.planner.program import FloatArray, PlanGroup, PlanInstance, PlanProblem, score_queue
+from qlm.planner.program import score_queue, subset
 from qlm.planner.solve import Solution, capacity_needed, solve
-from qlm.rct.estimator import EstimatorInstance, Queued, RCTEstimator, prompt_bin
-from qlm.rct.profile import HardwareProfile, RctProfile, default_profile
+from qlm.rct.estimator import EstimatorInstance, Queued, RCTEstimator
+from qlm.rct.profile import RctProfile, default_profile
 from qlm.rct.trigger import Violation, violations
 from qlm.virtual_queues import GroupPrediction, VirtualQueueSet, VirtualQueuesSnapshot
 
 log = logging.getLogger(__name__)
-
-DEFAULT_TIER_WEIGHTS: Mapping[Tier, float] = {
-    Tier.INTERACTIVE: 2.0,
-    Tier.STANDARD: 1.5,
-    Tier.BATCH: 1.0,
-}
-
-
-DEFAULT_GROUPING = GroupingConfig(avg_batch_size=8.0)
-"""Groups of at most δ × 8 = 32 requests: finer than the grouping module's placeholder (§8.3: small
-groups decide more finely and cost the planner more — this planner is fast enough for them). On W_B
-at 1.8× the Azure rate it lifts SLO attainment from 69 % (128-request groups) to 74 %."""
-
-
-@dataclass(frozen=True, slots=True)
-class PlannerConfig:
-    """Settings of the QLM policy. ``delta``: the chance constraint's Δ; ``scenarios``: SAA
-    samples per group; ``budget``: the solver's limit per plan."""
-
-    delta: float = 0.9
-    scenarios: int = 16
-    tier_weights: Mapping[Tier, float] = field(default_factory=lambda: dict(DEFAULT_TIER_WEIGHTS))
-    budget: Budget = field(default_factory=lambda: Budget(time_s=0.1))
-    period_s: float = 10.0
-    min_interval_s: float = 1.0
-    check_interval_s: float = 1.0
-    keep_up: float = 2.0
-    solver: str = "auto"
-    agent: AgentConfig = field(default_factory=AgentConfig)
-    choose_concurrency: bool = True
-    rate_window_s: float = 60.0
-    max_utilisation: float = 0.95
-    concurrency_hysteresis: float = 0.05
-    defer_expensive: bool = True
-    seed: int = 0
-    step_budget_s: float = 0.5
-    """With a wall-time ``budget`` (production): what a control step spends on work that can wait
-    for the next one (the agents step at least every quarter of a second) — grouping arrivals in
-    its first half, pulling in the second (each instance its share), a recluster or a plan only
-    while the first half lasts (else first at the next step). A simulated run does it all."""
-    grouping: GroupingConfig = DEFAULT_GROUPING
-    """How requests are grouped (δ × average batch size bounds a group: ``DEFAULT_GROUPING``)."""
-
-    @classmethod
-    def for_simulation(cls, evaluations: int = 5000, **overrides: object) -> PlannerConfig:
-        """The planner as production runs it, with its compute budget counted in scored candidate
-        orders instead of seconds (and no MILP, whose time limit is wall time), so that a
-        simulated run is the same on any machine."""
-        budget = Budget(time_s=None, evaluations=evaluations, milp_max_groups=0)
-        return cls(budget=budget, **overrides)  # type: ignore[arg-type]
-
-    def __post_init__(self) -> None:
-        check_setting(0 < self.delta < 1, "planner.delta", "in (0, 1)", self.delta)
-        check_setting(self.scenarios >= 1, "planner.scenarios", ">= 1", self.scenarios)
-        ok = self.solver in ("auto", "cbc", "highs")
-        check_setting(ok, "planner.solver", "auto, cbc or highs", self.solver)
-        for name in (
-            "period_s",
-            "min_interval_s",
-            "check_interval_s",
-            "rate_window_s",
-            "step_budget_s",
-        ):
-            value = getattr(self, name)
-            check_setting(value > 0, f"planner.{name}", "> 0", value)
-        ok = 0 < self.max_utilisation <= 1
-        check_setting(ok, "planner.max_utilisation", "in (0, 1]", self.max_utilisation)
-        ok = 0 <= self.concurrency_hysteresis < 1
-        check_setting(
-            ok, "planner.concurrency_hysteresis", "in [0, 1)", self.concurrency_hysteresis
-        )
 
 
 @dataclass(slots=True)
@@ -157,259 +93,9 @@ class _Inflight:
         self.running = Queued(self.request, self.generated, running=True)
 
 
-@dataclass(frozen=True, slots=True)
-class _Fluid:
-    """The fluid model of one instance at one concurrency limit: the admission verdict and what
-    a request of each class is worth and costs there."""
-
-    admission: Admission
-    class_value: dict[ClassKey, float]  # tier weight × P(meet SLO) of the class
-    class_output: dict[ClassKey, float]  # mean output of the class's recent arrivals
-    per_output_s: dict[str, float]  # GPU-seconds per output token, per model
-    per_input_s: dict[str, float]  # GPU-seconds per prompt token, per model
-
-    def cost(self, req: Request, output: float) -> float:
-        key = class_of(req)
-        out = self.class_output.get(key, output)
-        return req.input_tokens * self.per_input_s.get(
-            req.model, 0.0
-        ) + out * self.per_output_s.get(req.model, 0.0)
-
-    def density(self, requests: Sequence[Request], output: float) -> float | None:
-        """Value per GPU-second of a group (None when its class has not arrived lately)."""
-        key = class_of(requests[0])
-        value = self.class_value.get(key)
-        if value is None:
-            return None
-        cost = sum(self.cost(r, output) for r in requests) / len(requests)
-        return value / max(cost, 1e-12)
-
-
-CLASS_SAMPLE = 256
-"""Recent arrivals of a request class whose lengths give the class's means (``_concurrency``)."""
-
-FLUID_SHARE = 0.25
-"""The share of the budget within which the concurrency choice re-evaluates instances (the least
-recently evaluated first; the others keep their last evaluation), before the search."""
-
 SEARCH_SHARE = 0.75
 """The share of the search's budget by which the solver stops; the capacity signal (computed
 when some group is left at risk) has the rest."""
-
-BATCH_CHOICES = (16, 32, 64, 96, 128, 192, 256, 384, 512)
-"""Concurrency limits the planner considers for an instance (capped by its ``max_num_seqs``)."""
-
-
-@dataclass(frozen=True)
-class ProblemFamily:
-    """The plan problem at every concurrency limit the planner may choose per instance.
-
-    With ``b`` requests running, decode runs at ``decode_s(b)`` per step for all ``b`` (the
-    profile), so a group's fluid work is its prompt work plus ``output × decode_s(b) / b``; its last
-    request's latency floor is its prefill plus ``output × (decode_s(b) + b × refill)``, where
-    ``refill`` is the prompt work per output token of the waiting mix (chunked prefill shares each
-    step with decode). A larger ``b`` drains faster and makes every request slower: the trade-off
-    the planner settles per instance.
-    """
-
-    groups: tuple[PlanGroup, ...]
-    instances: tuple[PlanInstance, ...]
-    batches: tuple[tuple[int, ...], ...]  # per instance, the limits it may use
-    delta: float
-    scenarios: _Scenarios
-    speeds: tuple[_Speed, ...]  # per instance
-    _terms: dict[tuple[_Speed, int], tuple[FloatArray, FloatArray]] = field(
-        default_factory=dict, compare=False, repr=False
-    )
-
-    def terms(self, g: int, b: int) -> tuple[FloatArray, FloatArray]:
-        """Instance ``g``'s ``(work, floor)`` per group and scenario, ``(n, S)`` each, at limit
-        ``b``: computed when first asked (a plan asks for one limit per instance) and shared by
-        the instances alike in hardware and calibration."""
-        key = (self.speeds[g], b)
-        out = self._terms.get(key)
-        if out is None:
-            out = self._terms[key] = self.scenarios.terms(self.speeds[g], b)
-        return out
-
-    def problem(self, choice: Sequence[int]) -> PlanProblem:
-        """The problem with instance ``g`` limited to ``choice[g]`` running requests."""
-        n, q = len(self.groups), len(self.instances)
-        s_count = self.scenarios.count
-        proc = np.empty((n, q, s_count))
-        floor = np.empty((n, q, s_count))
-        for g, b in enumerate(choice):
-            proc[:, g], floor[:, g] = self.terms(g, b)
-        return PlanProblem(self.groups, self.instances, proc, floor, delta=self.delta)
-
-
-@dataclass(frozen=True)
-class _Speed:
-    """What an instance's terms depend on: its models' hardware profiles and its calibration."""
-
-    hardware: tuple[tuple[str, HardwareProfile], ...]
-    wait_f: float
-    eps_f: float
-
-
-@dataclass(frozen=True, eq=False)
-class _Scenarios:
-    """The waiting groups' lengths, drawn once per family (``(n, S)`` output scenarios)."""
-
-    models: npt.NDArray[np.str_]
-    inputs: FloatArray
-    last_inputs: FloatArray
-    out_mean: FloatArray
-    out_s: FloatArray
-    last_s: FloatArray
-
-    @property
-    def count(self) -> int:
-        return int(self.out_s.shape[1])
-
-    def terms(self, speed: _Speed, b: int) -> tuple[FloatArray, FloatArray]:
-        n, s_count = self.out_s.shape
-        p_arr = np.full((n, s_count), np.inf)
-        f_arr = np.full((n, s_count), np.inf)
-        for m, hw in speed.hardware:
-            rows = np.flatnonzero(self.models == m)
-            if not len(rows):
-                continue
-            w_in = hw.input_token_work_s
-            refill = w_in * self.inputs[rows].sum() / max(float(self.out_mean[rows].sum()), 1.0)
-            dec = hw.decode_s(b) * hw.inefficiency
-            p_arr[rows] = (
-                self.inputs[rows, None] * w_in + self.out_s[rows] * dec / b
-            ) * speed.wait_f
-            f_arr[rows] = (hw.prefill_base_s + hw.prefill_per_token_s * self.last_inputs[rows])[
-                :, None
-            ] + self.last_s[rows] * (dec + b * refill) * speed.eps_f
-        return p_arr, f_arr
-
-
-def build_family(
-    groups: Sequence[tuple[str, Sequence[Request], Tier]],
-    instances: Sequence[InstanceLoad],
-    ready_s: Mapping[str, float],
-    estimator: RCTEstimator,
-    config: PlannerConfig,
-    rng: np.random.Generator,
-) -> ProblemFamily:
-    """The plan problems of the waiting groups (id, requests in FCFS order, tier) on the up
-    instances, with scenarios of each group's output drawn from the estimator's posterior."""
-    up = [i for i in instances if i.up]
-    n, s_count = len(groups), config.scenarios
-    z_total = rng.standard_normal((n, s_count))
-    z_last = rng.standard_normal((n, s_count))
-    loads = [estimator.group_load(gid, requests) for gid, requests, _ in groups]
-    plan_groups = tuple(
-        PlanGroup(gid, ld.model, ld.earliest_deadline_s, config.tier_weights[tier] * ld.size)
-        for (gid, _, tier), ld in zip(groups, loads, strict=True)
-    )
-    out = np.array([[ld.output_mean, math.sqrt(ld.output_var)] for ld in loads]).reshape(n, 2)
-    last = np.array([[ld.last_output_mean, math.sqrt(ld.last_output_var)] for ld in loads])
-    out_s = np.maximum(out[:, :1] + out[:, 1:] * z_total, 0.0)  # (n, S)
-    last_s = np.maximum(last.reshape(n, 2)[:, :1] + last.reshape(n, 2)[:, 1:] * z_last, 1.0)
-    models = np.array([ld.model for ld in loads])
-    inputs = np.array([ld.input_tokens for ld in loads], np.float64)
-    last_inputs = np.array([ld.last_input_tokens for ld in loads], np.float64)
-    scenarios = _Scenarios(models, inputs, last_inputs, out[:, 0], out_s, last_s)
-    batches: list[tuple[int, ...]] = []
-    speeds: list[_Speed] = []
-    plan_instances: list[PlanInstance] = []
-    for inst in up:
-        wait_f, eps_f = estimator.calibration_factors(inst.name)
-        limits = tuple(
-            sorted({b for b in BATCH_CHOICES if b < inst.max_running} | {inst.max_running})
-        )
-        batches.append(limits)
-        hws = {m: estimator.profile.hardware_for(m, inst.gpu, inst.gpu_count) for m in inst.models}
-        speeds.append(_Speed(tuple(hws.items()), wait_f, eps_f))
-        switch = {m: 0.0 if m == inst.active_model else hws[m].warm_load_s for m in inst.models}
-        plan_instances.append(
-            PlanInstance(inst.name, inst.models, inst.active_model, ready_s[inst.name], switch)
-        )
-    return ProblemFamily(
-        plan_groups,
-        tuple(plan_instances),
-        tuple(batches),
-        config.delta,
-        scenarios,
-        tuple(speeds),
-    )
-
-
-def _subset(problem: PlanProblem, rows: Sequence[int]) -> PlanProblem:
-    """The same problem over the groups at ``rows`` only."""
-    idx = np.asarray(rows, dtype=np.int64)
-    return PlanProblem(
-        tuple(problem.groups[i] for i in rows),
-        problem.instances,
-        problem.proc[idx],
-        problem.floor[idx],
-        delta=problem.delta,
-        risk_weight=problem.risk_weight,
-        flow_weight=problem.flow_weight,
-    )
-
-
-def hopeless(problem: PlanProblem, g: int, now: float) -> npt.NDArray[np.bool_]:
-    """Per group, whether it misses its deadline on instance ``g`` even started now and in its
-    luckiest scenario: its last request's latency floor alone takes it past the deadline. Such
-    work is lost to its SLO whatever the plan; serving it before work that can still make it
-    (as earliest-deadline-first would: it has the earliest deadlines) only spreads the loss."""
-    return np.asarray(problem.floor[:, g].min(axis=1) + now > problem.deadline)
-
-
-SLACK_MARGIN = 1.3
-"""A group the admission would defer keeps its place if, served earliest deadline first behind
-everything due before it, it completes within ``1 / SLACK_MARGIN`` of the time left to its
-deadline (median scenario)."""
-
-
-def in_time(
-    problem: PlanProblem,
-    g: int,
-    order: Sequence[int],
-    now: float,
-    late: npt.NDArray[np.bool_],
-    groups: Sequence[PlanGroup],
-) -> set[str]:
-    """The groups of ``order`` (on instance ``g``) that still complete well before their
-    deadline if everything on the instance is served earliest deadline first (median scenario;
-    groups past saving take no time). Cost-aware admission's knapsack counts capacity per second
-    in steady state; it does not see that a batch request due in five minutes can wait out a
-    burst. Measured on W_B at 1.4×, where the instance is only just overloaded: without this
-    the admission deferred standard and batch work the instance could have served in time
-    (94.4 % of SLOs met against 97.0 %); at 1.8× it is neutral (85.2 → 85.4 %)."""
-    work = np.median(problem.proc[:, g], axis=1)
-    floor = np.median(problem.floor[:, g], axis=1)
-    t = float(problem.ready[g])
-    out: set[str] = set()
-    for i in sorted(order, key=lambda i: (problem.deadline[i], groups[i].id)):
-        if late[i]:
-            continue
-        t += float(work[i])
-        finish = max(t, now + float(floor[i]))
-        if now + SLACK_MARGIN * (finish - now) <= problem.deadline[i]:
-            out.add(groups[i].id)
-    return out
-
-
-def pick_limit(values: Mapping[int, float], current: int | None, hysteresis: float) -> int:
-    """The concurrency limit worth the most (the smallest of equals), unless ``current`` is
-    within ``hysteresis`` (a fraction) of it: a change costs a transient the values do not see."""
-    if not values:
-        raise ValueError("no concurrency limit to choose from")
-    limits = sorted(values)
-    best = limits[0]
-    for b in limits[1:]:
-        if values[b] > values[best] * (1 + 1e-9):
-            best = b
-    threshold = values[best] * (1.0 - hysteresis)
-    if current is not None and values.get(current, -math.inf) >= threshold:
-        return current
-    return best
 
 
 class QlmPolicy:
@@ -472,7 +158,7 @@ class QlmPolicy:
         self._plans_made = 0
         self._batch: dict[str, int] = {}  # concurrency limit per instance, chosen by the planner
         self._fixed: int | None = None  # fix_concurrency
-        self._admission: dict[str, _Fluid] = {}  # per instance, at its limit (defer_expensive)
+        self._admission: dict[str, Fluid] = {}  # per instance, at its limit (defer_expensive)
         self._deferred: set[str] = set()  # groups waiting behind all admitted ones
         self._buckets: dict[str, TokenBucket] = {}  # per instance, paces deferred work
         self._arrivals = ArrivalWindow(CLASS_SAMPLE)  # the last rate_window_s
@@ -484,8 +170,7 @@ class QlmPolicy:
         self._family_cache: tuple[tuple[float, int], tuple[ProblemFamily, list[list[int]]]] | None
         self._family_cache = None  # per step: the plan problem built for the violation check
         self._inbox: dict[str, tuple[Request, int]] = {}  # handed, not grouped yet (output so far)
-        # Per instance: the plan that last evaluated its fluid model, and that evaluation.
-        self._fluids: dict[str, tuple[int, dict[int, _Fluid] | None]] = {}
+        self._fluid_models = FluidModels(self.estimator, self.config)  # the concurrency choice
         # Left for the next step (wall-time budget): "rethink" (recluster if due, plan if a
         # trigger fires) or "plan" (the step reclustered; a trigger is checked first thing).
         self._owed = ""
@@ -547,7 +232,7 @@ class QlmPolicy:
                 self._batch.pop(inst.name, None)
         self._started.update(ctx.started)
         for inst in ctx.instances:  # preemptions counted before the completions they come with
-            self.estimator.watch(self._view(inst))
+            self.estimator.watch(self._estimator_instance(inst))
         for done in ctx.finished:
             self._inflight.get(done.instance, {}).pop(done.request.id, None)
             self._swapped.get(done.instance, {}).pop(done.request.id, None)
@@ -743,155 +428,6 @@ class QlmPolicy:
             for inst, limits in zip(family.instances, family.batches, strict=True)
         ]
 
-    def _fluid(
-        self, now: float, family: ProblemFamily, deadline: Deadline | None = None
-    ) -> list[dict[int, _Fluid] | None]:
-        """Per instance and concurrency limit, a steady-state fluid model of what keeps arriving
-        (the last ``rate_window_s``; None for an instance none of it is for). A larger batch
-        serves more requests per second and serves each one slower. For a limit ``b``, a request
-        costs ``input × w_in + output × decode_s(b) / b`` GPU-seconds (its class's mean output)
-        and its class (model, tier, SLO) meets its SLO alone with probability
-        ``P(output × (decode_s(b) + b × refill) + prefill ≤ SLO)`` (the output posterior).
-        Requests are admitted by value per GPU-second up to ``max_utilisation`` of the instance
-        (``qlm.planner.admission``); the model gives the expected weighted SLOs met per second
-        (which limit to use) and the value density below which work is deferred.
-
-        Instances are evaluated the least recently evaluated first (one never evaluated before
-        the others), one at least; once ``deadline`` is spent the others keep their last
-        evaluation, or have none until their turn (their limit stays, their admission defers
-        nothing)."""
-        horizon = self.config.rate_window_s
-        window = self._arrivals
-        window.expire(now - horizon)
-        span = max(min(horizon, now - window.first_s), 1.0)
-        classes = window.classes()
-        means: dict[ClassKey, tuple[float, float]] = {}
-        # The output belief depends on the prompt's length: one request of each prompt bin
-        # stands for the class's recent arrivals in it, weighted by their share.
-        mix: dict[ClassKey, list[tuple[Request, float]]] = {}
-        for key in classes:
-            recent = window.recent(key)  # enough for a mean; bounded under a backlog
-            means[key] = (
-                sum(r.input_tokens for r in recent) / len(recent),
-                sum(self.estimator.expected_output(r) for r in recent) / len(recent),
-            )
-            by_bin: dict[int, list[Request]] = {}
-            for r in recent:
-                by_bin.setdefault(prompt_bin(r.input_tokens), []).append(r)
-            mix[key] = [(rs[-1], len(rs) / len(recent)) for rs in by_bin.values()]
-        out: list[dict[int, _Fluid] | None] = [None] * len(family.instances)
-        # Instances alike in models, hardware, limits and learnt decode speed have the same
-        # fluid model: computed once (a fleet of replicas, before their speeds part).
-        alike: dict[tuple[object, ...], dict[int, _Fluid] | None] = {}
-        loads = {i.name: i for i in self._instances}
-        self._fluids = {
-            i.name: self._fluids[i.name] for i in family.instances if i.name in self._fluids
-        }
-        turn = sorted(
-            range(len(family.instances)),
-            key=lambda g: (self._fluids.get(family.instances[g].name, (-1, None))[0], g),
-        )
-        for k, g in enumerate(turn):
-            inst, limits = family.instances[g], family.batches[g]
-            ld = loads[inst.name]
-            eps_f = self.estimator.calibration_factors(inst.name)[1]  # decode as observed
-            same = (inst.models, ld.gpu, ld.gpu_count, limits, eps_f)
-            if same in alike:
-                out[g] = alike[same]
-                self._fluids[inst.name] = (self._plans_made, out[g])
-                continue
-            if k > 0 and deadline is not None and deadline.spent():
-                last = self._fluids.get(inst.name, (-1, None))[1]
-                if last is not None and set(last) != set(limits):
-                    last = None
-                out[g] = last  # (None until its turn comes: its limit stays, nothing deferred)
-                continue
-            serving = {m: max(1, sum(m in i.models for i in family.instances)) for m in inst.models}
-            keys = [k for k in classes if k[0] in inst.models]
-            if not keys:
-                out[g] = alike.setdefault(same, None)
-                self._fluids[inst.name] = (self._plans_made, None)
-                continue
-            hws = {
-                m: self.estimator.profile.hardware_for(m, ld.gpu, ld.gpu_count) for m in inst.models
-            }
-            # One row per class and prompt length, standing for its arrivals in the window.
-            lengths = [window.counts(k) for k in keys]
-            row = np.repeat(np.arange(len(keys)), [len(c) for c in lengths])
-            inputs = np.array([n for c in lengths for n in c], np.float64)
-            arrived = np.array([a for c in lengths for a in c.values()], np.float64)
-            w_in = np.array([hws[k[0]].input_token_work_s for k in keys])[row]
-            weights = arrived / np.array([span * serving[k[0]] for k in keys])[row]
-            outputs = np.array([means[k][1] for k in keys])
-            prompt_work = float(np.sum(inputs * w_in * weights))
-            output_rate = float(np.sum(outputs[row] * weights))
-            refill = prompt_work / max(output_rate, 1e-9)
-            per_input = {m: hw.input_token_work_s for m, hw in hws.items()}
-            fluids: dict[int, _Fluid] = {}
-            for b in limits:
-                per_output = {
-                    m: hw.decode_s(b) * hw.inefficiency * eps_f / b for m, hw in hws.items()
-                }
-                per_out = np.array([per_output[k[0]] for k in keys])[row]
-                costs = inputs * w_in + outputs[row] * per_out
-                refill_b = refill
-                # The refill is the prompt work of what is served: with deferral on, the
-                # admitted work's, which depends on the SLOs the refill lets classes meet —
-                # one more round settles it.
-                for _ in range(2 if self.config.defer_expensive else 1):
-                    class_value: dict[ClassKey, float] = {}
-                    for key in keys:
-                        model, tier, slo = key
-                        hw = hws[model]
-                        dec = hw.decode_s(b) * hw.inefficiency
-                        per_token = (dec + b * refill_b) * eps_f
-                        budget = (slo - hw.prefill_s(means[key][0])) / per_token
-                        p_meet = sum(
-                            share
-                            * self.estimator.posterior(r).p_remaining_within(
-                                budget, cap=r.max_tokens
-                            )
-                            for r, share in mix[key]
-                        )
-                        class_value[key] = self.config.tier_weights[tier] * p_meet
-                    values = np.array([class_value[k] for k in keys])[row]
-                    admission = admit(values, costs, weights, self.config.max_utilisation)
-                    if not admission.threshold:
-                        break
-                    kept = values >= admission.threshold * costs
-                    refill_b = float(np.sum((inputs * w_in * weights)[kept])) / max(
-                        float(np.sum((outputs[row] * weights)[kept])), 1e-9
-                    )
-                fluids[b] = _Fluid(
-                    admission, class_value, {k: means[k][1] for k in keys}, per_output, per_input
-                )
-            out[g] = alike.setdefault(same, fluids)
-            self._fluids[inst.name] = (self._plans_made, fluids)
-        return out
-
-    def _concurrency(
-        self, family: ProblemFamily, fluid: Sequence[dict[int, _Fluid] | None], choice: list[int]
-    ) -> list[int]:
-        """Each instance's concurrency limit: the one whose admitted work meets the most
-        expected weighted SLOs per second (``_fluid``). A plan judged only on today's queue
-        would pick a small batch that looks fast and then drown in what keeps arriving; this
-        judges the stream instead. The current limit is kept unless another is worth
-        more than ``concurrency_hysteresis`` more: every change costs a transient (a lower limit
-        waits for running requests to drain, a higher one admits a burst of prompts whose prefills
-        slow every running request), which the steady-state model does not see; without it the
-        choice flips with the noise of the arrival window (measured on W_B at 1.8×: 74.2 % of
-        SLOs met without hysteresis, 76.5 % with 5 %, 75.1 % with 15 %)."""
-        out: list[int] = []
-        for inst, fluids, current in zip(family.instances, fluid, choice, strict=True):
-            if fluids is None:
-                out.append(current)
-                continue
-            values = {b: f.admission.value for b, f in fluids.items()}
-            out.append(
-                pick_limit(values, self._batch.get(inst.name), self.config.concurrency_hysteresis)
-            )
-        return out
-
     def _deferred_in(self, name: str, gids: Sequence[str]) -> set[str]:
         """The groups of ``gids`` that ``name``'s admission defers (``defer_expensive``)."""
         fluid = self._admission.get(name)
@@ -961,15 +497,26 @@ class QlmPolicy:
 
     def plan(self, now: float, trigger: str = "manual") -> PlanRecord:
         """Re-plan every waiting group now and apply the plan to the virtual queues: first each
-        instance's concurrency limit and admission (``_fluid``), then order and assignment of the
+        instance's concurrency limit and admission (``qlm.planner.concurrency``), then order and assignment of the
         admitted groups by the solver; deferred groups wait behind them, earliest deadline first."""
         started = self._clock()
         family, current = self._family(now)
         self._plans_made += 1
         choice = self._choice(family)
         choose = self.config.choose_concurrency and self._fixed is None
-        fluid = self._fluid(now, family, self.config.budget.start(self._clock).part(FLUID_SHARE))
-        best = self._concurrency(family, fluid, choice) if choose else choice
+        fluid = self._fluid_models.evaluate(
+            now,
+            family,
+            self._instances,
+            self._arrivals,
+            self._plans_made,
+            self.config.budget.start(self._clock).part(FLUID_SHARE),
+        )
+        best = (
+            choose_limits(family, fluid, choice, self._batch, self.config.concurrency_hysteresis)
+            if choose
+            else choice
+        )
         # Deferral waits for half a rate window of history: a first burst is not a rate.
         settled = now - self._arrivals.first_s >= self.config.rate_window_s / 2
         for inst, b, fluids in zip(family.instances, best, fluid, strict=True):
@@ -996,7 +543,7 @@ class QlmPolicy:
                 key=lambda i: (bool(late[i]), family.groups[i].deadline_s, family.groups[i].id),
             )
         keep = [i for i, g in enumerate(family.groups) if g.id not in self._deferred]
-        problem = full if len(keep) == len(family.groups) else _subset(full, keep)
+        problem = full if len(keep) == len(family.groups) else subset(full, keep)
         position = {i: k for k, i in enumerate(keep)}
         previous = [[position[i] for i in order if i in position] for order in current]
         # The search's deadline: the solver stops at SEARCH_SHARE of it, the capacity signal
@@ -1180,7 +727,7 @@ class QlmPolicy:
         return decisions
 
     @staticmethod
-    def _view(load: InstanceLoad) -> EstimatorInstance:
+    def _estimator_instance(load: InstanceLoad) -> EstimatorInstance:
         warm = frozenset(m for m, tier in load.model_tiers if tier is ModelTier.WARM)
         return EstimatorInstance(
             load.name,
@@ -1200,11 +747,11 @@ class QlmPolicy:
         while it holds more work; the profile's Θ stays the planner's. A request pulled again
         (after an eviction) is judged on its latest pull."""
         running = [x.running for x in self._inflight.get(load.name, {}).values()]
-        view = self._view(load)
+        instance = self._estimator_instance(load)
         self.estimator.forget([req.id])
         queued = Queued(req, self._generated.get(req.id, 0))
         self.estimator.estimate_requests(
-            view,
+            instance,
             [*running, queued],
             now,
             remember=True,

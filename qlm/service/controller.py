@@ -4,8 +4,11 @@
 waits (the broker keeps the one replica, ARCHITECTURE.md §4 rule 5). Every delivery is recorded in
 the store (idempotently: the API usually did already) and handed to the ``AgentRuntime``, which
 runs the one ``Controller`` — groups, estimator, planner, virtual queues, agents — on the wall
-clock. What happens to each request is written to the store in order by one writer task; a
-delivery is acked only after its outcome (finished, failed, cancelled) is committed.
+clock. What happens to each request is written to the store in order by one writer task
+(``qlm.service.writes``); a delivery is acked only after its outcome (finished, failed,
+cancelled) is committed. This module takes deliveries in and lets them go when another controller
+leads; what the service publishes is in ``qlm.service.publishing``, the store's upkeep
+(retention, dead letters, orphans) in ``qlm.service.upkeep``.
 
 **Failover.** A standby controller's consumer waits (the global queue's leader lock). When the
 active one dies, the broker redelivers every message it held; the standby records nothing twice:
@@ -26,42 +29,28 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import heapq
 import logging
-import math
 import os
 import socket
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from qlm.domain import PlanRecord, RequestRecord, RequestStatus
 from qlm.engines.base import TokenChunk, ToolCall
 from qlm.errors import check_setting
-from qlm.global_queue import DeadLetter, Delivery, GlobalQueue, MessageError, QueuedRequest
+from qlm.global_queue import Delivery, GlobalQueue, QueuedRequest
 from qlm.service.backlog_gc import BacklogGC
 from qlm.service.hub import ResultEvent, ResultHub
+from qlm.service.publishing import PredictionWrites, snapshot_dict
 from qlm.service.runtime import AgentRuntime, Job, RuntimeListener, resume_point
-from qlm.store import NewRequest, RequestRow, Store, StoreError
+from qlm.service.upkeep import OrphanSweep, new_request, prune, reap_dead
+from qlm.service.writes import Settle, StoreWriter
+from qlm.store import RequestRow, Store, StoreError
 from qlm.store.rows import InstanceState
-from qlm.virtual_queues import QueueSnapshot, VirtualQueuesSnapshot
+from qlm.virtual_queues import VirtualQueuesSnapshot
 
 log = logging.getLogger(__name__)
-
-RETAIN_BATCH = 5000
-"""Ended requests deleted per transaction by retention."""
-
-ORPHAN_PAGE = 1000
-"""Rows the orphan sweep reads per query (the oldest first)."""
-
-ORPHAN_PAGES = 20
-"""Queries per round of the orphan sweep, at most."""
-
-ORPHAN_ERROR = (
-    "lost before it reached the global queue: no message stands for it (the API that recorded "
-    "it stopped before the broker confirmed it, so its client was never answered, or an "
-    "in-process queue was lost with its process); submit it again, with a new Idempotency-Key"
-)
 
 
 def default_controller_name() -> str:
@@ -89,15 +78,6 @@ class _Held:
 
     def all(self) -> list[Delivery]:
         return [self.delivery, *self.copies]
-
-
-@dataclass(slots=True)
-class _Writes:
-    """Store operations queued by the runtime's callbacks, applied in order by the writer."""
-
-    ops: list[Callable[[], Any]] = field(default_factory=list)
-    settle: list[tuple[str, str, RequestStatus]] = field(default_factory=list)
-    """(request id, "ack" or the reason to dead-letter it, its final status)"""
 
 
 class ControllerService(RuntimeListener):
@@ -138,8 +118,7 @@ class ControllerService(RuntimeListener):
         self.retain_every_s = retain_every_s
         self.orphan_after_s = orphan_after_s  # 0: no orphan sweep
         self.orphan_every_s = orphan_every_s
-        self._suspects: set[str] = set()  # rows the last sweep found with no message
-        self._sweep_from: tuple[float, str] | None = None  # where the next sweep reads on
+        self._orphans = OrphanSweep()
         self._taking: set[str] = set()  # deliveries being recorded by ``_take``
         self._leader = False  # the queue says this controller leads
         self._learnt = False  # from the store's recent completions, on becoming active
@@ -148,14 +127,12 @@ class ControllerService(RuntimeListener):
         self._held: dict[str, _Held] = {}
         self.backlog_gc = BacklogGC()  # full collections kept out of the step under a backlog
         self._inbox: list[Delivery] = []
-        self._writes = _Writes()
-        self._settling: set[asyncio.Task[None]] = set()  # acks of committed outcomes
-        self._unsettled = 0  # deliveries they are settling
+        self._writes = StoreWriter()
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._plans = 0  # plans the policy made
         self._latest_plan: PlanRecord | None = None
-        self._predicted: dict[str, tuple[float | None, bool]] = {}  # as last written
+        self._predictions = PredictionWrites()  # as last written to the store
         self._last_poll = 0.0
         self._stopping = False
         self._standby = False  # another controller leads (told by the queue)
@@ -203,12 +180,8 @@ class ControllerService(RuntimeListener):
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         await self._flush()
-        if self._settling:  # what the store has is settled before leaving the queue
-            _, late = await asyncio.wait(set(self._settling), timeout=SETTLE_ON_STOP_S)
-            if late:
-                log.warning("stopping with deliveries unsettled: the broker delivers them again")
-                for task in late:
-                    task.cancel()
+        # what the store has is settled before leaving the queue
+        await self._writes.wait_settled(SETTLE_ON_STOP_S)
         with contextlib.suppress(Exception):
             await asyncio.to_thread(
                 self.store.put_controller_state, self.name, active=False, snapshot=self.snapshot()
@@ -254,9 +227,7 @@ class ControllerService(RuntimeListener):
 
     async def wait_idle(self, poll_s: float = 0.05) -> None:
         """Until every request received has been settled (tests, replays)."""
-        while (
-            self._inbox or self._held or self._writes.ops or self._writes.settle or self._unsettled
-        ):
+        while self._inbox or self._held or self._writes.pending:
             await asyncio.sleep(poll_s)
 
     # --- intake -----------------------------------------------------------------------------------
@@ -316,7 +287,7 @@ class ControllerService(RuntimeListener):
         self._held.clear()
         self.backlog_gc.settled(0)
         for rid in ids:
-            self._predicted.pop(rid, None)
+            self._predictions.forget(rid)
         log.warning(
             "controller %s: another controller leads the global queue now; stopping the %d "
             "requests it took over",
@@ -387,7 +358,7 @@ class ControllerService(RuntimeListener):
         if not self._learnt:  # in the background: a large store must not hold the intake up
             self._learnt = True
             self._tasks.append(asyncio.create_task(self._learn_history(), name="qlm-history"))
-        news = [_new_request(d.message) for d in fresh if d.message is not None]
+        news = [new_request(d.message) for d in fresh if d.message is not None]
         rows = await asyncio.to_thread(self.store.ensure_requests, news)
         if lead != self._lead:
             return  # the lead was lost meanwhile: the broker handed these to the leader
@@ -413,14 +384,14 @@ class ControllerService(RuntimeListener):
                 continue
             if msg.model not in served:
                 reason = f"no instance serves model {msg.model!r}"
-                self._queue_op(
+                self._writes.op(
                     self.store.record_outcome,
                     msg.id,
                     status=RequestStatus.FAILED,
                     at=self.runtime.clock.now(),
                     error=reason,
                 )
-                self._writes.settle.append((msg.id, reason, RequestStatus.FAILED))
+                self._writes.settle_after(msg.id, reason, RequestStatus.FAILED)
                 self._held[msg.id] = _Held(d, msg, list(extra))
                 continue
             self._held[msg.id] = _Held(d, msg, list(extra))
@@ -472,7 +443,7 @@ class ControllerService(RuntimeListener):
         at = self.runtime.clock.now()
         ttft, first = row.slo_ttft_s, row.first_token_at
         ttft_met = None if ttft is None else first is not None and first - row.submitted_at <= ttft
-        self._queue_op(
+        self._writes.op(
             self.store.record_outcome,
             msg.id,
             status=RequestStatus.FINISHED,
@@ -482,7 +453,7 @@ class ControllerService(RuntimeListener):
             slo_met=at <= row.deadline_at and ttft_met is not False,
             ttft_met=ttft_met,
         )
-        self._writes.settle.append((msg.id, "ack", RequestStatus.FINISHED))
+        self._writes.settle_after(msg.id, "ack", RequestStatus.FINISHED)
 
     async def _poison(self, deliveries: list[Delivery], reason: str) -> None:
         """Dead-letter every delivery of one request with ``reason``."""
@@ -494,14 +465,11 @@ class ControllerService(RuntimeListener):
 
     # --- what the runtime reports (the event loop; never blocks) ----------------------------------
 
-    def _queue_op(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
-        self._writes.ops.append(lambda: fn(*args, **kwargs))
-
     def dispatched(self, request_id: str, instance: str, at: float) -> None:
-        self._queue_op(self.store.mark_dispatched, request_id, instance=instance, at=at)
+        self._writes.op(self.store.mark_dispatched, request_id, instance=instance, at=at)
 
     def first_token(self, request_id: str, at: float) -> None:
-        self._queue_op(self.store.mark_first_token, request_id, at=at)
+        self._writes.op(self.store.mark_first_token, request_id, at=at)
 
     def chunk(self, request_id: str, chunk: TokenChunk) -> None:
         if chunk.text and self.hub.watched(request_id):
@@ -513,14 +481,14 @@ class ControllerService(RuntimeListener):
         if partial_tokens == 0 and self.hub.watched(request_id):
             self.hub.publish(ResultEvent(request_id, "", 0, restarted=True))
         if evicted:
-            self._queue_op(
+            self._writes.op(
                 self.store.record_eviction,
                 request_id,
                 partial_text=partial_text,
                 partial_tokens=partial_tokens,
             )
         else:
-            self._queue_op(
+            self._writes.op(
                 self.store.record_partial, request_id, text=partial_text, tokens=partial_tokens
             )
 
@@ -533,7 +501,7 @@ class ControllerService(RuntimeListener):
     ) -> None:
         rid = record.request.id
         ttft = record.request.slo.ttft_s
-        self._queue_op(
+        self._writes.op(
             self.store.record_outcome,
             rid,
             status=RequestStatus.FINISHED,
@@ -544,31 +512,31 @@ class ControllerService(RuntimeListener):
             ttft_met=None if ttft is None else record.ttft_s is not None and record.ttft_s <= ttft,
             tool_calls=tool_calls,
         )
-        self._writes.settle.append((rid, "ack", RequestStatus.FINISHED))
+        self._writes.settle_after(rid, "ack", RequestStatus.FINISHED)
 
     def failed(self, request_id: str, error: str) -> None:
-        self._queue_op(
+        self._writes.op(
             self.store.record_outcome,
             request_id,
             status=RequestStatus.FAILED,
             at=self.runtime.clock.now(),
             error=error,
         )
-        self._writes.settle.append((request_id, "ack", RequestStatus.FAILED))
+        self._writes.settle_after(request_id, "ack", RequestStatus.FAILED)
 
     def rejected(self, request_id: str, reason: str) -> None:
         """Poison: recorded failed with the reason, and its delivery dead-lettered with it."""
-        self._queue_op(
+        self._writes.op(
             self.store.record_outcome,
             request_id,
             status=RequestStatus.FAILED,
             at=self.runtime.clock.now(),
             error=reason,
         )
-        self._writes.settle.append((request_id, reason, RequestStatus.FAILED))
+        self._writes.settle_after(request_id, reason, RequestStatus.FAILED)
 
     def cancelled(self, request_id: str, partial_text: str, tokens: int) -> None:
-        self._queue_op(
+        self._writes.op(
             self.store.record_outcome,
             request_id,
             status=RequestStatus.CANCELLED,
@@ -576,10 +544,10 @@ class ControllerService(RuntimeListener):
             output_text=partial_text or None,
             output_tokens=tokens,
         )
-        self._writes.settle.append((request_id, "ack", RequestStatus.CANCELLED))
+        self._writes.settle_after(request_id, "ack", RequestStatus.CANCELLED)
 
     def instance_changed(self, name: str, up: bool) -> None:
-        self._queue_op(self._instance_changed, name, up)
+        self._writes.op(self._instance_changed, name, up)
 
     def _instance_changed(self, name: str, up: bool) -> None:
         """Record up/down, keeping an operator's drain (a drained instance may go down and up)."""
@@ -593,23 +561,17 @@ class ControllerService(RuntimeListener):
             await self._flush()
 
     async def _flush(self) -> None:
-        """Apply the queued store operations in order, then settle the deliveries whose outcome
-        they committed. A failed write is retried at the next flush (nothing is acked before)."""
-        writes, self._writes = self._writes, _Writes()
-        if writes.ops:
-            try:
-                await asyncio.to_thread(self._run_all, writes.ops)
-            except Exception:
-                log.exception("store write failed; retrying")
-                self._writes.ops[:0] = writes.ops
-                self._writes.settle[:0] = writes.settle
-                await asyncio.sleep(self.poll_s)  # the store may be down: do not spin
-                return
+        """Apply the queued store operations, then settle what they committed (``StoreWriter``)."""
+        await self._writes.flush(self.store, self.queue, self.poll_s, self._committed)
+
+    def _committed(self, settle: list[Settle]) -> list[tuple[Delivery, str]]:
+        """Outcomes the store committed: their watchers are told, the controller forgets them,
+        and the deliveries held for them are handed back to be settled."""
         batch: list[tuple[Delivery, str]] = []
         settled = self.settled
-        for rid, how, status in writes.settle:
+        for rid, how, status in settle:
             self.hub.publish(ResultEvent(rid, "", 0, done=True, status=status))
-            self._predicted.pop(rid, None)
+            self._predictions.forget(rid)
             self.runtime.controller.forget(rid)  # recorded: the store answers for it now
             held = self._held.pop(rid, None)
             if held is None:
@@ -617,48 +579,14 @@ class ControllerService(RuntimeListener):
             batch += [(delivery, how) for delivery in held.all()]
             self.settled += 1
         self.backlog_gc.settled(len(self._held), self.settled - settled)
-        if batch:
-            self._unsettled += len(batch)
-            task = asyncio.create_task(self._settle(batch), name="qlm-settle")
-            self._settling.add(task)
-            task.add_done_callback(self._settling.discard)
-
-    async def _settle(self, batch: list[tuple[Delivery, str]]) -> None:
-        """Ack (or dead-letter) deliveries whose outcome a flush committed: in a task of their
-        own, beside the writer. Awaited in the writer, each settlement waited for the event
-        loop's turn (a control step under a backlog), and a flush settling thousands held the
-        next flushes — and the store writes piling up behind them — for tens of seconds
-        (measured with RabbitMQ); nor does a slow one hold the next batches back."""
-        try:
-            results = await asyncio.gather(
-                *(
-                    self.queue.ack(d) if how == "ack" else self.queue.dead_letter(d, how)
-                    for d, how in batch
-                ),
-                return_exceptions=True,
-            )
-        finally:
-            self._unsettled -= len(batch)
-        for failed in results:
-            if isinstance(failed, BaseException):
-                log.error(
-                    "could not settle a delivery (its outcome is stored; the broker delivers "
-                    "it again when its channel closes): %r",
-                    failed,
-                )
-
-    def _run_all(self, ops: list[Callable[[], Any]]) -> None:
-        """In order, in one transaction (one commit for a whole flush)."""
-        with self.store.batch():
-            for op in ops:
-                op()
+        return batch
 
     def planned(self, plans: Sequence[PlanRecord]) -> None:
         """The plans a control step made: counted, the latest shown, each one stored."""
         self._plans += len(plans)
         self._latest_plan = plans[-1]
         for record in plans:
-            self._queue_op(self.store.record_plan, record, controller=self.name)
+            self._writes.op(self.store.record_plan, record, controller=self.name)
 
     # --- retention ------------------------------------------------------------------------------
 
@@ -682,15 +610,7 @@ class ControllerService(RuntimeListener):
                 log.info("retention: deleted %d ended requests and %d plans", requests, plans)
 
     def _prune(self) -> tuple[int, int]:
-        requests = 0
-        if self.retain_s > 0:
-            cut = self.runtime.clock.now() - self.retain_s
-            while (deleted := self.store.prune_requests(cut, limit=RETAIN_BATCH)) > 0:
-                requests += deleted
-                if deleted < RETAIN_BATCH:
-                    break
-        plans = self.store.prune_plans(keep=self.retain_plans) if self.retain_plans > 0 else 0
-        return requests, plans
+        return prune(self.store, self.runtime.clock.now(), self.retain_s, self.retain_plans)
 
     # --- rows no message stands for ----------------------------------------------------------
 
@@ -706,57 +626,19 @@ class ControllerService(RuntimeListener):
                 log.exception("orphan sweep failed; trying again in %.0f s", self.orphan_every_s)
 
     async def sweep_once(self) -> list[str]:
-        """One round of the orphan sweep; returns the requests it recorded failed.
-
-        A row that has not ended, submitted more than ``orphan_after_s`` ago, which this
-        controller — the leader — does not hold while the broker has nothing left to hand out
-        (``GlobalQueue.backlog`` is 0: every message is with the leader) has no message. Found
-        so in two rounds in a row — a message on its way, such as a client's retry publishing
-        it again, is held by the next round — it is recorded failed with ``ORPHAN_ERROR``: it
-        ends, no longer counts against its tenant's queued limit, and a client looking it up
-        learns what happened. Each round reads at most ``ORPHAN_PAGES`` pages of such rows,
-        going on from where the last one stopped (a leader holding many old requests is walked
-        over several rounds). Rounds of a controller that is not leading find nothing.
-
-        Left open: a message the broker hands over between the last look at what is held and
-        the commit (a retry of a real orphan, published again more than ``orphan_after_s`` after
-        it was recorded, landing in that millisecond) finds its row failed and is acked — its
-        client is told it failed, nothing is silently dropped. While the broker holds messages
-        the leader has not been handed (a backlog beyond ``shards × prefetch``, a dead letter the
-        reaper cannot record) no round finds anything."""
+        """One round of the orphan sweep (``OrphanSweep.sweep``, with ``orphan_after_s``);
+        returns the requests it found with no message, recorded failed. Rounds of a controller
+        that is not leading find nothing."""
         lead = self._lead
-        if not self._leading_now(lead):
-            self._suspects, self._sweep_from = set(), None
-            return []
-        busy = self._busy()
-        # The last round's suspects still neither held nor ended: no message stands for them.
-        maybe = self._suspects - busy
-        ended = await asyncio.to_thread(self.store.final_ids, maybe) if maybe else set()
-        confirmed = maybe - ended
-        cut = self.store.now() - self.orphan_after_s
-        suspects: set[str] = set()
-        for _ in range(ORPHAN_PAGES):
-            page = await asyncio.to_thread(
-                self.store.unsettled_before, cut, after=self._sweep_from, limit=ORPHAN_PAGE
-            )
-            self._sweep_from = page[-1] if len(page) == ORPHAN_PAGE else None
-            suspects.update(rid for _, rid in page if rid not in busy and rid not in maybe)
-            if self._sweep_from is None or len(suspects) >= ORPHAN_PAGE:
-                break
-        # Only now the broker (nothing to ask it most of the time), then who holds what again:
-        # a message it handed out before saying it has none left is held by then.
-        if not (confirmed or suspects) or await self.queue.backlog() > 0:
-            self._suspects = set()
-            return []
-        busy = self._busy()
-        if not self._leading_now(lead):
-            self._suspects, self._sweep_from = set(), None
-            return []
-        orphans = sorted(confirmed - busy)
-        self._suspects = suspects - busy
-        if orphans:
-            for rid in await asyncio.to_thread(self._record_orphans, orphans):
-                self.hub.publish(ResultEvent(rid, "", 0, done=True, status=RequestStatus.FAILED))
+        orphans, recorded = await self._orphans.sweep(
+            self.store,
+            self.queue,
+            self.orphan_after_s,
+            self._busy,
+            lambda: self._leading_now(lead),
+        )
+        for rid in recorded:
+            self.hub.publish(ResultEvent(rid, "", 0, done=True, status=RequestStatus.FAILED))
         return orphans
 
     def _busy(self) -> set[str]:
@@ -766,17 +648,6 @@ class ControllerService(RuntimeListener):
 
     def _leading_now(self, lead: int) -> bool:
         return self._leader and not self._standby and not self._stopping and lead == self._lead
-
-    def _record_orphans(self, ids: list[str]) -> list[str]:
-        """Record them failed (in a worker thread); returns those this call recorded."""
-        now, recorded = self.store.now(), []
-        for rid in ids:
-            if self.store.record_outcome(
-                rid, status=RequestStatus.FAILED, at=now, error=ORPHAN_ERROR
-            ):
-                log.warning("request %s failed: no message in the global queue stands for it", rid)
-                recorded.append(rid)
-        return recorded
 
     # --- messages the broker gave up on ---------------------------------------------------------
 
@@ -792,36 +663,8 @@ class ControllerService(RuntimeListener):
                 log.exception("could not reap the dead-letter queue")
 
     async def reap_once(self) -> int:
-        """Record the dead-letter queue's requests as failed; a letter leaves the queue only
-        once its failure is committed. Returns how many requests were recorded."""
-        recorded = 0
-
-        async def record(letters: list[DeadLetter]) -> None:
-            nonlocal recorded
-            failures: list[tuple[NewRequest, str]] = []
-            for letter in letters:
-                try:
-                    msg = QueuedRequest.decode(letter.raw)
-                except MessageError as exc:
-                    log.warning("dead letter that is no request (%s): %s", letter.reason, exc)
-                    continue
-                failures.append((_new_request(msg), letter.reason))
-            if failures:
-                await asyncio.to_thread(self._record_dead, failures)
-            recorded += len(failures)
-
-        await self.queue.reap_dead(record)
-        return recorded
-
-    def _record_dead(self, failures: list[tuple[NewRequest, str]]) -> None:
-        self.store.ensure_requests([new for new, _ in failures])
-        now = self.store.now()
-        for new, reason in failures:
-            recorded = self.store.record_outcome(
-                new.id, status=RequestStatus.FAILED, at=now, error=f"dead-lettered: {reason}"
-            )
-            if recorded:
-                log.warning("request %s failed: dead-lettered (%s)", new.id, reason)
+        """Record the dead-letter queue's requests as failed (``reap_dead``); how many."""
+        return await reap_dead(self.queue, self.store)
 
     # --- what operators and clients do through the store ------------------------------------
 
@@ -861,14 +704,13 @@ class ControllerService(RuntimeListener):
             queues = self.runtime.controller.snapshot(now)
         else:
             now = queues.at_s
-        latest = self._latest_plan
-        return {
-            "controller": self.name,
-            "at": now,
-            "policy": self.runtime.controller.policy.name,
-            "queues": [] if queues is None else [_queue_dict(q) for q in queues.queues],
-            "instances": self.runtime.instance_states(),
-            "counters": {
+        return snapshot_dict(
+            self.name,
+            now,
+            self.runtime.controller.policy.name,
+            queues,
+            self.runtime.instance_states(),
+            {
                 "received": self.received,
                 "settled": self.settled,
                 "held": len(self._held),
@@ -877,33 +719,15 @@ class ControllerService(RuntimeListener):
                 "model_switches": self.runtime.model_switches,
                 "plans": self._plans,
             },
-            "plan": None if latest is None else _plan_dict(latest),
-        }
+            self._latest_plan,
+        )
 
     def predictions_to_write(
         self, queues: VirtualQueuesSnapshot | None
     ) -> dict[str, tuple[float | None, bool]]:
-        """The waiting requests whose stored prediction moved (``_moved``), at most
-        ``prediction_writes`` of them, the most moved first (new ones and risk flips before
-        all; among equals the oldest request): under a large backlog every re-plan moves most
-        predictions, and rewriting all of them each second would hold the store from recording
-        new deliveries. The rest are written at the next publishes."""
-        if queues is None:
-            return {}
-        written = self._predicted
-        moved: list[tuple[float, float, str, tuple[float | None, bool]]] = []
-        for q in queues.queues:
-            for g in q.groups:
-                value = (g.predicted_completion_s, g.at_risk)
-                for req in g.requests:
-                    how_far = _moved(written.get(req.id), value, queues.at_s)
-                    if how_far > 1.0:
-                        moved.append((how_far, -req.arrival_s, req.id, value))
-        if len(moved) > self.prediction_writes:  # (ties: the oldest request first)
-            moved = heapq.nlargest(self.prediction_writes, moved, key=lambda m: m[:2])
-        out = {rid: value for _, _, rid, value in moved}
-        written.update(out)
-        return out
+        """The waiting requests whose stored prediction moved, at most ``prediction_writes`` of
+        them (``PredictionWrites.to_write``)."""
+        return self._predictions.to_write(queues, self.prediction_writes)
 
     async def _publish(self) -> None:
         """Every ``publish_s``: the snapshot, and each waiting request's predicted completion
@@ -921,7 +745,7 @@ class ControllerService(RuntimeListener):
                 # Through the writer, in its transaction: run beside it, this batch of updates
                 # and the writer's (dispatches, outcomes) took row locks in different orders, and
                 # PostgreSQL found them deadlocked (each waits its deadlock_timeout, 1 s, first).
-                self._queue_op(self.store.record_predictions, predictions)
+                self._writes.op(self.store.record_predictions, predictions)
             try:
                 await asyncio.to_thread(
                     self.store.put_controller_state, self.name, active=self.active, snapshot=snap
@@ -933,69 +757,3 @@ class ControllerService(RuntimeListener):
 SETTLE_ON_STOP_S = 10.0
 """How long a stopping controller waits for its last acks before leaving the queue (whatever is
 left is delivered again, to a controller that finds it final in the store)."""
-
-PREDICTION_SLACK_S = 1.0
-PREDICTION_SLACK_FRACTION = 0.05
-"""A waiting request's stored prediction is rewritten only when its risk flips or it moves by
-more than ``PREDICTION_SLACK_S`` or this fraction of the time still to go, whichever is more: a
-backlog of 100,000 requests would otherwise be rewritten after every plan, while a client
-polling a request due in an hour gains nothing from a correction of a minute."""
-
-
-def _moved(
-    old: tuple[float | None, bool] | None, new: tuple[float | None, bool], now: float
-) -> float:
-    """How far a waiting request's prediction moved since it was written, in slacks (> 1: it
-    is rewritten); infinite for a new one, a risk flip or a prediction appearing."""
-    if old is None or old[1] != new[1] or (old[0] is None) != (new[0] is None):
-        return math.inf
-    if old[0] is None or new[0] is None:
-        return 0.0
-    slack = max(PREDICTION_SLACK_S, PREDICTION_SLACK_FRACTION * (new[0] - now))
-    return abs(old[0] - new[0]) / slack
-
-
-def _queue_dict(q: QueueSnapshot) -> dict[str, Any]:
-    return {
-        "instance": q.instance,
-        "predicted_drain_at": q.predicted_drain_s,
-        "groups": [
-            {
-                "id": g.id,
-                "model": g.model,
-                "size": g.size,
-                "tier": g.tier.name.lower(),
-                "earliest_deadline_at": g.earliest_deadline_s,
-                "predicted_completion_at": g.predicted_completion_s,
-                "p_meet_slo": g.p_meet_slo,
-                "at_risk": g.at_risk,
-            }
-            for g in q.groups
-        ],
-    }
-
-
-def _plan_dict(record: PlanRecord) -> dict[str, Any]:
-    return {
-        "at": record.at_s,
-        "trigger": record.trigger,
-        "groups": record.groups,
-        "status": record.status,
-        "method": record.method,
-        "objective": record.objective,
-        "edf_objective": record.edf_objective,
-        "at_risk": list(record.at_risk),
-        "capacity_needed": record.capacity_needed,
-        "solve_s": record.solve_s,
-        "concurrency": dict(record.concurrency),
-        "deferred": record.deferred,
-    }
-
-
-def _new_request(msg: QueuedRequest) -> NewRequest:
-    return NewRequest.from_request(
-        msg.to_request(arrival_s=msg.submitted_at),
-        prompt=msg.prompt,
-        messages=msg.messages,
-        sampling=dict(msg.sampling),
-    )

@@ -51,7 +51,7 @@ from qlm.agents.executor import (
     Swap,
 )
 from qlm.clock import Clock
-from qlm.controller import Controller, InstanceView
+from qlm.controller import Controller, EngineReading
 from qlm.domain import Decision, InstanceSpec, ModelTier, PlanRecord, Request, RequestRecord
 from qlm.engines.base import (
     Engine,
@@ -438,11 +438,11 @@ class AgentRuntime:
         for decision in output.decisions:
             self._apply(decision, now)
 
-    def _view(self, inst: _Instance) -> InstanceView:
+    def _view(self, inst: _Instance) -> EngineReading:
         caps = inst.caps
         max_running = inst.max_running or (caps.max_num_seqs if caps else None)
         capacity = caps.kv_capacity_tokens if caps else None
-        return InstanceView(
+        return EngineReading(
             spec=inst.spec,
             max_running=max_running or DEFAULT_MAX_RUNNING,
             token_capacity=capacity or DEFAULT_TOKEN_CAPACITY,

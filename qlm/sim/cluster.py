@@ -30,7 +30,7 @@ from qlm.agents.executor import (
     Swap,
 )
 from qlm.clock import VirtualClock
-from qlm.controller import Controller, InstanceView
+from qlm.controller import Controller, EngineReading
 from qlm.domain import (
     Decision,
     InstanceSpec,
@@ -257,7 +257,7 @@ class ClusterSimulation:
 
     def _control(self, now: float) -> None:
         views = [
-            InstanceView(
+            EngineReading(
                 spec=spec,
                 max_running=engine.config.max_num_seqs,
                 token_capacity=engine.token_capacity(),

@@ -621,7 +621,7 @@ def test_the_leader_on_the_broker_records_a_row_with_no_message_failed(
     is recorded failed at the second sweep, while a request recorded as long ago whose message
     waited on the broker for the controller is served, and one the controller holds, waiting,
     is left alone."""
-    from qlm.service.controller import ORPHAN_ERROR
+    from qlm.service.upkeep import ORPHAN_ERROR
     from qlm.store import NewRequest
     from tests.unit.test_controller_service import drain_all, final, make_service, message
 

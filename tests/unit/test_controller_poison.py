@@ -9,13 +9,13 @@ from dataclasses import dataclass, field
 import pytest
 from builders import make_profile, make_request
 
-from qlm.controller import Controller, InstanceView
+from qlm.controller import Controller, EngineReading
 from qlm.domain import SLO, Decision, InstanceSpec, Pull, Reject, Request, RequestStatus
 from qlm.planner import PlannerConfig, QlmPolicy
 from qlm.planner.policy import DispatchContext, PolicyBase
 
 SPEC = InstanceSpec("i0", "G", ("m",))
-VIEW = InstanceView(spec=SPEC, max_running=1000, token_capacity=10**9, active_model="m")
+VIEW = EngineReading(spec=SPEC, max_running=1000, token_capacity=10**9, active_model="m")
 EPOCH = 1.7e9  # the service's clock: seconds since 1970
 
 

@@ -31,8 +31,8 @@ from qlm.global_queue import (
 from qlm.planner import PlannerConfig, create_policy
 from qlm.service import ControllerService
 from qlm.service.backlog_gc import BacklogGC
-from qlm.service.controller import ORPHAN_ERROR
 from qlm.service.runtime import AgentRuntime
+from qlm.service.upkeep import ORPHAN_ERROR
 from qlm.store import NewRequest, Store, StoreError
 from qlm.store.rows import InstanceState
 from qlm.virtual_queues import GroupSnapshot, QueueSnapshot, VirtualQueuesSnapshot
@@ -704,7 +704,7 @@ def test_a_message_the_broker_gave_up_on_is_recorded_failed_with_the_reason() ->
 
 
 def test_a_stored_prediction_is_rewritten_only_when_it_moves_by_its_slack() -> None:
-    from qlm.service.controller import _moved
+    from qlm.service.publishing import _moved
 
     now = 1_000.0
     assert _moved(None, (now + 10, False), now) == math.inf  # never written
@@ -896,8 +896,8 @@ def test_the_sweep_walks_past_old_requests_it_holds_a_page_at_a_time(
 ) -> None:
     """More old requests held than a round reads: the orphans behind them are found over
     the next rounds, and no held request is ever recorded failed."""
-    monkeypatch.setattr("qlm.service.controller.ORPHAN_PAGE", 2)
-    monkeypatch.setattr("qlm.service.controller.ORPHAN_PAGES", 1)
+    monkeypatch.setattr("qlm.service.upkeep.ORPHAN_PAGE", 2)
+    monkeypatch.setattr("qlm.service.upkeep.ORPHAN_PAGES", 1)
 
     async def scenario(store: Store) -> None:
         broker = MemoryBroker()

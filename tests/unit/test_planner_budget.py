@@ -326,7 +326,7 @@ def test_the_concurrency_choice_evaluates_one_instance_per_plan_once_its_share_i
     """Each reading of the clock is a second later: the share of the budget the concurrency
     choice has is spent at once. One instance is evaluated per plan, in turn (the least recently
     evaluated first), and the others keep their last evaluation."""
-    import qlm.planner.qlm_policy as module
+    import qlm.planner.concurrency as module
 
     evaluated: list[int] = []  # the limits evaluated (one admission per limit and round)
     real = module.admit

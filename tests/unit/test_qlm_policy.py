@@ -12,9 +12,10 @@ from builders import make_catalog, make_profile, make_request
 from qlm.domain import SLO, InstanceSpec, Pull, Request, RequestStatus, Tier
 from qlm.errors import ConfigError
 from qlm.planner import PlannerConfig, QlmPolicy, create_policy
+from qlm.planner.admission import hopeless, in_time
+from qlm.planner.concurrency import pick_limit
 from qlm.planner.policy import Completion, DispatchContext, InstanceLoad
 from qlm.planner.program import PlanGroup, PlanInstance, PlanProblem
-from qlm.planner.qlm_policy import hopeless, in_time, pick_limit
 from qlm.rct.estimator import RCTEstimator
 from qlm.sim.cluster import ClusterSimulation
 

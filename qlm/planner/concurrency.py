@@ -1,0 +1,241 @@
+"""The QLM policy's concurrency choice: per instance, a steady-state fluid model of the work that
+keeps arriving at each concurrency limit it may run (``FluidModels``), the limit whose admitted
+work meets the most weighted SLOs per second (``choose_limits``), and the admission verdict at
+that limit (``Fluid``: what the cost-aware admission defers)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from qlm.domain import Request
+from qlm.planner.admission import Admission, admit
+from qlm.planner.arrivals import ArrivalWindow, ClassKey, class_of
+from qlm.planner.budget import Deadline
+from qlm.planner.config import PlannerConfig
+from qlm.planner.family import ProblemFamily
+from qlm.planner.policy import InstanceLoad
+from qlm.rct.estimator import RCTEstimator, prompt_bin
+
+
+@dataclass(frozen=True, slots=True)
+class Fluid:
+    """The fluid model of one instance at one concurrency limit: the admission verdict and what
+    a request of each class is worth and costs there."""
+
+    admission: Admission
+    class_value: dict[ClassKey, float]  # tier weight × P(meet SLO) of the class
+    class_output: dict[ClassKey, float]  # mean output of the class's recent arrivals
+    per_output_s: dict[str, float]  # GPU-seconds per output token, per model
+    per_input_s: dict[str, float]  # GPU-seconds per prompt token, per model
+
+    def cost(self, req: Request, output: float) -> float:
+        key = class_of(req)
+        out = self.class_output.get(key, output)
+        return req.input_tokens * self.per_input_s.get(
+            req.model, 0.0
+        ) + out * self.per_output_s.get(req.model, 0.0)
+
+    def density(self, requests: Sequence[Request], output: float) -> float | None:
+        """Value per GPU-second of a group (None when its class has not arrived lately)."""
+        key = class_of(requests[0])
+        value = self.class_value.get(key)
+        if value is None:
+            return None
+        cost = sum(self.cost(r, output) for r in requests) / len(requests)
+        return value / max(cost, 1e-12)
+
+
+CLASS_SAMPLE = 256
+"""Recent arrivals of a request class whose lengths give the class's means (``FluidModels``)."""
+
+FLUID_SHARE = 0.25
+"""The share of the budget within which the concurrency choice re-evaluates instances (the least
+recently evaluated first; the others keep their last evaluation), before the search."""
+
+
+def pick_limit(values: Mapping[int, float], current: int | None, hysteresis: float) -> int:
+    """The concurrency limit worth the most (the smallest of equals), unless ``current`` is
+    within ``hysteresis`` (a fraction) of it: a change costs a transient the values do not see."""
+    if not values:
+        raise ValueError("no concurrency limit to choose from")
+    limits = sorted(values)
+    best = limits[0]
+    for b in limits[1:]:
+        if values[b] > values[best] * (1 + 1e-9):
+            best = b
+    threshold = values[best] * (1.0 - hysteresis)
+    if current is not None and values.get(current, -math.inf) >= threshold:
+        return current
+    return best
+
+
+def choose_limits(
+    family: ProblemFamily,
+    fluid: Sequence[dict[int, Fluid] | None],
+    choice: Sequence[int],
+    current: Mapping[str, int],
+    hysteresis: float,
+) -> list[int]:
+    """Each instance's concurrency limit: the one whose admitted work meets the most
+    expected weighted SLOs per second (``FluidModels.evaluate``; ``choice`` where it has no
+    fluid model). A plan judged only on today's queue
+    would pick a small batch that looks fast and then drown in what keeps arriving; this
+    judges the stream instead. The ``current`` limit is kept unless another is worth
+    more than ``hysteresis`` more: every change costs a transient (a lower limit
+    waits for running requests to drain, a higher one admits a burst of prompts whose prefills
+    slow every running request), which the steady-state model does not see; without it the
+    choice flips with the noise of the arrival window (measured on W_B at 1.8×: 74.2 % of
+    SLOs met without hysteresis, 76.5 % with 5 %, 75.1 % with 15 %)."""
+    out: list[int] = []
+    for inst, fluids, limit in zip(family.instances, fluid, choice, strict=True):
+        if fluids is None:
+            out.append(limit)
+            continue
+        values = {b: f.admission.value for b, f in fluids.items()}
+        out.append(pick_limit(values, current.get(inst.name), hysteresis))
+    return out
+
+
+class FluidModels:
+    """Each instance's fluid models (``evaluate``), re-evaluated in turn when a plan's budget
+    is short; an instance's last evaluation stands until its turn."""
+
+    def __init__(self, estimator: RCTEstimator, config: PlannerConfig) -> None:
+        self.estimator = estimator
+        self.config = config
+        # Per instance: the plan that last evaluated its fluid model, and that evaluation.
+        self._last: dict[str, tuple[int, dict[int, Fluid] | None]] = {}
+
+    def evaluate(
+        self,
+        now: float,
+        family: ProblemFamily,
+        instances: Sequence[InstanceLoad],
+        arrivals: ArrivalWindow,
+        plan: int,
+        deadline: Deadline | None = None,
+    ) -> list[dict[int, Fluid] | None]:
+        """Per instance and concurrency limit, a steady-state fluid model of what keeps arriving
+        (the last ``rate_window_s`` of ``arrivals``; None for an instance none of it is for). A larger batch
+        serves more requests per second and serves each one slower. For a limit ``b``, a request
+        costs ``input × w_in + output × decode_s(b) / b`` GPU-seconds (its class's mean output)
+        and its class (model, tier, SLO) meets its SLO alone with probability
+        ``P(output × (decode_s(b) + b × refill) + prefill ≤ SLO)`` (the output posterior).
+        Requests are admitted by value per GPU-second up to ``max_utilisation`` of the instance
+        (``qlm.planner.admission``); the model gives the expected weighted SLOs met per second
+        (which limit to use) and the value density below which work is deferred.
+
+        Instances are evaluated the least recently evaluated first (one never evaluated before
+        the others), one at least; once ``deadline`` is spent the others keep their last
+        evaluation, or have none until their turn (their limit stays, their admission defers
+        nothing)."""
+        horizon = self.config.rate_window_s
+        window = arrivals
+        window.expire(now - horizon)
+        span = max(min(horizon, now - window.first_s), 1.0)
+        classes = window.classes()
+        means: dict[ClassKey, tuple[float, float]] = {}
+        # The output belief depends on the prompt's length: one request of each prompt bin
+        # stands for the class's recent arrivals in it, weighted by their share.
+        mix: dict[ClassKey, list[tuple[Request, float]]] = {}
+        for key in classes:
+            recent = window.recent(key)  # enough for a mean; bounded under a backlog
+            means[key] = (
+                sum(r.input_tokens for r in recent) / len(recent),
+                sum(self.estimator.expected_output(r) for r in recent) / len(recent),
+            )
+            by_bin: dict[int, list[Request]] = {}
+            for r in recent:
+                by_bin.setdefault(prompt_bin(r.input_tokens), []).append(r)
+            mix[key] = [(rs[-1], len(rs) / len(recent)) for rs in by_bin.values()]
+        out: list[dict[int, Fluid] | None] = [None] * len(family.instances)
+        # Instances alike in models, hardware, limits and learnt decode speed have the same
+        # fluid model: computed once (a fleet of replicas, before their speeds part).
+        alike: dict[tuple[object, ...], dict[int, Fluid] | None] = {}
+        loads = {i.name: i for i in instances}
+        self._last = {i.name: self._last[i.name] for i in family.instances if i.name in self._last}
+        turn = sorted(
+            range(len(family.instances)),
+            key=lambda g: (self._last.get(family.instances[g].name, (-1, None))[0], g),
+        )
+        for k, g in enumerate(turn):
+            inst, limits = family.instances[g], family.batches[g]
+            ld = loads[inst.name]
+            eps_f = self.estimator.calibration_factors(inst.name)[1]  # decode as observed
+            same = (inst.models, ld.gpu, ld.gpu_count, limits, eps_f)
+            if same in alike:
+                out[g] = alike[same]
+                self._last[inst.name] = (plan, out[g])
+                continue
+            if k > 0 and deadline is not None and deadline.spent():
+                last = self._last.get(inst.name, (-1, None))[1]
+                if last is not None and set(last) != set(limits):
+                    last = None
+                out[g] = last  # (None until its turn comes: its limit stays, nothing deferred)
+                continue
+            serving = {m: max(1, sum(m in i.models for i in family.instances)) for m in inst.models}
+            keys = [k for k in classes if k[0] in inst.models]
+            if not keys:
+                out[g] = alike.setdefault(same, None)
+                self._last[inst.name] = (plan, None)
+                continue
+            hws = {
+                m: self.estimator.profile.hardware_for(m, ld.gpu, ld.gpu_count) for m in inst.models
+            }
+            # One row per class and prompt length, standing for its arrivals in the window.
+            lengths = [window.counts(k) for k in keys]
+            row = np.repeat(np.arange(len(keys)), [len(c) for c in lengths])
+            inputs = np.array([n for c in lengths for n in c], np.float64)
+            arrived = np.array([a for c in lengths for a in c.values()], np.float64)
+            w_in = np.array([hws[k[0]].input_token_work_s for k in keys])[row]
+            weights = arrived / np.array([span * serving[k[0]] for k in keys])[row]
+            outputs = np.array([means[k][1] for k in keys])
+            prompt_work = float(np.sum(inputs * w_in * weights))
+            output_rate = float(np.sum(outputs[row] * weights))
+            refill = prompt_work / max(output_rate, 1e-9)
+            per_input = {m: hw.input_token_work_s for m, hw in hws.items()}
+            fluids: dict[int, Fluid] = {}
+            for b in limits:
+                per_output = {
+                    m: hw.decode_s(b) * hw.inefficiency * eps_f / b for m, hw in hws.items()
+                }
+                per_out = np.array([per_output[k[0]] for k in keys])[row]
+                costs = inputs * w_in + outputs[row] * per_out
+                refill_b = refill
+                # The refill is the prompt work of what is served: with deferral on, the
+                # admitted work's, which depends on the SLOs the refill lets classes meet —
+                # one more round settles it.
+                for _ in range(2 if self.config.defer_expensive else 1):
+                    class_value: dict[ClassKey, float] = {}
+                    for key in keys:
+                        model, tier, slo = key
+                        hw = hws[model]
+                        dec = hw.decode_s(b) * hw.inefficiency
+                        per_token = (dec + b * refill_b) * eps_f
+                        budget = (slo - hw.prefill_s(means[key][0])) / per_token
+                        p_meet = sum(
+                            share
+                            * self.estimator.posterior(r).p_remaining_within(
+                                budget, cap=r.max_tokens
+                            )
+                            for r, share in mix[key]
+                        )
+                        class_value[key] = self.config.tier_weights[tier] * p_meet
+                    values = np.array([class_value[k] for k in keys])[row]
+                    admission = admit(values, costs, weights, self.config.max_utilisation)
+                    if not admission.threshold:
+                        break
+                    kept = values >= admission.threshold * costs
+                    refill_b = float(np.sum((inputs * w_in * weights)[kept])) / max(
+                        float(np.sum((outputs[row] * weights)[kept])), 1e-9
+                    )
+                fluids[b] = Fluid(
+                    admission, class_value, {k: means[k][1] for k in keys}, per_output, per_input
+                )
+            out[g] = alike.setdefault(same, fluids)
+            self._last[inst.name] = (plan, fluids)
+        return out

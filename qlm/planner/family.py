@@ -1,0 +1,161 @@
+"""The plan problem of the waiting groups at every concurrency limit an instance may run
+(``ProblemFamily``, built by ``build_family``): the QLM policy picks one limit per instance
+(``qlm.planner.concurrency``) and hands that problem to the solver (``qlm.planner.solve``)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import numpy.typing as npt
+
+from qlm.domain import Request, Tier
+from qlm.planner.config import PlannerConfig
+from qlm.planner.policy import InstanceLoad
+from qlm.planner.program import FloatArray, PlanGroup, PlanInstance, PlanProblem
+from qlm.rct.estimator import RCTEstimator
+from qlm.rct.profile import HardwareProfile
+
+BATCH_CHOICES = (16, 32, 64, 96, 128, 192, 256, 384, 512)
+"""Concurrency limits the planner considers for an instance (capped by its ``max_num_seqs``)."""
+
+
+@dataclass(frozen=True)
+class ProblemFamily:
+    """The plan problem at every concurrency limit the planner may choose per instance.
+
+    With ``b`` requests running, decode runs at ``decode_s(b)`` per step for all ``b`` (the
+    profile), so a group's fluid work is its prompt work plus ``output × decode_s(b) / b``; its last
+    request's latency floor is its prefill plus ``output × (decode_s(b) + b × refill)``, where
+    ``refill`` is the prompt work per output token of the waiting mix (chunked prefill shares each
+    step with decode). A larger ``b`` drains faster and makes every request slower: the trade-off
+    the planner settles per instance.
+    """
+
+    groups: tuple[PlanGroup, ...]
+    instances: tuple[PlanInstance, ...]
+    batches: tuple[tuple[int, ...], ...]  # per instance, the limits it may use
+    delta: float
+    scenarios: _Scenarios
+    speeds: tuple[_Speed, ...]  # per instance
+    _terms: dict[tuple[_Speed, int], tuple[FloatArray, FloatArray]] = field(
+        default_factory=dict, compare=False, repr=False
+    )
+
+    def terms(self, g: int, b: int) -> tuple[FloatArray, FloatArray]:
+        """Instance ``g``'s ``(work, floor)`` per group and scenario, ``(n, S)`` each, at limit
+        ``b``: computed when first asked (a plan asks for one limit per instance) and shared by
+        the instances alike in hardware and calibration."""
+        key = (self.speeds[g], b)
+        out = self._terms.get(key)
+        if out is None:
+            out = self._terms[key] = self.scenarios.terms(self.speeds[g], b)
+        return out
+
+    def problem(self, choice: Sequence[int]) -> PlanProblem:
+        """The problem with instance ``g`` limited to ``choice[g]`` running requests."""
+        n, q = len(self.groups), len(self.instances)
+        s_count = self.scenarios.count
+        proc = np.empty((n, q, s_count))
+        floor = np.empty((n, q, s_count))
+        for g, b in enumerate(choice):
+            proc[:, g], floor[:, g] = self.terms(g, b)
+        return PlanProblem(self.groups, self.instances, proc, floor, delta=self.delta)
+
+
+@dataclass(frozen=True)
+class _Speed:
+    """What an instance's terms depend on: its models' hardware profiles and its calibration."""
+
+    hardware: tuple[tuple[str, HardwareProfile], ...]
+    wait_f: float
+    eps_f: float
+
+
+@dataclass(frozen=True, eq=False)
+class _Scenarios:
+    """The waiting groups' lengths, drawn once per family (``(n, S)`` output scenarios)."""
+
+    models: npt.NDArray[np.str_]
+    inputs: FloatArray
+    last_inputs: FloatArray
+    out_mean: FloatArray
+    out_s: FloatArray
+    last_s: FloatArray
+
+    @property
+    def count(self) -> int:
+        return int(self.out_s.shape[1])
+
+    def terms(self, speed: _Speed, b: int) -> tuple[FloatArray, FloatArray]:
+        n, s_count = self.out_s.shape
+        p_arr = np.full((n, s_count), np.inf)
+        f_arr = np.full((n, s_count), np.inf)
+        for m, hw in speed.hardware:
+            rows = np.flatnonzero(self.models == m)
+            if not len(rows):
+                continue
+            w_in = hw.input_token_work_s
+            refill = w_in * self.inputs[rows].sum() / max(float(self.out_mean[rows].sum()), 1.0)
+            dec = hw.decode_s(b) * hw.inefficiency
+            p_arr[rows] = (
+                self.inputs[rows, None] * w_in + self.out_s[rows] * dec / b
+            ) * speed.wait_f
+            f_arr[rows] = (hw.prefill_base_s + hw.prefill_per_token_s * self.last_inputs[rows])[
+                :, None
+            ] + self.last_s[rows] * (dec + b * refill) * speed.eps_f
+        return p_arr, f_arr
+
+
+def build_family(
+    groups: Sequence[tuple[str, Sequence[Request], Tier]],
+    instances: Sequence[InstanceLoad],
+    ready_s: Mapping[str, float],
+    estimator: RCTEstimator,
+    config: PlannerConfig,
+    rng: np.random.Generator,
+) -> ProblemFamily:
+    """The plan problems of the waiting groups (id, requests in FCFS order, tier) on the up
+    instances, with scenarios of each group's output drawn from the estimator's posterior."""
+    up = [i for i in instances if i.up]
+    n, s_count = len(groups), config.scenarios
+    z_total = rng.standard_normal((n, s_count))
+    z_last = rng.standard_normal((n, s_count))
+    loads = [estimator.group_load(gid, requests) for gid, requests, _ in groups]
+    plan_groups = tuple(
+        PlanGroup(gid, ld.model, ld.earliest_deadline_s, config.tier_weights[tier] * ld.size)
+        for (gid, _, tier), ld in zip(groups, loads, strict=True)
+    )
+    out = np.array([[ld.output_mean, math.sqrt(ld.output_var)] for ld in loads]).reshape(n, 2)
+    last = np.array([[ld.last_output_mean, math.sqrt(ld.last_output_var)] for ld in loads])
+    out_s = np.maximum(out[:, :1] + out[:, 1:] * z_total, 0.0)  # (n, S)
+    last_s = np.maximum(last.reshape(n, 2)[:, :1] + last.reshape(n, 2)[:, 1:] * z_last, 1.0)
+    models = np.array([ld.model for ld in loads])
+    inputs = np.array([ld.input_tokens for ld in loads], np.float64)
+    last_inputs = np.array([ld.last_input_tokens for ld in loads], np.float64)
+    scenarios = _Scenarios(models, inputs, last_inputs, out[:, 0], out_s, last_s)
+    batches: list[tuple[int, ...]] = []
+    speeds: list[_Speed] = []
+    plan_instances: list[PlanInstance] = []
+    for inst in up:
+        wait_f, eps_f = estimator.calibration_factors(inst.name)
+        limits = tuple(
+            sorted({b for b in BATCH_CHOICES if b < inst.max_running} | {inst.max_running})
+        )
+        batches.append(limits)
+        hws = {m: estimator.profile.hardware_for(m, inst.gpu, inst.gpu_count) for m in inst.models}
+        speeds.append(_Speed(tuple(hws.items()), wait_f, eps_f))
+        switch = {m: 0.0 if m == inst.active_model else hws[m].warm_load_s for m in inst.models}
+        plan_instances.append(
+            PlanInstance(inst.name, inst.models, inst.active_model, ready_s[inst.name], switch)
+        )
+    return ProblemFamily(
+        plan_groups,
+        tuple(plan_instances),
+        tuple(batches),
+        config.delta,
+        scenarios,
+        tuple(speeds),
+    )

@@ -1,0 +1,125 @@
+"""What the controller service shows of itself: its snapshot as JSON-ready data (virtual queues,
+instances, counters, the latest plan) and which waiting requests' stored predictions to rewrite
+(``PredictionWrites``). ``ControllerService`` publishes both every ``publish_s``."""
+
+from __future__ import annotations
+
+import heapq
+import math
+from typing import Any
+
+from qlm.domain import PlanRecord
+from qlm.virtual_queues import QueueSnapshot, VirtualQueuesSnapshot
+
+PREDICTION_SLACK_S = 1.0
+PREDICTION_SLACK_FRACTION = 0.05
+"""A waiting request's stored prediction is rewritten only when its risk flips or it moves by
+more than ``PREDICTION_SLACK_S`` or this fraction of the time still to go, whichever is more: a
+backlog of 100,000 requests would otherwise be rewritten after every plan, while a client
+polling a request due in an hour gains nothing from a correction of a minute."""
+
+Prediction = tuple[float | None, bool]
+"""A waiting request's predicted completion (None: not predicted) and whether it is at risk."""
+
+
+class PredictionWrites:
+    """The predictions as last written to the store, and which to write next."""
+
+    def __init__(self) -> None:
+        self.written: dict[str, Prediction] = {}
+
+    def forget(self, request_id: str) -> None:
+        """It is no longer waiting (its outcome is recorded, or another controller has it)."""
+        self.written.pop(request_id, None)
+
+    def to_write(self, queues: VirtualQueuesSnapshot | None, limit: int) -> dict[str, Prediction]:
+        """The waiting requests whose stored prediction moved (``_moved``), at most ``limit``
+        of them, the most moved first (new ones and risk flips before all; among equals the
+        oldest request): under a large backlog every re-plan moves most predictions, and
+        rewriting all of them each second would hold the store from recording new deliveries.
+        The rest are written at the next publishes. Counted as written."""
+        if queues is None:
+            return {}
+        written = self.written
+        moved: list[tuple[float, float, str, Prediction]] = []
+        for q in queues.queues:
+            for g in q.groups:
+                value = (g.predicted_completion_s, g.at_risk)
+                for req in g.requests:
+                    how_far = _moved(written.get(req.id), value, queues.at_s)
+                    if how_far > 1.0:
+                        moved.append((how_far, -req.arrival_s, req.id, value))
+        if len(moved) > limit:  # (ties: the oldest request first)
+            moved = heapq.nlargest(limit, moved, key=lambda m: m[:2])
+        out = {rid: value for _, _, rid, value in moved}
+        written.update(out)
+        return out
+
+
+def _moved(old: Prediction | None, new: Prediction, now: float) -> float:
+    """How far a waiting request's prediction moved since it was written, in slacks (> 1: it
+    is rewritten); infinite for a new one, a risk flip or a prediction appearing."""
+    if old is None or old[1] != new[1] or (old[0] is None) != (new[0] is None):
+        return math.inf
+    if old[0] is None or new[0] is None:
+        return 0.0
+    slack = max(PREDICTION_SLACK_S, PREDICTION_SLACK_FRACTION * (new[0] - now))
+    return abs(old[0] - new[0]) / slack
+
+
+def snapshot_dict(
+    controller: str,
+    at: float,
+    policy: str,
+    queues: VirtualQueuesSnapshot | None,
+    instances: list[dict[str, Any]],
+    counters: dict[str, int],
+    plan: PlanRecord | None,
+) -> dict[str, Any]:
+    """A controller's snapshot as JSON-ready data (``ControllerService.snapshot``)."""
+    return {
+        "controller": controller,
+        "at": at,
+        "policy": policy,
+        "queues": [] if queues is None else [_queue_dict(q) for q in queues.queues],
+        "instances": instances,
+        "counters": counters,
+        "plan": None if plan is None else _plan_dict(plan),
+    }
+
+
+def _queue_dict(q: QueueSnapshot) -> dict[str, Any]:
+    return {
+        "instance": q.instance,
+        "predicted_drain_at": q.predicted_drain_s,
+        "groups": [
+            {
+                "id": g.id,
+                "model": g.model,
+                "size": g.size,
+                "tier": g.tier.name.lower(),
+                "earliest_deadline_at": g.earliest_deadline_s,
+                "predicted_completion_at": g.predicted_completion_s,
+                "p_meet_slo": g.p_meet_slo,
+                "at_risk": g.at_risk,
+            }
+            for g in q.groups
+        ],
+    }
+
+
+def _plan_dict(record: PlanRecord) -> dict[str, Any]:
+    return {
+        "at": record.at_s,
+        "trigger": record.trigger,
+        "groups": record.groups,
+        "status": record.status,
+        "method": record.method,
+        "objective": record.objective,
+        "edf_objective": record.edf_objective,
+        "at_risk": list(record.at_risk),
+        "capacity_needed": record.capacity_needed,
+        "solve_s": record.solve_s,
+        "concurrency": dict(record.concurrency),
+        "deferred": record.deferred,
+    }

@@ -1,0 +1,168 @@
+"""The store's upkeep by the leading controller: retention of ended requests and old plans
+(``prune``), requests the broker gave up on (``reap_dead``: the dead-letter queue's messages
+recorded failed) and rows no message stands for (``OrphanSweep``). ``ControllerService`` runs each
+on its own period."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+from qlm.domain import RequestStatus
+from qlm.global_queue import DeadLetter, GlobalQueue, MessageError, QueuedRequest
+from qlm.store import NewRequest, Store
+
+log = logging.getLogger(__name__)
+
+RETAIN_BATCH = 5000
+"""Ended requests deleted per transaction by retention."""
+
+ORPHAN_PAGE = 1000
+"""Rows the orphan sweep reads per query (the oldest first)."""
+
+ORPHAN_PAGES = 20
+"""Queries per round of the orphan sweep, at most."""
+
+ORPHAN_ERROR = (
+    "lost before it reached the global queue: no message stands for it (the API that recorded "
+    "it stopped before the broker confirmed it, so its client was never answered, or an "
+    "in-process queue was lost with its process); submit it again, with a new Idempotency-Key"
+)
+
+
+def new_request(msg: QueuedRequest) -> NewRequest:
+    """The store's row of a queued request."""
+    return NewRequest.from_request(
+        msg.to_request(arrival_s=msg.submitted_at),
+        prompt=msg.prompt,
+        messages=msg.messages,
+        sampling=dict(msg.sampling),
+    )
+
+
+def prune(store: Store, now: float, retain_s: float, retain_plans: int) -> tuple[int, int]:
+    """Delete the requests that ended more than ``retain_s`` ago (in batches, so that no
+    transaction holds the table long) and the plans beyond the latest ``retain_plans`` (0: keep
+    them). How many requests and plans it deleted."""
+    requests = 0
+    if retain_s > 0:
+        cut = now - retain_s
+        while (deleted := store.prune_requests(cut, limit=RETAIN_BATCH)) > 0:
+            requests += deleted
+            if deleted < RETAIN_BATCH:
+                break
+    plans = store.prune_plans(keep=retain_plans) if retain_plans > 0 else 0
+    return requests, plans
+
+
+async def reap_dead(queue: GlobalQueue, store: Store) -> int:
+    """Record the dead-letter queue's requests as failed; a letter leaves the queue only
+    once its failure is committed. Returns how many requests were recorded."""
+    recorded = 0
+
+    async def record(letters: list[DeadLetter]) -> None:
+        nonlocal recorded
+        failures: list[tuple[NewRequest, str]] = []
+        for letter in letters:
+            try:
+                msg = QueuedRequest.decode(letter.raw)
+            except MessageError as exc:
+                log.warning("dead letter that is no request (%s): %s", letter.reason, exc)
+                continue
+            failures.append((new_request(msg), letter.reason))
+        if failures:
+            await asyncio.to_thread(_record_dead, store, failures)
+        recorded += len(failures)
+
+    await queue.reap_dead(record)
+    return recorded
+
+
+def _record_dead(store: Store, failures: list[tuple[NewRequest, str]]) -> None:
+    store.ensure_requests([new for new, _ in failures])
+    now = store.now()
+    for new, reason in failures:
+        recorded = store.record_outcome(
+            new.id, status=RequestStatus.FAILED, at=now, error=f"dead-lettered: {reason}"
+        )
+        if recorded:
+            log.warning("request %s failed: dead-lettered (%s)", new.id, reason)
+
+
+class OrphanSweep:
+    """The orphan sweep's memory between rounds: the rows the last round found with no
+    message, and where the next round reads on (``sweep``)."""
+
+    def __init__(self) -> None:
+        self._suspects: set[str] = set()  # rows the last sweep found with no message
+        self._sweep_from: tuple[float, str] | None = None  # where the next sweep reads on
+
+    async def sweep(
+        self,
+        store: Store,
+        queue: GlobalQueue,
+        after_s: float,
+        busy: Callable[[], set[str]],
+        leading: Callable[[], bool],
+    ) -> tuple[list[str], list[str]]:
+        """One round; returns the orphans it found and those of them this round recorded
+        failed.
+
+        A row that has not ended, submitted more than ``after_s`` ago, which this
+        controller — the leader — does not hold (``busy``) while the broker has nothing left to
+        hand out (``GlobalQueue.backlog`` is 0: every message is with the leader) has no
+        message. Found so in two rounds in a row — a message on its way, such as a client's
+        retry publishing it again, is held by the next round — it is recorded failed with
+        ``ORPHAN_ERROR``: it ends, no longer counts against its tenant's queued limit, and a
+        client looking it up learns what happened. Each round reads at most ``ORPHAN_PAGES``
+        pages of such rows, going on from where the last one stopped (a leader holding many old
+        requests is walked over several rounds). Rounds while not ``leading`` find nothing.
+
+        Left open: a message the broker hands over between the last look at what is held and
+        the commit (a retry of a real orphan, published again more than ``after_s`` after
+        it was recorded, landing in that millisecond) finds its row failed and is acked — its
+        client is told it failed, nothing is silently dropped. While the broker holds messages
+        the leader has not been handed (a backlog beyond ``shards × prefetch``, a dead letter the
+        reaper cannot record) no round finds anything."""
+        if not leading():
+            self._suspects, self._sweep_from = set(), None
+            return [], []
+        held = busy()
+        # The last round's suspects still neither held nor ended: no message stands for them.
+        maybe = self._suspects - held
+        ended = await asyncio.to_thread(store.final_ids, maybe) if maybe else set()
+        confirmed = maybe - ended
+        cut = store.now() - after_s
+        suspects: set[str] = set()
+        for _ in range(ORPHAN_PAGES):
+            page = await asyncio.to_thread(
+                store.unsettled_before, cut, after=self._sweep_from, limit=ORPHAN_PAGE
+            )
+            self._sweep_from = page[-1] if len(page) == ORPHAN_PAGE else None
+            suspects.update(rid for _, rid in page if rid not in held and rid not in maybe)
+            if self._sweep_from is None or len(suspects) >= ORPHAN_PAGE:
+                break
+        # Only now the broker (nothing to ask it most of the time), then who holds what again:
+        # a message it handed out before saying it has none left is held by then.
+        if not (confirmed or suspects) or await queue.backlog() > 0:
+            self._suspects = set()
+            return [], []
+        held = busy()
+        if not leading():
+            self._suspects, self._sweep_from = set(), None
+            return [], []
+        orphans = sorted(confirmed - held)
+        self._suspects = suspects - held
+        recorded = await asyncio.to_thread(_record_orphans, store, orphans) if orphans else []
+        return orphans, recorded
+
+
+def _record_orphans(store: Store, ids: list[str]) -> list[str]:
+    """Record them failed (in a worker thread); returns those this call recorded."""
+    now, recorded = store.now(), []
+    for rid in ids:
+        if store.record_outcome(rid, status=RequestStatus.FAILED, at=now, error=ORPHAN_ERROR):
+            log.warning("request %s failed: no message in the global queue stands for it", rid)
+            recorded.append(rid)
+    return recorded

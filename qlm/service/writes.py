@@ -1,0 +1,117 @@
+"""The controller service's store writer: what the event loop reports (dispatches, first tokens,
+partial outputs, outcomes, plans, predictions) is queued as store operations and applied in
+order, one transaction per flush; the deliveries whose outcome a flush committed are then
+settled with the broker — acked, or dead-lettered with their reason — and never before."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from qlm.domain import RequestStatus
+from qlm.global_queue import Delivery, GlobalQueue
+from qlm.store import Store
+
+log = logging.getLogger(__name__)
+
+Settle = tuple[str, str, RequestStatus]
+"""(request id, "ack" or the reason to dead-letter it, its final status)"""
+
+
+@dataclass(slots=True)
+class _Writes:
+    """Store operations queued by the runtime's callbacks, applied in order by the writer."""
+
+    ops: list[Callable[[], Any]] = field(default_factory=list)
+    settle: list[Settle] = field(default_factory=list)
+
+
+class StoreWriter:
+    """Queued store operations and the settlement of what they commit (module docstring)."""
+
+    def __init__(self) -> None:
+        self._writes = _Writes()
+        self._settling: set[asyncio.Task[None]] = set()  # acks of committed outcomes
+        self._unsettled = 0  # deliveries they are settling
+
+    def op(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+        """Queue ``fn(*args, **kwargs)`` for the next flush."""
+        self._writes.ops.append(lambda: fn(*args, **kwargs))
+
+    def settle_after(self, request_id: str, how: str, status: RequestStatus) -> None:
+        """Settle the request's deliveries (``how``: "ack" or the reason to dead-letter them)
+        once the operations queued so far are committed; ``status``: its final status."""
+        self._writes.settle.append((request_id, how, status))
+
+    @property
+    def pending(self) -> bool:
+        """Operations or settlements not done yet."""
+        return bool(self._writes.ops or self._writes.settle or self._unsettled)
+
+    async def flush(
+        self,
+        store: Store,
+        queue: GlobalQueue,
+        retry_s: float,
+        committed: Callable[[list[Settle]], list[tuple[Delivery, str]]],
+    ) -> None:
+        """Apply the queued store operations in order, then settle the deliveries whose outcome
+        they committed (``committed`` names them). A failed write is retried at the next flush
+        (nothing is acked before), after ``retry_s``."""
+        writes, self._writes = self._writes, _Writes()
+        if writes.ops:
+            try:
+                await asyncio.to_thread(_run_all, store, writes.ops)
+            except Exception:
+                log.exception("store write failed; retrying")
+                self._writes.ops[:0] = writes.ops
+                self._writes.settle[:0] = writes.settle
+                await asyncio.sleep(retry_s)  # the store may be down: do not spin
+                return
+        batch = committed(writes.settle)
+        if batch:
+            self._unsettled += len(batch)
+            task = asyncio.create_task(self._settle(queue, batch), name="qlm-settle")
+            self._settling.add(task)
+            task.add_done_callback(self._settling.discard)
+
+    async def _settle(self, queue: GlobalQueue, batch: list[tuple[Delivery, str]]) -> None:
+        """Ack (or dead-letter) deliveries whose outcome a flush committed: in a task of their
+        own, beside the writer. Awaited in the writer, each settlement waited for the event
+        loop's turn (a control step under a backlog), and a flush settling thousands held the
+        next flushes — and the store writes piling up behind them — for tens of seconds
+        (measured with RabbitMQ); nor does a slow one hold the next batches back."""
+        try:
+            results = await asyncio.gather(
+                *(queue.ack(d) if how == "ack" else queue.dead_letter(d, how) for d, how in batch),
+                return_exceptions=True,
+            )
+        finally:
+            self._unsettled -= len(batch)
+        for failed in results:
+            if isinstance(failed, BaseException):
+                log.error(
+                    "could not settle a delivery (its outcome is stored; the broker delivers "
+                    "it again when its channel closes): %r",
+                    failed,
+                )
+
+    async def wait_settled(self, timeout_s: float) -> None:
+        """Wait up to ``timeout_s`` for the settlements under way; cancel those still going
+        (the broker delivers their deliveries again)."""
+        if self._settling:
+            _, late = await asyncio.wait(set(self._settling), timeout=timeout_s)
+            if late:
+                log.warning("stopping with deliveries unsettled: the broker delivers them again")
+                for task in late:
+                    task.cancel()
+
+
+def _run_all(store: Store, ops: list[Callable[[], Any]]) -> None:
+    """In order, in one transaction (one commit for a whole flush)."""
+    with store.batch():
+        for op in ops:
+            op()
