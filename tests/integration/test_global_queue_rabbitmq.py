@@ -567,7 +567,7 @@ def test_a_controller_cut_off_from_the_broker_stops_what_the_standby_took_over(
     """Two controller services on the broker; the leader's connection is closed by the broker
     (what a partition ends in). Whichever leads then, every request ends once with its whole
     output; when the standby took the lock, the old leader stopped what it ran."""
-    from tests.unit.test_controller_service import (
+    from tests.unit.service.test_controller_service import (
         engines_running,
         final,
         make_service,
@@ -623,7 +623,7 @@ def test_the_leader_on_the_broker_records_a_row_with_no_message_failed(
     is left alone."""
     from qlm.service.controller import ORPHAN_ERROR
     from qlm.store import NewRequest
-    from tests.unit.test_controller_service import drain_all, final, make_service, message
+    from tests.unit.service.test_controller_service import drain_all, final, make_service, message
 
     async def scenario() -> None:
         store = Store.open("sqlite://")

@@ -1,4 +1,4 @@
-"""The store's contract (``tests/unit/test_store.py``) on a real PostgreSQL server.
+"""The store's contract (``tests/unit/store/test_store.py``) on a real PostgreSQL server.
 
 The run gets a schema of its own, ``qlm_test_<hex>``, selected through the connection's
 ``search_path`` and dropped at the end, so runs never see each other's tables or an old schema.
@@ -17,7 +17,7 @@ from sqlalchemy import create_engine, text
 from qlm.domain import RequestStatus
 from qlm.store import Store
 from qlm.store.models import Base
-from tests.unit.test_store import FakeClock, StoreContract, new_request, run_together
+from tests.unit.store.test_store import FakeClock, StoreContract, new_request, run_together
 
 pytestmark = pytest.mark.postgres
 
