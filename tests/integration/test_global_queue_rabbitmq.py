@@ -1,6 +1,7 @@
-"""The RabbitMQ global queue against a real broker: confirms, manual acks, single-active-consumer
-failover, reconnection (after a killed connection and a broker restart), dead letters with reasons,
-and the delivery limit.
+"""The RabbitMQ global queue against a real broker, beyond the contract every global queue keeps
+(``tests/contract/test_global_queue.py``): confirms, shards, the leader lock and failover,
+reconnection (after a killed connection and a broker restart), reaping dead letters, and the
+arguments it declares.
 
 Every test declares its own ``qlm.test.<uuid>`` queue, dead-letter exchange and queue, and deletes
 them afterwards. Waits are bounded polls, never timing assertions.
@@ -36,7 +37,6 @@ from qlm.global_queue import (
 from qlm.global_queue.rabbitmq import (
     DEAD_QUEUE_ARGUMENTS,
     RabbitGlobalQueue,
-    dead_letter_reason,
     queue_arguments,
     shard_names,
     shard_of,
@@ -128,23 +128,6 @@ async def assert_drained(url: str, names: Names, shards: int = 1) -> None:
     assert inbox.ids() == ["sentinel"]
 
 
-async def read_dead(url: str, names: Names, count: int) -> list[aio_pika.abc.AbstractMessage]:
-    """Wait for ``count`` messages in the dead-letter queue and return them (acked)."""
-    connection = await aio_pika.connect(url)
-    async with connection:
-        channel = await connection.channel()
-        queue = await channel.get_queue(names["dead_letter_queue"])
-        got: list[aio_pika.abc.AbstractMessage] = []
-
-        async def keep(message: aio_pika.abc.AbstractIncomingMessage) -> None:
-            got.append(message)
-            await message.ack()
-
-        await queue.consume(keep)
-        await poll(lambda: len(got) >= count, 10.0, f"{count} dead letters")
-        return got
-
-
 # --- no broker needed -------------------------------------------------------------------------
 
 
@@ -174,57 +157,6 @@ def test_publishing_without_a_broker_raises_queue_unavailable() -> None:
 
 
 # --- against the broker -----------------------------------------------------------------------
-
-
-@pytest.mark.rabbitmq
-def test_a_confirmed_message_is_delivered_and_gone_once_acked(amqp_url: str, names: Names) -> None:
-    async def scenario() -> None:
-        queue = open_queue(amqp_url, names)
-        inbox = Inbox()
-        await queue.publish(make_message(0))
-        await queue.consume(inbox)
-        await asyncio.gather(*(queue.publish(make_message(i)) for i in range(1, 20)))
-        await inbox.wait_for(20)
-        assert inbox.ids() == [f"r{i}" for i in range(20)]  # one publisher, one queue: in order
-        first = inbox.deliveries[0]
-        assert first.message == make_message(0)
-        assert (first.redelivered, first.delivery_count, first.error) == (False, 0, "")
-        assert await queue.healthy()
-        for delivery in inbox.deliveries:
-            await queue.ack(delivery)
-        await queue.close()
-        await assert_drained(amqp_url, names)
-
-    run(scenario)
-
-
-@pytest.mark.rabbitmq
-def test_the_standby_consumer_gets_every_unacked_message_when_the_active_one_closes(
-    amqp_url: str, names: Names
-) -> None:
-    async def scenario() -> None:
-        active, standby = open_queue(amqp_url, names), open_queue(amqp_url, names)
-        first, second = Inbox(), Inbox()
-        await active.consume(first)
-        await poll(lambda: active.leader, 10.0, "the first consumer to lead")
-        await standby.consume(second)
-        for i in range(3):
-            await active.publish(make_message(i))
-        await first.wait_for(3)
-        await active.ack(first.deliveries[1])
-        assert second.deliveries == []  # the leader lock: the standby waits
-        assert not standby.leader
-        await active.close()
-        await second.wait_for(2)
-        assert standby.leader
-        assert second.ids() == ["r0", "r2"]
-        assert all(d.redelivered and d.delivery_count == 1 for d in second.deliveries)
-        for delivery in second.deliveries:
-            await standby.ack(delivery)
-        await standby.close()
-        await assert_drained(amqp_url, names)
-
-    run(scenario)
 
 
 def ids_by_shard(shards: int, per_shard: int) -> list[list[str]]:
@@ -567,7 +499,7 @@ def test_a_controller_cut_off_from_the_broker_stops_what_the_standby_took_over(
     """Two controller services on the broker; the leader's connection is closed by the broker
     (what a partition ends in). Whichever leads then, every request ends once with its whole
     output; when the standby took the lock, the old leader stopped what it ran."""
-    from tests.unit.test_controller_service import (
+    from tests.unit.service.test_controller_service import (
         engines_running,
         final,
         make_service,
@@ -623,7 +555,7 @@ def test_the_leader_on_the_broker_records_a_row_with_no_message_failed(
     is left alone."""
     from qlm.service.upkeep import ORPHAN_ERROR
     from qlm.store import NewRequest
-    from tests.unit.test_controller_service import drain_all, final, make_service, message
+    from tests.unit.service.test_controller_service import drain_all, final, make_service, message
 
     async def scenario() -> None:
         store = Store.open("sqlite://")
@@ -665,75 +597,6 @@ def test_the_leader_on_the_broker_records_a_row_with_no_message_failed(
         await assert_drained(amqp_url, names)
 
     run(scenario, timeout_s=60.0)
-
-
-@pytest.mark.rabbitmq
-def test_a_malformed_body_is_dead_lettered_with_its_reason(amqp_url: str, names: Names) -> None:
-    async def scenario() -> None:
-        queue = open_queue(amqp_url, names)
-        inbox = Inbox()
-        await queue.consume(inbox)
-        connection = await aio_pika.connect(amqp_url)
-        async with connection:
-            channel = await connection.channel()
-            bad = b'{"schema": 1, "id": "x", "model": "m"}'
-            await channel.default_exchange.publish(aio_pika.Message(bad), names["queue"])
-        await queue.publish(make_message(1))
-        await inbox.wait_for(1)
-        (dead,) = await read_dead(amqp_url, names, 1)
-        assert dead.body == bad
-        reason = dead_letter_reason(dead.headers)
-        assert "malformed" in reason and "'prompt_tokens'" in reason
-        assert inbox.ids() == ["r1"]  # the handler never saw the bad one
-        await queue.close()
-
-    run(scenario)
-
-
-@pytest.mark.rabbitmq
-def test_dead_letter_parks_a_message_with_the_callers_reason(amqp_url: str, names: Names) -> None:
-    async def scenario() -> None:
-        queue = open_queue(amqp_url, names)
-        inbox = Inbox()
-        await queue.consume(inbox)
-        await queue.publish(make_message(0, model="no-such-model"))
-        (delivery,) = await inbox.wait_for(1)
-        await queue.dead_letter(delivery, "unknown model 'no-such-model'")
-        for _ in range(100):  # dead-lettering is the broker's routing, after the reject
-            if await queue.backlog() == 1:
-                break
-            await asyncio.sleep(0.05)
-        assert await queue.backlog() == 1  # a dead letter not yet reaped counts
-        (dead,) = await read_dead(amqp_url, names, 1)
-        assert QueuedRequest.decode(dead.body) == delivery.message
-        assert dead_letter_reason(dead.headers) == "unknown model 'no-such-model'"
-        await queue.close()
-        await assert_drained(amqp_url, names)
-
-    run(scenario)
-
-
-@pytest.mark.rabbitmq
-def test_a_message_requeued_past_the_delivery_limit_is_dead_lettered(
-    amqp_url: str, names: Names
-) -> None:
-    async def scenario() -> None:
-        queue = open_queue(amqp_url, names, delivery_limit=2)
-        counts: list[int] = []
-
-        async def give_back(delivery: Delivery) -> None:
-            counts.append(delivery.delivery_count)
-            await queue.requeue(delivery)
-
-        await queue.consume(give_back)
-        await queue.publish(make_message(0))
-        (dead,) = await read_dead(amqp_url, names, 1)
-        assert counts == [0, 1, 2]
-        assert dead_letter_reason(dead.headers) == "delivery_limit"
-        assert QueuedRequest.decode(dead.body) == make_message(0)
-        await queue.close()
-
-    run(scenario)
 
 
 @pytest.mark.rabbitmq

@@ -1,4 +1,6 @@
-"""The store's contract (``tests/unit/test_store.py``) on a real PostgreSQL server.
+"""The store on a real PostgreSQL server, beyond the contract every backend keeps
+(``tests/contract/test_store.py``): the run's own schema, many outcomes racing at once, a broken
+connection, a migration meeting an index built beforehand.
 
 The run gets a schema of its own, ``qlm_test_<hex>``, selected through the connection's
 ``search_path`` and dropped at the end, so runs never see each other's tables or an old schema.
@@ -17,7 +19,7 @@ from sqlalchemy import create_engine, text
 from qlm.domain import RequestStatus
 from qlm.store import Store
 from qlm.store.models import Base
-from tests.unit.test_store import FakeClock, StoreContract, new_request, run_together
+from tests.contract.test_store import FakeClock, new_request, run_together
 
 pytestmark = pytest.mark.postgres
 
@@ -30,7 +32,7 @@ def schema_url(postgres_url: str) -> Iterator[str]:
         yield url
 
 
-class TestPostgresStore(StoreContract):
+class TestPostgresStore:
     @pytest.fixture
     def clock(self) -> FakeClock:
         return FakeClock()
@@ -44,10 +46,6 @@ class TestPostgresStore(StoreContract):
         engine.dispose()
         with Store(schema_url, clock=clock) as store:
             yield store
-
-    @pytest.fixture
-    def migrated_url(self, schema_url: str) -> str:
-        return schema_url
 
     def test_the_run_has_its_own_schema(self, store: Store, schema_url: str) -> None:
         engine = create_engine(schema_url)

@@ -18,9 +18,17 @@ from qlm.global_queue.message import MessageError, QueuedRequest
 from qlm.service.hub import ResultEvent
 from qlm.service.runtime import Job
 from qlm.structured import SchemaUnsupported, document_pieces, resumable, schema_problem
-from tests.unit.test_agent_runtime import EvictOnce, Recorder, Seen, engine, eventually, run, start
-from tests.unit.test_api import FakeController, Harness, busy_snapshot, error, published
-from tests.unit.test_api import run as run_api
+from tests.unit.api.test_api import FakeController, Harness, busy_snapshot, error, published
+from tests.unit.api.test_api import run as run_api
+from tests.unit.service.test_agent_runtime import (
+    EvictOnce,
+    Recorder,
+    Seen,
+    engine,
+    eventually,
+    run,
+    start,
+)
 
 PERSON = {
     "type": "object",

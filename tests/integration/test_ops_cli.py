@@ -24,7 +24,7 @@ from qlm.global_queue import MemoryBroker, MemoryGlobalQueue
 from qlm.reports import slo_report
 from qlm.settings import Settings
 from qlm.store import Store
-from tests.unit.test_controller_service import make_service
+from tests.unit.service.test_controller_service import make_service
 
 N = 6
 

@@ -14,8 +14,8 @@ import pytest
 
 from qlm.api.risk import AtRiskFlags
 from qlm.store import Store, StoreError
-from tests.unit.test_api import FakeController, Harness, busy_snapshot, run
-from tests.unit.test_api_parts import new
+from tests.unit.api.test_api import FakeController, Harness, busy_snapshot, run
+from tests.unit.api.test_api_parts import new
 
 
 def fail_first(store: Store, times: int, names: tuple[str, ...]) -> list[str]:

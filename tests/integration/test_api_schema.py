@@ -24,8 +24,8 @@ from qlm.api.server import ApiServer
 from qlm.global_queue import MemoryBroker, MemoryGlobalQueue
 from qlm.settings import ApiSettings, Settings
 from qlm.store import Store
-from tests.unit.test_api import Harness, run
-from tests.unit.test_controller_service import make_service
+from tests.unit.api.test_api import Harness, run
+from tests.unit.service.test_controller_service import make_service
 
 pytestmark = pytest.mark.timeout(240)
 

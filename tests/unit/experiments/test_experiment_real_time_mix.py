@@ -10,7 +10,7 @@ import numpy as np
 
 from qlm.sim.traces import Trace, window
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "experiments"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "experiments"))
 
 import rct_accuracy as ra
 

@@ -19,7 +19,7 @@ from qlm.engines.wallclock import count_tokens
 from qlm.global_queue import MemoryBroker, MemoryGlobalQueue
 from qlm.settings import Settings
 from qlm.store import Store
-from tests.unit.test_controller_service import make_service
+from tests.unit.service.test_controller_service import make_service
 
 
 def test_the_openai_client_completes_streams_and_sends_slo_fields() -> None:

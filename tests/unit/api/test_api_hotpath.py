@@ -10,7 +10,7 @@ import pytest
 
 from qlm.api.deps import get_principal
 from qlm.api.errors import ApiError
-from tests.unit.test_api import Harness, error, published, run
+from tests.unit.api.test_api import Harness, error, published, run
 
 ROUTE = "application/merge-patch+json"
 """A JSON media type FastAPI parses and the fast path leaves to it: the same call, via the route."""

@@ -15,9 +15,9 @@ from qlm.engines.wallclock import count_tokens
 from qlm.global_queue import MemoryBroker, MemoryGlobalQueue
 from qlm.service import ControllerService
 from qlm.store import Store
-from tests.unit.test_agent_runtime import Seen
-from tests.unit.test_api import Harness, api_harness
-from tests.unit.test_controller_service import eventually, make_service
+from tests.unit.api.test_api import Harness, api_harness
+from tests.unit.service.test_agent_runtime import Seen
+from tests.unit.service.test_controller_service import eventually, make_service
 
 
 @contextlib.asynccontextmanager

@@ -21,7 +21,7 @@ from qlm.domain import RequestStatus
 from qlm.global_queue import MemoryGlobalQueue, QueuedRequest
 from qlm.settings import ApiSettings
 from qlm.store import NewRequest, Store
-from tests.unit.test_api import busy_snapshot
+from tests.unit.api.test_api import busy_snapshot
 
 
 def new(i: int, **kw: Any) -> NewRequest:

@@ -15,9 +15,9 @@ from qlm.domain import RequestStatus
 from qlm.engines.base import EngineOutput, EngineRequest
 from qlm.engines.vllm import VllmEngine
 from qlm.structured import planned_call, resumable
-from tests.unit.test_api import Harness, error, published
-from tests.unit.test_api import run as run_api
-from tests.unit.test_engine_server import chat_sse, make_client
+from tests.unit.api.test_api import Harness, error, published
+from tests.unit.api.test_api import run as run_api
+from tests.unit.engines.test_engine_server import chat_sse, make_client
 
 CALL = {"id": "call_1", "type": "function", "function": {"name": "weather", "arguments": "{}"}}
 HISTORY = [

@@ -1,6 +1,6 @@
 """What the API refuses at its edge, and how: ids in paths that no request can have, SLOs no
 queue can plan for, bodies that cannot be read, and every other error in the one shape with a
-code. In process (httpx over ASGI), on the harness of ``tests.unit.test_api``."""
+code. In process (httpx over ASGI), on the harness of ``tests.unit.api.test_api``."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from qlm.api.deps import get_principal
 from qlm.domain import MAX_API_SLO_S, MIN_SLO_S
 from qlm.settings import Settings
 from qlm.store import Store, StoreError
-from tests.unit.test_api import Harness, error, published, run
+from tests.unit.api.test_api import Harness, error, published, run
 
 
 def refuse_nul_like_postgresql(store: Store) -> list[str]:
