@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
 POLICIES = ("fcfs", "fcfs-rr", "edf", "sedf", "priority", "proserve", "shepherd", "qlm")
 """``qlm.planner.POLICIES``, named here so that ``qlm --help`` does not import the planner
-(tests/unit/test_cli.py checks that they agree)."""
+(tests/unit/cli/test_cli.py checks that they agree)."""
 
 PRESETS = ("default", "wa", "wb", "wc")
 """``qlm.sim.workload.PRESETS``, named here for the same reason."""

@@ -28,7 +28,7 @@ waiting request, no pending operation) is computed in closed form as one *macro 
 iteration ``i`` lasts ``d0 + per_ctx_token_ms * B * i`` because each of the ``B`` sequences adds one
 token of context. Anything that arrives meanwhile (a submit, an abort, a swap) cuts the macro step
 at the iteration in progress, so results are those of stepping one iteration at a time
-(``tests/unit/test_sim_engine.py`` checks it).
+(``tests/unit/engines/test_sim_engine.py`` checks it).
 """
 
 from __future__ import annotations
