@@ -77,6 +77,7 @@ class StepTimer:
         self, controller: Controller, policy: QlmPolicy, profile: Path | None = None
     ) -> None:
         self.policy = policy
+        self.profile = profile  # where the longest step's profile goes (per phase: ``reset``)
         self.plans: list[PlanRecord] = []  # every plan, from the steps' outputs
         self.longest = 0.0
         self.steps = 0
@@ -101,7 +102,7 @@ class StepTimer:
             held = policy.grouper.num_requests
             plans = len(self.plans)
             self.parts = {}
-            profiler = cProfile.Profile() if profile is not None else None
+            profiler = cProfile.Profile() if self.profile is not None else None
             t0 = time.perf_counter()
             try:
                 if profiler is not None:
@@ -117,8 +118,8 @@ class StepTimer:
                 if wall > self.longest:
                     self.longest = wall
                     self.longest_parts = self.parts
-                    if profiler is not None and profile is not None:
-                        profiler.dump_stats(profile)
+                    if profiler is not None and self.profile is not None:
+                        profiler.dump_stats(self.profile)
                     made = self.plans[plans:]
                     self.what = f"{policy.grouper.num_requests - held:+,} requests held" + "".join(
                         f"; plan ({p.trigger}) of {p.groups:,} groups, {p.status} "
@@ -160,7 +161,10 @@ class StepTimer:
             setattr(module, name, timed(name, getattr(module, name)))
 
     def reset(self) -> None:
+        """A new phase: its longest step, profiled into ``FILE-burst`` (the take-over's stays)."""
         self.longest, self.steps, self.what = 0.0, 0, ""
+        if self.profile is not None:
+            self.profile = self.profile.with_name(f"{self.profile.stem}-burst{self.profile.suffix}")
 
     def report(self, phase: str) -> str:
         parts = ", ".join(
@@ -398,7 +402,7 @@ if __name__ == "__main__":
         type=Path,
         default=None,
         metavar="FILE",
-        help="profile every step (cProfile: slower) and keep the longest one's stats in FILE",
+        help="profile every step (cProfile: slower) and keep the longest one's stats in FILE (the burst's in FILE-burst)",
     )
     parser.add_argument(
         "--redeliver",

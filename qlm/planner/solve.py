@@ -23,6 +23,7 @@ so that a run is reproducible bit for bit on any machine. The best plan found is
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
@@ -44,6 +45,8 @@ from qlm.planner.program import (
 )
 
 Status = Literal["optimal", "feasible", "heuristic", "fallback"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -345,22 +348,26 @@ def solve(
     units of work and stops when it is spent; the EDF plan is always built and is the floor."""
     meter = budget if isinstance(budget, Deadline) else (budget or Budget()).start()
     began_s = meter.elapsed_s()  # (a deadline may have started before the solver)
+    parts = _Parts(meter)
     limits = meter.budget
     n = len(problem.groups)
     edf = edf_plan(problem)
     edf_cost = _total(problem, edf)
+    parts.done("edf")
     if n == 0:
         return _solution(problem, edf, "optimal", "empty", edf_cost, meter, began_s)
     best, best_cost, method = edf, edf_cost, "edf"
     if previous is not None:
         warm = warm_plan(problem, previous, meter)
         warm_cost = _total(problem, warm)
+        parts.done("warm")
         if warm_cost < best_cost:
             best, best_cost, method = warm, warm_cost, "warm"
     if meter.spent():
-        return _solution(problem, best, "fallback", method, edf_cost, meter, began_s)
+        return parts.check(_solution(problem, best, "fallback", method, edf_cost, meter, began_s))
     searched = local_search(problem, best, meter)
     searched_cost = _total(problem, searched)
+    parts.done("local")
     if searched_cost < best_cost - 1e-9:
         best, best_cost, method = searched, searched_cost, method + "+local"
     status: Status = "heuristic"
@@ -370,6 +377,7 @@ def solve(
         from qlm.planner.milp import solve_milp  # PuLP is only imported when it is used
 
         result = solve_milp(problem, start=best, solver=solver, deadline=meter)
+        parts.done("milp")
         if result is not None:
             plan, milp_status, gap = result
             cost = _total(problem, plan)
@@ -377,7 +385,39 @@ def solve(
                 best, best_cost = plan, min(cost, best_cost)
                 method += "+milp"
                 status = milp_status
-    return _solution(problem, best, status, method, edf_cost, meter, began_s, gap)
+    return parts.check(_solution(problem, best, status, method, edf_cost, meter, began_s, gap))
+
+
+OVERRUN = 2.0
+"""A solve that took more than this × its time budget (and 50 ms more) logs where it went."""
+
+
+class _Parts:
+    """Seconds each stage of one solve took, on the deadline's clock, for the overrun warning."""
+
+    def __init__(self, meter: Deadline) -> None:
+        self.meter = meter
+        self.last = meter.elapsed_s()
+        self.seconds: dict[str, float] = {}
+
+    def done(self, stage: str) -> None:
+        now = self.meter.elapsed_s()
+        self.seconds[stage] = now - self.last
+        self.last = now
+
+    def check(self, solution: Solution) -> Solution:
+        self.done("finish")
+        limit = self.meter.budget.time_s
+        if limit is not None and solution.solve_s > OVERRUN * limit + 0.05:
+            log.warning(
+                "planning %d groups on %d queues took %.2f s of a %.2f s budget: %s",
+                sum(len(o) for o in solution.plan),
+                len(solution.plan),
+                solution.solve_s,
+                limit,
+                ", ".join(f"{k} {v:.3f} s" for k, v in self.seconds.items()),
+            )
+        return solution
 
 
 def _total(problem: PlanProblem, plan: Plan) -> float:

@@ -353,3 +353,24 @@ def test_the_concurrency_choice_evaluates_one_instance_per_plan_once_its_share_i
             per_plan.append(len(evaluated))
     # One instance per plan: 3, 4 and 6 limits (up to 48, 96 and 160 running), then again.
     assert per_plan == [3, 4, 6, 3]
+
+
+def test_a_solve_far_over_its_budget_says_which_stage_took_the_time(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    problem = random_problem(2, 12, seed=3)
+    clock = ManualClock()
+
+    class Slow(Deadline):  # every question about the budget finds a second gone
+        def spent(self) -> bool:
+            clock.now += 1.0
+            return super().spent()
+
+    with caplog.at_level("WARNING", logger="qlm.planner.solve"):
+        solve(problem, Slow(Budget(time_s=0.1, milp_max_groups=0), clock))
+    [record] = [r for r in caplog.records if "budget" in r.getMessage()]
+    assert "12 groups on 2 queues" in record.getMessage() and "edf 0.000 s" in record.getMessage()
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="qlm.planner.solve"):
+        solve(problem, Budget(time_s=10.0, milp_max_groups=0).start(ManualClock()))
+    assert not caplog.records  # within its budget: nothing said
