@@ -6,15 +6,15 @@ into it grew by a quarter, and that collection traverses every one of them: 0.4-
 2-core development machine, on the controller's event loop, usually inside a control step (no
 outcome recorded, nothing acked, no state published meanwhile).
 
-``BacklogGC`` freezes what the intake has taken (``gc.freeze``: the objects alive now are no longer
-traversed by any collection; reference counting still frees them when they are dropped) once the
-held backlog is large, after collecting the young generations (so that young cyclic garbage is
-not frozen with it). It unfreezes when the backlog has shrunk to a fraction of its peak, or when
-as many requests as the peak were settled since the first freeze (a backlog that stays large
-turned over once): cyclic garbage made while frozen is collected then, by one full collection,
-run at once, between control steps — one per turnover of the backlog instead of one per quarter
-of growth, and what leaks meanwhile is bounded by one turnover. What a small backlog allocates is
-collected as usual.
+``BacklogGC`` freezes what the intake has taken and each control step has made of it (groups,
+estimates) once the held backlog is large (``gc.freeze``: the objects alive now are no longer
+traversed by any collection; reference counting still frees them when they are dropped), after
+collecting the young generations (so that young cyclic garbage is not frozen with it). It
+unfreezes when the backlog has shrunk to a fraction of its peak, or when as many requests as the
+peak were settled since the first freeze (a backlog that stays large turned over once): cyclic
+garbage made while frozen is collected then, by one full collection, run at once, between
+control steps — one per turnover of the backlog instead of one per quarter of growth, and what
+leaks meanwhile is bounded by one turnover. What a small backlog allocates is collected as usual.
 """
 
 from __future__ import annotations
@@ -48,7 +48,8 @@ class BacklogGC:
         return self.peak > 0
 
     def taken(self, held: int) -> None:
-        """An intake batch was taken: ``held`` requests are held now."""
+        """An intake batch was taken, or a control step made what it holds of them (groups,
+        estimates): ``held`` requests are held now."""
         if held < self.min_held:
             return
         gc.collect(1)  # the young generations: their cyclic garbage is not frozen

@@ -581,6 +581,11 @@ class ControllerService(RuntimeListener):
         self.backlog_gc.settled(len(self._held), self.settled - settled)
         return batch
 
+    def stepped(self) -> None:
+        """What the step made for a large backlog (its groups, their estimates) is long-lived
+        too: out of full collections with what the intake took."""
+        self.backlog_gc.taken(len(self._held))
+
     def planned(self, plans: Sequence[PlanRecord]) -> None:
         """The plans a control step made: counted, the latest shown, each one stored."""
         self._plans += len(plans)

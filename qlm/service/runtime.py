@@ -169,6 +169,9 @@ class RuntimeListener:
     def planned(self, plans: Sequence[PlanRecord]) -> None:
         """The plans a control step made, oldest first (each is told once)."""
 
+    def stepped(self) -> None:
+        """A control step ended (its decisions are set in motion next)."""
+
 
 @dataclass(slots=True)
 class _Instance:
@@ -435,6 +438,7 @@ class AgentRuntime:
         self.steps += 1
         if output.plans:
             self.listener.planned(output.plans)
+        self.listener.stepped()
         for decision in output.decisions:
             self._apply(decision, now)
 
