@@ -196,14 +196,18 @@ class QlmPolicy:
         ``step_budget_s`` lasts (the rest wait for the next step, first in line), then a
         recluster or a plan only if time is left — else it goes first at the next step
         (``_owed``), and never both in one step; a recluster never in a step that grouped
-        arrivals —, then the agents act in the second half."""
+        arrivals, and the groups it made new are placed at the next step, the plan at the one
+        after —, then the agents act in the second half."""
         now = ctx.now
         self._observe(ctx)
         wall = self._measure
         start = self._clock() if wall else 0.0
         half = self.config.step_budget_s / 2
         owed, self._owed = self._owed, ""
-        if owed:
+        if owed == "place":
+            self._place_unassigned()
+            self._owed = "plan"
+        elif owed:
             self._plan_stage(now, recluster=owed == "rethink")
         taken = self._group(now, start + half if wall else math.inf)
         if not owed:
@@ -296,16 +300,17 @@ class QlmPolicy:
 
     def _plan_stage(self, now: float, *, recluster: bool = True) -> None:
         """Recluster the groups when it is due, and re-plan when a trigger fires (with a
-        wall-time budget, not in the step that reclustered: the plan goes first at the next)."""
+        wall-time budget, not in the step that reclustered: the new groups are placed first at
+        the next step, and the plan at the one after)."""
         if recluster and self.grouper.needs_recluster(now):
             self.queues.sync(self.grouper.recluster(now))
             self._slots = {}
-            for gid in self.queues.unassigned():
-                self._place(gid, self.grouper.peek(gid))
-            self._changed = True
-            if self._measure:
-                self._owed = "plan"
+            if self._measure:  # the new groups are placed first at the next step, then a plan
+                self._changed = True
+                self._owed = "place"
                 return
+            self._place_unassigned()
+            self._changed = True
         trigger = self._trigger(now)
         if trigger:
             try:
@@ -313,6 +318,11 @@ class QlmPolicy:
             except Exception:  # keep serving in the current order; the next trigger retries
                 log.exception("planning (%s) failed; keeping the current virtual queues", trigger)
                 self._last_plan_s = now
+
+    def _place_unassigned(self) -> None:
+        """Each group no queue holds (new from a recluster) at its deadline slot (``_place``)."""
+        for gid in self.queues.unassigned():
+            self._place(gid, self.grouper.peek(gid))
 
     def _forget(self, request_id: str) -> None:
         """A cancelled request: out of its group if it waits, out of the agents' books if sent."""

@@ -231,7 +231,7 @@ def test_a_plan_whose_clock_runs_out_still_queues_every_group_exactly_once() -> 
         for k in range(400)
     )
     qlm.decide(DispatchContext(0.0, reqs, instances))
-    for _ in range(2):  # a recluster due waits for a step of its own, the plan for the next
+    for _ in range(3):  # a recluster due waits for a step of its own, then placing, the plan
         if qlm.last_plan is None:
             qlm.decide(DispatchContext(0.0, (), instances))
     record = qlm.last_plan
@@ -293,7 +293,7 @@ def test_pulls_stop_at_the_step_budget_and_go_on_at_the_next_step() -> None:
     assert step > 1  # not all in one step: the clock ran out
 
 
-def test_a_recluster_gets_a_step_of_its_own_and_the_plan_the_next_one() -> None:
+def test_a_recluster_gets_a_step_of_its_own_its_new_groups_the_next_and_then_the_plan() -> None:
     clock = ManualClock()
     qlm = wall_policy(clock, period_s=1.0, min_interval_s=0.1)
     qlm.grouper.set_config(dataclasses.replace(qlm.grouper.config, recluster_interval_s=1.0))
@@ -305,7 +305,9 @@ def test_a_recluster_gets_a_step_of_its_own_and_the_plan_the_next_one() -> None:
     assert qlm.take_plans() == [] and qlm.grouper.needs_recluster(5.0)  # grouped arrivals only
     qlm.decide(DispatchContext(5.1, (), (inst,)))
     assert qlm.take_plans() == [] and not qlm.grouper.needs_recluster(5.1)  # reclustered only
-    qlm.decide(DispatchContext(5.2, (), (inst,)))
+    qlm.decide(DispatchContext(5.2, (), (inst,)))  # the groups it made new are placed
+    assert qlm.take_plans() == [] and not qlm.queues.unassigned()
+    qlm.decide(DispatchContext(5.3, (), (inst,)))
     assert [p.trigger for p in qlm.take_plans()] == ["period"]
 
 
