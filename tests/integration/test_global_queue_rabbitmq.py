@@ -24,6 +24,7 @@ from typing import Any
 
 import aio_pika
 import pytest
+from queue_helpers import Inbox, make_message, poll
 from services import broker_names, in_ci
 from yarl import URL
 
@@ -44,45 +45,6 @@ from qlm.global_queue.rabbitmq import (
 from qlm.store import Store
 
 DEFINITIONS = Path(__file__).resolve().parents[2] / "broker" / "definitions.json"
-
-
-def make_message(i: int = 0, **overrides: Any) -> QueuedRequest:
-    fields: dict[str, Any] = {
-        "id": f"r{i}",
-        "model": "m",
-        "prompt": "hello",
-        "prompt_tokens": 10,
-        "max_tokens": 20,
-        "slo_e2e_s": 30.0,
-        "submitted_at": 1_700_000_000.0 + i,
-    }
-    fields.update(overrides)
-    return QueuedRequest(**fields)
-
-
-class Inbox:
-    """A handler that keeps what it is given, and a bounded wait for it."""
-
-    def __init__(self) -> None:
-        self.deliveries: list[Delivery] = []
-
-    async def __call__(self, delivery: Delivery) -> None:
-        self.deliveries.append(delivery)
-
-    async def wait_for(self, count: int, timeout_s: float = 10.0) -> list[Delivery]:
-        await poll(lambda: len(self.deliveries) >= count, timeout_s, f"{count} deliveries")
-        return list(self.deliveries)
-
-    def ids(self) -> list[str]:
-        return [d.message.id for d in self.deliveries if d.message is not None]
-
-
-async def poll(done: Callable[[], bool], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not done():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.02)
 
 
 def run(scenario: Callable[[], Awaitable[None]], timeout_s: float = 30.0) -> None:
