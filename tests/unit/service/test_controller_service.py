@@ -487,7 +487,9 @@ def test_a_standby_with_no_other_leader_in_sight_keeps_running_what_it_held() ->
 
 def test_a_controller_whose_connection_drops_while_alone_keeps_running_what_it_held() -> None:
     async def scenario(store: Store) -> None:
-        service, ids = await serving(store, 10, 1500)
+        # Long enough (~1 s of wall time each) that a starved event loop does not see them all
+        # start and finish between two of the wait's looks.
+        service, ids = await serving(store, 10, 5000)
         broker = service.queue.broker  # type: ignore[attr-defined]
         running = engines_running(service)
         service.queue.drop_connection()  # type: ignore[attr-defined]
@@ -498,7 +500,7 @@ def test_a_controller_whose_connection_drops_while_alone_keeps_running_what_it_h
         await service.wait_idle()
         rows = [store.get(rid) for rid in ids]
         assert all(r is not None and r.status is RequestStatus.FINISHED for r in rows)
-        assert all(r.output_tokens == 1500 and r.evictions == 0 for r in rows if r)
+        assert all(r.output_tokens == 5000 and r.evictions == 0 for r in rows if r)
         assert service.settled == 10 and broker.ready == 0 and not broker.dead
         await service.stop()
 
