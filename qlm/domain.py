@@ -177,10 +177,13 @@ class InstanceSpec:
 
 @dataclass(frozen=True, slots=True)
 class Pull:
-    """Send a waiting request to an instance (request pulling / dispatch)."""
+    """Send a waiting request to an instance (request pulling / dispatch). ``overdue``: it is
+    served ahead of the plan's order because it waited longer than its tier's maximum wait (the
+    QLM policy's starvation guard)."""
 
     request_id: str
     instance: str
+    overdue: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -69,6 +69,16 @@ class ControllerSettings(BaseModel):
 TierName = Literal["interactive", "standard", "batch"]
 
 
+class MaxWaitSettings(BaseModel):
+    """The starvation guard's maximum wait per tier, in seconds (``QLM_PLANNER__MAX_WAIT_S__BATCH``
+    etc.; unset: no maximum): a request that has waited this long since its arrival is served
+    at its instance's next free slot, ahead of the plan's order."""
+
+    interactive: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+    standard: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+    batch: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+
+
 class PlannerSettings(BaseModel):
     """The ``qlm`` policy's planner and agents (``QLM_PLANNER__*``; docs/planner.md). Unset
     fields keep ``PlannerConfig``'s defaults (``qlm.wiring.planner_config``)."""
@@ -98,6 +108,8 @@ class PlannerSettings(BaseModel):
     """δ of the request groups (paper §4): a group holds at most δ × ``group_batch_size``."""
     group_batch_size: float = Field(default=8.0, ge=1, allow_inf_nan=False)
     """The average batch size groups are sized by (smaller groups: finer plans, more planning)."""
+    max_wait_s: MaxWaitSettings = Field(default_factory=MaxWaitSettings)
+    """The starvation guard, per tier (``MaxWaitSettings``)."""
 
 
 class ApiSettings(BaseModel):

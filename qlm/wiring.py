@@ -38,6 +38,9 @@ def planner_config(settings: PlannerSettings) -> PlannerConfig:
             delta=settings.group_delta,
             avg_batch_size=settings.group_batch_size,
         ),
+        max_wait_s={
+            Tier[t.upper()]: s for t, s in settings.max_wait_s.model_dump().items() if s is not None
+        },
     )
 
 

@@ -66,6 +66,12 @@ def print_summary(result: SimResult, command: str) -> None:
                 table.add_row(
                     f"  {title} {name} ({v['requests']})", _fmt(v["slo_attainment"], pct=True)
                 )
+    for name, v in s["slo_attainment_by_class"].items():
+        if "ttft_attainment" in v:
+            table.add_row(
+                f"  TTFT SLO met, class {name} ({v['ttft_requests']})",
+                _fmt(v["ttft_attainment"], pct=True),
+            )
     table.add_row("throughput (req/s)", _fmt(s["throughput_rps"]))
     table.add_row("throughput (output tok/s)", _fmt(s["throughput_output_tps"]))
     for label, key in (("TTFT", "ttft_s"), ("end-to-end", "e2e_s"), ("queueing", "queue_s")):
@@ -87,6 +93,8 @@ def print_summary(result: SimResult, command: str) -> None:
             "capacity needed for every SLO (max)",
             "beyond 64x" if need is None else f"{need:.2f}x",
         )
+        if "max_wait_promoted" in plan:
+            table.add_row("served ahead of the plan (maximum wait)", str(plan["max_wait_promoted"]))
     console.print(table)
     console.print(f"[dim]reproduce: {escape(command)}[/]", highlight=False, soft_wrap=True)
 
@@ -138,6 +146,12 @@ def simulate_cmd(
     ] = None,
     rate_scale: Annotated[float, typer.Option(help="Multiply the trace's arrival rate.")] = 1.0,
     slo_scale: Annotated[float, typer.Option(help="Multiply every SLO.")] = 1.0,
+    ttft_slo: Annotated[
+        str | None,
+        typer.Option(
+            help="Time-to-first-token SLOs by SLO class, e.g. interactive=1.5,standard=5 (seconds; scaled by --slo-scale)."
+        ),
+    ] = None,
     rate: Annotated[
         float | None,
         typer.Option(help="Synthetic arrivals at this rate (req/s), lengths sampled from --trace."),
@@ -158,7 +172,14 @@ def simulate_cmd(
     if arrival not in ("poisson", "gamma"):
         fail(f"--arrival must be poisson or gamma, got {arrival!r}")
     arrival_kind: Literal["poisson", "gamma"] = "gamma" if arrival == "gamma" else "poisson"
+    from qlm.errors import WorkloadError
     from qlm.sim.run import prepare_simulation
+    from qlm.sim.workload import parse_ttft_slo
+
+    try:
+        ttft = None if ttft_slo is None else parse_ttft_slo(ttft_slo)
+    except WorkloadError as exc:
+        fail(f"--ttft-slo: {exc}")
 
     result = guard(
         lambda: _run(
@@ -177,6 +198,7 @@ def simulate_cmd(
                 cv=cv,
                 profile=_settings_profile,
                 planner=_sim_planner(),
+                ttft_slo=ttft,
             ),
             show_progress=progress and not as_json and sys.stderr.isatty(),
         )

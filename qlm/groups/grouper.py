@@ -64,10 +64,18 @@ class RequestGroup:
     min_e2e_slo_s: float
     min_ttft_slo_s: float | None
     centroid: tuple[float, ...]
+    earliest_ttft_deadline_s: float | None = None  # absolute, of the members with a TTFT SLO
 
     @property
     def size(self) -> int:
         return len(self.requests)
+
+    @property
+    def due_s(self) -> float:
+        """The earliest deadline of any kind: end-to-end, or first token."""
+        if self.earliest_ttft_deadline_s is None:
+            return self.earliest_deadline_s
+        return min(self.earliest_deadline_s, self.earliest_ttft_deadline_s)
 
 
 @dataclass(frozen=True, slots=True)
@@ -467,6 +475,7 @@ class Grouper:
             members = tuple(group.requests)
             raw = np.array([self._features[r.id] for r in members])
             ttfts = [r.slo.ttft_s for r in members if r.slo.ttft_s is not None]
+            ttft_due = [r.arrival_s + r.slo.ttft_s for r in members if r.slo.ttft_s is not None]
             model, tier, slo_class, _ = group.key
             group.view = RequestGroup(
                 id=group.id,
@@ -480,6 +489,7 @@ class Grouper:
                 min_e2e_slo_s=min(r.slo.e2e_s for r in members),
                 min_ttft_slo_s=min(ttfts) if ttfts else None,
                 centroid=tuple(float(v) for v in group.part.centroids[group.row]),
+                earliest_ttft_deadline_s=min(ttft_due) if ttft_due else None,
             )
         return group.view
 

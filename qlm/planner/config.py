@@ -52,6 +52,10 @@ class PlannerConfig:
     while the first half lasts (else first at the next step). A simulated run does it all."""
     grouping: GroupingConfig = DEFAULT_GROUPING
     """How requests are grouped (δ × average batch size bounds a group: ``DEFAULT_GROUPING``)."""
+    max_wait_s: Mapping[Tier, float] = field(default_factory=dict)
+    """Starvation guard: a request of a tier listed here that has waited this long since its
+    arrival is pulled ahead of the plan's order, at the next free slot of its instance (tiers
+    left out: no maximum)."""
 
     @classmethod
     def for_simulation(cls, evaluations: int = 5000, **overrides: object) -> PlannerConfig:
@@ -81,3 +85,5 @@ class PlannerConfig:
         check_setting(
             ok, "planner.concurrency_hysteresis", "in [0, 1)", self.concurrency_hysteresis
         )
+        for tier, wait in self.max_wait_s.items():
+            check_setting(wait > 0, f"planner.max_wait_s.{tier.name.lower()}", "> 0", wait)

@@ -32,6 +32,12 @@ class ProblemFamily:
     ``refill`` is the prompt work per output token of the waiting mix (chunked prefill shares each
     step with decode). A larger ``b`` drains faster and makes every request slower: the trade-off
     the planner settles per instance.
+
+    When some group has a TTFT deadline, the problem predicts first tokens too: a group's first
+    request is pulled when a slot of the ``b`` frees, ``lead = (b − 1) / 2 × w̄`` before its
+    fluid start (the other slots hold half a request's work ``w̄`` each on average, ``w̄`` the
+    waiting requests' mean fluid work on the instance), not before ``now_s``, and has its first
+    token after its prefill and the decode step it rides (``first``).
     """
 
     groups: tuple[PlanGroup, ...]
@@ -40,9 +46,29 @@ class ProblemFamily:
     delta: float
     scenarios: _Scenarios
     speeds: tuple[_Speed, ...]  # per instance
+    now_s: float = -math.inf  # the earliest a request is pulled (TTFT)
     _terms: dict[tuple[_Speed, int], tuple[FloatArray, FloatArray]] = field(
         default_factory=dict, compare=False, repr=False
     )
+    _first: dict[tuple[_Speed, int], tuple[FloatArray, float]] = field(
+        default_factory=dict, compare=False, repr=False
+    )
+
+    @property
+    def has_ttft(self) -> bool:
+        """Whether some group has a TTFT deadline (the problem then predicts first tokens)."""
+        return any(math.isfinite(g.ttft_deadline_s) for g in self.groups)
+
+    def first_terms(self, g: int, b: int) -> tuple[FloatArray, float]:
+        """Instance ``g``'s ``(first, lead)`` at limit ``b``: per group, seconds from pulling its
+        first request to its first token, and how long before a group's fluid start its first
+        request is pulled."""
+        key = (self.speeds[g], b)
+        out = self._first.get(key)
+        if out is None:
+            work, _ = self.terms(g, b)
+            out = self._first[key] = self.scenarios.first_terms(self.speeds[g], b, work)
+        return out
 
     def terms(self, g: int, b: int) -> tuple[FloatArray, FloatArray]:
         """Instance ``g``'s ``(work, floor)`` per group and scenario, ``(n, S)`` each, at limit
@@ -62,7 +88,22 @@ class ProblemFamily:
         floor = np.empty((n, q, s_count))
         for g, b in enumerate(choice):
             proc[:, g], floor[:, g] = self.terms(g, b)
-        return PlanProblem(self.groups, self.instances, proc, floor, delta=self.delta)
+        if not self.has_ttft:
+            return PlanProblem(self.groups, self.instances, proc, floor, delta=self.delta)
+        first = np.empty((n, q))
+        lead = np.empty(q)
+        for g, b in enumerate(choice):
+            first[:, g], lead[g] = self.first_terms(g, b)
+        return PlanProblem(
+            self.groups,
+            self.instances,
+            proc,
+            floor,
+            delta=self.delta,
+            first=first,
+            lead=lead,
+            now_s=self.now_s,
+        )
 
 
 @dataclass(frozen=True)
@@ -84,6 +125,8 @@ class _Scenarios:
     out_mean: FloatArray
     out_s: FloatArray
     last_s: FloatArray
+    first_inputs: FloatArray  # the prompt of each group's first request
+    sizes: FloatArray  # requests per group
 
     @property
     def count(self) -> int:
@@ -108,6 +151,21 @@ class _Scenarios:
             ] + self.last_s[rows] * (dec + b * refill) * speed.eps_f
         return p_arr, f_arr
 
+    def first_terms(self, speed: _Speed, b: int, work: FloatArray) -> tuple[FloatArray, float]:
+        """``(first, lead)`` at limit ``b`` (``ProblemFamily.first_terms``), ``work`` the
+        groups' fluid work there (``terms``)."""
+        first = np.full(len(self.sizes), np.inf)
+        served = np.isfinite(work[:, 0])
+        for m, hw in speed.hardware:
+            rows = np.flatnonzero(self.models == m)
+            step = hw.decode_s(b) * hw.inefficiency * speed.eps_f
+            first[rows] = (
+                hw.prefill_base_s + hw.prefill_per_token_s * self.first_inputs[rows] + step
+            )
+        requests = float(self.sizes[served].sum())
+        mean_work = float(work[served].mean(axis=1).sum()) / requests if requests else 0.0
+        return first, (b - 1) / 2 * mean_work
+
 
 def build_family(
     groups: Sequence[tuple[str, Sequence[Request], Tier]],
@@ -116,16 +174,24 @@ def build_family(
     estimator: RCTEstimator,
     config: PlannerConfig,
     rng: np.random.Generator,
+    now: float | None = None,
 ) -> ProblemFamily:
     """The plan problems of the waiting groups (id, requests in FCFS order, tier) on the up
-    instances, with scenarios of each group's output drawn from the estimator's posterior."""
+    instances, with scenarios of each group's output drawn from the estimator's posterior.
+    ``now``: the earliest a request can be pulled (default: the earliest ``ready_s``)."""
     up = [i for i in instances if i.up]
     n, s_count = len(groups), config.scenarios
     z_total = rng.standard_normal((n, s_count))
     z_last = rng.standard_normal((n, s_count))
     loads = [estimator.group_load(gid, requests) for gid, requests, _ in groups]
     plan_groups = tuple(
-        PlanGroup(gid, ld.model, ld.earliest_deadline_s, config.tier_weights[tier] * ld.size)
+        PlanGroup(
+            gid,
+            ld.model,
+            ld.earliest_deadline_s,
+            config.tier_weights[tier] * ld.size,
+            ld.earliest_ttft_deadline_s,
+        )
         for (gid, _, tier), ld in zip(groups, loads, strict=True)
     )
     out = np.array([[ld.output_mean, math.sqrt(ld.output_var)] for ld in loads]).reshape(n, 2)
@@ -135,7 +201,11 @@ def build_family(
     models = np.array([ld.model for ld in loads])
     inputs = np.array([ld.input_tokens for ld in loads], np.float64)
     last_inputs = np.array([ld.last_input_tokens for ld in loads], np.float64)
-    scenarios = _Scenarios(models, inputs, last_inputs, out[:, 0], out_s, last_s)
+    first_inputs = np.array([ld.first_input_tokens for ld in loads], np.float64)
+    sizes = np.array([ld.size for ld in loads], np.float64)
+    scenarios = _Scenarios(
+        models, inputs, last_inputs, out[:, 0], out_s, last_s, first_inputs, sizes
+    )
     batches: list[tuple[int, ...]] = []
     speeds: list[_Speed] = []
     plan_instances: list[PlanInstance] = []
@@ -158,4 +228,5 @@ def build_family(
         config.delta,
         scenarios,
         tuple(speeds),
+        min(ready_s.values(), default=0.0) if now is None else now,
     )

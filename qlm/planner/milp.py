@@ -13,8 +13,11 @@ pairs rather than groups × queues × positions):
 - ``T[i,s] >= C[i,s] − D[i]`` (violation), ``u[i,s]`` marks a missed scenario
   (``C − D <= M·u``), and ``Σ_s u[i,s] <= S − ceil(Δ·S) + ceil(Δ·S)·r[i]``: ``r[i] ∈ [0, 1]`` is
   the shortfall of the chance constraint of ``i``, at the cost ``risk_weight · w[i] · r[i]``.
-- Objective: ``Σ_i w[i] · mean_s T[i,s] + risk_weight · Σ_i w[i]·r[i] + flow_weight · Σ_i w[i] ·
-  (mean_s C[i,s] − ready of its queue)`` — ``program.score_plan``
+- First tokens, for a group with a TTFT deadline ``E[i]``: its pull ``P[i,s] >= F[i,s] − p[i] −
+  lead[g]`` and ``>= now``, ``TF[i,s] >= P[i,s] + first[i,g] − E[i]`` (first-token violation),
+  and a scenario missing either deadline is missed (``P + first − E <= M·u``).
+- Objective: ``Σ_i w[i] · mean_s (T[i,s] + TF[i,s]) + risk_weight · Σ_i w[i]·r[i] + flow_weight ·
+  Σ_i w[i] · (mean_s C[i,s] − ready of its queue)`` — ``program.score_plan``
   exactly, so MILP and heuristic objectives compare one to one.
 
 Solved with CBC (bundled with PuLP) or HiGHS (``highspy``) when installed, warm-started from a
@@ -98,9 +101,23 @@ def build_milp(problem: PlanProblem) -> tuple[pulp.LpProblem, dict[str, Any]]:
         for s in range(s_count)
     }
     relax = {i: lp.add_variable(f"r_{i}", lowBound=0, upBound=1) for i in range(n)}
+    timed = [i for i in range(n) if np.isfinite(problem.ttft[i])]  # groups with a TTFT deadline
+    timed_set = set(timed)
+    first_s = np.zeros((n, q)) if problem.first is None else problem.first
+    lead = np.zeros(q) if problem.lead is None else problem.lead
+    now = problem.now_s - origin
+    pull = {
+        (i, s): lp.add_variable(f"P_{i}_{s}", lowBound=float(now) if np.isfinite(now) else None)
+        for i in timed
+        for s in range(s_count)
+    }
+    first_late = {
+        (i, s): lp.add_variable(f"TF_{i}_{s}", lowBound=0) for i in timed for s in range(s_count)
+    }
 
     lp += (
         pulp.lpSum(float(w[i]) / s_count * late[i, s] for i in range(n) for s in range(s_count))
+        + pulp.lpSum(float(w[i]) / s_count * v for (i, _), v in first_late.items())
         + pulp.lpSum(problem.risk_weight * float(w[i]) * relax[i] for i in range(n))
         + pulp.lpSum(
             problem.flow_weight * float(w[i]) / s_count * comp[i, s]
@@ -127,12 +144,24 @@ def build_milp(problem: PlanProblem) -> tuple[pulp.LpProblem, dict[str, Any]]:
             lp += comp[i, s] >= fin[i, s] - p_is + floor_is, f"c_floor_{i}_{s}"
             lp += late[i, s] >= comp[i, s] - float(dl[i]), f"late_{i}_{s}"
             c_max = float(upper[s] + finite_fl[i].max(axis=0)[s])
+            if i in timed_set:
+                e_i = float(problem.ttft[i] - origin)
+                first_is = pulp.lpSum(float(first_s[i, g]) * x[i, g] for g in on)
+                lead_i = pulp.lpSum(float(lead[g]) * x[i, g] for g in on)
+                lp += pull[i, s] >= fin[i, s] - p_is - lead_i, f"pull_{i}_{s}"
+                lp += first_late[i, s] >= pull[i, s] + first_is - e_i, f"first_late_{i}_{s}"
+                f_max = max(float(upper[s]), float(now)) + float(first_s[i, on].max())
+                if f_max > e_i:
+                    lp += (
+                        pull[i, s] + first_is - e_i <= (f_max - e_i) * miss[i, s],
+                        f"first_miss_{i}_{s}",
+                    )
             if c_max > dl[i]:
                 lp += (
                     comp[i, s] - float(dl[i]) <= (c_max - float(dl[i])) * miss[i, s],
                     f"miss_{i}_{s}",
                 )
-            else:
+            elif i not in timed_set:
                 lp += miss[i, s] == 0, f"miss_{i}_{s}"
             for g in on:
                 sw = float(problem.switch[g, m_i]) if problem.active[g] != m_i else 0.0
@@ -176,6 +205,8 @@ def build_milp(problem: PlanProblem) -> tuple[pulp.LpProblem, dict[str, Any]]:
         "T": late,
         "u": miss,
         "r": relax,
+        "P": pull,
+        "TF": first_late,
     }
     return lp, variables
 
@@ -209,6 +240,15 @@ def _warm_values(problem: PlanProblem, plan: Plan, variables: dict[str, Any]) ->
             c = np.maximum(t, t - p + problem.floor[i, g])
             dl = problem.deadline[i] - origin
             missed = c > dl
+            if (i, 0) in variables["P"]:
+                lead = 0.0 if problem.lead is None else float(problem.lead[g])
+                first = 0.0 if problem.first is None else float(problem.first[i, g])
+                pulled = np.maximum(t - p - lead, problem.now_s - origin)
+                first_late = pulled + first - (problem.ttft[i] - origin)
+                missed = missed | (first_late > 0)
+                for s in range(s_count):
+                    variables["P"][i, s].setInitialValue(float(pulled[s]))
+                    variables["TF"][i, s].setInitialValue(float(max(first_late[s], 0.0)))
             for s in range(s_count):
                 variables["F"][i, s].setInitialValue(float(t[s]))
                 variables["C"][i, s].setInitialValue(float(c[s]))

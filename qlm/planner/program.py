@@ -11,15 +11,23 @@ same draw for every instance, scaled by each instance's speed, so instances are 
 luck). In scenario ``s`` a queue is a single machine in the fluid sense of Eq. 2: the groups' work is
 served one after the other at the instance's throughput Θ, and a group completes at
 ``max(fluid finish, fluid start + latency floor)`` — its last request cannot finish before it has
-been prefilled and decoded (Eq. 4), however fast the batch drains. The chance constraint is met
-when at least ``ceil(Δ·S)`` scenarios meet the deadline.
+been prefilled and decoded (Eq. 4), however fast the batch drains.
+
+A group with a time-to-first-token deadline (the earliest of its requests', FlowPrefill) has its
+first token predicted too: its first request is pulled ``lead`` seconds before the group's fluid
+start — while the ``b − 1`` other slots of the instance's batch still hold work, half of a
+request's on average (``ProblemFamily``) — and not before now, and its first token comes one
+prefill later. A scenario meets the group's SLO when it meets both deadlines, as a request's SLO
+is met (``RequestRecord.slo_met``); the chance constraint is met when at least ``ceil(Δ·S)``
+scenarios meet it.
 
 The score has two parts. The chance constraint is elastic: a group whose constraint is unmet costs
 ``risk_weight`` (much larger than any violation cost) × its weight × its *shortfall*, the fraction
 of the ``ceil(Δ·S)`` scenarios it needs that it misses. So a plan meeting every chance constraint is
 always preferred; under overload the planner gives up the fewest, least important groups and still
 raises the odds of those it cannot make safe (a group at P = 0.6 is worth more than one at 0.1) —
-the §A.3 fallback reports the groups left short. Then the expected weighted violation, in seconds.
+the §A.3 fallback reports the groups left short. Then the expected weighted violation, in seconds:
+end-to-end lateness plus first-token lateness, each weighted by the group's weight.
 Every solver (construction, local search, the MILP, brute force) scores plans with this
 function, so their objectives are comparable exactly.
 """
@@ -54,6 +62,12 @@ class PlanGroup:
     model: str
     deadline_s: float  # absolute, the group's earliest deadline
     weight: float  # importance: tier weight × number of requests
+    ttft_deadline_s: float = math.inf  # absolute, its earliest time-to-first-token deadline
+
+    @property
+    def due_s(self) -> float:
+        """The earlier of its two deadlines: what earliest-deadline-first orders by."""
+        return min(self.deadline_s, self.ttft_deadline_s)
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +87,11 @@ class PlanProblem:
 
     ``proc[i, g, s]``: seconds of instance ``g`` that group ``i`` needs in scenario ``s`` (``inf``
     when ``g`` does not serve its model); ``floor[i, g, s]``: the latency floor of its last request.
+
+    First tokens (for groups with a TTFT deadline): ``first[i, g]``, seconds from pulling the
+    group's first request on instance ``g`` to its first token; ``lead[g]``, how long before a
+    group's fluid start its first request is pulled; ``now_s``, the earliest a request is pulled.
+    Without ``first``, pulling is instant and the lead 0.
     """
 
     groups: tuple[PlanGroup, ...]
@@ -82,6 +101,9 @@ class PlanProblem:
     delta: float = 0.9
     risk_weight: float = RISK_WEIGHT
     flow_weight: float = FLOW_WEIGHT
+    first: FloatArray | None = None
+    lead: FloatArray | None = None
+    now_s: float = -math.inf
 
     def __post_init__(self) -> None:
         n, q = len(self.groups), len(self.instances)
@@ -128,6 +150,29 @@ class PlanProblem:
         object.__setattr__(self, "switch_pad", np.concatenate([switch, np.zeros((q, 1))], axis=1))
         object.__setattr__(self, "deadline_pad", np.append(self.deadline, np.inf))
         object.__setattr__(self, "weight_pad", np.append(self.weight, 0.0))
+        self._first_tokens(n, q)
+
+    def _first_tokens(self, n: int, q: int) -> None:
+        """The TTFT arrays: per group and instance, the latest fluid start whose first token
+        meets the group's TTFT deadline (``ttft_start``) and the lateness of a first request
+        pulled now (``ttft_now``); ``inf`` and ``-inf`` for a group without one, and the pad."""
+        ttft = np.array([g.ttft_deadline_s for g in self.groups], np.float64).reshape(n)
+        has = bool(np.isfinite(ttft).any())
+        first = np.zeros((n, q)) if self.first is None else np.asarray(self.first, np.float64)
+        lead = np.zeros(q) if self.lead is None else np.asarray(self.lead, np.float64)
+        if first.shape != (n, q) or lead.shape != (q,):
+            raise ValueError(f"first must be ({n}, {q}) and lead ({q},)")
+        start = np.full((n + 1, q), np.inf)
+        late_now = np.full((n + 1, q), -np.inf)
+        if has:
+            rows = np.isfinite(ttft)
+            latest_pull = ttft[rows, None] - first[rows]  # (rows, q)
+            start[:n][rows] = latest_pull + lead[None, :]
+            late_now[:n][rows] = self.now_s - latest_pull
+        object.__setattr__(self, "ttft", ttft)
+        object.__setattr__(self, "has_ttft", has)
+        object.__setattr__(self, "ttft_start_pad", start)
+        object.__setattr__(self, "ttft_now_pad", late_now)
 
     # Derived in __post_init__.
     models: tuple[str, ...] = field(init=False, repr=False)
@@ -146,6 +191,15 @@ class PlanProblem:
     switch_pad: FloatArray = field(init=False, repr=False)
     deadline_pad: FloatArray = field(init=False, repr=False)
     weight_pad: FloatArray = field(init=False, repr=False)
+    ttft: FloatArray = field(init=False, repr=False)
+    has_ttft: bool = field(init=False, repr=False)
+    ttft_start_pad: FloatArray = field(init=False, repr=False)
+    ttft_now_pad: FloatArray = field(init=False, repr=False)
+
+    @property
+    def due(self) -> FloatArray:
+        """Per group, the earlier of its end-to-end and TTFT deadlines (EDF's key)."""
+        return np.minimum(self.deadline, self.ttft) if self.has_ttft else self.deadline
 
     @property
     def scenarios(self) -> int:
@@ -164,8 +218,8 @@ Plan = tuple[tuple[int, ...], ...]
 @dataclass(frozen=True, slots=True)
 class QueueScore:
     cost: float
-    violation: FloatArray  # expected violation (s) per group of the queue, in order
-    p_meet: FloatArray  # fraction of scenarios meeting the deadline, per group
+    violation: FloatArray  # expected violation (s) per group of the queue, in order (e2e + TTFT)
+    p_meet: FloatArray  # fraction of scenarios meeting the deadline(s), per group
     missed: npt.NDArray[np.bool_]  # chance constraint unmet, per group
     penalty: float = 0.0  # the cost without the flow tie-breaker: violation and risk
     completion: FloatArray | None = None  # (groups, scenarios) completion times, in order
@@ -190,10 +244,17 @@ def score_many(problem: PlanProblem, queues: IntArray, orders: IntArray) -> Floa
     prev = np.concatenate([problem.active[queues][:, None], models[:, :-1]], axis=1)
     sw = np.where(models != prev, problem.switch_pad[gq, models], 0.0)
     fin = problem.ready[queues][:, None, None] + np.cumsum(p + sw[:, :, None], axis=1)
-    done = np.maximum(fin, fin - p + problem.floor_pad[orders, gq, :])
+    start = np.subtract(fin, p, out=p)  # (in place: no new (m, L, S) array on the hot path)
+    done = np.maximum(fin, start + problem.floor_pad[orders, gq, :])
     dl = problem.deadline_pad[orders][:, :, None]
     late = np.maximum(done - dl, 0.0).mean(axis=2)
-    ok = (done <= dl).sum(axis=2)
+    if problem.has_ttft:
+        first_late = np.subtract(start, problem.ttft_start_pad[orders, gq][:, :, None], out=start)
+        np.maximum(first_late, problem.ttft_now_pad[orders, gq][:, :, None], out=first_late)
+        late += np.maximum(first_late, 0.0).mean(axis=2)
+        ok = ((done <= dl) & (first_late <= 0.0)).sum(axis=2)
+    else:
+        ok = (done <= dl).sum(axis=2)
     w = problem.weight_pad[orders]
     short = np.maximum(problem.required_ok - ok, 0) / problem.required_ok
     flow = (w * (done.mean(axis=2) - problem.ready[queues][:, None])).sum(axis=1)
@@ -216,10 +277,18 @@ def score_queue(problem: PlanProblem, g: int, order: Sequence[int]) -> QueueScor
     prev = np.concatenate([[problem.active[g]], models[:-1]])
     sw = np.where(models != prev, problem.switch[g, models], 0.0)
     fin = problem.ready[g] + np.cumsum(p + sw[:, None], axis=0)
-    done = np.maximum(fin, fin - p + problem.floor[idx, g, :])
+    start = fin - p
+    done = np.maximum(fin, start + problem.floor[idx, g, :])
     dl = problem.deadline[idx][:, None]
     late = np.maximum(done - dl, 0.0).mean(axis=1)
-    ok = (done <= dl).sum(axis=1)
+    if problem.has_ttft:
+        first_late = np.maximum(
+            start - problem.ttft_start_pad[idx, g][:, None], problem.ttft_now_pad[idx, g][:, None]
+        )
+        late = late + np.maximum(first_late, 0.0).mean(axis=1)
+        ok = ((done <= dl) & (first_late <= 0.0)).sum(axis=1)
+    else:
+        ok = (done <= dl).sum(axis=1)
     missed = ok < problem.required_ok
     w = problem.weight[idx]
     short = np.maximum(problem.required_ok - ok, 0) / problem.required_ok
@@ -263,4 +332,7 @@ def subset(problem: PlanProblem, rows: Sequence[int]) -> PlanProblem:
         delta=problem.delta,
         risk_weight=problem.risk_weight,
         flow_weight=problem.flow_weight,
+        first=None if problem.first is None else problem.first[idx],
+        lead=problem.lead,
+        now_s=problem.now_s,
     )

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -92,6 +93,12 @@ class _Inflight:
     def __post_init__(self) -> None:
         self.running = Queued(self.request, self.generated, running=True)
 
+
+MAX_LINE = 64
+"""Requests at the head of a queue whose first tokens ``_pull_ahead`` looks after."""
+
+RECENT_FINISHES = 16
+"""Completions per instance whose pace predicts when its next slots free (``_slot_waits``)."""
 
 SEARCH_SHARE = 0.75
 """The share of the search's budget by which the solver stops; the capacity signal (computed
@@ -165,6 +172,7 @@ class QlmPolicy:
         self._started: set[str] = set()  # in flight and running in the engine (KV allocated)
         self._swapped: dict[str, dict[str, _Inflight]] = {}  # per instance, KV in CPU memory
         self._preemptions: dict[str, int] = {}
+        self._finishes: dict[str, deque[float]] = {}  # per instance, its last completion times
         self._asked_active: dict[str, str] = {}  # model each instance was told to activate
         self._slots: dict[str, list[Any]] = {}  # per step: queue deadlines and load, for _place
         self._family_cache: tuple[tuple[float, int], tuple[ProblemFamily, list[list[int]]]] | None
@@ -238,6 +246,9 @@ class QlmPolicy:
         for inst in ctx.instances:  # preemptions counted before the completions they come with
             self.estimator.watch(self._estimator_instance(inst))
         for done in ctx.finished:
+            self._finishes.setdefault(done.instance, deque(maxlen=RECENT_FINISHES)).append(
+                done.finish_s
+            )
             self._inflight.get(done.instance, {}).pop(done.request.id, None)
             self._swapped.get(done.instance, {}).pop(done.request.id, None)
             self._generated.pop(done.request.id, None)
@@ -288,6 +299,8 @@ class QlmPolicy:
         self._started.discard(req.id)
         if generated:
             self._generated[req.id] = generated
+            if req.slo.ttft_s is not None:  # it has had its first token: only its e2e is due
+                req = replace(req, slo=replace(req.slo, ttft_s=None))
         else:  # started over (or never started): nothing of an earlier attempt is kept
             self._generated.pop(req.id, None)
         gid = self.grouper.add(req, now)
@@ -413,7 +426,7 @@ class QlmPolicy:
         self.estimator.keep_group_loads(self.grouper.group_ids())
         rng = np.random.default_rng((self.config.seed, self._plans_made))
         family = build_family(
-            groups, self._instances, self._ready(now), self.estimator, self.config, rng
+            groups, self._instances, self._ready(now), self.estimator, self.config, rng, now
         )
         self._family_cache = (key, (family, current))
         return family, current
@@ -628,8 +641,9 @@ class QlmPolicy:
 
     def _place(self, gid: str, req: Request) -> None:
         """A new group between plans: on the eligible instance with the fewest waiting requests,
-        at its deadline slot among the admitted groups, or behind them all if the instance's
-        admission defers it (the next plan revisits it)."""
+        at its deadline slot (its earliest deadline, end-to-end or first-token) among the admitted
+        groups, or behind them all if the instance's admission defers it (the next plan revisits
+        it)."""
         able = [i for i in self._instances if i.up and req.model in i.models]
         if not able:
             return  # no instance serves it now; it waits for one (the planner places it)
@@ -641,7 +655,7 @@ class QlmPolicy:
                 gids = self.queues.queue(name)
                 admitted = [self.grouper.group(g) for g in gids if g not in self._deferred]
                 entry = self._slots[name] = [
-                    [g.earliest_deadline_s for g in admitted],
+                    [g.due_s for g in admitted],
                     sum(self.grouper.group(g).size for g in gids)
                     + len(self._inflight.get(name, {})),
                     len(gids),
@@ -658,7 +672,7 @@ class QlmPolicy:
             self._deferred.add(gid)
             self.queues.assign(gid, target.name, length)
             return
-        deadline = group.earliest_deadline_s
+        deadline = group.due_s
         pos = 0
         while pos < len(deadlines) and deadlines[pos] <= deadline:
             pos += 1
@@ -694,7 +708,7 @@ class QlmPolicy:
                 outstanding_requests=load.outstanding_requests - len(swapped),
                 outstanding_tokens=load.outstanding_tokens - parked,
             )
-            count = tokens = 0
+            count, tokens = self._pull_ahead(now, load, inst, decisions)
             while not (count and bounded and self._clock() >= until):
                 req = self.queues.next_request(inst.name)
                 back = min(swapped.values(), key=lambda x: x.request.deadline_s, default=None)
@@ -735,6 +749,140 @@ class QlmPolicy:
             if self.config.agent.warm_start and len(load.models) > 1:
                 decisions.extend(self._tiers(load))
         return decisions
+
+    def _pull_ahead(
+        self, now: float, load: InstanceLoad, inst: InstanceLoad, decisions: list[Decision]
+    ) -> tuple[int, int]:
+        """Pulls that do not wait for the plan's order or for a slot under the concurrency limit;
+        how many requests and prompt tokens they took.
+
+        - *Starvation guard* (``PlannerConfig.max_wait_s``): a request that has waited its
+          tier's maximum since its arrival is pulled first, oldest first, within the
+          concurrency limit (``Pull.overdue`` when the plan would not have pulled it next).
+        - *First tokens*: a request at the head of the queue whose TTFT deadline would pass while
+          it waits for a slot under the concurrency limit, and can still be met, is pulled
+          beyond the limit (within the engine's ``max_num_seqs`` and KV cache): a slot frees at
+          the pace the running requests complete (``_slot_waits``). The line behind the head
+          counts: the head is pulled ahead while some request among the first ``MAX_LINE``
+          with a TTFT deadline would miss it waiting for its slot."""
+        count = tokens = 0
+        if self.config.max_wait_s:
+            count, tokens = self._pull_overdue(now, load, inst, decisions)
+        engine = replace(inst, max_running=max(inst.max_running, load.max_running))
+        waits: list[float] | None = None
+        while True:
+            req = self.queues.next_request(inst.name)
+            if req is None or self._first_token(now, load, req) is None:
+                break
+            need = prompt_tokens(req)
+            if has_room(inst, count, tokens, need) or not has_room(engine, count, tokens, need):
+                break  # the plan's pull takes it now, or the engine has no room either
+            if waits is None:
+                waits = self._slot_waits(now, load)
+            over = max(0, inst.outstanding_requests + count - inst.max_running)
+            if not self._first_tokens_late(now, load, inst.name, waits[over:]):
+                break
+            self.queues.pop_next(inst.name)
+            self._remember(now, load, req)
+            count += 1
+            tokens += need
+            self._inflight[inst.name][req.id] = _Inflight(req, now, 0)
+            decisions.append(Pull(req.id, inst.name))
+        return count, tokens
+
+    def _first_token(self, now: float, load: InstanceLoad, req: Request) -> float | None:
+        """The latest time ``req`` may be pulled for its first token to meet its TTFT deadline
+        on ``load`` (its prefill and the decode step it rides); None when it has no TTFT SLO left
+        to meet, its group is deferred, or it is too late already."""
+        if req.slo.ttft_s is None or req.id in self._generated:
+            return None
+        if self.grouper.group_of(req.id) in self._deferred:
+            return None
+        hw = self.estimator.profile.hardware_for(req.model, load.gpu, load.gpu_count)
+        running = max(len(self._inflight.get(load.name, {})), 1)
+        latest = req.arrival_s + req.slo.ttft_s - hw.prefill_s(req.input_tokens)
+        latest -= hw.decode_s(running) * hw.inefficiency
+        return latest if latest >= now else None
+
+    def _first_tokens_late(
+        self, now: float, load: InstanceLoad, name: str, waits: Sequence[float]
+    ) -> bool:
+        """Whether some request in the line at the head of ``name``'s queue (requests with a TTFT
+        deadline it can still meet, in queue order) would miss it waiting for its slot: the
+        ``j``-th in line gets the slot ``waits[j]`` from now (none when its pace is unknown)."""
+        if not waits:
+            return False
+        j = 0
+        for gid in self.queues.queue(name):
+            for req in self.grouper.group(gid).requests:
+                latest = self._first_token(now, load, req)
+                if latest is None or j >= MAX_LINE:
+                    return False
+                if j >= len(waits) or now + waits[j] > latest:
+                    return True
+                j += 1
+        return False
+
+    def _pull_overdue(
+        self, now: float, load: InstanceLoad, inst: InstanceLoad, decisions: list[Decision]
+    ) -> tuple[int, int]:
+        """The starvation guard of ``_pull_ahead``."""
+        limits = self.config.max_wait_s
+        overdue: list[Request] = []
+        for gid in self.queues.queue(inst.name):
+            group = self.grouper.group(gid)
+            limit = limits.get(group.tier)
+            if limit is None:
+                continue
+            for r in group.requests:  # (in arrival order)
+                if now - r.arrival_s < limit:
+                    break
+                overdue.append(r)
+        count = tokens = 0
+        for req in sorted(overdue, key=lambda r: (r.arrival_s, r.id)):
+            need = prompt_tokens(req, self._generated.get(req.id, 0))
+            if not has_room(inst, count, tokens, need):
+                break
+            head = self.queues.head_group(inst.name)
+            of = self.grouper.group_of(req.id)
+            promoted = (
+                of != head or of in self._deferred or self.queues.next_request(inst.name) is not req
+            )
+            self.queues.remove_request(req.id)
+            self._changed = True
+            self._remember(now, load, req)
+            count += 1
+            tokens += need
+            self._inflight[inst.name][req.id] = _Inflight(req, now, self._generated.get(req.id, 0))
+            decisions.append(Pull(req.id, inst.name, overdue=promoted))
+        return count, tokens
+
+    def _slot_waits(self, now: float, load: InstanceLoad) -> list[float]:
+        """Seconds until the 1st, 2nd, … slot of the instance frees (a running request
+        completes), at the pace of its last ``RECENT_FINISHES`` completions (the time since the
+        oldest of them over their number); before it has had 4, each running request completes
+        at the rate ``1 / remaining`` (its expected remaining output at the batch's time per
+        token), so the k-th completion comes after ``k / Σ 1/remaining``."""
+        running = self._inflight.get(load.name, {})
+        n_run = max(len(running), load.outstanding_requests)
+        slots = n_run + MAX_LINE  # (the requests pulled meanwhile complete at the same pace)
+        recent = self._finishes.get(load.name)
+        if recent is not None and len(recent) >= 4:
+            gap = max(now - recent[0], 0.0) / len(recent)
+            return [(k + 1) * gap for k in range(slots)]
+        if not running:
+            return []  # nothing known of its pace
+        eps_f = self.estimator.calibration_factors(load.name)[1]
+        rate = 0.0
+        for item in running.values():
+            hw = self.estimator.profile.hardware_for(item.request.model, load.gpu, load.gpu_count)
+            per_token = hw.decode_s(n_run) * hw.inefficiency * eps_f
+            done = item.generated + int(max(0.0, now - item.pulled_s) / per_token)
+            left, _ = self.estimator.output_moments(
+                item.request, min(done, item.request.max_tokens - 1)
+            )
+            rate += 1.0 / max(left * per_token, per_token)
+        return [(k + 1) / rate for k in range(slots)]
 
     @staticmethod
     def _estimator_instance(load: InstanceLoad) -> EstimatorInstance:

@@ -87,7 +87,9 @@ def edf_plan(problem: PlanProblem) -> Plan:
 
 
 def _by_deadline(problem: PlanProblem, groups: Iterable[int]) -> list[int]:
-    return sorted(groups, key=lambda i: (problem.deadline[i], i))
+    """Earliest deadline first: end-to-end or first-token, whichever is earlier."""
+    due = problem.due
+    return sorted(groups, key=lambda i: (due[i], i))
 
 
 def append_edf(problem: PlanProblem, queues: list[list[int]], groups: Sequence[int]) -> None:
@@ -131,7 +133,7 @@ def _insertion_positions(length: int, limit: int, hint: int) -> np.ndarray:
 
 
 def _deadline_slot(problem: PlanProblem, order: Sequence[int], x: int) -> int:
-    dl = problem.deadline
+    dl = problem.due
     return int(np.searchsorted(dl[np.asarray(order, np.int64)], dl[x])) if order else 0
 
 
@@ -508,7 +510,8 @@ def capacity_needed(
     """By how much the fleet's throughput would have to grow for an EDF plan to meet every chance
     constraint that any capacity can meet (1.0: it already does), within 2 %. ``None`` if even
     ``limit`` times the capacity is not enough. Groups whose latency floor alone misses the
-    deadline are left out: more instances cannot help them.
+    deadline, or whose first token misses its deadline even if pulled now, are left out: more
+    instances cannot help them.
 
     ``hint`` (the last plan's answer) brackets the search around it: a few EDF plans instead of a
     dozen when the answer moved little, and within the same 2 %.
@@ -535,7 +538,9 @@ def _capacity_search(
     ok = (problem.ready[None, :, None] + problem.floor <= problem.deadline[:, None, None]).sum(
         axis=2
     )
-    helpable = (ok >= problem.required_ok).any(axis=1)
+    # (and whose first token, were it pulled now, is in time)
+    first_ok = problem.ttft_now_pad[: len(problem.groups)] <= 0.0
+    helpable = ((ok >= problem.required_ok) & first_ok).any(axis=1)
 
     def meets(alpha: float) -> bool:
         if deadline is not None:

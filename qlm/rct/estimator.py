@@ -184,20 +184,24 @@ class GroupLoad:
     last_output_mean: float  # the last request's expected output (Eq. 5)
     last_output_var: float
     last_input_tokens: int
+    earliest_ttft_deadline_s: float = math.inf  # of the requests with a TTFT SLO (inf: none)
+    first_input_tokens: int = 0  # the prompt of the request served first
 
 
 @dataclass(frozen=True, slots=True)
 class _GroupSums:
     """What ``group_load`` needs of a group's requests besides the beliefs: prompt tokens, the
-    earliest deadline, and how many requests share each belief lookup (one request of each)."""
+    earliest deadline and TTFT deadline, and how many requests share each belief lookup (one
+    request of each)."""
 
     inputs: int
     earliest: float
     lookups: tuple[tuple[Request, int], ...]
+    earliest_ttft: float = math.inf
 
 
 def _group_sums(requests: Sequence[Request], key: Callable[[Request], Hashable]) -> _GroupSums:
-    inputs, earliest = 0, math.inf
+    inputs, earliest, earliest_ttft = 0, math.inf, math.inf
     counts: dict[Hashable, list[Any]] = {}
     for r in requests:
         k = key(r)
@@ -210,7 +214,9 @@ def _group_sums(requests: Sequence[Request], key: Callable[[Request], Hashable])
         deadline = r.arrival_s + r.slo.e2e_s  # (Request.deadline_s)
         if deadline < earliest:
             earliest = deadline
-    return _GroupSums(inputs, earliest, tuple((r, n) for r, n in counts.values()))
+        if r.slo.ttft_s is not None and r.arrival_s + r.slo.ttft_s < earliest_ttft:
+            earliest_ttft = r.arrival_s + r.slo.ttft_s
+    return _GroupSums(inputs, earliest, tuple((r, n) for r, n in counts.values()), earliest_ttft)
 
 
 @dataclass(slots=True)
@@ -707,6 +713,8 @@ class RCTEstimator:
             last_output_mean=lm,
             last_output_var=lv,
             last_input_tokens=last.input_tokens,
+            earliest_ttft_deadline_s=sums.earliest_ttft,
+            first_input_tokens=requests[0].input_tokens,
         )
 
     def _lookup_key(self, r: Request) -> Hashable:

@@ -36,6 +36,7 @@ from qlm.domain import (
     InstanceSpec,
     ModelTier,
     PlanRecord,
+    Pull,
     Reject,
     Request,
     RequestRecord,
@@ -81,6 +82,7 @@ class SimResult:
     summary: dict[str, Any]
     memory: MemoryTimeline = field(repr=False)
     plans: tuple[PlanRecord, ...] = field(default=(), repr=False)  # the policy's, in order
+    overdue_pulls: int = 0  # pulls the policy made ahead of its order for waiting too long
 
 
 def build_engines(
@@ -136,6 +138,7 @@ class ClusterSimulation:
         self._seq = 0
         self.controller = Controller(policy, self.specs)
         self.plans: list[PlanRecord] = []  # every plan the policy made, from the steps' outputs
+        self.overdue_pulls = 0  # ``Pull.overdue`` decisions
         self.executor = Executor()
         self._up = [True] * len(self.engines)
         self._weights = [
@@ -208,7 +211,13 @@ class ClusterSimulation:
         )
         summary["policy"] = self.policy.name
         return SimResult(
-            self.policy.name, self.specs, records, summary, self.memory, tuple(self.plans)
+            self.policy.name,
+            self.specs,
+            records,
+            summary,
+            self.memory,
+            tuple(self.plans),
+            self.overdue_pulls,
         )
 
     # --- event handling --------------------------------------------------------------------------
@@ -275,6 +284,8 @@ class ClusterSimulation:
         output = self.controller.step(now, views)
         self.plans += output.plans
         for decision in output.decisions:
+            if isinstance(decision, Pull) and decision.overdue:
+                self.overdue_pulls += 1
             self._apply(decision, now)
 
     def _apply(self, decision: Decision, now: float) -> None:

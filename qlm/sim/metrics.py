@@ -108,6 +108,30 @@ def _attainment_by(
     }
 
 
+def ttft_met(record: RequestRecord) -> bool | None:
+    """Whether the request had its first token within its TTFT SLO (None: it has none)."""
+    slo = record.request.slo.ttft_s
+    if slo is None:
+        return None
+    return record.ttft_s is not None and record.ttft_s <= slo
+
+
+def _with_ttft_attainment(
+    by_class: dict[str, dict[str, float]], records: Sequence[RequestRecord]
+) -> dict[str, dict[str, float]]:
+    """``ttft_attainment`` of each class some of whose requests have a TTFT SLO: the share of
+    those requests that had their first token in time (a request that never did missed it)."""
+    judged: dict[str, list[bool]] = defaultdict(list)
+    for r in records:
+        met = ttft_met(r)
+        if met is not None:
+            judged[r.request.slo_class].append(met)
+    for name, hits in judged.items():
+        by_class[name]["ttft_requests"] = len(hits)
+        by_class[name]["ttft_attainment"] = sum(hits) / len(hits)
+    return by_class
+
+
 def summarize(
     records: Sequence[RequestRecord],
     *,
@@ -126,7 +150,9 @@ def summarize(
         "finished": len(finished),
         "failed": sum(r.status is RequestStatus.FAILED for r in records),
         "slo_attainment": (sum(r.slo_met for r in records) / n) if n else None,
-        "slo_attainment_by_class": _attainment_by(records, lambda r: r.request.slo_class),
+        "slo_attainment_by_class": _with_ttft_attainment(
+            _attainment_by(records, lambda r: r.request.slo_class), records
+        ),
         "slo_attainment_by_tier": _attainment_by(records, lambda r: r.request.tier.name.lower()),
         "slo_attainment_by_model": _attainment_by(records, lambda r: r.request.model),
         "makespan_s": makespan,

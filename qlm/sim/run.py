@@ -8,18 +8,18 @@ requests before it starts; ``run_simulation`` builds and runs it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 from qlm.domain import InstanceSpec, Request
-from qlm.errors import QLMError
+from qlm.errors import QLMError, WorkloadError
 from qlm.fleet import parse_instances
 from qlm.planner import PlannerConfig, Policy, create_policy
 from qlm.rct.profile import RctProfile, default_profile
 from qlm.sim.cluster import SimResult, simulate
 from qlm.sim.traces import load_lengths, load_trace, scale_rate, synthetic, window
-from qlm.sim.workload import create_workload
+from qlm.sim.workload import create_workload, preset_spec, with_ttft
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,11 +29,12 @@ class Simulation:
     requests: Sequence[Request]
     instances: Sequence[InstanceSpec]
     policy: Policy
+    max_wait: bool = False  # the policy has a starvation guard (its promotions are reported)
 
     def run(self, progress: Callable[[int, int], None] | None = None) -> SimResult:
         """Replay the requests; ``progress(done, total)`` is called as requests finish."""
         result = simulate(self.requests, self.instances, self.policy, progress=progress)
-        return with_planner_summary(result)
+        return with_planner_summary(result, max_wait=self.max_wait)
 
 
 def prepare_simulation(
@@ -52,12 +53,20 @@ def prepare_simulation(
     cv: float,
     profile: Callable[[], RctProfile] = default_profile,
     planner: PlannerConfig | None = None,
+    ttft_slo: Mapping[str, float] | None = None,
 ) -> Simulation:
     """The run ``qlm simulate`` describes: the trace window (or ``synthetic_rate`` arrivals with
     the lengths of ``trace``), the workload preset's requests, the fleet and the policy.
     ``profile`` gives the estimator's profile, read once the trace, the workload and the fleet
     are known to be valid (their errors come first); ``planner``: the ``qlm`` policy's settings
-    (default: ``PlannerConfig.for_simulation()``)."""
+    (default: ``PlannerConfig.for_simulation()``); ``ttft_slo``: time-to-first-token SLOs by SLO
+    class (seconds, scaled by ``slo_scale``), in any workload."""
+    if ttft_slo:
+        classes = preset_spec(workload, slo_scale=slo_scale).slo_classes
+        try:
+            with_ttft(classes, ttft_slo)
+        except WorkloadError as exc:
+            raise WorkloadError(f"--ttft-slo: {exc}") from None
     if synthetic_rate is not None:
         if duration_s is None:
             raise QLMError("--duration is required with --rate (a synthetic workload)")
@@ -76,14 +85,11 @@ def prepare_simulation(
         if start_s > 0 or duration_s is not None:
             end = start_s + duration_s if duration_s is not None else tr.duration_s + 1.0
             tr = window(tr, start_s, end)
-    requests = create_workload(workload, tr, seed=seed, slo_scale=slo_scale)
+    requests = create_workload(workload, tr, seed=seed, slo_scale=slo_scale, ttft_slo=ttft_slo)
     specs = parse_instances(instances)
-    pol = create_policy(
-        policy,
-        profile=profile(),
-        planner=planner or PlannerConfig.for_simulation(),
-    )
-    return Simulation(requests, specs, pol)
+    config = planner or PlannerConfig.for_simulation()
+    pol = create_policy(policy, profile=profile(), planner=config)
+    return Simulation(requests, specs, pol, max_wait=policy == "qlm" and bool(config.max_wait_s))
 
 
 def run_simulation(
@@ -102,6 +108,7 @@ def run_simulation(
     cv: float,
     profile: Callable[[], RctProfile] = default_profile,
     planner: PlannerConfig | None = None,
+    ttft_slo: Mapping[str, float] | None = None,
     progress: Callable[[int, int], None] | None = None,
 ) -> SimResult:
     """``prepare_simulation``, then run it."""
@@ -120,12 +127,15 @@ def run_simulation(
         cv=cv,
         profile=profile,
         planner=planner,
+        ttft_slo=ttft_slo,
     ).run(progress)
 
 
-def with_planner_summary(result: SimResult) -> SimResult:
+def with_planner_summary(result: SimResult, *, max_wait: bool = False) -> SimResult:
     """Add what the planner did (``qlm`` only) to the summary: plans, their status, the groups
-    left at risk and the scale-up signal (capacity needed to meet every SLO)."""
+    left at risk and the scale-up signal (capacity needed to meet every SLO); with
+    ``max_wait`` (a starvation guard is set) the requests it pulled ahead of the plan's order
+    (``max_wait_promoted``)."""
     plans = result.plans
     if plans:
         needed = [p.capacity_needed for p in plans]
@@ -138,4 +148,6 @@ def with_planner_summary(result: SimResult) -> SimResult:
             else max(c for c in needed if c is not None),
             "solve_s_total": sum(p.solve_s for p in plans),
         }
+        if max_wait:
+            result.summary["planner"]["max_wait_promoted"] = result.overdue_pulls
     return result

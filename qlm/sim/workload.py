@@ -34,6 +34,7 @@ The result is sorted by arrival (ties: regular requests first, then by id).
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -285,6 +286,51 @@ def _with_interactive_share(
     )
 
 
+def parse_ttft_slo(text: str) -> dict[str, float]:
+    """``CLASS=SECONDS[,CLASS=SECONDS]`` (``qlm simulate --ttft-slo``) as a mapping; each class
+    once, each value a number of seconds > 0."""
+    out: dict[str, float] = {}
+    for item in text.split(","):
+        name, sep, value = (part.strip() for part in item.partition("="))
+        if not (name and sep and value):
+            raise WorkloadError(f"expected CLASS=SECONDS[,CLASS=SECONDS], got {text!r}")
+        try:
+            seconds = float(value)
+        except ValueError:
+            raise WorkloadError(f"{name}: {value!r} is not a number of seconds") from None
+        if not (math.isfinite(seconds) and seconds > 0):
+            raise WorkloadError(f"{name}: seconds must be > 0, got {value}")
+        if name in out:
+            raise WorkloadError(f"class {name!r} given twice")
+        out[name] = seconds
+    return out
+
+
+def with_ttft(
+    classes: tuple[SLOClass, ...], ttft_slo: Mapping[str, float] | None
+) -> tuple[SLOClass, ...]:
+    """The classes with the TTFT SLOs of ``ttft_slo`` (seconds by class name); a name the
+    classes lack, or a TTFT SLO longer than its class's end-to-end SLO, is an error."""
+    if not ttft_slo:
+        return classes
+    names = [c.name for c in classes]
+    unknown = sorted(set(ttft_slo) - set(names))
+    if unknown:
+        raise WorkloadError(
+            f"no SLO class {', '.join(map(repr, unknown))} in this workload; "
+            f"its classes: {', '.join(names)}"
+        )
+    out = []
+    for c in classes:
+        ttft = ttft_slo.get(c.name)
+        if ttft is not None and ttft > c.e2e_s:
+            raise WorkloadError(
+                f"{c.name}: {ttft:g} s is longer than the class's end-to-end SLO ({c.e2e_s:g} s)"
+            )
+        out.append(c if ttft is None else replace(c, ttft_s=ttft))
+    return tuple(out)
+
+
 def preset_spec(
     name: str,
     *,
@@ -293,6 +339,7 @@ def preset_spec(
     tail_share: float | None = None,
     mega_share: float | None = None,
     max_tokens: int | None = None,
+    ttft_slo: Mapping[str, float] | None = None,
 ) -> WorkloadSpec:
     """The ``WorkloadSpec`` of a named workload (``PRESETS``). SLOs in seconds, end to end.
 
@@ -315,6 +362,8 @@ def preset_spec(
     token, and 300 s is "several minutes". ``slo_scale`` multiplies every SLO (Appendix A.1 sweeps it
     from 1 to 11). ``interactive_share`` sets the interactive class's share and rescales the others
     (paper Figs. 9 and 12 sweep it); ``tail_share`` sets the tail models' total share (Fig. 8).
+    ``ttft_slo`` gives SLO classes a time-to-first-token SLO, in seconds by class name (scaled
+    by ``slo_scale`` like every SLO); none of the presets has one otherwise.
     """
     if name not in PRESETS:
         raise WorkloadError(f"unknown workload {name!r}; known: {', '.join(PRESETS)}")
@@ -343,7 +392,7 @@ def preset_spec(
     return WorkloadSpec(
         name=name,
         models=models,
-        slo_classes=_with_interactive_share(classes, interactive_share),
+        slo_classes=with_ttft(_with_interactive_share(classes, interactive_share), ttft_slo),
         slo_scale=slo_scale,
         max_tokens=max_tokens,
         mega=mega,
@@ -360,6 +409,7 @@ def create_workload(
     tail_share: float | None = None,
     mega_share: float | None = None,
     max_tokens: int | None = None,
+    ttft_slo: Mapping[str, float] | None = None,
 ) -> list[Request]:
     """The requests of a named workload (``preset_spec`` lists the rules) over ``trace``."""
     spec = preset_spec(
@@ -369,5 +419,6 @@ def create_workload(
         tail_share=tail_share,
         mega_share=mega_share,
         max_tokens=max_tokens,
+        ttft_slo=ttft_slo,
     )
     return build_requests(trace, spec, seed=seed)

@@ -229,3 +229,32 @@ def test_the_log_level_is_checked_and_http_clients_log_each_call_only_at_debug(
     finally:
         for name in QUIET_LOGGERS:
             logging.getLogger(name).setLevel(logging.NOTSET)
+
+
+def test_simulate_sets_ttft_slos_per_class_and_reports_their_attainment() -> None:
+    summary = simulate("--policy", "fcfs", "--workload", "wb", "--ttft-slo", "interactive=1.5")
+    by_class = summary["slo_attainment_by_class"]
+    assert isinstance(by_class, dict)
+    chat = by_class["interactive"]
+    assert chat["ttft_requests"] == chat["requests"] and 0 <= chat["ttft_attainment"] <= 1
+    assert "ttft_attainment" not in by_class["batch"]
+    assert "--ttft-slo interactive=1.5" in str(summary["command"])
+    table = runner.invoke(
+        app, ["simulate", *SHORT, "--workload", "wb", "--ttft-slo", "interactive=1.5"]
+    )
+    assert table.exit_code == 0 and "TTFT SLO met, class interactive" in table.stdout
+
+
+def test_a_bad_ttft_slo_is_one_line_naming_the_flag() -> None:
+    for value, needle in {
+        "interactive": "expected CLASS=SECONDS",
+        "interactive=0": "seconds must be > 0",
+        "chat=1": "no SLO class 'chat'",
+        "interactive=25": "longer than the class's end-to-end SLO",
+    }.items():
+        result = runner.invoke(
+            app, ["simulate", "--duration", "10", "--workload", "wb", "--ttft-slo", value]
+        )
+        assert result.exit_code == 1, (value, result.output)
+        lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
+        assert len(lines) == 1 and "--ttft-slo" in lines[0] and needle in lines[0], result.stderr

@@ -55,6 +55,8 @@ def test_planner_settings_are_read_from_the_environment(monkeypatch: pytest.Monk
         ("QLM_PLANNER__GROUP_DELTA", "0"),
         ("QLM_PLANNER__GROUP_DELTA", "inf"),
         ("QLM_PLANNER__GROUP_BATCH_SIZE", "0.5"),
+        ("QLM_PLANNER__MAX_WAIT_S__BATCH", "0"),
+        ("QLM_PLANNER__MAX_WAIT_S__STANDARD", "soon"),
     ],
 )
 def test_a_bad_planner_setting_is_one_line_naming_it(
@@ -109,3 +111,15 @@ def test_api_defaults_the_api_itself_would_refuse_stop_start_up(
     monkeypatch.setenv(name, value)
     with pytest.raises(ConfigError, match=named):
         get_settings()
+
+
+def test_the_maximum_wait_is_set_per_tier_and_unset_by_default(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert PlannerConfig().max_wait_s == {}
+    monkeypatch.setenv("QLM_PLANNER__MAX_WAIT_S__BATCH", "600")
+    monkeypatch.setenv("QLM_PLANNER__MAX_WAIT_S__STANDARD", "120.5")
+    config = planner_config(get_settings().planner)
+    assert config.max_wait_s == {Tier.BATCH: 600.0, Tier.STANDARD: 120.5}
+    with pytest.raises(ConfigError, match=r"planner\.max_wait_s\.batch"):
+        PlannerConfig(max_wait_s={Tier.BATCH: 0.0})

@@ -70,3 +70,21 @@ def test_memory_utilisation_is_weighted_by_time() -> None:
     tl.close(20.0)
     assert tl.mean(0) == pytest.approx((0.2 * 5 + 0.6 * 15) / 20)
     assert tl.series(0) == [(0.0, pytest.approx(0.4)), (10.0, pytest.approx(0.6))]
+
+
+def test_ttft_attainment_is_the_share_of_a_classs_requests_with_a_ttft_slo_that_met_it() -> None:
+    records = [
+        finished(0, e2e=5, ttft=1, slo=10, slo_class="chat", ttft_slo=2.0),  # met
+        finished(1, e2e=50, ttft=1, slo=10, slo_class="chat", ttft_slo=2.0),  # met (e2e missed)
+        finished(2, e2e=5, ttft=3, slo=10, slo_class="chat", ttft_slo=2.0),  # missed
+        finished(3, e2e=5, ttft=3, slo=10, slo_class="chat"),  # no TTFT SLO: not counted
+        RequestRecord(
+            request=make_request(4, slo=SLO(10.0, 2.0), slo_class="chat"),
+            status=RequestStatus.FAILED,
+        ),  # never had a first token: missed
+        finished(5, e2e=5, ttft=3, slo=10, slo_class="batch"),
+    ]
+    by_class = summarize(records)["slo_attainment_by_class"]
+    assert by_class["chat"]["ttft_requests"] == 4
+    assert by_class["chat"]["ttft_attainment"] == pytest.approx(0.5)
+    assert "ttft_attainment" not in by_class["batch"]  # none of its requests has a TTFT SLO

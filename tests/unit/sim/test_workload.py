@@ -19,6 +19,7 @@ from qlm.sim.workload import (
     create_workload,
     exact_counts,
     model_context,
+    parse_ttft_slo,
     preset_spec,
 )
 
@@ -299,3 +300,41 @@ def test_exact_counts_add_up_and_follow_the_shares(n: int) -> None:
     assert sum(counts) == n
     for count, share in zip(counts, [0.7, 0.15, 0.1, 0.05], strict=True):
         assert abs(count - share * n) < 1
+
+
+def test_ttft_slos_are_set_per_class_in_any_workload_and_scaled_like_every_slo() -> None:
+    requests = create_workload(
+        "wb", make_trace(100), slo_scale=2.0, ttft_slo={"interactive": 1.5, "batch": 30.0}
+    )
+    ttft = {r.slo_class: r.slo.ttft_s for r in requests}
+    assert ttft == {"interactive": 3.0, "standard": None, "batch": 60.0}
+    plain = create_workload("wb", make_trace(100), slo_scale=2.0)
+    assert [r.id for r in plain] == [r.id for r in requests]  # nothing else changes
+    assert all(r.slo.ttft_s is None for r in plain)
+
+
+def test_ttft_slos_name_classes_of_the_workload_and_fit_in_their_end_to_end_slo() -> None:
+    with pytest.raises(WorkloadError, match="no SLO class 'chat' in this workload"):
+        preset_spec("wb", ttft_slo={"chat": 1.0})
+    with pytest.raises(WorkloadError, match="longer than the class's end-to-end SLO"):
+        preset_spec("wb", ttft_slo={"interactive": 25.0})
+
+
+def test_ttft_slo_text_is_class_equals_seconds_separated_by_commas() -> None:
+    assert parse_ttft_slo("interactive=1.5") == {"interactive": 1.5}
+    assert parse_ttft_slo(" interactive = 1.5 , standard=5") == {
+        "interactive": 1.5,
+        "standard": 5.0,
+    }
+    for text, needle in {
+        "interactive": "expected CLASS=SECONDS",
+        "=2": "expected CLASS=SECONDS",
+        "interactive=": "expected CLASS=SECONDS",
+        "interactive=soon": "not a number of seconds",
+        "interactive=0": "seconds must be > 0",
+        "interactive=-1": "seconds must be > 0",
+        "interactive=nan": "seconds must be > 0",
+        "a=1,a=2": "given twice",
+    }.items():
+        with pytest.raises(WorkloadError, match=needle):
+            parse_ttft_slo(text)
