@@ -21,7 +21,8 @@ class DemoSettings(BaseModel):
     trace: str = "azure-conv"
     workload: str = "wb"
     instances: str = "2xA100:llama-3-8b"
-    policy: str = "fcfs"
+    policies: str = "fcfs,qlm"
+    """Policies replayed on the same trace and seed, compared side by side (comma-separated)."""
     duration_s: float = Field(default=300.0, gt=0)
     rate_scale: float = Field(default=3.0, gt=0)
     seed: int = 0

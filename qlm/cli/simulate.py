@@ -7,7 +7,7 @@ import dataclasses
 import json
 import shlex
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
@@ -267,24 +267,36 @@ def _emit(result: SimResult, ctx: typer.Context, *, as_json: bool, out: Path | N
 
 def demo_cmd(
     ctx: typer.Context,
-    as_json: Annotated[bool, typer.Option("--json", help="Print the summary as JSON.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the summaries as JSON.")] = False,
 ) -> None:
-    """The main job on embedded defaults: a short replay of a real trace on simulated instances.
+    """The main job on embedded defaults: a short replay of a real trace on simulated instances,
+    under FCFS (what vLLM does alone) and under QLM, on the same seed, side by side.
 
-    Settings come from QLM_DEMO__* (trace, workload, instances, policy, duration_s, rate_scale, seed).
+    Settings come from QLM_DEMO__* (trace, workload, instances, policies, duration_s,
+    rate_scale, seed).
     """
 
     from qlm.settings import get_settings
     from qlm.sim.run import prepare_simulation
 
-    def run() -> SimResult:
-        d = get_settings().demo
+    d = guard(lambda: get_settings().demo)
+    policies = [p.strip() for p in d.policies.split(",") if p.strip()]
+    unknown = [p for p in policies if p not in POLICIES]
+    if not policies or unknown or len(set(policies)) < len(policies):
+        fail(
+            f"setting QLM_DEMO__POLICIES: {d.policies!r} is not a comma-separated list of "
+            f"distinct policies among {', '.join(POLICIES)}"
+        )
+
+    def run(policy: str) -> SimResult:
+        if not as_json:
+            err_console.print(f"replaying under [bold]{policy}[/] ...", highlight=False)
         return _run(
             lambda: prepare_simulation(
                 trace=d.trace,
                 workload=d.workload,
                 instances=d.instances,
-                policy=d.policy,
+                policy=policy,
                 seed=d.seed,
                 start_s=0.0,
                 duration_s=d.duration_s,
@@ -299,5 +311,85 @@ def demo_cmd(
             show_progress=not as_json and sys.stderr.isatty(),
         )
 
-    result = guard(run)
-    _emit(result, ctx, as_json=as_json, out=None)
+    results = [guard(lambda p=p: run(p)) for p in policies]  # type: ignore[misc]
+    command = _command_line(ctx)
+    if as_json:
+        out = {
+            "command": command,
+            "policies": {r.policy: r.summary for r in results},
+            "difference": _difference(results[0].summary, results[-1].summary)
+            if len(results) > 1
+            else {},
+        }
+        sys.stdout.write(json.dumps(out, indent=2, sort_keys=True) + "\n")
+    else:
+        print_comparison(results, command)
+
+
+def _compared(s: dict[str, Any]) -> list[tuple[str, float | None, str]]:
+    """(label, value, unit) of what the demo compares: ``%`` values are shares (0-1)."""
+    rows: list[tuple[str, float | None, str]] = [("SLO attainment", s["slo_attainment"], "%")]
+    shown: list[list[tuple[int, float | None]]] = []
+    for title, key in (("class", "slo_attainment_by_class"), ("tier", "slo_attainment_by_tier")):
+        parts = sorted((v["requests"], v["slo_attainment"]) for v in s[key].values())
+        if len(s[key]) > 1 and parts not in shown:  # (a workload whose classes are its tiers)
+            shown.append(parts)
+            for name, v in s[key].items():
+                rows.append(
+                    (f"  {title} {name} ({v['requests']} requests)", v["slo_attainment"], "%")
+                )
+    rows += [
+        ("throughput (req/s)", s["throughput_rps"], ""),
+        ("TTFT p50 (s)", s["ttft_s"]["p50"], "s"),
+        ("TTFT p99 (s)", s["ttft_s"]["p99"], "s"),
+        ("end-to-end p50 (s)", s["e2e_s"]["p50"], "s"),
+        ("end-to-end p99 (s)", s["e2e_s"]["p99"], "s"),
+        ("queueing p99 (s)", s["queue_s"]["p99"], "s"),
+    ]
+    return rows
+
+
+def _difference(first: dict[str, Any], last: dict[str, Any]) -> dict[str, float | None]:
+    """The last policy's figures minus the first's (attainment in percentage points)."""
+    out: dict[str, float | None] = {}
+    for (label, a, unit), (_, b, _) in zip(_compared(first), _compared(last), strict=True):
+        if a is None or b is None:
+            out[label.strip()] = None
+        else:
+            out[label.strip()] = (b - a) * (100.0 if unit == "%" else 1.0)
+    return out
+
+
+def print_comparison(results: Sequence[SimResult], command: str) -> None:
+    """The policies' figures side by side (and the last one's difference from the first)."""
+    from rich.table import Table
+
+    if len(results) == 1:
+        print_summary(results[0], command)
+        return
+    s0 = results[0].summary
+    table = Table(
+        title=f"QLM demo — {s0['requests']} requests of a real trace on simulated instances",
+        title_justify="left",
+    )
+    table.add_column("metric")
+    for r in results:
+        table.add_column(r.policy, justify="right")
+    first, last = results[0].policy, results[-1].policy
+    table.add_column(f"{last} − {first}", justify="right")
+    rows = [_compared(r.summary) for r in results]
+    diff = _difference(results[0].summary, results[-1].summary)
+    for k, (label, _, unit) in enumerate(rows[0]):
+        values = [_fmt(row[k][1], pct=unit == "%") for row in rows]
+        d = diff[label.strip()]
+        shown = "—" if d is None else f"{d:+.1f} pt" if unit == "%" else f"{d:+.2f}"
+        bold = label == "SLO attainment"
+        cells = [f"[bold]{v}[/]" if bold else v for v in [*values, shown]]
+        table.add_row(f"[bold]{label}[/]" if bold else label, *cells)
+    console.print(table)
+    console.print(
+        "[dim]Same trace, seed and fleet for every policy. fcfs: vLLM's own first-come-first-served "
+        "queue; qlm: request groups, the completion-time estimator and the planner.[/]",
+        highlight=False,
+    )
+    console.print(f"[dim]reproduce: {escape(command)}[/]", highlight=False, soft_wrap=True)

@@ -99,12 +99,28 @@ def test_sim_engine_serve_schedules_as_vllm_serve_does(monkeypatch) -> None:  # 
     assert bad.exit_code == 1 and "--scheduling-policy must be fcfs or priority" in bad.stderr
 
 
-def test_demo_runs_on_embedded_defaults_and_reads_its_settings(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_demo_compares_fcfs_and_qlm_on_embedded_defaults_and_reads_its_settings(
+    monkeypatch,
+) -> None:  # type: ignore[no-untyped-def]
     monkeypatch.setenv("QLM_DEMO__DURATION_S", "30")
     result = runner.invoke(app, ["demo", "--json"])
     assert result.exit_code == 0, result.output
-    summary = json.loads(result.stdout)
-    assert summary["requests"] > 0 and summary["slo_attainment"] is not None
+    out = json.loads(result.stdout)
+    fcfs, qlm = out["policies"]["fcfs"], out["policies"]["qlm"]
+    assert fcfs["requests"] == qlm["requests"] > 0  # the same replay
+    assert fcfs["policy"] == "fcfs" and qlm["policy"] == "qlm"
+    gain = (qlm["slo_attainment"] - fcfs["slo_attainment"]) * 100
+    assert out["difference"]["SLO attainment"] == pytest.approx(gain)
+    table = runner.invoke(app, ["demo"])
+    assert table.exit_code == 0 and "qlm − fcfs" in table.stdout and " pt" in table.stdout
+    monkeypatch.setenv("QLM_DEMO__POLICIES", "fcfs")
+    alone = json.loads(runner.invoke(app, ["demo", "--json"]).stdout)
+    assert list(alone["policies"]) == ["fcfs"] and alone["difference"] == {}
+    for bad_value in ("fcfs,lifo", "", "qlm,qlm"):
+        monkeypatch.setenv("QLM_DEMO__POLICIES", bad_value)
+        bad = runner.invoke(app, ["demo"])
+        assert bad.exit_code == 1 and "QLM_DEMO__POLICIES" in bad.stderr
+    monkeypatch.setenv("QLM_DEMO__POLICIES", "fcfs")
     monkeypatch.setenv("QLM_DEMO__DURATION_S", "-5")
     bad = runner.invoke(app, ["demo"])
     assert bad.exit_code == 1 and "QLM_DEMO__DURATION_S" in bad.stderr
