@@ -113,6 +113,24 @@ class PlannerSettings(BaseModel):
     """The starvation guard, per tier (``MaxWaitSettings``)."""
 
 
+class BaselineSettings(BaseModel):
+    """The baseline policies' parameters (``QLM_BASELINES__*``; docs/planner.md)."""
+
+    priority_preempt: bool = True
+    """``priority``: a waiting request of a more urgent tier preempts a running one."""
+    proserve_alpha: float = Field(default=0.9, gt=0, le=1)
+    proserve_mu: float = Field(default=0.1, ge=0)
+    proserve_lam: float = Field(default=0.7, ge=0, le=1)
+    proserve_gamma: float = Field(default=1.0, gt=0)
+    shepherd_batch_size: Annotated[int | None, BeforeValidator(_unset_if_empty)] = Field(
+        default=None, ge=1
+    )
+    """``shepherd``: a fixed batch size; unset (or empty): SHEPHERD's rule at each round (the size
+    whose batch makes the most deadlines per second)."""
+    shepherd_max_batches: int = Field(default=4, ge=1)
+    shepherd_time_limit_s: float = Field(default=0.25, gt=0)
+
+
 class ApiSettings(BaseModel):
     """The REST API (``qlm api``, ``qlm serve``): where it listens, who may call it, and the limits
     it enforces (docs/api.md). Rates and limits are per tenant; the token bucket is per replica."""
@@ -224,6 +242,7 @@ class Settings(BaseSettings):
     shipped profile alone."""
     controller: ControllerSettings = ControllerSettings()
     planner: PlannerSettings = PlannerSettings()
+    baselines: BaselineSettings = BaselineSettings()
     api: ApiSettings = ApiSettings()
     demo: DemoSettings = DemoSettings()
 

@@ -1,5 +1,5 @@
 """What the settings build, for the service and the CLI: the planner's configuration
-(``QLM_PLANNER__*``) and the estimator's profile (``QLM_PROFILE_FILE`` over the shipped one).
+(``QLM_PLANNER__*``), the baselines' parameters (``QLM_BASELINES__*``) and the estimator's profile (``QLM_PROFILE_FILE`` over the shipped one).
 ``qlm.settings`` holds the values and their validation; the objects they stand for are built here,
 above the planner and the estimator."""
 
@@ -10,11 +10,11 @@ import dataclasses
 from qlm.agents.decide import AgentConfig
 from qlm.domain import Tier
 from qlm.errors import ConfigError
-from qlm.planner import PlannerConfig
+from qlm.planner import BaselineConfig, PlannerConfig
 from qlm.planner.config import DEFAULT_GROUPING, DEFAULT_TIER_WEIGHTS
 from qlm.planner.solve import Budget
 from qlm.rct.profile import RctProfile, default_profile, parse_profile
-from qlm.settings import PlannerSettings, Settings
+from qlm.settings import BaselineSettings, PlannerSettings, Settings
 
 
 def planner_config(settings: PlannerSettings) -> PlannerConfig:
@@ -42,6 +42,11 @@ def planner_config(settings: PlannerSettings) -> PlannerConfig:
             Tier[t.upper()]: s for t, s in settings.max_wait_s.model_dump().items() if s is not None
         },
     )
+
+
+def baseline_config(settings: BaselineSettings) -> BaselineConfig:
+    """The baselines' parameters the ``QLM_BASELINES__*`` settings stand for."""
+    return BaselineConfig(**settings.model_dump())
 
 
 def rct_profile(settings: Settings) -> RctProfile:

@@ -17,7 +17,7 @@ from rich.markup import escape
 from qlm.cli.common import console, err_console, fail, guard
 
 if TYPE_CHECKING:
-    from qlm.planner import PlannerConfig
+    from qlm.planner import BaselineConfig, PlannerConfig
     from qlm.rct.profile import RctProfile
     from qlm.sim.cluster import SimResult
     from qlm.sim.run import Simulation
@@ -198,6 +198,7 @@ def simulate_cmd(
                 cv=cv,
                 profile=_settings_profile,
                 planner=_sim_planner(),
+                baselines=_baselines(),
                 ttft_slo=ttft,
             ),
             show_progress=progress and not as_json and sys.stderr.isatty(),
@@ -248,6 +249,14 @@ def _sim_planner() -> PlannerConfig:
 
     config = planner_config(get_settings().planner)
     return dataclasses.replace(config, budget=PlannerConfig.for_simulation().budget)
+
+
+def _baselines() -> BaselineConfig:
+    """The baselines' parameters (``QLM_BASELINES__*``)."""
+    from qlm.settings import get_settings
+    from qlm.wiring import baseline_config
+
+    return baseline_config(guard(get_settings).baselines)
 
 
 def _emit(result: SimResult, ctx: typer.Context, *, as_json: bool, out: Path | None) -> None:
@@ -307,6 +316,7 @@ def demo_cmd(
                 cv=1.0,
                 profile=_settings_profile,
                 planner=_sim_planner(),
+                baselines=_baselines(),
             ),
             show_progress=not as_json and sys.stderr.isatty(),
         )

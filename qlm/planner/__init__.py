@@ -7,7 +7,7 @@ harness, trace and seed. Each policy is pure: ``decide(ctx)`` returns decisions 
 from __future__ import annotations
 
 from qlm.errors import ConfigError
-from qlm.planner.baselines import create_baseline
+from qlm.planner.baselines import BaselineConfig, create_baseline
 from qlm.planner.config import PlannerConfig
 from qlm.planner.policy import Completion, DispatchContext, InstanceLoad, Policy
 from qlm.planner.qlm_policy import QlmPolicy
@@ -16,6 +16,7 @@ from qlm.rct.profile import RctProfile
 __all__ = [
     "POLICIES",
     "PROFILED",
+    "BaselineConfig",
     "Completion",
     "DispatchContext",
     "InstanceLoad",
@@ -31,10 +32,15 @@ PROFILED = ("sedf", "proserve", "shepherd", "qlm")
 
 
 def create_policy(
-    name: str, *, profile: RctProfile | None = None, planner: PlannerConfig | None = None
+    name: str,
+    *,
+    profile: RctProfile | None = None,
+    planner: PlannerConfig | None = None,
+    baselines: BaselineConfig | None = None,
 ) -> Policy:
     """A policy by name (``POLICIES``). ``profile``: the RCT profile policies that estimate use
-    (default: the shipped one); ``planner``: settings of ``qlm``.
+    (default: the shipped one); ``planner``: settings of ``qlm``; ``baselines``: the baselines'
+    parameters.
 
     ``fcfs``/``fcfs-rr``: vLLM as it serves requests (dispatch on arrival, least-loaded or
     round-robin); ``edf``, ``sedf`` (FlowPrefill), ``priority`` (QLLM), ``proserve`` (PROSERVE),
@@ -42,7 +48,7 @@ def create_policy(
     RCT estimator and the stochastic planner (``qlm.planner.qlm_policy``)."""
     if name == "qlm":
         return QlmPolicy(profile, config=planner)
-    policy = create_baseline(name, profile=profile)
+    policy = create_baseline(name, profile=profile, config=baselines)
     if policy is not None:
         return policy
     raise ConfigError(f"unknown policy {name!r}; known: {', '.join(POLICIES)}")

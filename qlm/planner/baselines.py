@@ -25,6 +25,7 @@ from typing import Literal
 import pulp
 
 from qlm.domain import Decision, Pull, Request, Tier
+from qlm.errors import check_setting
 from qlm.planner.policy import (
     Completion,
     DispatchContext,
@@ -344,7 +345,7 @@ class ProservePolicy(_Learns, QueuedPolicy):
     (``load < μ · SLO``) takes the request if there is one, else the *most* loaded that stays under
     ``λ · SLO`` with the request — keeping lighter instances free for later long or high-priority
     requests — else the least loaded; with ``Δ_max ≤ 0`` a random instance (seeded). α, μ, λ, γ are
-    not given in the paper; ours are constructor arguments.
+    not given in the paper; ours are settings (``BaselineConfig``, ``QLM_BASELINES__PROSERVE_*``).
 
     Not reproduced: chunked-prefill batch formation inside the engine (the engine is vLLM, which
     admits in the order pulled), the online correction of the latency model, and the PD-disaggregated
@@ -625,6 +626,10 @@ def solve_batch_ilp(plan: BatchPlanInput, time_limit_s: float) -> dict[int, int]
     return chosen
 
 
+AUTO_BATCH_SIZES = (8, 16, 32, 64, 128, 256)
+"""The batch sizes SHEPHERD's rule chooses from (``ShepherdPolicy._batch_size``)."""
+
+
 class ShepherdPolicy(_Learns, QueuedPolicy):
     """SHEPHERD as the QLM paper runs it as a baseline (QLM §8: "dynamic batching and an ILP
     formulation for ordering and placement ... assumes fixed batches with deterministic execution
@@ -633,7 +638,9 @@ class ShepherdPolicy(_Learns, QueuedPolicy):
     Waiting requests form one earliest-deadline queue per model. When an instance serving the
     model is idle (its previous batch has finished entirely), the earliest ``max_batches ×
     batch_size`` requests are cut, in deadline order, into batches of ``batch_size`` (fewer when
-    fewer wait: dynamic batching does not wait to fill a batch). Each batch's execution time is
+    fewer wait: dynamic batching does not wait to fill a batch); ``batch_size`` is a fixed size,
+    or by default chosen at each round by SHEPHERD's rule (``_batch_size``: the size that makes
+    the most deadlines per second). Each batch's execution time is
     deterministic: the profile's prefill of all its prompts plus its longest expected output
     (estimator mean) decoded at the profile's pace for that batch size. ``build_batch_ilp`` places
     and orders the batches on all instances serving the model (busy ones from the time their batch
@@ -653,13 +660,18 @@ class ShepherdPolicy(_Learns, QueuedPolicy):
         self,
         profile: RctProfile,
         *,
-        batch_size: int = 16,
+        batch_size: int | None = None,
         max_batches: int = 4,
         time_limit_s: float = 0.25,
     ) -> None:
         super().__init__()
+        check_setting(
+            batch_size is None or batch_size >= 1, "shepherd batch size", ">= 1", batch_size
+        )
+        check_setting(max_batches >= 1, "shepherd max batches", ">= 1", max_batches)
+        check_setting(time_limit_s > 0, "shepherd ILP time limit", "> 0", time_limit_s)
         self.estimates = ServiceEstimates(profile)
-        self.batch_size = batch_size
+        self.batch_size = batch_size  # None: chosen at each round (``_batch_size``)
         self.max_batches = max_batches
         self.time_limit_s = time_limit_s
         self._busy_until: dict[str, float] = {}
@@ -678,14 +690,11 @@ class ShepherdPolicy(_Learns, QueuedPolicy):
             free = [s for s in servers if s.name in idle]
             if not free or self.peek(queue) is None:
                 continue
+            size = self.batch_size or self._batch_size(queue, free, ctx.now)
             waiting: list[Request] = []
-            while (
-                len(waiting) < self.max_batches * self.batch_size and self.peek(queue) is not None
-            ):
+            while len(waiting) < self.max_batches * size and self.peek(queue) is not None:
                 waiting.append(self.pop(queue))
-            batches = [
-                waiting[k : k + self.batch_size] for k in range(0, len(waiting), self.batch_size)
-            ]
+            batches = [waiting[k : k + size] for k in range(0, len(waiting), size)]
             chosen = self._plan(batches, servers, ctx.now)
             for load in free:
                 j = chosen.get(load.name)
@@ -711,6 +720,25 @@ class ShepherdPolicy(_Learns, QueuedPolicy):
             else:
                 self.push(request, model_queue(request.model), self.key(request, ctx))
         return started
+
+    def _batch_size(self, queue: str, free: Sequence[InstanceLoad], now: float) -> int:
+        """SHEPHERD's rule for the batch size, at each round: the size (a power of two from
+        ``AUTO_BATCH_SIZES``, within what the free instances run at once) whose batch of the
+        earliest-deadline requests makes the most deadlines per second of its deterministic
+        execution time (goodput rate: batches run one at a time on an instance)."""
+        cap = min((f.max_running or AUTO_BATCH_SIZES[-1]) for f in free)
+        sizes = [b for b in AUTO_BATCH_SIZES if b <= cap] or [AUTO_BATCH_SIZES[0]]
+        head = self.peek_many(queue, sizes[-1])
+        best, best_rate = sizes[0], -1.0
+        for b in sizes:
+            batch = head[:b]
+            if len(batch) < b and b > sizes[0]:
+                break  # no more waiting requests than a smaller batch holds
+            exec_s = max(self._exec_s(batch, free[0]), 1e-9)
+            met = sum(r.deadline_s >= now + exec_s for r in batch)
+            if met / exec_s > best_rate:
+                best, best_rate = b, met / exec_s
+        return best
 
     def _exec_s(self, batch: Sequence[Request], load: InstanceLoad) -> float:
         if not batch:
@@ -744,9 +772,29 @@ class ShepherdPolicy(_Learns, QueuedPolicy):
         return {servers[i].name: j for i, j in chosen.items()}
 
 
-def create_baseline(name: str, *, profile: RctProfile | None = None) -> Policy | None:
-    """The baseline called ``name`` (``None`` if there is none); ``profile`` defaults to the
-    shipped RCT profile, for the policies that estimate service times."""
+@dataclass(frozen=True, slots=True)
+class BaselineConfig:
+    """Every baseline's parameters (``QLM_BASELINES__*``): PROSERVE's (``ProservePolicy``), the
+    priority policy's preemption, SHEPHERD's batch size (None: its own rule at each round),
+    batches planned at once and ILP time limit."""
+
+    priority_preempt: bool = True
+    proserve_alpha: float = 0.9
+    proserve_mu: float = 0.1
+    proserve_lam: float = 0.7
+    proserve_gamma: float = 1.0
+    shepherd_batch_size: int | None = None
+    shepherd_max_batches: int = 4
+    shepherd_time_limit_s: float = 0.25
+
+
+def create_baseline(
+    name: str, *, profile: RctProfile | None = None, config: BaselineConfig | None = None
+) -> Policy | None:
+    """The baseline called ``name`` (``None`` if there is none) with ``config``'s parameters;
+    ``profile`` defaults to the shipped RCT profile, for the policies that estimate service
+    times."""
+    c = config or BaselineConfig()
     if name == "fcfs":
         return FcfsDispatch(dispatch="least-loaded")
     if name == "fcfs-rr":
@@ -754,12 +802,23 @@ def create_baseline(name: str, *, profile: RctProfile | None = None) -> Policy |
     if name == "edf":
         return EdfPolicy()
     if name == "priority":
-        return PriorityPolicy()
+        return PriorityPolicy(preempt=c.priority_preempt)
     if name in ("sedf", "proserve", "shepherd"):
         profile = profile or default_profile()
         if name == "sedf":
             return SlackEdfPolicy(profile)
         if name == "proserve":
-            return ProservePolicy(profile)
-        return ShepherdPolicy(profile)
+            return ProservePolicy(
+                profile,
+                alpha=c.proserve_alpha,
+                mu=c.proserve_mu,
+                lam=c.proserve_lam,
+                gamma=c.proserve_gamma,
+            )
+        return ShepherdPolicy(
+            profile,
+            batch_size=c.shepherd_batch_size,
+            max_batches=c.shepherd_max_batches,
+            time_limit_s=c.shepherd_time_limit_s,
+        )
     return None

@@ -175,6 +175,11 @@ class QueuedPolicy(PolicyBase):
         head = self._head(queue)
         return None if head is None else head[2]
 
+    def peek_many(self, queue: str, n: int) -> list[Request]:
+        """The first ``n`` waiting requests of ``queue``, in order, left in place."""
+        live = (e for e in self._queues.get(queue, ()) if self._live.get(e[2]) == (queue, e[1]))
+        return [self.requests[rid] for _, _, rid in heapq.nsmallest(n, live)]
+
     def pop(self, queue: str) -> Request:
         """Remove and return the head of ``queue`` (which must not be empty)."""
         self._head(queue)

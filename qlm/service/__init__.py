@@ -29,7 +29,7 @@ from qlm.service.instances import (
 from qlm.service.runtime import AgentRuntime
 from qlm.settings import Settings
 from qlm.store import Store
-from qlm.wiring import planner_config, rct_profile
+from qlm.wiring import baseline_config, planner_config, rct_profile
 
 __all__ = ["ControllerService", "build_controller", "instance_configs", "run_controller"]
 
@@ -79,7 +79,12 @@ def build_controller(
                         else ""
                     )
                     raise ConfigError(f"instance {spec.name!r}: {exc}{fix}") from None
-    policy = create_policy(cs.policy, profile=profile, planner=planner_config(settings.planner))
+    policy = create_policy(
+        cs.policy,
+        profile=profile,
+        planner=planner_config(settings.planner),
+        baselines=baseline_config(settings.baselines),
+    )
     runtime = AgentRuntime(
         Controller(policy, specs),
         build_engines(configs, time_scale=cs.sim_time_scale),

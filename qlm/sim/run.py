@@ -15,7 +15,7 @@ from typing import Literal
 from qlm.domain import InstanceSpec, Request
 from qlm.errors import QLMError, WorkloadError
 from qlm.fleet import parse_instances
-from qlm.planner import PlannerConfig, Policy, create_policy
+from qlm.planner import BaselineConfig, PlannerConfig, Policy, create_policy
 from qlm.rct.profile import RctProfile, default_profile
 from qlm.sim.cluster import SimResult, simulate
 from qlm.sim.traces import load_lengths, load_trace, scale_rate, synthetic, window
@@ -54,13 +54,15 @@ def prepare_simulation(
     profile: Callable[[], RctProfile] = default_profile,
     planner: PlannerConfig | None = None,
     ttft_slo: Mapping[str, float] | None = None,
+    baselines: BaselineConfig | None = None,
 ) -> Simulation:
     """The run ``qlm simulate`` describes: the trace window (or ``synthetic_rate`` arrivals with
     the lengths of ``trace``), the workload preset's requests, the fleet and the policy.
     ``profile`` gives the estimator's profile, read once the trace, the workload and the fleet
     are known to be valid (their errors come first); ``planner``: the ``qlm`` policy's settings
     (default: ``PlannerConfig.for_simulation()``); ``ttft_slo``: time-to-first-token SLOs by SLO
-    class (seconds, scaled by ``slo_scale``), in any workload."""
+    class (seconds, scaled by ``slo_scale``), in any workload; ``baselines``: the baselines'
+    parameters."""
     if ttft_slo:
         classes = preset_spec(workload, slo_scale=slo_scale).slo_classes
         try:
@@ -88,7 +90,7 @@ def prepare_simulation(
     requests = create_workload(workload, tr, seed=seed, slo_scale=slo_scale, ttft_slo=ttft_slo)
     specs = parse_instances(instances)
     config = planner or PlannerConfig.for_simulation()
-    pol = create_policy(policy, profile=profile(), planner=config)
+    pol = create_policy(policy, profile=profile(), planner=config, baselines=baselines)
     return Simulation(requests, specs, pol, max_wait=policy == "qlm" and bool(config.max_wait_s))
 
 

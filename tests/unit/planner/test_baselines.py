@@ -11,8 +11,10 @@ import pytest
 from builders import make_catalog, make_profile, make_request
 
 from qlm.domain import SLO, Decision, Evict, InstanceSpec, Pull, Request, RequestStatus, Tier
+from qlm.errors import ConfigError
 from qlm.planner import PlannerConfig, QlmPolicy, create_policy
 from qlm.planner.baselines import (
+    AUTO_BATCH_SIZES,
     BatchPlanInput,
     PriorityPolicy,
     ProservePolicy,
@@ -22,7 +24,10 @@ from qlm.planner.baselines import (
     solve_batch_ilp,
 )
 from qlm.planner.policy import Completion, DispatchContext, InstanceLoad, Policy
+from qlm.planner.queued import model_queue
+from qlm.settings import get_settings
 from qlm.sim.cluster import ClusterSimulation
+from qlm.wiring import baseline_config
 
 NAMES = ("fcfs", "fcfs-rr", "edf", "sedf", "priority", "proserve", "shepherd")
 PROFILE = make_profile()
@@ -188,6 +193,51 @@ def test_shepherd_runs_fixed_batches_one_at_a_time() -> None:
     rest = DispatchContext(3.0, (), (load(max_running=64),), finished=tuple(done[3:]))
     second = pulls(policy.decide(rest))
     assert len(second) == 4 and not set(second) & set(first)
+
+
+def test_shepherd_chooses_the_batch_size_that_makes_the_most_deadlines_per_second() -> None:
+    idle = load(max_running=256)
+
+    def queued(reqs: list[Request]) -> ShepherdPolicy:
+        policy = ShepherdPolicy(PROFILE)  # no fixed size: its rule at each round
+        for r in reqs:
+            policy.push(r, model_queue(r.model), policy.key(r, ctx(0.0, [], idle)))
+        return policy
+
+    def rate(policy: ShepherdPolicy, batch: list[Request]) -> float:
+        exec_s = policy._exec_s(batch, idle)
+        return sum(r.deadline_s >= exec_s for r in batch) / exec_s
+
+    loose = [make_request(i, arrival_s=0.0, slo=SLO(e2e_s=600.0 + i)) for i in range(300)]
+    policy = queued(loose)
+    chosen = policy._batch_size(model_queue("m"), [idle], now=0.0)
+    rates = {b: rate(policy, loose[:b]) for b in AUTO_BATCH_SIZES}
+    assert rates[chosen] == max(rates.values())
+    assert chosen > AUTO_BATCH_SIZES[0]  # every deadline is loose: a larger batch serves more
+    # Deadlines a large batch would miss: a smaller one makes more of them per second.
+    tight = [make_request(i, arrival_s=0.0, slo=SLO(e2e_s=4.0)) for i in range(300)]
+    policy = queued(tight)
+    small = policy._batch_size(model_queue("m"), [idle], now=0.0)
+    assert small < chosen
+    assert rate(policy, tight[:small]) == max(rate(policy, tight[:b]) for b in AUTO_BATCH_SIZES)
+    # Never more than the instance runs at once.
+    assert queued(loose)._batch_size(model_queue("m"), [load(max_running=16)], 0.0) <= 16
+
+
+def test_every_baseline_parameter_is_a_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("QLM_BASELINES__SHEPHERD_BATCH_SIZE", "64")
+    monkeypatch.setenv("QLM_BASELINES__PROSERVE_ALPHA", "0.5")
+    monkeypatch.setenv("QLM_BASELINES__PRIORITY_PREEMPT", "false")
+    config = baseline_config(get_settings().baselines)
+    shepherd = create_policy("shepherd", baselines=config)
+    proserve = create_policy("proserve", baselines=config)
+    priority = create_policy("priority", baselines=config)
+    assert isinstance(shepherd, ShepherdPolicy) and shepherd.batch_size == 64
+    assert isinstance(proserve, ProservePolicy) and proserve.alpha == 0.5
+    assert isinstance(priority, PriorityPolicy) and not priority.preempt
+    monkeypatch.setenv("QLM_BASELINES__SHEPHERD_BATCH_SIZE", "0")
+    with pytest.raises(ConfigError, match=r"^setting QLM_BASELINES__SHEPHERD_BATCH_SIZE"):
+        get_settings()
 
 
 def test_shepherd_ilp_skips_a_batch_that_is_already_late() -> None:
