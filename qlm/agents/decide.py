@@ -22,7 +22,8 @@ preempted. For each one the agent chooses:
 
 - **KV swap** (``SwapOut``): copy its KV cache to CPU memory and back later — when moving
   ``(prompt + generated) × KV bytes`` over the host link twice costs less than recomputing them,
-  and the CPU swap space holds it;
+  and the CPU swap space holds it; not for a switch when eviction is allowed (the swapped cache
+  would wait through two switches, out of the plan, where an evicted request is planned again);
 - **evict** (``Evict``): abort it; it keeps the tokens generated so far and later resumes as
   prompt + partial output (recomputed), back in its group.
 
@@ -175,7 +176,10 @@ def make_room(
     for r in candidates:
         tokens = r.request.input_tokens + r.generated
         size_gb = tokens * costs.kv_bytes_per_token / GB
-        if config.swap and prefers_swap(costs, tokens) and size_gb <= swap_free:
+        # In a switch an evicted request rejoins its group and is planned again; a swapped one
+        # would wait in CPU memory through two switches, out of the plan: swap only for slots.
+        swap = config.swap and not (head.switching and config.evict)
+        if swap and prefers_swap(costs, tokens) and size_gb <= swap_free:
             swap_free -= size_gb
             cost = costs.swap_s(tokens)
             options.append(_Option(r, SwapOut(r.request.id, instance), cost, cost / 2, size_gb))

@@ -87,10 +87,14 @@ def test_the_cost_rule_fires_when_the_head_gains_more_than_the_victims_lose() ->
 
 def test_a_model_switch_preempts_the_long_running_requests_that_hold_it() -> None:
     """The head's model is not active: it starts once the running batch has drained. A long
-    batch request (a mega prompt) holding the drain is swapped out; a short one is left."""
+    batch request (a mega prompt) holding the drain is evicted (swapped when eviction is off);
+    a short one is left."""
     head = HeadGroup("g1", 20.0, 3, 5.0, deadlines=(20.0, 22.0, 25.0), switching=True, switch_s=1.0)
     batch = [running(0, 300.0, remaining_s=60.0), running(1, 300.0, remaining_s=2.0)]
     out = make_room(0.0, "i0", head, 0, batch, COSTS, ON)
+    assert [(type(d), d.request_id) for d in out] == [(Evict, "r0000")]
+    swap_only = AgentConfig(evict=False, min_victim_slack_s=1.0, resume_delay_s=1.0)
+    out = make_room(0.0, "i0", head, 0, batch, COSTS, swap_only)
     assert [(type(d), d.request_id) for d in out] == [(SwapOut, "r0000")]
     # The drain ends in time anyway: nothing to gain.
     short = [running(0, 300.0, remaining_s=5.0), running(1, 300.0, remaining_s=2.0)]
@@ -328,7 +332,7 @@ def test_a_mega_prompt_is_preempted_for_urgent_short_work_of_another_model() -> 
     """W_C in small: a mega prompt (6,000 + 2,000 tokens, batch tier) runs on an instance that
     serves two models; short interactive requests for the other model arrive. Left alone they
     wait for the mega prompt to finish before the model switch and miss; with the agents'
-    operations it is swapped out (or evicted), they meet their SLO, and it still meets its."""
+    operations it is evicted (swapped with eviction off), they meet their SLO, and it still meets its."""
     mega = make_request(
         0,
         model="m",
@@ -356,7 +360,7 @@ def test_a_mega_prompt_is_preempted_for_urgent_short_work_of_another_model() -> 
     for name, agent in (
         ("off", AgentConfig(evict=False, swap=False)),
         ("on", AgentConfig()),
-        ("evict", AgentConfig(swap=False)),
+        ("swap", AgentConfig(evict=False)),
     ):
         config = PlannerConfig.for_simulation(2000, agent=agent, choose_concurrency=False)
         policy = QlmPolicy(LONG_OUTPUTS, config=config, measure_solve_time=False)
@@ -371,5 +375,5 @@ def test_a_mega_prompt_is_preempted_for_urgent_short_work_of_another_model() -> 
         assert all(r.slo_met for r in short) is (name != "off"), name
         assert all(r.slo_met for r in result.records if r.request.tier is Tier.BATCH), name
     assert sum(r.swaps + r.evictions for r in results["off"].records) == 0
-    assert sum(r.swaps for r in results["on"].records) >= 1
-    assert sum(r.evictions for r in results["evict"].records) >= 1
+    assert sum(r.evictions for r in results["on"].records) >= 1
+    assert sum(r.swaps for r in results["swap"].records) >= 1
