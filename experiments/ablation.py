@@ -1,13 +1,13 @@
 """Ablation of the agents' operations (paper Figs. 8–13): QLM with every operation, with
-each one removed, and the FCFS and EDF baselines, on W_A (several models sharing GPUs) and W_B (one
-model, several SLO classes).
+each one removed, and the FCFS and EDF baselines, on W_A (several models sharing GPUs), W_B (one
+model, several SLO classes) and W_C (W_A with mega prompts).
 
 Variants (all on the same trace window, seed and simulated instances):
 
-- ``qlm-all``: warm start, eviction and KV swap on (the planner as always);
+- ``qlm-all``: the shipped defaults: warm start, eviction and KV swap on;
 - ``qlm-no-warm``: no CPU memory for warm models (every switch loads from disk);
 - ``qlm-no-evict``: KV swap only; ``qlm-no-swap``: eviction only;
-- ``qlm-default``: the shipped defaults (warm start on, eviction and swap off);
+- ``qlm-no-preempt``: neither eviction nor KV swap;
 - ``fcfs`` (vLLM as deployed: the engine switches models first come first served), ``edf``.
 
 Prints SLO attainment and throughput per workload and variant and writes
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -34,13 +35,13 @@ from qlm.sim.traces import load_trace, scale_rate, window
 from qlm.sim.workload import create_workload
 
 RESULTS = Path(__file__).resolve().parent / "results"
-ALL = AgentConfig(evict=True, swap=True, warm_start=True)
+ALL = AgentConfig()
 VARIANTS: dict[str, tuple[str, AgentConfig | None, dict[str, Any]]] = {
     "qlm-all": ("qlm", ALL, {}),
     "qlm-no-warm": ("qlm", ALL, {"cpu_model_cache_gb": 0.0}),
     "qlm-no-evict": ("qlm", AgentConfig(evict=False, swap=True), {}),
     "qlm-no-swap": ("qlm", AgentConfig(evict=True, swap=False), {}),
-    "qlm-default": ("qlm", AgentConfig(), {}),
+    "qlm-no-preempt": ("qlm", AgentConfig(evict=False, swap=False), {}),
     "fcfs": ("fcfs", None, {}),
     "edf": ("edf", None, {}),
 }
@@ -49,6 +50,7 @@ WORKLOADS = {
     # weights alone are 140 GB), so it gets a 2-GPU instance.
     "wa": ("2xA100:llama-3-8b+llama-2-7b+llama-2-13b,1xA100/2:llama-2-70b", 0.5),
     "wb": ("1xA100:llama-3-8b", 1.8),
+    "wc": ("2xA100:llama-3-8b+llama-2-7b+llama-2-13b,1xA100/2:llama-2-70b", 0.5),
 }
 
 
@@ -82,10 +84,10 @@ def run_one(job: tuple[str, str, float, float, int]) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--workloads", default="wa,wb")
+    ap.add_argument("--workloads", default="wa,wb,wc")
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--end", type=float, default=900.0, help="seconds of the trace to replay")
-    ap.add_argument("--rates", default="", help="e.g. wa=0.5,wb=1.8 (default: per workload)")
+    ap.add_argument("--rates", default="", help="e.g. wa=0.5,wb=1.8,wc=0.5 (default: per workload)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--name", default="ablation")
@@ -117,8 +119,18 @@ def main(argv: list[str] | None = None) -> int:
         argv if argv is not None else sys.argv[1:]
     )
     out = RESULTS / f"{args.name}.json"
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"],
+        cwd=RESULTS,
+        capture_output=True,
+        text=True,
+        check=False,
+    ).stdout.strip()
     out.write_text(
-        json.dumps({"command": command.strip(), "args": vars(args), "rows": rows}, indent=1)
+        json.dumps(
+            {"command": command.strip(), "commit": commit, "args": vars(args), "rows": rows},
+            indent=1,
+        )
     )
     plot(rows, RESULTS / f"{args.name}.png")
     print(f"\nwrote {out} and {out.with_suffix('.png')}")

@@ -101,8 +101,8 @@ class PlannerSettings(BaseModel):
     rate_window_s: float = Field(default=60.0, gt=0)
     choose_concurrency: bool = True
     warm_start: bool = True
-    evict: bool = False
-    swap: bool = False
+    evict: bool = True
+    swap: bool = True
     solver: Literal["auto", "cbc", "highs"] = "auto"
     """The MILP's solver (small problems only, docs/planner.md): HiGHS when installed, else CBC."""
     group_delta: float = Field(default=4.0, gt=0, allow_inf_nan=False)

@@ -1,21 +1,36 @@
-"""What an agent does for the head of its virtual queue when the instance is full (§5, Insight 2).
+"""What an agent does for the head of its virtual queue when the instance is busy (§5, Insight 2).
 
 *Pull* (admit the head group's next request while there is room) is the controller's loop over the
-virtual queue; this module decides the preemptive operations. When the head group would miss its
-SLO waiting for a slot to free on its own, but could still meet it if started now, the agent makes
-room: it takes the least urgent running requests off the instance — those whose deadlines are later
-than the head group's and that keep enough slack to finish after resuming. For each one it chooses:
+virtual queue; this module decides the preemptive operations. The head group can be blocked two
+ways: every slot is taken (*slots*: its requests start as running ones finish), or its model is
+not the active one (*switch*: the engine switches models only once the running batch has
+drained, so the head waits for the longest running request). Preempting running requests ends
+the wait, at a price; the agent preempts exactly when it pays (``make_room``):
+
+- **gain**: the weighted SLOs of the waiting requests that meet their deadline if started after
+  the preemption (expected service time) and would miss waiting;
+- **loss**: the weighted SLOs of the victims that would meet theirs left alone and miss once
+  preempted (they wait ``resume_delay_s``, in a switch also the head's service and the switch
+  back, and pay their recompute or transfer, with ``min_victim_slack_s`` to spare), plus the
+  GPU time the operation wastes (the recompute, or the transfer out and back) at the value of a
+  GPU-second at the margin (``InstanceCosts.gpu_second_value``: the cost-aware admission's
+  threshold, weighted SLOs per GPU-second; 0 when the instance is not overloaded).
+
+Victims are taken in order (in a switch the longest-running first, since only they hold the drain;
+for slots the lowest tier first, the longest-running first within it) and the number with the largest net gain, if positive, is
+preempted. For each one the agent chooses:
 
 - **KV swap** (``SwapOut``): copy its KV cache to CPU memory and back later — when moving
   ``(prompt + generated) × KV bytes`` over the host link twice costs less than recomputing them,
-  and the CPU swap space holds it;
+  and the CPU swap space holds it; not for a switch when eviction is allowed (the swapped cache
+  would wait through two switches, out of the plan, where an evicted request is planned again);
 - **evict** (``Evict``): abort it; it keeps the tokens generated so far and later resumes as
   prompt + partial output (recomputed), back in its group.
 
-A request is preempted at most ``max_preemptions`` times, so nothing starves by bouncing, and
-never when it is not ``resumable`` (a structured answer would start over: on vLLM, which has no
-per-request swap, a swap becomes an eviction). Pure: no
-clock, no engine; the controller gives the view and applies the decisions.
+Only requests due after the head group are preempted, each at most ``max_preemptions`` times, so
+nothing starves by bouncing, and never when it is not ``resumable`` (a structured answer would
+start over: on vLLM, which has no per-request swap, a swap becomes an eviction). Pure: no clock,
+no engine; the controller gives the view and applies the decisions.
 """
 
 from __future__ import annotations
@@ -33,16 +48,13 @@ class AgentConfig:
     """Which operations the agent may use and how cautiously. ``warm_start``: choose model tiers
     from the virtual queue (``plan_tiers``) and switch models only when told to (off: the engine
     switches on its own, first come first served, as a multi-model vLLM host without QLM would).
-    Eviction and swap are off by default: on W_B at 1.8× the Azure-conv rate on one A100 (600 s),
-    without cost-aware admission, QLM attained 84.7 % without them, 82.8 % with swap and eviction
-    and 77.1 % with eviction alone (with admission on they hardly fire: 87.9 % and 88.3 %) —
-    interactive requests miss there because decoding in a full batch is slow, not because they
-    wait for a slot, so preempting only wastes work. ``experiments/ablation.py`` measures where
-    they pay. ``min_victim_slack_s``: a running request is only preempted if it would still have
-    this much slack after waiting ``resume_delay_s`` and being served again."""
+    ``evict`` and ``swap`` (on): preempt running requests when it pays (``make_room``).
+    ``resume_delay_s``: how long a preempted request is expected to wait before it runs again;
+    ``min_victim_slack_s``: the slack it must keep after that to count as still meeting its
+    deadline."""
 
-    evict: bool = False
-    swap: bool = False
+    evict: bool = True
+    swap: bool = True
     warm_start: bool = True
     max_preemptions: int = 1
     min_victim_slack_s: float = 10.0
@@ -51,34 +63,45 @@ class AgentConfig:
 
 @dataclass(frozen=True, slots=True)
 class RunningRequest:
-    """A request the instance is running, as the agent counts it."""
+    """A request the instance is running, as the agent counts it; ``weight``: what meeting its
+    SLO is worth (its tier's weight)."""
 
     request: Request
     generated: int  # output tokens so far (estimated by the agent)
     remaining_s: float  # expected time to finish if left alone
     preemptions: int = 0
+    weight: float = 1.0
 
 
 @dataclass(frozen=True, slots=True)
 class HeadGroup:
-    """The head of the virtual queue: its earliest deadline, how many requests wait in it, and
-    the time its next request needs once started (prefill + expected decode)."""
+    """What waits at the head of the virtual queue: its earliest deadline, how many requests
+    wait, and the time one of them needs once started (prefill + expected decode). ``deadlines``:
+    each waiting request's (default: ``deadline_s`` for all); ``weight``: what meeting one of
+    their SLOs is worth. ``switch_s``: when its model is not the active one (``switching``), the
+    time to load it once the running batch has drained."""
 
     group_id: str
     deadline_s: float
     waiting: int
     service_s: float
+    weight: float = 1.0
+    deadlines: tuple[float, ...] = ()
+    switching: bool = False
+    switch_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
 class InstanceCosts:
-    """What preemption costs on this instance."""
+    """What preemption costs on this instance. ``gpu_second_value``: weighted SLOs a GPU-second
+    is worth at the margin (0: the instance has time to spare)."""
 
     kv_bytes_per_token: int
     host_link_gbs: float  # one way; 0 when the engine cannot swap
     swap_free_gb: float
     prefill_base_s: float
     prefill_per_token_s: float
+    gpu_second_value: float = 0.0
 
     def swap_s(self, tokens: int) -> float:
         """Out and back in over the host link."""
@@ -95,6 +118,15 @@ def prefers_swap(costs: InstanceCosts, tokens: int) -> bool:
     return costs.swap_s(tokens) < costs.recompute_s(tokens)
 
 
+@dataclass(frozen=True, slots=True)
+class _Option:
+    victim: RunningRequest
+    decision: Evict | SwapOut
+    cost_s: float  # GPU time it wastes (recompute, or transfer out and back)
+    stall_s: float  # GPU time before the head can start (a swap-out's copy)
+    size_gb: float
+
+
 def make_room(
     now: float,
     instance: str,
@@ -104,38 +136,100 @@ def make_room(
     costs: InstanceCosts,
     config: AgentConfig,
 ) -> list[Evict | SwapOut]:
-    """Preempt running requests for the head group if it is at risk and can be saved (see the
-    module docstring) on ``instance``."""
-    if not (config.evict or config.swap) or head.waiting <= free_slots:
+    """The running requests to preempt on ``instance`` for ``head`` (module docstring): the
+    number of victims with the largest positive net gain, none if no number pays."""
+    if not (config.evict or config.swap) or not running:
         return []
-    slack = head.deadline_s - now - head.service_s
-    if slack <= 0:
-        return []  # cannot be saved: preempting others would only add misses
-    natural_wait = min((r.remaining_s for r in running), default=0.0)
-    if natural_wait <= slack:
-        return []  # a slot frees in time on its own
-    victims = [
-        r
-        for r in running
-        if r.request.deadline_s > head.deadline_s
-        and r.request.resumable  # preempted, a structured answer would start over
-        and r.preemptions < config.max_preemptions
-        and r.request.deadline_s - now - config.resume_delay_s - r.remaining_s
-        >= config.min_victim_slack_s
-    ]
-    victims.sort(key=lambda r: (-r.request.deadline_s, r.request.id))  # least urgent first
-    need = min(head.waiting - free_slots, len(victims))
-    decisions: list[Evict | SwapOut] = []
+    if not head.switching and head.waiting <= free_slots:
+        return []
+    deadlines = sorted(head.deadlines or (head.deadline_s,) * head.waiting)
+    if not deadlines:
+        return []
+
+    def eligible(r: RunningRequest) -> bool:
+        return (
+            r.request.deadline_s > head.deadline_s
+            and r.request.resumable  # preempted, a structured answer would start over
+            and r.preemptions < config.max_preemptions
+        )
+
+    if head.switching:  # only the longest-running hold the switch: a prefix of them
+        by_length = sorted(running, key=lambda r: (-r.remaining_s, r.request.id))
+        candidates: list[RunningRequest] = []
+        for r in by_length:
+            if not eligible(r):
+                break
+            candidates.append(r)
+        waiting = deadlines
+    else:  # the first free slots start now; the rest wait for slots
+        candidates = sorted(
+            (r for r in running if eligible(r)),
+            key=lambda r: (r.weight, -r.remaining_s, r.request.id),
+        )
+        waiting = deadlines[free_slots:]
+        candidates = candidates[: len(waiting)]
+    back_s = config.resume_delay_s
+    if head.switching:  # the victims wait for the head's work and two switches
+        back_s += head.service_s + 2 * head.switch_s
+    options: list[_Option] = []
     swap_free = costs.swap_free_gb
-    for victim in victims[:need]:
-        tokens = victim.request.input_tokens + victim.generated
+    for r in candidates:
+        tokens = r.request.input_tokens + r.generated
         size_gb = tokens * costs.kv_bytes_per_token / GB
-        if config.swap and prefers_swap(costs, tokens) and size_gb <= swap_free:
+        # In a switch an evicted request rejoins its group and is planned again; a swapped one
+        # would wait in CPU memory through two switches, out of the plan: swap only for slots.
+        swap = config.swap and not (head.switching and config.evict)
+        if swap and prefers_swap(costs, tokens) and size_gb <= swap_free:
             swap_free -= size_gb
-            decisions.append(SwapOut(victim.request.id, instance))
+            cost = costs.swap_s(tokens)
+            options.append(_Option(r, SwapOut(r.request.id, instance), cost, cost / 2, size_gb))
         elif config.evict:
-            decisions.append(Evict(victim.request.id, instance))
-    return decisions
+            cost = costs.recompute_s(tokens)
+            options.append(_Option(r, Evict(r.request.id, instance), cost, 0.0, 0.0))
+        else:
+            break  # it cannot be preempted: nor can anything behind it help
+    best_net, best_k = 0.0, 0
+    without = _starts(now, head, running, (), len(waiting))
+    met_without = [s + head.service_s <= d for s, d in zip(without, waiting, strict=True)]
+    for k in range(1, len(options) + 1):
+        chosen = options[:k]
+        stall = sum(o.stall_s for o in chosen)
+        starts = _starts(now, head, running, [o.victim for o in chosen], len(waiting), stall)
+        gain = 0.0
+        for s, d, met in zip(starts, waiting, met_without, strict=True):
+            gain += head.weight * ((s + head.service_s <= d) - met)
+        loss = 0.0
+        for o in chosen:
+            v, deadline = o.victim, o.victim.request.deadline_s
+            meets = now + v.remaining_s <= deadline
+            late = now + back_s + o.cost_s + v.remaining_s + config.min_victim_slack_s > deadline
+            loss += v.weight * (meets and late) + o.cost_s * costs.gpu_second_value
+        if gain - loss > best_net + 1e-9:
+            best_net, best_k = gain - loss, k
+    return [o.decision for o in options[:best_k]]
+
+
+def _starts(
+    now: float,
+    head: HeadGroup,
+    running: Sequence[RunningRequest],
+    victims: Sequence[RunningRequest],
+    n: int,
+    stall_s: float = 0.0,
+) -> list[float]:
+    """When each of ``n`` waiting requests starts, in deadline order, with ``victims``
+    preempted: in a switch all at once when the rest has drained and the model loaded; for
+    slots one per victim at once, then one per finishing request."""
+    gone = {id(v) for v in victims}
+    left = sorted(r.remaining_s for r in running if id(r) not in gone)
+    if head.switching:
+        return [now + stall_s + max(left, default=0.0) + head.switch_s] * n
+    out = [now + stall_s] * min(len(victims), n)
+    for j in range(n - len(out)):
+        # The j-th slot to free; past the running batch, one service time per round.
+        rounds, k = divmod(j, len(left)) if left else (j, 0)
+        out.append(now + stall_s + (left[k] if left else 0.0) + rounds * head.service_s)
+    return out
 
 
 def plan_tiers(

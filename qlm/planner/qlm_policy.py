@@ -43,7 +43,6 @@ from qlm.agents.decide import (
 from qlm.clock import work_seconds
 from qlm.domain import (
     Decision,
-    Evict,
     ModelTier,
     PlanRecord,
     Pull,
@@ -89,6 +88,7 @@ class _Inflight:
     pulled_s: float
     generated: int  # output tokens it had when pulled (resumed after an eviction)
     running: Queued = field(init=False)  # as the estimator sees it behind a new pull
+    started_s: float | None = None  # when the engine started it (seen at a step)
 
     def __post_init__(self) -> None:
         self.running = Queued(self.request, self.generated, running=True)
@@ -243,6 +243,12 @@ class QlmPolicy:
                 self.queues.drop_instance(inst.name)
                 self._batch.pop(inst.name, None)
         self._started.update(ctx.started)
+        if ctx.started:
+            fresh = set(ctx.started)
+            for sent in self._inflight.values():
+                for rid in fresh.intersection(sent):
+                    if sent[rid].started_s is None:
+                        sent[rid].started_s = ctx.now
         for inst in ctx.instances:  # preemptions counted before the completions they come with
             self.estimator.watch(self._estimator_instance(inst))
         for done in ctx.finished:
@@ -711,12 +717,14 @@ class QlmPolicy:
             count, tokens = self._pull_ahead(now, load, inst, decisions)
             while not (count and bounded and self._clock() >= until):
                 req = self.queues.next_request(inst.name)
-                back = min(swapped.values(), key=lambda x: x.request.deadline_s, default=None)
+                back = min(  # (one of another model waits for its model: ``_tiers``)
+                    (x for x in swapped.values() if x.request.model == load.active_model),
+                    key=lambda x: x.request.deadline_s,
+                    default=None,
+                )
                 if back is not None and (req is None or back.request.deadline_s <= req.deadline_s):
                     need = prompt_tokens(back.request, back.generated)
-                    if back.request.model != load.active_model or not has_room(
-                        inst, count, tokens, need
-                    ):
+                    if not has_room(inst, count, tokens, need):
                         break
                     del swapped[back.request.id]
                     self._inflight[inst.name][back.request.id] = back
@@ -956,6 +964,12 @@ class QlmPolicy:
         if waiting:
             oldest = min(waiting, key=lambda x: (x.pulled_s, x.request.arrival_s, x.request.id))
             models = [oldest.request.model, *models]
+        # A request swapped out to CPU memory resumes only on its model: it stays warm, and
+        # becomes active when nothing else waits.
+        parked = sorted(
+            self._swapped.get(load.name, {}).values(), key=lambda x: x.request.deadline_s
+        )
+        models += [x.request.model for x in parked]
         changes = plan_tiers(
             load.name, models, tiers, dict(load.model_weights_gb), load.cpu_cache_gb
         )
@@ -972,15 +986,46 @@ class QlmPolicy:
         return out
 
     def _make_room(self, now: float, load: InstanceLoad, free: int) -> list[Decision]:
+        """Preempt running requests for what waits at the head when it pays
+        (``qlm.agents.make_room``): the head group waiting for slots, or — when the next model to
+        run is not the active one — the requests waiting for the running batch to drain before
+        the switch."""
         if not (self.config.agent.evict or self.config.agent.swap):
             return []
-        gid = self.queues.head_group(load.name)
-        running = self._inflight.get(load.name, {})
-        if gid is None or not running or self.grouper.group(gid).size <= free:
+        inflight = self._inflight.get(load.name, {})
+        running = {rid: x for rid, x in inflight.items() if rid in self._started}
+        if not running or load.active_model is None:
             return []
-        group = self.grouper.group(gid)
-        nxt = group.requests[0]
-        hw = self.estimator.profile.hardware_for(nxt.model, load.gpu, load.gpu_count)
+        sent = sorted(
+            (x for rid, x in inflight.items() if rid not in self._started),
+            key=lambda x: (x.pulled_s, x.request.arrival_s, x.request.id),
+        )
+        gid = self.queues.head_group(load.name)
+        group = self.grouper.group(gid) if gid is not None else None
+        # The model the instance serves next (``_tiers``): the oldest sent request's, else the
+        # head group's.
+        target = sent[0].request.model if sent else (group.model if group else None)
+        if target is None:
+            return []
+        switching = target != load.active_model
+        weights = self.config.tier_weights
+        if switching:
+            waiting = [x.request for x in sent if x.request.model == target]
+            if group is not None and group.model == target:
+                waiting += list(group.requests[: max(0, free)])
+            if not waiting:
+                return []
+            tiers = dict(load.model_tiers)
+            hw_t = self.estimator.profile.hardware_for(target, load.gpu, load.gpu_count)
+            switch_s = hw_t.warm_load_s if tiers.get(target) is ModelTier.WARM else hw_t.cold_load_s
+        else:
+            if group is None or group.size <= free:
+                return []
+            waiting = list(group.requests)
+            switch_s = 0.0
+        nxt = min(waiting, key=lambda r: r.deadline_s)
+        hw = self.estimator.profile.hardware_for(load.active_model, load.gpu, load.gpu_count)
+        hw_head = self.estimator.profile.hardware_for(nxt.model, load.gpu, load.gpu_count)
         eps_f = self.estimator.calibration_factors(load.name)[1]
         n_run = len(running)
         mix_in = sum(x.request.input_tokens for x in running.values()) * hw.input_token_work_s
@@ -988,39 +1033,46 @@ class QlmPolicy:
         per_token = (
             hw.decode_s(n_run) * hw.inefficiency + n_run * mix_in / max(mix_out, 1.0)
         ) * eps_f
+        head_token = per_token if not switching else hw_head.decode_s(len(waiting)) * eps_f
         head = HeadGroup(
-            gid,
-            group.earliest_deadline_s,
-            group.size,
-            hw.prefill_s(nxt.input_tokens) + self.estimator.expected_output(nxt) * per_token,
+            gid or "",
+            nxt.deadline_s,
+            len(waiting),
+            hw_head.prefill_s(nxt.input_tokens) + self.estimator.expected_output(nxt) * head_token,
+            weight=max(weights[r.tier] for r in waiting),
+            deadlines=tuple(r.deadline_s for r in waiting),
+            switching=switching,
+            switch_s=switch_s,
         )
         views = []
         for item in running.values():
-            share = per_token
-            done = item.generated + int(max(0.0, now - item.pulled_s) / share)
+            began = item.started_s if item.started_s is not None else item.pulled_s
+            done = item.generated + int(max(0.0, now - began) / per_token)
             done = min(done, item.request.max_tokens - 1)
             mean, _ = self.estimator.output_moments(item.request, done)
             views.append(
                 RunningRequest(
-                    item.request, done, mean * per_token, self._preemptions.get(item.request.id, 0)
+                    item.request,
+                    done,
+                    mean * per_token,
+                    self._preemptions.get(item.request.id, 0),
+                    weights[item.request.tier],
                 )
             )
+        fluid = self._admission.get(load.name)
         costs = InstanceCosts(
             kv_bytes_per_token=hw.kv_bytes_per_token,
             host_link_gbs=load.host_link_gbs,
             swap_free_gb=load.swap_free_gb,
             prefill_base_s=hw.prefill_base_s,
             prefill_per_token_s=hw.prefill_per_token_s,
+            gpu_second_value=fluid.admission.threshold if fluid is not None else 0.0,
         )
         out: list[Decision] = []
         for d in make_room(now, load.name, head, free, views, costs, self.config.agent):
             rid = d.request_id
-            if isinstance(d, SwapOut) and rid not in self._started:
-                if not self.config.agent.evict:
-                    continue  # not running yet: no KV cache to swap, and eviction is off
-                d = Evict(rid, load.name)  # not running yet: no KV cache to swap
             if isinstance(d, SwapOut):
-                self._swapped.setdefault(load.name, {})[rid] = running.pop(rid)
+                self._swapped.setdefault(load.name, {})[rid] = inflight.pop(rid)
             self._preemptions[rid] = self._preemptions.get(rid, 0) + 1
             out.append(d)
         return out

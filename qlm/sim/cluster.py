@@ -41,6 +41,7 @@ from qlm.domain import (
     Request,
     RequestRecord,
 )
+from qlm.engines.base import EventKind
 from qlm.engines.perf_model import HardwareCatalog, default_catalog
 from qlm.engines.sim import SimEngine, SimEngineConfig
 from qlm.errors import ConfigError, EngineError
@@ -261,7 +262,10 @@ class ClusterSimulation:
             finished_any |= finished
         self.memory.observe(idx, now, engine.gpu_memory_used_fraction())
         self._wake(idx)
-        if self.controller.has_arrivals or finished_any:
+        # A model became active with KV caches swapped out to CPU memory: they may come back
+        # now (in production the agents step every tick anyway).
+        ready = bool(engine.swapped) and any(ev.kind is EventKind.MODEL_READY for ev in events)
+        if self.controller.has_arrivals or finished_any or ready:
             self._control(now)
 
     def _control(self, now: float) -> None:

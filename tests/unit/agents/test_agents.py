@@ -54,16 +54,54 @@ LONG_OUTPUTS = dataclasses.replace(
 HEAD = HeadGroup("g1", deadline_s=20.0, waiting=2, service_s=5.0)
 
 
-def test_no_preemption_when_there_is_room_or_a_slot_frees_in_time() -> None:
+def test_no_preemption_when_there_is_room_or_slots_free_in_time() -> None:
     batch = [running(0, 300.0), running(1, 300.0)]
     assert make_room(0.0, "i0", HEAD, 2, batch, COSTS, ON) == []
-    soon = [running(0, 300.0, remaining_s=3.0), running(1, 300.0)]
+    soon = [running(0, 300.0, remaining_s=3.0), running(1, 300.0, remaining_s=4.0)]
     assert make_room(0.0, "i0", HEAD, 0, soon, COSTS, ON) == []
 
 
-def test_no_preemption_for_a_head_that_cannot_be_saved() -> None:
-    hopeless = dataclasses.replace(HEAD, deadline_s=4.0)
-    assert make_room(0.0, "i0", hopeless, 0, [running(0, 300.0)], COSTS, ON) == []
+def test_preempts_only_for_the_requests_a_free_slot_would_not_save() -> None:
+    # One slot frees at 3 s (its request meets 20 s), the other at 30 s (too late): the one
+    # running long is preempted.
+    soon = [running(0, 300.0, remaining_s=3.0), running(1, 300.0)]
+    assert [d.request_id for d in make_room(0.0, "i0", HEAD, 0, soon, COSTS, ON)] == ["r0001"]
+
+
+def test_the_cost_rule_fires_when_the_head_gains_more_than_the_victims_lose() -> None:
+    urgent = dataclasses.replace(HEAD, waiting=1, weight=2.0)
+    victim = [running(0, 300.0, weight=1.0)]
+    assert len(make_room(0.0, "i0", urgent, 0, victim, COSTS, ON)) == 1
+    # The victim would miss its own deadline once preempted: an SLO for an SLO of equal weight
+    # does not pay; for one worth more it does.
+    tight = [running(0, 31.5, weight=2.0)]
+    assert make_room(0.0, "i0", urgent, 0, tight, COSTS, ON) == []
+    assert len(make_room(0.0, "i0", urgent, 0, [running(0, 31.5, weight=1.0)], COSTS, ON)) == 1
+    # Under overload a GPU-second is worth SLOs: recomputing 1,100 tokens (0.076 s) at 30
+    # weighted SLOs per GPU-second costs more than the one SLO it saves.
+    busy = dataclasses.replace(COSTS, gpu_second_value=30.0, host_link_gbs=0.0)
+    assert make_room(0.0, "i0", urgent, 0, victim, busy, ON) == []
+    cheap = dataclasses.replace(busy, gpu_second_value=1.0)
+    assert [type(d) for d in make_room(0.0, "i0", urgent, 0, victim, cheap, ON)] == [Evict]
+
+
+def test_a_model_switch_preempts_the_long_running_requests_that_hold_it() -> None:
+    """The head's model is not active: it starts once the running batch has drained. A long
+    batch request (a mega prompt) holding the drain is evicted (swapped when eviction is off);
+    a short one is left."""
+    head = HeadGroup("g1", 20.0, 3, 5.0, deadlines=(20.0, 22.0, 25.0), switching=True, switch_s=1.0)
+    batch = [running(0, 300.0, remaining_s=60.0), running(1, 300.0, remaining_s=2.0)]
+    out = make_room(0.0, "i0", head, 0, batch, COSTS, ON)
+    assert [(type(d), d.request_id) for d in out] == [(Evict, "r0000")]
+    swap_only = AgentConfig(evict=False, min_victim_slack_s=1.0, resume_delay_s=1.0)
+    out = make_room(0.0, "i0", head, 0, batch, COSTS, swap_only)
+    assert [(type(d), d.request_id) for d in out] == [(SwapOut, "r0000")]
+    # The drain ends in time anyway: nothing to gain.
+    short = [running(0, 300.0, remaining_s=5.0), running(1, 300.0, remaining_s=2.0)]
+    assert make_room(0.0, "i0", head, 0, short, COSTS, ON) == []
+    # A more urgent request holds the drain: it is not preempted, and nothing behind it helps.
+    urgent = [running(0, 18.0, remaining_s=60.0), running(1, 300.0, remaining_s=50.0)]
+    assert make_room(0.0, "i0", head, 0, urgent, COSTS, ON) == []
 
 
 def test_preempts_the_least_urgent_with_enough_slack_as_many_as_needed() -> None:
@@ -96,7 +134,10 @@ def test_swap_falls_back_to_eviction_when_cpu_swap_space_is_full() -> None:
     full = dataclasses.replace(COSTS, swap_free_gb=0.01)
     out = make_room(0.0, "i0", HEAD, 1, [running(0, 300.0)], full, ON)
     assert [type(d) for d in out] == [Evict]
-    assert make_room(0.0, "i0", HEAD, 1, [running(0, 300.0)], full, AgentConfig()) == []
+    swap_only = AgentConfig(evict=False, swap=True)
+    assert make_room(0.0, "i0", HEAD, 1, [running(0, 300.0)], full, swap_only) == []
+    off = AgentConfig(evict=False, swap=False)
+    assert make_room(0.0, "i0", HEAD, 1, [running(0, 300.0)], COSTS, off) == []
 
 
 def test_preempted_requests_resume_and_finish_with_their_full_output() -> None:
@@ -125,7 +166,7 @@ def test_preempted_requests_resume_and_finish_with_their_full_output() -> None:
     ]
     results = {}
     variants = (
-        ("off", AgentConfig()),
+        ("off", AgentConfig(evict=False, swap=False)),
         ("swap", ON),
         ("evict", dataclasses.replace(ON, swap=False)),
     )
@@ -285,3 +326,54 @@ def test_a_structured_answer_is_never_preempted_its_work_would_be_lost() -> None
     )
     out = make_room(0.0, "i0", HEAD, 0, [structured, running(1, 200.0)], COSTS, ON)
     assert [d.request_id for d in out] == ["r0001"]  # r0000 is the least urgent, but kept
+
+
+def test_a_mega_prompt_is_preempted_for_urgent_short_work_of_another_model() -> None:
+    """W_C in small: a mega prompt (6,000 + 2,000 tokens, batch tier) runs on an instance that
+    serves two models; short interactive requests for the other model arrive. Left alone they
+    wait for the mega prompt to finish before the model switch and miss; with the agents'
+    operations it is evicted (swapped with eviction off), they meet their SLO, and it still meets its."""
+    mega = make_request(
+        0,
+        model="m",
+        arrival_s=0.0,
+        slo=SLO(300.0),
+        tier=Tier.BATCH,
+        input_tokens=6000,
+        replay_output_tokens=2000,
+        max_tokens=2048,
+    )
+    urgent = [
+        make_request(
+            10 + i,
+            model="n",
+            arrival_s=5.0 + 0.2 * i,
+            slo=SLO(12.0),
+            tier=Tier.INTERACTIVE,
+            input_tokens=200,
+            replay_output_tokens=30,
+            max_tokens=60,
+        )
+        for i in range(3)
+    ]
+    results = {}
+    for name, agent in (
+        ("off", AgentConfig(evict=False, swap=False)),
+        ("on", AgentConfig()),
+        ("swap", AgentConfig(evict=False)),
+    ):
+        config = PlannerConfig.for_simulation(2000, agent=agent, choose_concurrency=False)
+        policy = QlmPolicy(LONG_OUTPUTS, config=config, measure_solve_time=False)
+        sim = ClusterSimulation(
+            [InstanceSpec("i0", "G", ("m", "n"))], policy, catalog=make_catalog()
+        )
+        results[name] = sim.run([mega, *urgent])
+    for name, result in results.items():
+        assert all(r.status is RequestStatus.FINISHED for r in result.records), name
+        assert all(r.output_tokens == r.request.replay_output_tokens for r in result.records), name
+        short = [r for r in result.records if r.request.tier is Tier.INTERACTIVE]
+        assert all(r.slo_met for r in short) is (name != "off"), name
+        assert all(r.slo_met for r in result.records if r.request.tier is Tier.BATCH), name
+    assert sum(r.swaps + r.evictions for r in results["off"].records) == 0
+    assert sum(r.evictions for r in results["on"].records) >= 1
+    assert sum(r.swaps for r in results["swap"].records) >= 1
