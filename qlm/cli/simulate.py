@@ -324,7 +324,7 @@ def demo_cmd(
     under FCFS (what vLLM does alone) and under QLM, on the same seed, side by side.
 
     Settings come from QLM_DEMO__* (trace, workload, instances, policies, duration_s,
-    rate_scale, seed).
+    rate_scale, seed) and QLM_SIM__* (perf_model, kv_memory).
     """
 
     from qlm.settings import get_settings
@@ -338,6 +338,8 @@ def demo_cmd(
             f"setting QLM_DEMO__POLICIES: {d.policies!r} is not a comma-separated list of "
             f"distinct policies among {', '.join(POLICIES)}"
         )
+
+    catalog = guard(lambda: sim_catalog(None, None, None))
 
     def run(policy: str) -> SimResult:
         if not as_json:
@@ -356,8 +358,9 @@ def demo_cmd(
                 synthetic_rate=None,
                 arrival="poisson",
                 cv=1.0,
-                profile=_settings_profile,
+                profile=_fleet_profile(d.instances, catalog),
                 planner=_sim_planner(),
+                catalog=catalog,
             ),
             show_progress=not as_json and sys.stderr.isatty(),
         )

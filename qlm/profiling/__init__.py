@@ -65,6 +65,23 @@ def profile_fleet(specs: Sequence[InstanceSpec], catalog: HardwareCatalog) -> Rc
     return RctProfile(hardware=hardware)
 
 
+def simulated_fleet(
+    instances: str, perf_model: str = "default", kv_memory: str = "vllm"
+) -> tuple[HardwareCatalog | None, list[InstanceSpec], RctProfile]:
+    """A fleet shorthand on the performance models named (``--perf-model``, ``--kv-memory``):
+    the catalog (None: the shipped one), the instances, and the estimator's profile (the shipped
+    one, with the fleet profiled on the chosen models when they are not the shipped ones)."""
+    from qlm.engines.perf_table import load_catalog
+    from qlm.fleet import parse_instances
+    from qlm.rct.profile import default_profile
+
+    if perf_model == "default" and kv_memory == "vllm":
+        return None, parse_instances(instances), default_profile()
+    catalog = load_catalog(perf_model, kv_memory)
+    specs = parse_instances(instances, catalog)
+    return catalog, specs, default_profile().merged(profile_fleet(specs, catalog))
+
+
 def workload_prior(trace: str) -> NIG:
     """The output-length prior fitted from a trace's (or length sample's) output lengths."""
     outputs = [int(x) for x in load_lengths(trace).output_tokens]
