@@ -28,8 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from qlm.agents import AgentConfig
-from qlm.fleet import parse_instances
 from qlm.planner import PlannerConfig, create_policy
+from qlm.profiling import simulated_fleet
 from qlm.sim.cluster import ClusterSimulation
 from qlm.sim.traces import load_trace, scale_rate, window
 from qlm.sim.workload import create_workload
@@ -54,16 +54,18 @@ WORKLOADS = {
 }
 
 
-def run_one(job: tuple[str, str, float, float, int]) -> dict[str, Any]:
-    workload, variant, rate, end_s, seed = job
+def run_one(job: tuple[str, str, float, float, int, str, str]) -> dict[str, Any]:
+    workload, variant, rate, end_s, seed, perf_model, kv_memory = job
     instances = WORKLOADS[workload][0]
     policy_name, agent, engine = VARIANTS[variant]
     trace = window(scale_rate(load_trace("azure-conv", seed=seed), rate), 0.0, end_s)
-    requests = create_workload(workload, trace, seed=seed)
+    catalog, specs, profile = simulated_fleet(instances, perf_model, kv_memory)
+    fleet_models = [m for spec in specs for m in spec.models]
+    requests = create_workload(workload, trace, seed=seed, fleet_models=fleet_models)
     planner = PlannerConfig.for_simulation(5000, agent=agent) if agent is not None else None
-    policy = create_policy(policy_name, planner=planner)
+    policy = create_policy(policy_name, planner=planner, profile=profile)
     t0 = time.perf_counter()
-    sim = ClusterSimulation(parse_instances(instances), policy, engine_config=engine)
+    sim = ClusterSimulation(specs, policy, engine_config=engine, catalog=catalog)
     result = sim.run(requests)
     s = result.summary
     return {
@@ -89,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--end", type=float, default=900.0, help="seconds of the trace to replay")
     ap.add_argument("--rates", default="", help="e.g. wa=0.5,wb=1.8,wc=0.5 (default: per workload)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--perf-model", default="default", help="default, splitwise or a CSV file")
+    ap.add_argument("--kv-memory", default="vllm", help="vllm or splitwise")
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--name", default="ablation")
     args = ap.parse_args(argv)
@@ -97,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         w, _, r = item.partition("=")
         rates[w] = float(r)
     jobs = [
-        (w, v, rates[w], args.end, args.seed)
+        (w, v, rates[w], args.end, args.seed, args.perf_model, args.kv_memory)
         for w in args.workloads.split(",")
         for v in args.variants.split(",")
     ]

@@ -28,13 +28,13 @@ from pathlib import Path
 from typing import Any
 
 from qlm.domain import Request, Tier
-from qlm.fleet import parse_instances
 from qlm.planner import POLICIES, PlannerConfig, create_policy
 from qlm.planner.config import DEFAULT_GROUPING
 from qlm.planner.policy import Policy
 from qlm.planner.qlm_policy import QlmPolicy
+from qlm.profiling import simulated_fleet
 from qlm.rct.estimator import RCTEstimator
-from qlm.rct.profile import default_profile
+from qlm.rct.profile import RctProfile, default_profile
 from qlm.sim.cluster import ClusterSimulation
 from qlm.sim.traces import load_trace, scale_rate, window
 from qlm.sim.workload import create_workload
@@ -62,43 +62,44 @@ def true_output(request: Request) -> float:
     return float(min(request.replay_output_tokens or request.max_tokens, request.max_tokens))
 
 
-def make_policy(name: str, planner: PlannerConfig) -> Policy:
+def make_policy(name: str, planner: PlannerConfig, profile: RctProfile | None = None) -> Policy:
     """A policy by name; ``qlm-oracle``, ``qlm-b<N>`` (qlm with its concurrency limit fixed at
     ``N`` instead of chosen by its fluid model), ``qlm-nodefer`` (qlm without cost-aware
     admission, ``PlannerConfig.defer_expensive`` off) and ``qlm-w<i>/<s>/<b>`` (qlm with those
     tier weights) are variants measured by this experiment only."""
     if name.startswith(FIXED):
-        policy = QlmPolicy(config=planner)
+        policy = QlmPolicy(profile, config=planner)
         policy.fix_concurrency(int(name.removeprefix(FIXED)))
         return policy
     if name.startswith(RATIO):
         ratio = float(name.removeprefix(RATIO))
         grouping = dataclasses.replace(DEFAULT_GROUPING, input_ratio=ratio)
-        return QlmPolicy(config=planner, grouping=grouping)
+        return QlmPolicy(profile, config=planner, grouping=grouping)
     if name.startswith(WEIGHTS):
         values = [float(w) for w in name.removeprefix(WEIGHTS).split("/")]
         weights = dict(zip((Tier.INTERACTIVE, Tier.STANDARD, Tier.BATCH), values, strict=True))
-        return QlmPolicy(config=dataclasses.replace(planner, tier_weights=weights))
+        return QlmPolicy(profile, config=dataclasses.replace(planner, tier_weights=weights))
     if name == NO_DEFER:
-        return QlmPolicy(config=dataclasses.replace(planner, defer_expensive=False))
+        return QlmPolicy(profile, config=dataclasses.replace(planner, defer_expensive=False))
     if name == ORACLE:
         return QlmPolicy(
             config=planner,
-            estimator=OracleEstimator(default_profile()),
+            estimator=OracleEstimator(profile or default_profile()),
             predict_output=true_output,
         )
-    return create_policy(name, planner=planner)
+    return create_policy(name, planner=planner, profile=profile)
 
 
-def run_one(args: tuple[str, float, float, str, int, int]) -> dict[str, Any]:
-    policy_name, rate, end_s, instances, seed, evaluations = args
+def run_one(args: tuple[str, float, float, str, int, int, str, str]) -> dict[str, Any]:
+    policy_name, rate, end_s, instances, seed, evaluations, perf_model, kv_memory = args
     trace = window(scale_rate(load_trace("azure-conv", seed=seed), rate), 0.0, end_s)
-    requests = create_workload("wb", trace, seed=seed)
-    specs = parse_instances(instances)
+    catalog, specs, profile = simulated_fleet(instances, perf_model, kv_memory)
+    fleet_models = [m for spec in specs for m in spec.models]
+    requests = create_workload("wb", trace, seed=seed, fleet_models=fleet_models)
     planner = PlannerConfig.for_simulation(evaluations)
-    policy = make_policy(policy_name, planner)
+    policy = make_policy(policy_name, planner, profile)
     t0 = time.perf_counter()
-    result = ClusterSimulation(specs, policy).run(requests)
+    result = ClusterSimulation(specs, policy, catalog=catalog).run(requests)
     wall = time.perf_counter() - t0
     s = result.summary
     tiers = {k: v["slo_attainment"] for k, v in s["slo_attainment_by_tier"].items()}
@@ -127,6 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--instances", default="1xA100:llama-3-8b")
     ap.add_argument("--policies", default=",".join((*BASELINES, "qlm")))
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--perf-model", default="default", help="default, splitwise or a CSV file")
+    ap.add_argument("--kv-memory", default="vllm", help="vllm or splitwise")
     ap.add_argument("--evaluations", type=int, default=5000, help="qlm planner budget per plan")
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--name", default="policies")
@@ -167,7 +170,17 @@ def main(argv: list[str] | None = None) -> int:
     with ProcessPoolExecutor(max_workers=args.jobs) as pool:
         for rate in rates:
             jobs = [
-                (p, rate, args.end, args.instances, args.seed, args.evaluations) for p in policies
+                (
+                    p,
+                    rate,
+                    args.end,
+                    args.instances,
+                    args.seed,
+                    args.evaluations,
+                    args.perf_model,
+                    args.kv_memory,
+                )
+                for p in policies
             ]
             batch = list(pool.map(run_one, jobs))
             rows.extend(batch)

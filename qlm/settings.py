@@ -28,6 +28,17 @@ class DemoSettings(BaseModel):
     seed: int = 0
 
 
+class SimSettings(BaseModel):
+    """Simulated instances (``QLM_SIM__*``) of ``qlm simulate``, ``qlm demo`` and ``qlm
+    sim-engine serve`` (docs/simulator.md); their flags win."""
+
+    perf_model: str = Field(default="default", min_length=1)
+    """Their step times: ``default`` (the fitted profiles), ``splitwise`` (Splitwise's measured
+    table) or a CSV file of that table's shape (``--perf-model``)."""
+    kv_memory: Literal["vllm", "splitwise"] = "vllm"
+    """How their KV cache is sized: vLLM's rule or Splitwise's (``--kv-memory``)."""
+
+
 class BrokerSettings(BaseModel):
     """Names on the broker (``QLM_BROKER__*``): the defaults match ``broker/definitions.json``;
     tests and side-by-side deployments use their own."""
@@ -245,6 +256,7 @@ class Settings(BaseSettings):
     baselines: BaselineSettings = BaselineSettings()
     api: ApiSettings = ApiSettings()
     demo: DemoSettings = DemoSettings()
+    sim: SimSettings = SimSettings()
 
 
 def get_settings() -> Settings:

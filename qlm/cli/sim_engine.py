@@ -61,8 +61,21 @@ def sim_engine_serve_cmd(
             help="Tokens per streamed chunk after the first (vLLM's --stream-interval; 1: each)."
         ),
     ] = 1,
+    perf_model: Annotated[
+        str | None,
+        typer.Option(
+            help="Step times: default (the fitted profiles), splitwise (Splitwise's measured table) or a CSV file of its shape. Default: QLM_SIM__PERF_MODEL, else default."
+        ),
+    ] = None,
+    kv_memory: Annotated[
+        str | None,
+        typer.Option(
+            help="How the KV cache is sized: vllm or splitwise. Default: QLM_SIM__KV_MEMORY, else vllm."
+        ),
+    ] = None,
 ) -> None:
     """Serve one simulated instance with the same HTTP API as `vllm serve`."""
+    from qlm.cli.simulate import sim_catalog
     from qlm.engines.server import SCHEDULING_POLICIES, SchedulingPolicy, serve
 
     if time_scale <= 0:
@@ -74,6 +87,7 @@ def sim_engine_serve_cmd(
     if stream_interval < 1:
         fail(f"--stream-interval must be >= 1, got {stream_interval}")
     policy: SchedulingPolicy = "priority" if scheduling_policy == "priority" else "fcfs"
+    catalog = guard(lambda: sim_catalog(None, perf_model, kv_memory))
 
     def lengths() -> list[int]:
         """The output lengths a request without ignore_eos ends after (none: at max_tokens)."""
@@ -103,5 +117,6 @@ def sim_engine_serve_cmd(
             max_num_seqs=max_num_seqs,
             scheduling_policy=policy,
             stream_interval=stream_interval,
+            catalog=catalog,
         )
     )

@@ -17,6 +17,7 @@ from rich.markup import escape
 from qlm.cli.common import console, err_console, fail, guard
 
 if TYPE_CHECKING:
+    from qlm.engines.perf_model import HardwareCatalog
     from qlm.planner import BaselineConfig, PlannerConfig
     from qlm.rct.profile import RctProfile
     from qlm.sim.cluster import SimResult
@@ -162,6 +163,18 @@ def simulate_cmd(
     cv: Annotated[
         float, typer.Option(help="Coefficient of variation of gamma inter-arrivals (> 1: bursty).")
     ] = 1.0,
+    perf_model: Annotated[
+        str | None,
+        typer.Option(
+            help="Step times of the simulated instances: default (the fitted profiles), splitwise (Splitwise's measured table) or a CSV file of its shape (docs/simulator.md). Default: QLM_SIM__PERF_MODEL, else default."
+        ),
+    ] = None,
+    kv_memory: Annotated[
+        str | None,
+        typer.Option(
+            help="How the KV cache is sized: vllm or splitwise (Splitwise's rule). Default: QLM_SIM__KV_MEMORY, else vllm."
+        ),
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the summary as JSON.")] = False,
     out: Annotated[
         Path | None, typer.Option(help="Write requests.csv and summary.json here.")
@@ -181,6 +194,7 @@ def simulate_cmd(
     except WorkloadError as exc:
         fail(f"--ttft-slo: {exc}")
 
+    catalog = guard(lambda: sim_catalog(ctx, perf_model, kv_memory))
     result = guard(
         lambda: _run(
             lambda: prepare_simulation(
@@ -196,15 +210,52 @@ def simulate_cmd(
                 synthetic_rate=rate,
                 arrival=arrival_kind,
                 cv=cv,
-                profile=_settings_profile,
+                profile=_fleet_profile(instances, catalog),
                 planner=_sim_planner(),
                 baselines=_baselines(),
                 ttft_slo=ttft,
+                catalog=catalog,
             ),
             show_progress=progress and not as_json and sys.stderr.isatty(),
         )
     )
     _emit(result, ctx, as_json=as_json, out=out)
+
+
+def sim_catalog(
+    ctx: typer.Context | None, perf_model: str | None, kv_memory: str | None
+) -> HardwareCatalog | None:
+    """The performance models ``--perf-model`` and ``--kv-memory`` name (unset: the
+    ``QLM_SIM__*`` settings); None for the shipped ones. The values chosen are written back to
+    ``ctx`` so that the reproducing command line spells them out."""
+    from qlm.engines.perf_table import load_catalog
+    from qlm.settings import get_settings
+
+    sim = get_settings().sim
+    perf_model = sim.perf_model if perf_model is None else perf_model
+    kv_memory = sim.kv_memory if kv_memory is None else kv_memory
+    if ctx is not None:
+        ctx.params["perf_model"] = None if perf_model == "default" else perf_model
+        ctx.params["kv_memory"] = None if kv_memory == "vllm" else kv_memory
+    if perf_model == "default" and kv_memory == "vllm":
+        return None
+    return load_catalog(perf_model, kv_memory)
+
+
+def _fleet_profile(instances: str, catalog: HardwareCatalog | None) -> Callable[[], RctProfile]:
+    """The estimator's profile: the settings' one; on other performance models than the
+    shipped ones, with the fleet's hardware profiled on them (``qlm.profiling.profile_fleet``)."""
+    if catalog is None:
+        return _settings_profile
+
+    def profile() -> RctProfile:
+        from qlm.fleet import parse_instances
+        from qlm.profiling import profile_fleet
+
+        fleet = profile_fleet(parse_instances(instances, catalog), catalog)
+        return _settings_profile().merged(fleet)
+
+    return profile
 
 
 def _settings_profile() -> RctProfile:
@@ -282,7 +333,7 @@ def demo_cmd(
     under FCFS (what vLLM does alone) and under QLM, on the same seed, side by side.
 
     Settings come from QLM_DEMO__* (trace, workload, instances, policies, duration_s,
-    rate_scale, seed).
+    rate_scale, seed) and QLM_SIM__* (perf_model, kv_memory).
     """
 
     from qlm.settings import get_settings
@@ -296,6 +347,8 @@ def demo_cmd(
             f"setting QLM_DEMO__POLICIES: {d.policies!r} is not a comma-separated list of "
             f"distinct policies among {', '.join(POLICIES)}"
         )
+
+    catalog = guard(lambda: sim_catalog(None, None, None))
 
     def run(policy: str) -> SimResult:
         if not as_json:
@@ -314,9 +367,10 @@ def demo_cmd(
                 synthetic_rate=None,
                 arrival="poisson",
                 cv=1.0,
-                profile=_settings_profile,
+                profile=_fleet_profile(d.instances, catalog),
                 planner=_sim_planner(),
                 baselines=_baselines(),
+                catalog=catalog,
             ),
             show_progress=not as_json and sys.stderr.isatty(),
         )

@@ -17,22 +17,37 @@ and attention is added on top (its kernels run between the linear layers, not be
 ``n_tokens`` counts one token per decode plus every prompt token of the prefill chunks. A prefill
 chunk of ``chunk`` tokens that starts after ``ctx_before`` computed tokens attends to that many
 (query, key) pairs.
+
+A measured table can stand in for the formula (``TableStepTime``, read by ``perf_table.py``:
+``qlm simulate --perf-model splitwise``), and Splitwise's rule for the KV cache's size for vLLM's
+(``kv_memory="splitwise"``).
 """
 
 from __future__ import annotations
 
+import bisect
 import json
 import math
 from dataclasses import dataclass
 from functools import cache
 from importlib import resources
-from typing import Any
+from typing import Any, Literal
 
 from qlm.domain import GpuSpec, ModelSpec
 from qlm.errors import ConfigError
 
 GIB = 1024**3
 GB = 1e9
+
+KvMemoryRule = Literal["vllm", "splitwise"]
+KV_MEMORY_RULES: tuple[KvMemoryRule, ...] = ("vllm", "splitwise")
+
+SPLITWISE_MEMORY: dict[str, tuple[float, int]] = {
+    "llama-2-70b": (135e9, 2 * 80 * 8192 * 2),
+}
+"""Splitwise's simulator's model sizes (``configs/model_repo``): weights in bytes, and KV bytes
+per token ``2 · layers · hidden · 2`` (its ``estimate_kv_cache_size``: every attention head keeps
+K and V, grouped-query attention is not modelled)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +75,68 @@ class StepTimeModel:
             linear + self.per_ctx_token_ms * decode_ctx + self.per_prefill_pair_ms * prefill_pairs
         )
 
+    def decode_slope_ms(self, batch: int) -> float:
+        """How much longer each decode iteration of ``batch`` sequences is than the one before
+        (every sequence attends to one more token)."""
+        return self.per_ctx_token_ms * batch
+
+
+@dataclass(frozen=True, slots=True)
+class LinearInterp:
+    """Piecewise-linear through ``(xs, ys)`` (``xs`` increasing, at least two points), extended
+    beyond both ends along the end segments, as ``scipy.interpolate.interp1d(...,
+    fill_value="extrapolate")``. Where that extension reaches zero or below (a falling end
+    segment, far from the data), the end point's value is held instead."""
+
+    xs: tuple[float, ...]
+    ys: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.xs) < 2 or len(self.xs) != len(self.ys):
+            raise ValueError("an interpolation needs at least two points")
+        if any(b <= a for a, b in zip(self.xs, self.xs[1:], strict=False)):
+            raise ValueError("interpolation points must be increasing")
+
+    def __call__(self, x: float) -> float:
+        xs, ys = self.xs, self.ys
+        i = min(max(bisect.bisect_right(xs, x) - 1, 0), len(xs) - 2)
+        x0, x1, y0, y1 = xs[i], xs[i + 1], ys[i], ys[i + 1]
+        y = y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+        if y <= 0:
+            return ys[0] if x < x0 else ys[-1]
+        return y
+
+
+@dataclass(frozen=True, slots=True)
+class TableStepTime:
+    """Step time from measured prefill and decode times, as Splitwise's simulator reads its
+    ``perf_model.csv`` (``DatabasePerformanceModel.get_iteration_duration``): both are
+    interpolated over the tokens of the batch (prompt size × batch size in the table; in an
+    iteration, prefill tokens plus one per decode). A prefill-only iteration takes ``prompt``, a
+    decode-only one ``token``, and a mixed one ``prompt`` × 1.1. Context length does not enter."""
+
+    prompt: LinearInterp
+    token: LinearInterp
+    mixed_factor: float = 1.1
+
+    def step_ms(
+        self, *, n_scheduled: int, n_tokens: int, decode_ctx: int, prefill_pairs: float
+    ) -> float:
+        """Duration of one iteration; 0 when nothing is scheduled."""
+        if n_scheduled == 0:
+            return 0.0
+        if prefill_pairs == 0:
+            return self.token(n_tokens)
+        ms = self.prompt(n_tokens)
+        return ms if decode_ctx == 0 else ms * self.mixed_factor
+
+    def decode_slope_ms(self, batch: int) -> float:
+        """Decode time does not grow with the context: every iteration of a run is the same."""
+        return 0.0
+
+
+StepTime = StepTimeModel | TableStepTime
+
 
 def prefill_pairs(chunk: int, ctx_before: int) -> float:
     """Attention (query, key) pairs of a prefill chunk: each new token attends to all before it."""
@@ -73,13 +150,25 @@ class PerfModel:
     model: ModelSpec
     gpu: GpuSpec
     gpu_count: int
-    step: StepTimeModel
+    step: StepTime
     source: str
     disk_load_gbs: float
     load_overhead_s: float
+    kv_memory: KvMemoryRule = "vllm"
 
     def kv_capacity_tokens(self, *, gpu_memory_utilization: float, activation_gb: float) -> int:
-        """KV-cache tokens that fit beside the weights, as vLLM sizes its cache at start-up."""
+        """KV-cache tokens that fit beside the weights, as vLLM sizes its cache at start-up
+        (``kv_memory="vllm"``); or by Splitwise's rule: all of the GPUs' memory (GiB) less its
+        weights, over its KV bytes per token (``SPLITWISE_MEMORY``)."""
+        if self.kv_memory == "splitwise":
+            weights, kv_per_token = SPLITWISE_MEMORY[self.model.name]
+            free = self.gpu.memory_gb * GIB * self.gpu_count - weights
+            if free <= 0:
+                raise ConfigError(
+                    f"model {self.model.name} does not fit on {self.gpu_count}x{self.gpu.name} "
+                    "by Splitwise's memory rule"
+                )
+            return int(free // kv_per_token)
         usable = self.gpu.memory_gb * self.gpu_count * gpu_memory_utilization
         free_gb = usable - self.model.weights_gb - activation_gb * self.gpu_count
         if free_gb <= 0:
@@ -113,9 +202,13 @@ class HardwareCatalog:
 
     gpus: dict[str, GpuSpec]
     models: dict[str, ModelSpec]
-    perf: dict[tuple[str, str, int], tuple[StepTimeModel, str]]
+    perf: dict[tuple[str, str, int], tuple[StepTime, str]]
     disk_load_gbs: float
     load_overhead_s: float
+    label: str = ""
+    """What chose these performance models (e.g. ``--perf-model splitwise``), named in errors."""
+    kv_memory: KvMemoryRule = "vllm"
+    """How the KV cache is sized: vLLM's rule or Splitwise's (``PerfModel.kv_capacity_tokens``)."""
 
     def gpu(self, name: str) -> GpuSpec:
         key = _canonical(name, self.gpus)
@@ -135,7 +228,13 @@ class HardwareCatalog:
         if entry is None:
             have = sorted(f"{k[0]}@{k[2]}x{k[1]}" for k in self.perf)
             raise ConfigError(
-                f"no performance profile for {m.name} on {gpu_count}x{g.name}; have: {', '.join(have)}"
+                f"{self._prefix()}no performance profile for {m.name} on {gpu_count}x{g.name}; "
+                f"have: {', '.join(have)}"
+            )
+        if self.kv_memory == "splitwise" and m.name not in SPLITWISE_MEMORY:
+            raise ConfigError(
+                f"--kv-memory splitwise: Splitwise's memory rule has no size for {m.name} "
+                f"(it has {', '.join(sorted(SPLITWISE_MEMORY))})"
             )
         step, source = entry
         return PerfModel(
@@ -146,14 +245,22 @@ class HardwareCatalog:
             source=source,
             disk_load_gbs=self.disk_load_gbs,
             load_overhead_s=self.load_overhead_s,
+            kv_memory=self.kv_memory,
         )
+
+    def _prefix(self) -> str:
+        return f"{self.label}: " if self.label else ""
 
     def default_gpu_count(self, model: str, gpu: str) -> int:
         """Fewest GPUs of this type with a profile for the model (e.g. 70B needs several)."""
         m, g = self.model(model), self.gpu(gpu)
         counts = sorted(k[2] for k in self.perf if k[0] == m.name and k[1] == g.name)
         if not counts:
-            raise ConfigError(f"no performance profile for {m.name} on {g.name}")
+            have = sorted(f"{k[0]}@{k[2]}x{k[1]}" for k in self.perf)
+            raise ConfigError(
+                f"{self._prefix()}no performance profile for {m.name} on {g.name}; "
+                f"have: {', '.join(have)}"
+            )
         return counts[0]
 
 
@@ -171,7 +278,7 @@ def parse_catalog(doc: dict[str, Any]) -> HardwareCatalog:
         models = {name: ModelSpec(name=name, **fields) for name, fields in doc["models"].items()}
     except TypeError as exc:  # a missing or unknown field: say which file is wrong, not a traceback
         raise ConfigError(f"hardware catalog: bad GPU or model entry ({exc})") from exc
-    perf: dict[tuple[str, str, int], tuple[StepTimeModel, str]] = {}
+    perf: dict[tuple[str, str, int], tuple[StepTime, str]] = {}
     for entry in doc["perf_models"]:
         key = (entry["model"], entry["gpu"], int(entry["gpu_count"]))
         if key[0] not in models or key[1] not in gpus:

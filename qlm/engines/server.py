@@ -55,6 +55,7 @@ from prometheus_client.registry import Collector
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from qlm.engines.base import EngineOutput, EngineRequest, TokenChunk
+from qlm.engines.perf_model import HardwareCatalog
 from qlm.engines.wallclock import LATENCY_BUCKETS, WallClockEngine, count_tokens
 from qlm.errors import EngineError, UnknownRequest, check_setting
 
@@ -643,10 +644,11 @@ def serve(
     max_num_seqs: int | None = None,
     scheduling_policy: SchedulingPolicy = "fcfs",
     stream_interval: int = 1,
+    catalog: HardwareCatalog | None = None,
 ) -> None:
     """Run the server until interrupted (``qlm sim-engine serve``). ``eos_lengths``: the output
     lengths a request without ``ignore_eos`` ends after (drawn per request; empty: at
-    ``max_tokens``)."""
+    ``max_tokens``); ``catalog``: the performance models (default: the shipped ones)."""
     import uvicorn
 
     engine = WallClockEngine.from_catalog(
@@ -656,6 +658,7 @@ def serve(
         gpu_count,
         time_scale=time_scale,
         max_num_seqs=max_num_seqs,
+        catalog=catalog,
     )
     app = create_app(
         engine,

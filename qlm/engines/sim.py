@@ -26,9 +26,9 @@ driver sleeps until then; the engine behaves the same.
 Speed: a run of decode-only iterations in which nothing can change (no prefill, no admissible
 waiting request, no pending operation) is computed in closed form as one *macro step*: decode
 iteration ``i`` lasts ``d0 + per_ctx_token_ms * B * i`` because each of the ``B`` sequences adds one
-token of context. Anything that arrives meanwhile (a submit, an abort, a swap) cuts the macro step
-at the iteration in progress, so results are those of stepping one iteration at a time
-(``tests/unit/engines/test_sim_engine.py`` checks it).
+token of context (with a measured table, ``d0`` each). Anything that arrives meanwhile (a submit,
+an abort, a swap) cuts the macro step at the iteration in progress, so results are those of
+stepping one iteration at a time (``tests/unit/engines/test_sim_engine.py`` checks it).
 """
 
 from __future__ import annotations
@@ -776,7 +776,7 @@ class SimEngine:
         # The blocks of the k iterations are allocated as they end (``_finish_step``, ``abort``):
         # nothing else can allocate during the run, and ``_fuse_length`` checked they are free.
         step = _Step(start=now + extra_s, end=now, work=[(s, 1) for s in running], macro_k=k)
-        step.d0_s, step.slope_s = d0, pm.step.per_ctx_token_ms * B / 1000
+        step.d0_s, step.slope_s = d0, pm.step.decode_slope_ms(B) / 1000
         step.end = step.start + step.macro_elapsed(k)
         self._step = step
 

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from qlm.engines.perf_model import default_catalog
+from qlm.domain import InstanceSpec
+from qlm.engines.perf_model import HardwareCatalog, default_catalog
 from qlm.errors import QLMError
 from qlm.profiling.sim import profile_sim_hardware
 from qlm.rct.fit import profile_workload
@@ -50,6 +52,34 @@ def profile_hardware(
     count = gpus if gpus is not None else catalog.default_gpu_count(model, gpu)
     perf = catalog.perf_model(model, gpu, count)
     return profile_sim_hardware(perf, input_tokens=input_tokens, output_tokens=output_tokens)
+
+
+def profile_fleet(specs: Sequence[InstanceSpec], catalog: HardwareCatalog) -> RctProfile:
+    """The hardware profile of every (model, GPU, GPU count) of a simulated fleet, measured on
+    the catalog's performance models (the batches ``qlm profile all`` runs): what the estimator
+    needs when the instances do not run on the shipped ones (``--perf-model``, ``--kv-memory``)."""
+    hardware = {}
+    for key in sorted({(m, s.gpu, s.gpu_count) for s in specs for m in s.models}):
+        hw = profile_sim_hardware(catalog.perf_model(*key), input_tokens=1024, output_tokens=256)
+        hardware[hw.key] = hw
+    return RctProfile(hardware=hardware)
+
+
+def simulated_fleet(
+    instances: str, perf_model: str = "default", kv_memory: str = "vllm"
+) -> tuple[HardwareCatalog | None, list[InstanceSpec], RctProfile]:
+    """A fleet shorthand on the performance models named (``--perf-model``, ``--kv-memory``):
+    the catalog (None: the shipped one), the instances, and the estimator's profile (the shipped
+    one, with the fleet profiled on the chosen models when they are not the shipped ones)."""
+    from qlm.engines.perf_table import load_catalog
+    from qlm.fleet import parse_instances
+    from qlm.rct.profile import default_profile
+
+    if perf_model == "default" and kv_memory == "vllm":
+        return None, parse_instances(instances), default_profile()
+    catalog = load_catalog(perf_model, kv_memory)
+    specs = parse_instances(instances, catalog)
+    return catalog, specs, default_profile().merged(profile_fleet(specs, catalog))
 
 
 def workload_prior(trace: str) -> NIG:

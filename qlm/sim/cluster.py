@@ -92,7 +92,8 @@ def build_engines(
     catalog: HardwareCatalog | None = None,
     config_overrides: dict[str, Any] | None = None,
 ) -> list[SimEngine]:
-    """One simulated engine per instance spec, with the shipped performance profiles."""
+    """One simulated engine per instance spec, with the catalog's performance models (default:
+    the shipped ones)."""
     catalog = catalog or default_catalog()
     names = [spec.name for spec in instances]
     if len(set(names)) != len(names):
@@ -353,7 +354,9 @@ def simulate(
     *,
     engine_config: dict[str, Any] | None = None,
     progress: ProgressFn | None = None,
+    catalog: HardwareCatalog | None = None,
 ) -> SimResult:
-    """Convenience wrapper: build a cluster, replay ``requests``, return the result."""
-    sim = ClusterSimulation(instances, policy, engine_config=engine_config)
+    """Convenience wrapper: build a cluster, replay ``requests``, return the result
+    (``catalog``: the performance models, default the shipped ones)."""
+    sim = ClusterSimulation(instances, policy, engine_config=engine_config, catalog=catalog)
     return sim.run(requests, progress=progress)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from qlm.domain import InstanceSpec, Request
+from qlm.engines.perf_model import HardwareCatalog
 from qlm.errors import QLMError, WorkloadError
 from qlm.fleet import parse_instances
 from qlm.planner import BaselineConfig, PlannerConfig, Policy, create_policy
@@ -30,10 +31,13 @@ class Simulation:
     instances: Sequence[InstanceSpec]
     policy: Policy
     max_wait: bool = False  # the policy has a starvation guard (its promotions are reported)
+    catalog: HardwareCatalog | None = None  # the performance models (None: the shipped ones)
 
     def run(self, progress: Callable[[int, int], None] | None = None) -> SimResult:
         """Replay the requests; ``progress(done, total)`` is called as requests finish."""
-        result = simulate(self.requests, self.instances, self.policy, progress=progress)
+        result = simulate(
+            self.requests, self.instances, self.policy, progress=progress, catalog=self.catalog
+        )
         return with_planner_summary(result, max_wait=self.max_wait)
 
 
@@ -55,6 +59,7 @@ def prepare_simulation(
     planner: PlannerConfig | None = None,
     ttft_slo: Mapping[str, float] | None = None,
     baselines: BaselineConfig | None = None,
+    catalog: HardwareCatalog | None = None,
 ) -> Simulation:
     """The run ``qlm simulate`` describes: the trace window (or ``synthetic_rate`` arrivals with
     the lengths of ``trace``), the workload preset's requests, the fleet and the policy.
@@ -62,7 +67,9 @@ def prepare_simulation(
     are known to be valid (their errors come first); ``planner``: the ``qlm`` policy's settings
     (default: ``PlannerConfig.for_simulation()``); ``ttft_slo``: time-to-first-token SLOs by SLO
     class (seconds, scaled by ``slo_scale``), in any workload; ``baselines``: the baselines'
-    parameters."""
+    parameters; ``catalog``: the performance models the instances run on
+    (``qlm.engines.perf_table.load_catalog``; default: the shipped ones). A single-model workload
+    serves the fleet's models when the fleet does not serve its own (``preset_spec``)."""
     if ttft_slo:
         classes = preset_spec(workload, slo_scale=slo_scale).slo_classes
         try:
@@ -87,11 +94,24 @@ def prepare_simulation(
         if start_s > 0 or duration_s is not None:
             end = start_s + duration_s if duration_s is not None else tr.duration_s + 1.0
             tr = window(tr, start_s, end)
-    requests = create_workload(workload, tr, seed=seed, slo_scale=slo_scale, ttft_slo=ttft_slo)
-    specs = parse_instances(instances)
+    specs = parse_instances(instances, catalog)
+    requests = create_workload(
+        workload,
+        tr,
+        seed=seed,
+        slo_scale=slo_scale,
+        ttft_slo=ttft_slo,
+        fleet_models=[m for spec in specs for m in spec.models],
+    )
     config = planner or PlannerConfig.for_simulation()
     pol = create_policy(policy, profile=profile(), planner=config, baselines=baselines)
-    return Simulation(requests, specs, pol, max_wait=policy == "qlm" and bool(config.max_wait_s))
+    return Simulation(
+        requests,
+        specs,
+        pol,
+        max_wait=policy == "qlm" and bool(config.max_wait_s),
+        catalog=catalog,
+    )
 
 
 def run_simulation(
@@ -112,6 +132,7 @@ def run_simulation(
     planner: PlannerConfig | None = None,
     ttft_slo: Mapping[str, float] | None = None,
     progress: Callable[[int, int], None] | None = None,
+    catalog: HardwareCatalog | None = None,
 ) -> SimResult:
     """``prepare_simulation``, then run it."""
     return prepare_simulation(
@@ -130,6 +151,7 @@ def run_simulation(
         profile=profile,
         planner=planner,
         ttft_slo=ttft_slo,
+        catalog=catalog,
     ).run(progress)
 
 

@@ -34,7 +34,7 @@ The result is sorted by arrival (ties: regular requests first, then by id).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -340,6 +340,7 @@ def preset_spec(
     mega_share: float | None = None,
     max_tokens: int | None = None,
     ttft_slo: Mapping[str, float] | None = None,
+    fleet_models: Sequence[str] | None = None,
 ) -> WorkloadSpec:
     """The ``WorkloadSpec`` of a named workload (``PRESETS``). SLOs in seconds, end to end.
 
@@ -363,7 +364,9 @@ def preset_spec(
     from 1 to 11). ``interactive_share`` sets the interactive class's share and rescales the others
     (paper Figs. 9 and 12 sweep it); ``tail_share`` sets the tail models' total share (Fig. 8).
     ``ttft_slo`` gives SLO classes a time-to-first-token SLO, in seconds by class name (scaled
-    by ``slo_scale`` like every SLO); none of the presets has one otherwise.
+    by ``slo_scale`` like every SLO); none of the presets has one otherwise. ``fleet_models``:
+    the models the fleet serves; when it does not serve ``llama-3-8b``, the single-model presets
+    (``default``, ``wb``) send their requests to the fleet's models instead, in equal shares.
     """
     if name not in PRESETS:
         raise WorkloadError(f"unknown workload {name!r}; known: {', '.join(PRESETS)}")
@@ -373,11 +376,15 @@ def preset_spec(
         raise WorkloadError(f"mega_share applies to wc only, not {name!r}")
     interactive = SLOClass("interactive", INTERACTIVE_E2E_S, Tier.INTERACTIVE, 0.5)
     batch = SLOClass("batch", BATCH_E2E_S, Tier.BATCH, 0.5)
+    single = _single_model()
+    if fleet_models and single[0].name not in fleet_models:
+        served = list(dict.fromkeys(fleet_models))
+        single = tuple(ModelShare(m, 1 / len(served), model_context(m)) for m in served)
     if name == "default":
-        models = _single_model()
+        models = single
         classes: tuple[SLOClass, ...] = (SLOClass("default", STANDARD_E2E_S, Tier.STANDARD, 1.0),)
     elif name == "wb":
-        models = _single_model()
+        models = single
         classes = (
             replace(interactive, share=0.4),
             SLOClass("standard", STANDARD_E2E_S, Tier.STANDARD, 0.3),
@@ -410,6 +417,7 @@ def create_workload(
     mega_share: float | None = None,
     max_tokens: int | None = None,
     ttft_slo: Mapping[str, float] | None = None,
+    fleet_models: Sequence[str] | None = None,
 ) -> list[Request]:
     """The requests of a named workload (``preset_spec`` lists the rules) over ``trace``."""
     spec = preset_spec(
@@ -420,5 +428,6 @@ def create_workload(
         mega_share=mega_share,
         max_tokens=max_tokens,
         ttft_slo=ttft_slo,
+        fleet_models=fleet_models,
     )
     return build_requests(trace, spec, seed=seed)

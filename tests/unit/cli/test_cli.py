@@ -274,3 +274,49 @@ def test_a_bad_ttft_slo_is_one_line_naming_the_flag() -> None:
         assert result.exit_code == 1, (value, result.output)
         lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
         assert len(lines) == 1 and "--ttft-slo" in lines[0] and needle in lines[0], result.stderr
+
+
+def test_simulate_on_splitwise_measurements_with_gpu_counts_the_table_covers() -> None:
+    base = ["simulate", "--trace", "azure-conv", "--duration", "30", "--json"]
+    fleet = ["--instances", "1xH100/8:llama-2-70b", "--perf-model", "splitwise"]
+    result = runner.invoke(app, [*base, *fleet, "--policy", "qlm"])
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout)
+    assert summary["finished"] == summary["requests"] > 0  # --workload default: the fleet's model
+    assert list(summary["slo_attainment_by_model"]) == ["llama-2-70b"]
+    assert "--perf-model splitwise" in summary["command"]
+    kv = runner.invoke(app, [*base, *fleet, "--kv-memory", "splitwise"])
+    assert kv.exit_code == 0, kv.output
+    assert "--kv-memory splitwise" in json.loads(kv.stdout)["command"]
+
+
+def test_simulate_perf_model_from_a_csv_file_and_the_setting(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    table = tmp_path / "t.csv"
+    table.write_text(
+        "model,hardware,tensor_parallel,prompt_size,batch_size,prompt_time,token_time\n"
+        "llama-3-8b,A100,1,128,1,20,10\nllama-3-8b,A100,1,8192,1,800,12\n"
+    )
+    fast = simulate("--perf-model", str(table))
+    monkeypatch.setenv("QLM_SIM__PERF_MODEL", str(table))
+    assert simulate()["e2e_s"] == fast["e2e_s"]
+    assert simulate("--perf-model", "default")["e2e_s"] != fast["e2e_s"]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            ["--perf-model", "splitwise"],
+            "--perf-model splitwise: no performance profile for llama-3-8b",
+        ),
+        (["--perf-model", "no-such.csv"], "--perf-model: 'no-such.csv' is neither"),
+        (["--kv-memory", "paged"], "--kv-memory must be vllm or splitwise"),
+    ],
+)
+def test_simulate_perf_model_errors_are_one_line(args: list[str], message: str) -> None:
+    result = runner.invoke(app, ["simulate", *SHORT, *args])
+    assert result.exit_code == 1, result.output
+    lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and message in lines[0], result.stderr

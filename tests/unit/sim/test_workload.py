@@ -338,3 +338,16 @@ def test_ttft_slo_text_is_class_equals_seconds_separated_by_commas() -> None:
     }.items():
         with pytest.raises(WorkloadError, match=needle):
             parse_ttft_slo(text)
+
+
+def test_a_single_model_preset_serves_the_fleets_models_when_it_lacks_its_own() -> None:
+    from qlm.sim.workload import preset_spec
+
+    assert [m.name for m in preset_spec("default", fleet_models=["llama-3-8b", "x"]).models] == [
+        "llama-3-8b"
+    ]
+    spec = preset_spec("wb", fleet_models=["llama-2-70b", "llama-2-7b", "llama-2-70b"])
+    assert [(m.name, m.share, m.max_context) for m in spec.models] == [
+        ("llama-2-70b", 0.5, 4096),
+        ("llama-2-7b", 0.5, 4096),
+    ]
