@@ -45,7 +45,7 @@ from qlm.service.backlog_gc import BacklogGC
 from qlm.service.hub import ResultEvent, ResultHub
 from qlm.store import NewRequest, RequestRow, Store, StoreError
 from qlm.store.rows import InstanceState
-from qlm.virtual_queues import VirtualQueueSet
+from qlm.virtual_queues import UNASSIGNED, QueueSnapshot, VirtualQueueSet
 
 log = logging.getLogger(__name__)
 
@@ -871,7 +871,9 @@ class ControllerService(RuntimeListener):
         if callable(estimates) and isinstance(vqs, VirtualQueueSet):
             groups, drain = estimates(now)
             delta = policy.config.delta  # type: ignore[attr-defined]
-            for q in vqs.snapshot(groups):
+            # an instance down has no queue: its groups wait in no queue until re-planned
+            waiting = QueueSnapshot(UNASSIGNED, vqs.unassigned_snapshot(groups))
+            for q in [*vqs.snapshot(groups), *([waiting] if waiting.groups else [])]:
                 queues.append(
                     {
                         "instance": q.instance,

@@ -6,10 +6,11 @@ See ``docs/groups.md``. Pure: no I/O, no clock.
 from __future__ import annotations
 
 from qlm.virtual_queues.virtual_queue import (
+    UNASSIGNED,
     Estimate,
     GroupSnapshot,
     QueueSnapshot,
     VirtualQueueSet,
 )
 
-__all__ = ["Estimate", "GroupSnapshot", "QueueSnapshot", "VirtualQueueSet"]
+__all__ = ["UNASSIGNED", "Estimate", "GroupSnapshot", "QueueSnapshot", "VirtualQueueSet"]

@@ -43,6 +43,11 @@ class GroupSnapshot:
     slo_risk: float | None = None
 
 
+UNASSIGNED = "(unassigned)"
+"""What snapshots call the groups in no virtual queue (``VirtualQueueSet.unassigned_snapshot``):
+new ones, or those of an instance that went down, until the planner places them."""
+
+
 @dataclass(frozen=True, slots=True)
 class QueueSnapshot:
     """One instance's virtual queue, head first."""
@@ -225,31 +230,43 @@ class VirtualQueueSet:
     def snapshot(self, estimates: Mapping[str, Estimate] | None = None) -> list[QueueSnapshot]:
         """Every queue, head first, as plain data; ``estimates`` maps group id to
         ``(mean_s, std_s, p_meet_slo)`` and fills the prediction fields of the groups it names."""
+        return [
+            QueueSnapshot(instance=name, groups=self._rows(self._live(name), estimates))
+            for name in self._queues
+        ]
+
+    def unassigned_snapshot(
+        self, estimates: Mapping[str, Estimate] | None = None
+    ) -> tuple[GroupSnapshot, ...]:
+        """The groups in no queue (``unassigned``: new, or handed back by an instance that went
+        down), as ``snapshot`` shows a queue's, oldest first."""
+        return self._rows(self.unassigned(), estimates)
+
+    def _rows(
+        self, gids: list[str], estimates: Mapping[str, Estimate] | None
+    ) -> tuple[GroupSnapshot, ...]:
         estimates = estimates or {}
-        result = []
-        for name in self._queues:
-            rows = []
-            for position, gid in enumerate(self._live(name)):
-                group = self._grouper.group(gid)
-                estimate = estimates.get(gid)
-                mean, std, p = estimate if estimate is not None else (None, None, None)
-                rows.append(
-                    GroupSnapshot(
-                        id=gid,
-                        position=position,
-                        model=group.model,
-                        tier=group.tier,
-                        slo_class=group.slo_class,
-                        size=group.size,
-                        earliest_deadline_s=group.earliest_deadline_s,
-                        predicted_completion_s=mean,
-                        predicted_completion_std_s=std,
-                        p_meet_slo=p,
-                        slo_risk=None if p is None else 1.0 - p,
-                    )
+        rows = []
+        for position, gid in enumerate(gids):
+            group = self._grouper.group(gid)
+            estimate = estimates.get(gid)
+            mean, std, p = estimate if estimate is not None else (None, None, None)
+            rows.append(
+                GroupSnapshot(
+                    id=gid,
+                    position=position,
+                    model=group.model,
+                    tier=group.tier,
+                    slo_class=group.slo_class,
+                    size=group.size,
+                    earliest_deadline_s=group.earliest_deadline_s,
+                    predicted_completion_s=mean,
+                    predicted_completion_std_s=std,
+                    p_meet_slo=p,
+                    slo_risk=None if p is None else 1.0 - p,
                 )
-            result.append(QueueSnapshot(instance=name, groups=tuple(rows)))
-        return result
+            )
+        return tuple(rows)
 
     def check(self) -> None:
         """Assert the invariants (for tests and debugging); ``VirtualQueueError`` if one is broken."""

@@ -184,3 +184,34 @@ def vllm_url(vllm_server: VllmServer) -> str:
     if not EXTERNAL and (vllm_server.proc is None or vllm_server.proc.poll() is not None):
         vllm_server.start()
     return vllm_server.url
+
+
+PROFILE_ARGS = (
+    "--model", MODEL, "--gpu", "cpu", "--max-num-seqs", "128", "--max-context", "2048",
+    "--input-tokens", "256", "--output-tokens", "64",
+)  # fmt: skip
+"""``qlm profile server`` of the tiny model (a few seconds on the CPU build)."""
+LOAD_TIMES = ("--warm-load-s", "2", "--cold-load-s", "10")
+"""Given, as they must be: the CPU build does not sleep, so there is nothing to measure."""
+
+
+def profile_server(url: str, out: Path, *extra: str) -> tuple[int, str]:
+    from typer.testing import CliRunner
+
+    from qlm.cli import app
+
+    args = ["profile", "server", "--url", url, *PROFILE_ARGS, "--out", str(out), *extra]
+    result = CliRunner().invoke(app, args)
+    return result.exit_code, result.output
+
+
+@pytest.fixture(scope="session")
+def tiny_profile(vllm_server: VllmServer, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model's hardware profile on this machine (``QLM_PROFILE_FILE`` for the ``qlm``
+    policy), measured over vLLM's API."""
+    if not EXTERNAL and (vllm_server.proc is None or vllm_server.proc.poll() is not None):
+        vllm_server.start()
+    out = tmp_path_factory.mktemp("profile") / "profile.json"
+    code, text = profile_server(vllm_server.url, out, *LOAD_TIMES)
+    assert code == 0, text
+    return out

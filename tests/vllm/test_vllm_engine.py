@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
-from qlm.engines.base import EngineRequest, TokenChunk
+from qlm.engines.base import EngineOutput, EngineRequest, TokenChunk
 from qlm.engines.vllm import VllmEngine, context_room
 from qlm.errors import RequestRejected, UnknownRequest
 
@@ -172,8 +172,9 @@ def test_priority_lets_an_urgent_request_pass_those_waiting(vllm_url: str) -> No
             tasks = [asyncio.create_task(e.submit(r, on_chunk)) for r in low]
 
             async def full() -> bool:
-                s = await e.stats()
-                return s.waiting >= 4 and len(first) >= 8
+                if all(t.done() for t in tasks):
+                    pytest.fail("no request waited: the KV cache held them all")
+                return (await e.stats()).waiting >= 4
 
             await eventually(full, "the KV cache is full and requests wait")
             waiting = (await e.stats()).waiting  # vLLM's gauge: not admitted yet
@@ -185,12 +186,68 @@ def test_priority_lets_an_urgent_request_pass_those_waiting(vllm_url: str) -> No
             outs = await asyncio.gather(*tasks)
             assert all(o.tokens == output for o in outs)
             passed = [r.request_id for r in low if first[r.request_id] > first["urgent"]]
-            # FCFS would start it after all of them (none passed); the gauge lags a little
-            assert waiting >= 4 and len(passed) >= waiting // 2, (passed, waiting)
+            # FCFS starts it after every one sent before it: none passed. (Not all of those
+            # the gauge counted: it lags, and a request in chunked prefill may finish first.)
+            assert waiting >= 4 and len(passed) >= 2, (passed, waiting)
         finally:
             await e.close()
 
     run(scenario)
+
+
+async def interrupted(
+    e: VllmEngine, make: Callable[[str], EngineRequest], at_tokens: int, *, cancel: bool = False
+) -> tuple[EngineRequest, EngineOutput, list[TokenChunk]]:
+    """Run a request and stop it from its own stream once it has ``at_tokens`` tokens: by
+    ``abort`` (its partial output), or by cancelling the ``submit`` task. The tiny model is
+    fast (~2 s for 1,800 tokens) and a loaded host can fall behind its stream: a request that
+    ended first is tried again under a new id (three times at most)."""
+    for attempt in range(3):
+        request = make(f"-{attempt}" if attempt else "")
+        stopped = await _stop_once(e, request, at_tokens, cancel)
+        if stopped is not None:
+            return request, *stopped
+    pytest.fail("the request ended before it could be stopped, three times")
+
+
+async def _stop_once(
+    e: VllmEngine, request: EngineRequest, at_tokens: int, cancel: bool
+) -> tuple[EngineOutput, list[TokenChunk]] | None:
+    """One try of ``interrupted``; None when the request ended before it was stopped."""
+    seen: list[TokenChunk] = []
+    stopping: list[asyncio.Task[Any]] = []
+
+    def on_chunk(chunk: TokenChunk) -> None:
+        seen.append(chunk)
+        if chunk.tokens >= at_tokens and not stopping:
+            if cancel:
+                task.cancel()
+                stopping.append(task)
+            else:
+                stopping.append(asyncio.create_task(e.abort(request.request_id)))
+
+    task = asyncio.create_task(e.submit(request, on_chunk))
+    try:
+        out = await task
+    except asyncio.CancelledError:
+        if cancel:
+            return EngineOutput(request.request_id, "", 0, "abort"), seen
+        raise
+    if not stopping or cancel:
+        return None
+    try:
+        partial = await stopping[0]
+    except UnknownRequest:
+        return None  # it had ended
+    if not partial.aborted:
+        return None
+    assert out == partial
+    return partial, seen
+
+
+async def idle(e: VllmEngine) -> bool:
+    s = await e.stats()
+    return s.running == 0 and s.waiting == 0
 
 
 def test_metrics_cancel_and_abort(vllm_url: str) -> None:
@@ -198,35 +255,18 @@ def test_metrics_cancel_and_abort(vllm_url: str) -> None:
         e = engine(vllm_url)
         try:
             await e.capabilities()  # /abort_requests is served: abort also sends vLLM's id
-            seen: list[TokenChunk] = []
-            task = asyncio.create_task(e.submit(text_request("abort-1", LONG), seen.append))
-
-            async def streaming() -> bool:
-                return bool(seen) and seen[-1].tokens >= 20
-
-            await eventually(streaming, "the long request streams")
-            partial = await e.abort("abort-1")
+            request, partial, seen = await interrupted(
+                e, lambda n: text_request(f"abort-1{n}", LONG), 20
+            )
             assert partial.aborted and 20 <= partial.tokens < LONG
             assert partial.text == "".join(c.text for c in seen)[: len(partial.text)]
-            assert await task == partial
             with pytest.raises(UnknownRequest):
-                await e.abort("abort-1")
-
-            async def idle() -> bool:
-                s = await e.stats()
-                return s.running == 0 and s.waiting == 0
-
-            await eventually(idle, "vLLM drops the aborted request")
+                await e.abort(request.request_id)
+            await eventually(lambda: idle(e), "vLLM drops the aborted request")
 
             # cancelling the submit task closes the stream: vLLM aborts the request
-            seen.clear()
-            task = asyncio.create_task(e.submit(text_request("cancel-1", LONG), seen.append))
-
-            await eventually(streaming, "the request streams")
-            task.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await task
-            await eventually(idle, "vLLM drops the cancelled request")
+            await interrupted(e, lambda n: text_request(f"cancel-1{n}", LONG), 20, cancel=True)
+            await eventually(lambda: idle(e), "vLLM drops the cancelled request")
             stats = await e.stats()
             assert stats.kv_capacity_tokens == KV_TOKENS and stats.preemptions_total >= 0
         finally:
@@ -242,22 +282,15 @@ def test_an_evicted_request_resumes_with_its_partial_output_to_its_full_length(
         e = engine(vllm_url)
         try:
             await e.capabilities()
-            original = text_request("evict-1", LONG)
-            seen: list[TokenChunk] = []
-            task = asyncio.create_task(e.submit(original, seen.append))
-
-            async def streaming() -> bool:
-                return bool(seen) and seen[-1].tokens >= 50
-
-            await eventually(streaming, "the request streams")
-            partial = await e.abort("evict-1")
-            await task
+            original, partial, _ = await interrupted(
+                e, lambda n: text_request(f"evict-1{n}", LONG), 50
+            )
             assert partial.aborted and 50 <= partial.tokens < LONG
-            # sent again at once, under the same id: it goes as "evict-1.2" (vLLM may still
-            # hold the aborted one), prompt + partial output, for the tokens still to come
+            # sent again at once, under the same id: it goes as "<id>.2" (vLLM may still hold
+            # the aborted one), prompt + partial output, for the tokens still to come
             rest = LONG - partial.tokens
             resumed = text_request(
-                "evict-1", rest, prompt=f"{original.prompt}{partial.text}",
+                original.request_id, rest, prompt=f"{original.prompt}{partial.text}",
                 resumed_tokens=partial.tokens,
             )  # fmt: skip
             out = await e.submit(resumed)
