@@ -155,7 +155,7 @@ def test_a_synthetic_prompt_fits_a_small_vocabulary(vllm_url: str) -> None:
 def test_priority_lets_an_urgent_request_pass_those_waiting(vllm_url: str) -> None:
     """More requests than the KV cache holds: the rest wait. An urgent one (lower ``priority``)
     sent after them starts before those still waiting when it came (FCFS: after all)."""
-    prompt, output, n = 1000, 300, 40  # 40 x 8 blocks of prompt: more than the 256 there are
+    prompt, output, n = 1000, 500, 64  # 64 x 8 blocks of prompt: twice the 256 there are
 
     async def scenario() -> None:
         e = engine(vllm_url)
