@@ -555,3 +555,99 @@ def test_a_resumed_request_past_the_context_is_sent_again_with_the_room_left() -
             await server.close()
 
     asyncio.run(scenario())
+
+
+# --- what the server says of itself: /server_info, the sleep probe, /abort_requests, /tokenize ---
+
+
+def _server(
+    info: dict[str, Any] | None, calls: list[str]
+) -> Callable[[httpx.Request], httpx.Response]:
+    """A vLLM in dev mode whose /server_info says ``info`` (None: not served)."""
+    asleep = [False]
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        path = request.url.path
+        calls.append(f"{request.method} {path}?{request.url.query.decode()}")
+        if path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": "llama"}]})
+        if path == "/metrics":
+            return httpx.Response(
+                200, text=METRICS.replace("3.0", "0.0").replace("2.0", "0.0").replace("4.0", "0.0")
+            )
+        if path == "/server_info":
+            return (
+                httpx.Response(404)
+                if info is None
+                else httpx.Response(200, json={"vllm_config": info})
+            )
+        if path == "/is_sleeping":
+            return httpx.Response(200, json={"is_sleeping": asleep[0]})
+        if path == "/sleep":
+            asleep[0] = True
+            return httpx.Response(200, json={"status": "sleeping"})
+        if path == "/wake_up":
+            asleep[0] = False
+            return httpx.Response(200, json={"status": "awake"})
+        if path == "/abort_requests":
+            return httpx.Response(200, json={"status": "aborted", "aborted": 1})
+        if path == "/tokenize":
+            return httpx.Response(200, json={"count": 3, "tokens": [9, 3, 9, 7]})
+        return httpx.Response(404)
+
+    return handler
+
+
+def test_a_server_without_sleep_mode_is_not_slept_and_says_its_limits() -> None:
+    """vLLM's CPU build answers /sleep in dev mode without sleeping: /server_info tells."""
+    calls: list[str] = []
+    info = {
+        "model_config": {"enable_sleep_mode": False},
+        "device_config": {"device": "cpu"},
+        "scheduler_config": {"max_num_seqs": 128},
+    }
+
+    async def scenario() -> None:
+        engine = engine_with(_server(info, calls))
+        caps = await engine.capabilities()
+        await engine.close()
+        assert not caps.supports_sleep and caps.supports_abort_endpoint
+        assert caps.max_num_seqs == 128
+        assert "--enable-sleep-mode on cpu" in engine.sleep_probe
+        assert engine.token_ids == (3, 7, 9)
+
+    asyncio.run(scenario())
+    assert not any(c.startswith("POST /sleep") for c in calls)
+
+
+def test_sleep_is_probed_by_sleeping_an_idle_server_and_waking_it() -> None:
+    calls: list[str] = []
+
+    async def scenario() -> None:
+        engine = engine_with(_server(None, calls))  # no /server_info: the round trip decides
+        caps = await engine.capabilities()
+        await engine.close()
+        assert caps.supports_sleep and caps.max_num_seqs is None
+        assert "slept (level 1) and woke" in engine.sleep_probe
+
+    asyncio.run(scenario())
+    assert "POST /sleep?level=1&mode=wait" in calls and "POST /wake_up?" in calls
+
+
+def test_without_dev_mode_there_is_no_sleep() -> None:
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": "llama"}]})
+        if request.url.path == "/metrics":
+            return httpx.Response(200, text=METRICS)
+        return httpx.Response(404)
+
+    async def scenario() -> None:
+        engine = engine_with(handler)
+        caps = await engine.capabilities()
+        await engine.close()
+        assert not caps.supports_sleep and not caps.supports_abort_endpoint
+        assert "VLLM_SERVER_DEV_MODE=1" in engine.sleep_probe
+        assert engine.token_ids == ()  # no /tokenize: filler ids from FILLER_IDS
+
+    asyncio.run(scenario())
