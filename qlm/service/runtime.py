@@ -726,6 +726,7 @@ class AgentRuntime:
             (m for m, t in inst.tiers.items() if t is ModelTier.ACTIVE), None
         )
         if not inst.up:
+            log.info("%s is up", inst.spec.name)
             inst.up = True
             self.listener.instance_changed(inst.spec.name, True)
             self._kick.set()

@@ -6,6 +6,7 @@ See ``docs/groups.md``. Pure: no I/O, no clock.
 from __future__ import annotations
 
 from qlm.virtual_queues.virtual_queue import (
+    UNASSIGNED,
     GroupPrediction,
     GroupSnapshot,
     QueueSnapshot,
@@ -14,6 +15,7 @@ from qlm.virtual_queues.virtual_queue import (
 )
 
 __all__ = [
+    "UNASSIGNED",
     "GroupPrediction",
     "GroupSnapshot",
     "QueueSnapshot",

@@ -54,6 +54,11 @@ class GroupSnapshot:
     requests: tuple[Request, ...] = field(default=(), repr=False, compare=False)
 
 
+UNASSIGNED = "(unassigned)"
+"""What snapshots call the groups in no virtual queue: new ones, or those of an instance that
+went down, until the planner places them."""
+
+
 @dataclass(frozen=True, slots=True)
 class QueueSnapshot:
     """One instance's virtual queue, head first; ``predicted_drain_s``: when the planner's model
@@ -243,35 +248,46 @@ class VirtualQueueSet:
     ) -> list[QueueSnapshot]:
         """Every queue, head first, as plain data; ``predictions`` (by group id) fill the
         prediction fields of the groups they name, ``drain`` (by instance) each queue's
-        ``predicted_drain_s``, and a group whose ``p_meet_slo`` is below ``delta`` is at risk."""
+        ``predicted_drain_s``, and a group whose ``p_meet_slo`` is below ``delta`` is at risk.
+        The groups in no queue (new, or handed back by an instance that went down) come last,
+        oldest first, as a queue named ``UNASSIGNED``, when there are any."""
         predictions = predictions or {}
         drain = drain or {}
-        result = []
-        for name in self._queues:
-            rows = []
-            for position, gid in enumerate(self._live(name)):
-                group = self._grouper.group(gid)
-                prediction = predictions.get(gid)
-                mean, std, p = prediction if prediction is not None else (None, None, None)
-                rows.append(
-                    GroupSnapshot(
-                        id=gid,
-                        position=position,
-                        model=group.model,
-                        tier=group.tier,
-                        slo_class=group.slo_class,
-                        size=group.size,
-                        earliest_deadline_s=group.earliest_deadline_s,
-                        predicted_completion_s=mean,
-                        predicted_completion_std_s=std,
-                        p_meet_slo=p,
-                        slo_risk=None if p is None else 1.0 - p,
-                        at_risk=p is not None and delta is not None and p < delta,
-                        requests=group.requests,
-                    )
-                )
-            result.append(QueueSnapshot(name, tuple(rows), drain.get(name)))
+        result = [
+            QueueSnapshot(name, self._rows(self._live(name), predictions, delta), drain.get(name))
+            for name in self._queues
+        ]
+        waiting = self._rows(self.unassigned(), predictions, delta)
+        if waiting:
+            result.append(QueueSnapshot(UNASSIGNED, waiting, None))
         return result
+
+    def _rows(
+        self, gids: list[str], predictions: Mapping[str, GroupPrediction], delta: float | None
+    ) -> tuple[GroupSnapshot, ...]:
+        rows = []
+        for position, gid in enumerate(gids):
+            group = self._grouper.group(gid)
+            prediction = predictions.get(gid)
+            mean, std, p = prediction if prediction is not None else (None, None, None)
+            rows.append(
+                GroupSnapshot(
+                    id=gid,
+                    position=position,
+                    model=group.model,
+                    tier=group.tier,
+                    slo_class=group.slo_class,
+                    size=group.size,
+                    earliest_deadline_s=group.earliest_deadline_s,
+                    predicted_completion_s=mean,
+                    predicted_completion_std_s=std,
+                    p_meet_slo=p,
+                    slo_risk=None if p is None else 1.0 - p,
+                    at_risk=p is not None and delta is not None and p < delta,
+                    requests=group.requests,
+                )
+            )
+        return tuple(rows)
 
     def check(self) -> None:
         """Assert the invariants (for tests and debugging); ``VirtualQueueError`` if one is broken."""

@@ -15,7 +15,13 @@ from typer.testing import CliRunner
 from qlm.cli import app
 from qlm.domain import ModelTier
 from qlm.engines.base import Engine, EngineRequest, TokenChunk, UnsupportedOperation
-from qlm.engines.vllm import VllmEngine, context_room, filler_prompt, vllm_serve_command
+from qlm.engines.vllm import (
+    VllmEngine,
+    context_room,
+    engine_request_id,
+    filler_prompt,
+    vllm_serve_command,
+)
 from qlm.errors import EngineError, RequestRejected
 
 METRICS = """\
@@ -78,9 +84,9 @@ def test_model_tiers_map_to_vllm_sleep_levels_and_wake_up() -> None:
     # Level 1 keeps the weights in CPU memory: a wake_up brings them back. Level 2 discarded
     # them: reallocate, reload in place, then the KV cache (vLLM's sleep-mode recipe).
     assert calls == [
-        "POST /sleep?level=1",
+        "POST /sleep?level=1&mode=wait",
         "POST /wake_up?",
-        "POST /sleep?level=2",
+        "POST /sleep?level=2&mode=wait",
         "POST /wake_up?tags=weights",
         "POST /collective_rpc?",
         "POST /wake_up?tags=kv_cache",
@@ -154,6 +160,28 @@ def test_the_launch_command_has_the_flags_qlm_needs() -> None:
         vllm_serve_command("m", tool_call_parser="x; rm -rf /")
 
 
+def test_without_a_working_vllm_command_the_server_module_is_started_with_vllms_python() -> None:
+    """vLLM's CPU build installs a ``vllm`` command that fails (PackageNotFoundError)."""
+    cmd = vllm_serve_command("/models/tiny", port=8001, python="/venv/bin/python", extra=("-x",))
+    assert cmd.argv[:6] == (
+        "/venv/bin/python", "-m", "vllm.entrypoints.openai.api_server", "--model", "/models/tiny",
+        "--port",
+    )  # fmt: skip
+    assert "--scheduling-policy" in cmd.argv and cmd.argv[-1] == "-x"
+    result = CliRunner().invoke(
+        app, ["instance", "launch", "--model", "m", "--python", "/v/bin/python", "--print-only"]
+    )
+    assert result.exit_code == 0
+    assert result.stdout.startswith("/v/bin/python -m vllm.entrypoints.openai.api_server --model m")
+
+
+def test_abort_requests_is_sent_vllms_own_id_of_the_request() -> None:
+    completion = EngineRequest("r1", "m", 3, max_tokens=4)
+    chat = EngineRequest("r1", "m", 3, max_tokens=4, messages=({"role": "user", "content": "x"},))
+    assert engine_request_id(completion, "r1.2") == "cmpl-r1.2-0"
+    assert engine_request_id(chat, "r1") == "chatcmpl-r1"
+
+
 def test_instance_launch_prints_the_command_or_says_vllm_is_missing(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -163,7 +191,7 @@ def test_instance_launch_prints_the_command_or_says_vllm_is_missing(
     )
     assert result.exit_code == 0
     assert result.stdout.startswith("VLLM_SERVER_DEV_MODE=1 vllm serve m ")
-    monkeypatch.setattr("qlm.engines.vllm.vllm_installed", lambda: False)
+    monkeypatch.setattr("qlm.engines.vllm.vllm_launcher", lambda python=None: None)
     result = runner.invoke(app, ["instance", "launch", "--model", "m"])
     assert result.exit_code == 1
     assert "vLLM is not installed" in result.stderr
@@ -209,6 +237,10 @@ def test_synthetic_prompts_of_different_requests_share_no_prefix_and_keep_their_
     assert a[:16] != b[:16]  # the first KV block differs, so every block's hash does
     assert filler_prompt("r0001", 2000) == a  # the same request, the same prompt
     assert len(filler_prompt("r0003", 5)) == 5
+    # with the server's own ids (its /tokenize), every id is one of them: any vocabulary size
+    ids = (3, 17, 42, 99)
+    c, d = filler_prompt("r0001", 300, ids), filler_prompt("r0002", 300, ids)
+    assert len(c) == 300 and set(c) | set(d) <= set(ids) and c[:16] != d[:16]
 
 
 def test_a_server_without_priority_scheduling_gets_the_request_again_without_priority(
@@ -253,7 +285,7 @@ def test_other_rejections_are_not_retried() -> None:
     calls: list[int] = []
 
     def handler(request: httpx.Request) -> httpx.Response:
-        calls.append(1)
+        calls.append(request.url.path == "/v1/completions")
         return httpx.Response(400, json={"error": {"message": "too long", "type": "x"}})
 
     async def scenario() -> None:
@@ -263,7 +295,7 @@ def test_other_rejections_are_not_retried() -> None:
         await engine.close()
 
     asyncio.run(scenario())
-    assert len(calls) == 1
+    assert sum(calls) == 1  # (the other call: /tokenize, for the synthetic prompt's ids)
 
 
 def test_a_request_sent_again_after_an_abort_gets_its_own_id_on_the_wire() -> None:
@@ -489,8 +521,14 @@ def test_the_room_left_in_the_context_is_read_from_vllms_refusal() -> None:
         "This model's maximum context length is 8192 tokens. However, your request has 9000 "
         "input tokens. Please reduce the length of the input messages."
     )
+    no_room_032 = (
+        "This model's maximum context length is 2048 tokens. However, your prompt contains at "
+        "least 2049 input tokens, which exceeds this limit even without any output tokens. "
+        "Please reduce the length of the input prompt. (parameter=input_tokens, value=2049)"
+    )
     assert context_room(new) == context_room(old) == 8089
     assert context_room(too_long) == -808
+    assert context_room(no_room_032) == -1
     assert context_room("Got priority 1 but Priority scheduling is not enabled.") is None
 
 
@@ -515,5 +553,101 @@ def test_a_resumed_request_past_the_context_is_sent_again_with_the_room_left() -
         finally:
             await engine.close()
             await server.close()
+
+    asyncio.run(scenario())
+
+
+# --- what the server says of itself: /server_info, the sleep probe, /abort_requests, /tokenize ---
+
+
+def _server(
+    info: dict[str, Any] | None, calls: list[str]
+) -> Callable[[httpx.Request], httpx.Response]:
+    """A vLLM in dev mode whose /server_info says ``info`` (None: not served)."""
+    asleep = [False]
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        path = request.url.path
+        calls.append(f"{request.method} {path}?{request.url.query.decode()}")
+        if path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": "llama"}]})
+        if path == "/metrics":
+            return httpx.Response(
+                200, text=METRICS.replace("3.0", "0.0").replace("2.0", "0.0").replace("4.0", "0.0")
+            )
+        if path == "/server_info":
+            return (
+                httpx.Response(404)
+                if info is None
+                else httpx.Response(200, json={"vllm_config": info})
+            )
+        if path == "/is_sleeping":
+            return httpx.Response(200, json={"is_sleeping": asleep[0]})
+        if path == "/sleep":
+            asleep[0] = True
+            return httpx.Response(200, json={"status": "sleeping"})
+        if path == "/wake_up":
+            asleep[0] = False
+            return httpx.Response(200, json={"status": "awake"})
+        if path == "/abort_requests":
+            return httpx.Response(200, json={"status": "aborted", "aborted": 1})
+        if path == "/tokenize":
+            return httpx.Response(200, json={"count": 3, "tokens": [9, 3, 9, 7]})
+        return httpx.Response(404)
+
+    return handler
+
+
+def test_a_server_without_sleep_mode_is_not_slept_and_says_its_limits() -> None:
+    """vLLM's CPU build answers /sleep in dev mode without sleeping: /server_info tells."""
+    calls: list[str] = []
+    info = {
+        "model_config": {"enable_sleep_mode": False},
+        "device_config": {"device": "cpu"},
+        "scheduler_config": {"max_num_seqs": 128},
+    }
+
+    async def scenario() -> None:
+        engine = engine_with(_server(info, calls))
+        caps = await engine.capabilities()
+        await engine.close()
+        assert not caps.supports_sleep and caps.supports_abort_endpoint
+        assert caps.max_num_seqs == 128
+        assert "--enable-sleep-mode on cpu" in engine.sleep_probe
+        assert engine.token_ids == (3, 7, 9)
+
+    asyncio.run(scenario())
+    assert not any(c.startswith("POST /sleep") for c in calls)
+
+
+def test_sleep_is_probed_by_sleeping_an_idle_server_and_waking_it() -> None:
+    calls: list[str] = []
+
+    async def scenario() -> None:
+        engine = engine_with(_server(None, calls))  # no /server_info: the round trip decides
+        caps = await engine.capabilities()
+        await engine.close()
+        assert caps.supports_sleep and caps.max_num_seqs is None
+        assert "slept (level 1) and woke" in engine.sleep_probe
+
+    asyncio.run(scenario())
+    assert "POST /sleep?level=1&mode=wait" in calls and "POST /wake_up?" in calls
+
+
+def test_without_dev_mode_there_is_no_sleep() -> None:
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": "llama"}]})
+        if request.url.path == "/metrics":
+            return httpx.Response(200, text=METRICS)
+        return httpx.Response(404)
+
+    async def scenario() -> None:
+        engine = engine_with(handler)
+        caps = await engine.capabilities()
+        await engine.close()
+        assert not caps.supports_sleep and not caps.supports_abort_endpoint
+        assert "VLLM_SERVER_DEV_MODE=1" in engine.sleep_probe
+        assert engine.token_ids == ()  # no /tokenize: filler ids from FILLER_IDS
 
     asyncio.run(scenario())

@@ -29,6 +29,9 @@ class FakeServer:
     async def stats(self) -> Any:
         return SimpleNamespace(preemptions_total=0)
 
+    async def load_token_ids(self) -> tuple[int, ...]:
+        return (5, 6, 7)
+
 
 def scripted(monkeypatch: pytest.MonkeyPatch, decode_runs: Iterator[float]) -> list[int]:
     """Prefill runs (output 1) take 0.1 s; a decode run's time comes from ``decode_runs``."""
