@@ -300,7 +300,13 @@ async def main(args: argparse.Namespace) -> None:
             "dead_letter_exchange": f"{prefix}.dlx",
             "dead_letter_queue": f"{prefix}.dead",
         }
-    queue: GlobalQueue = open_global_queue(args.broker, shards=args.shards, **names)
+    options: dict[str, Any] = dict(names)
+    if args.broker:
+        # The burst is published from this process, whose event loop runs the controller's
+        # steps too: the broker's confirms can wait behind them longer than the API's 10 s
+        # (an API replica publishes from a process of its own).
+        options["confirm_timeout_s"] = 120.0
+    queue: GlobalQueue = open_global_queue(args.broker, shards=args.shards, **options)
     run = uuid.uuid4().hex[:6]
     publish_s = await publish(queue, requests, run)
     print(f"published {len(requests):,} requests in {publish_s:.1f} s", flush=True)
