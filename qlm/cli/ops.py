@@ -76,7 +76,7 @@ def ops_main(
     ctx: typer.Context,
     url: Annotated[
         str, typer.Option(envvar="QLM_URL", help="The QLM REST API (QLM_URL).")
-    ] = "http://127.0.0.1:8000",
+    ] = "http://127.0.0.1:8080",
     key: Annotated[
         str | None, typer.Option(envvar="QLM_API_KEY", help="An admin API key (QLM_API_KEY).")
     ] = None,

@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from qlm.cli import app
+from qlm.cli import app, ops
 from qlm.rct.estimator import EstimatorInstance, Queued, RCTEstimator
+from qlm.settings import ApiSettings
 from tests.builders import make_request
 
 runner = CliRunner()
@@ -320,3 +321,17 @@ def test_simulate_perf_model_errors_are_one_line(args: list[str], message: str) 
     assert result.exit_code == 1, result.output
     lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and message in lines[0], result.stderr
+
+
+def test_ops_looks_where_serve_and_api_listen_by_default(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.delenv("QLM_URL", raising=False)
+    seen: list[str] = []
+    monkeypatch.setattr(
+        ops, "Target", lambda url, key, as_json: seen.append(url) or stop_the_command()
+    )
+    runner.invoke(app, ["ops", "queues"])
+    assert seen == [f"http://127.0.0.1:{ApiSettings().port}"]
+
+
+def stop_the_command() -> None:
+    raise SystemExit(0)
