@@ -80,6 +80,7 @@ class StepTimer:
         self.profile = profile  # where the longest step's profile goes (per phase: ``reset``)
         self.plans: list[PlanRecord] = []  # every plan, from the steps' outputs
         self.longest = 0.0
+        self.longest_cpu = 0.0  # the controller thread's CPU time in it (the rest: waiting)
         self.steps = 0
         self.what = ""
         self.parts: dict[str, float] = {}  # seconds in each part of the step under way
@@ -103,7 +104,7 @@ class StepTimer:
             plans = len(self.plans)
             self.parts = {}
             profiler = cProfile.Profile() if self.profile is not None else None
-            t0 = time.perf_counter()
+            t0, cpu0 = time.perf_counter(), time.thread_time()
             try:
                 if profiler is not None:
                     profiler.enable()
@@ -112,11 +113,12 @@ class StepTimer:
                 return output
             finally:
                 wall = time.perf_counter() - t0
+                cpu = time.thread_time() - cpu0
                 if profiler is not None:
                     profiler.disable()
                 self.steps += 1
                 if wall > self.longest:
-                    self.longest = wall
+                    self.longest, self.longest_cpu = wall, cpu
                     self.longest_parts = self.parts
                     if profiler is not None and self.profile is not None:
                         profiler.dump_stats(self.profile)
@@ -172,7 +174,9 @@ class StepTimer:
             for name, t in sorted(self.longest_parts.items(), key=lambda kv: -kv[1])
         )
         return (
-            f"longest control step: {self.longest:.3f} s ({phase}; {self.steps:,} steps; "
+            f"longest control step: {self.longest:.3f} s ({phase}; {self.longest_cpu:.3f} s of it "
+            f"on the CPU in the controller's thread, the rest waiting for the GIL or a core; "
+            f"{self.steps:,} steps; "
             f"longest: {self.what}; seconds in: {parts})"
         )
 
