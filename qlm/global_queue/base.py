@@ -146,6 +146,17 @@ class GlobalQueue(Protocol):
         """Whether the queue can take messages now (``/readyz``); never raises."""
         ...
 
+    def hold_intake(self, after_s: float = 0.0) -> None:
+        """The caller is about to compute on its thread (a control step): if it still does
+        ``after_s`` later, the queue may stop taking deliveries in until ``release_intake`` (a
+        bounded time at most), so that its own work does not compete with the caller's. Never
+        blocks; a no-op where the queue does no work of its own."""
+        ...
+
+    def release_intake(self) -> None:
+        """End ``hold_intake``: deliveries are taken in again. Never blocks."""
+        ...
+
     async def close(self) -> None:
         """Stop consuming and disconnect. Un-acked deliveries go back to the queue."""
         ...

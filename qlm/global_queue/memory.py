@@ -235,6 +235,12 @@ class MemoryGlobalQueue:
     async def backlog(self) -> int:
         return self.broker.ready + len(self.broker.dead)
 
+    def hold_intake(self, after_s: float = 0.0) -> None:
+        """Nothing to hold: deliveries are handed over on the caller's loop."""
+
+    def release_intake(self) -> None:
+        """Nothing was held."""
+
     async def healthy(self) -> bool:
         return not self._closed
 

@@ -52,6 +52,11 @@ from qlm.virtual_queues import VirtualQueuesSnapshot
 
 log = logging.getLogger(__name__)
 
+STEP_HOLDS_INTAKE_S = 0.5
+"""A control step still running after this (the planner's default step budget: grouping and
+pulls stay within it; a plan or a recluster of a large backlog may not) holds the global queue's
+intake until it ends (``GlobalQueue.hold_intake``)."""
+
 
 def default_controller_name() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
@@ -581,9 +586,15 @@ class ControllerService(RuntimeListener):
         self.backlog_gc.settled(len(self._held), self.settled - settled)
         return batch
 
+    def stepping(self) -> None:
+        """A step that runs longer than a step usually does (a plan or a recluster of a large
+        backlog) holds the global queue's intake until it ends (``hold_intake``)."""
+        self.queue.hold_intake(STEP_HOLDS_INTAKE_S)
+
     def stepped(self) -> None:
         """What the step made for a large backlog (its groups, their estimates) is long-lived
         too: out of full collections with what the intake took."""
+        self.queue.release_intake()
         self.backlog_gc.taken(len(self._held))
 
     def planned(self, plans: Sequence[PlanRecord]) -> None:

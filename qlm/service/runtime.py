@@ -169,8 +169,11 @@ class RuntimeListener:
     def planned(self, plans: Sequence[PlanRecord]) -> None:
         """The plans a control step made, oldest first (each is told once)."""
 
+    def stepping(self) -> None:
+        """A control step starts: it holds the event loop and a core until ``stepped``."""
+
     def stepped(self) -> None:
-        """A control step ended (its decisions are set in motion next)."""
+        """A control step ended, or raised (its decisions are set in motion next)."""
 
 
 @dataclass(slots=True)
@@ -434,11 +437,14 @@ class AgentRuntime:
     def step(self) -> None:
         """One control step now, and its decisions set in motion."""
         now = self.clock.now()
-        output = self.controller.step(now, [self._view(i) for i in self._instances.values()])
+        self.listener.stepping()
+        try:
+            output = self.controller.step(now, [self._view(i) for i in self._instances.values()])
+        finally:
+            self.listener.stepped()
         self.steps += 1
         if output.plans:
             self.listener.planned(output.plans)
-        self.listener.stepped()
         for decision in output.decisions:
             self._apply(decision, now)
 

@@ -209,6 +209,46 @@ def test_deliveries_are_read_while_the_callers_event_loop_is_busy(
 
 
 @pytest.mark.rabbitmq
+def test_a_held_intake_takes_nothing_in_until_released_or_its_longest_hold_passed(
+    amqp_url: str, names: Names, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A long control step holds the intake (``hold_intake``): the consumer's thread stands
+    still, so that it does not compete with the step for the interpreter; what is published
+    meanwhile is confirmed and waits in the broker, and comes in order once the step ends — or
+    once the longest hold passed, if nobody releases it."""
+    from qlm.global_queue.rabbitmq import consumer
+
+    monkeypatch.setattr(consumer, "INTAKE_HOLD_MAX_S", 60.0)
+
+    async def scenario() -> None:
+        queue = open_queue(amqp_url, names)
+        publisher = open_queue(amqp_url, names)
+        inbox = Inbox()
+        await queue.consume(inbox)
+        queue.hold_intake(0.0)
+        await poll(lambda: queue.standing_still, 10.0, "the consumer standing still")
+        assert await publisher.publish_many([make_message(i) for i in range(5)]) == [None] * 5
+        await asyncio.sleep(0.3)  # (the hold lasts 60 s: nothing can come meanwhile)
+        assert queue.held == 0 and not inbox.deliveries
+        queue.release_intake()
+        await inbox.wait_for(5)
+        assert inbox.ids() == [f"r{i}" for i in range(5)] and not queue.standing_still
+
+        monkeypatch.setattr(consumer, "INTAKE_HOLD_MAX_S", 0.2)
+        queue.hold_intake(0.0)  # never released
+        assert await publisher.publish_many([make_message(i) for i in range(5, 8)]) == [None] * 3
+        await inbox.wait_for(8)
+        assert inbox.ids() == [f"r{i}" for i in range(8)]
+        await asyncio.gather(*(queue.ack(d) for d in inbox.deliveries))
+        queue.release_intake()
+        await publisher.close()
+        await queue.close()
+        await assert_drained(amqp_url, names)
+
+    run(scenario)
+
+
+@pytest.mark.rabbitmq
 def test_counting_and_reaping_connect_on_the_consumers_thread_while_the_callers_loop_is_busy(
     amqp_url: str, names: Names
 ) -> None:

@@ -290,6 +290,11 @@ class RabbitBase:
         self._settling = False  # a settlement round is scheduled (caller's loop)
         self._stopping = False  # the consumer is being stopped: nothing more goes to its loop
         self._close_task: asyncio.Future[None] | None = None
+        self._intake_open = threading.Event()  # cleared while the caller holds the intake
+        self._intake_open.set()
+        self._holds = 0  # ``hold_intake`` calls, so that a late stand-still knows its own
+        self.standing_still = False
+        """Whether the consumer's thread stands still now (``hold_intake``)."""
         # Touched only on the caller's loop, by the dispatcher:
         self._told: bool | None = None  # what ``_on_leader`` was last told
         self._announced: int | None = None  # the epoch it was last told it leads in

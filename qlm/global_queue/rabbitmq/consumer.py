@@ -55,6 +55,9 @@ CALLER_CHECK_S = 1.0
 """How often the consumer's thread checks that the loop it hands deliveries to is still open."""
 CONSUMER_STOP_S = 10.0
 """How long ``close`` waits for the consumer's thread to settle, close and stop."""
+INTAKE_HOLD_MAX_S = 2.0
+"""The longest the consumer's thread stays still for one ``hold_intake`` (a control step that
+runs longer shares the interpreter again after this; the broker's heartbeats allow far more)."""
 
 
 class Consuming(RabbitBase):
@@ -129,6 +132,40 @@ class Consuming(RabbitBase):
         await self._shut()
         asyncio.get_running_loop().stop()
 
+    def hold_intake(self, after_s: float = 0.0) -> None:
+        """If the caller still computes ``after_s`` later, the consumer's thread stands
+        still (blocked, not holding the GIL) until ``release_intake``, ``INTAKE_HOLD_MAX_S`` at
+        most. Why: while it takes a large backlog in, it is busy in Python for seconds on end,
+        and a thread that gives the GIL up often (the controller's, in every numpy and
+        scikit-learn call of a step) waits for it again up to the interpreter's switch interval
+        (5 ms) each time, behind the busy one: a step with 0.16 s of CPU took 3.15 s during a
+        RabbitMQ take-over. Steps within their usual length should not stop the intake: stopping it
+        50 ms into every step starved it (a take-over of 100,000 requests took 226 s, not 23 s).
+        Deliveries that come meanwhile wait in the socket's buffers; the step could not handle
+        them before it ends anyway."""
+        loop = self._loop
+        if loop is None or self._stopping or not self._intake_open.is_set():
+            return
+        self._intake_open.clear()
+        self._holds += 1
+        with contextlib.suppress(RuntimeError):  # the consumer's loop closed meanwhile
+            loop.call_soon_threadsafe(self._stand_still_later, self._holds, after_s)
+
+    def release_intake(self) -> None:
+        self._intake_open.set()
+
+    def _stand_still_later(self, hold: int, after_s: float) -> None:
+        asyncio.get_running_loop().call_later(after_s, self._stand_still, hold)
+
+    def _stand_still(self, hold: int) -> None:
+        """On the consumer's loop: block its thread while this hold lasts."""
+        if hold == self._holds:
+            self.standing_still = True
+            try:
+                self._intake_open.wait(INTAKE_HOLD_MAX_S)
+            finally:
+                self.standing_still = False
+
     async def _stop_consumer(self) -> None:
         """Close the consumer's connection and stop its thread (what it held goes back to the
         broker); settlements already asked for are sent first."""
@@ -136,6 +173,7 @@ class Consuming(RabbitBase):
         if loop is None or thread is None:
             return
         self._stopping = True
+        self._intake_open.set()
         try:
             await asyncio.wait_for(
                 asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self._shut(), loop)),

@@ -39,6 +39,13 @@ class Recorder(RuntimeListener):
         self.streamed: list[str] = []  # the text chunks passed on, of whatever request
         self.calls: dict[str, tuple[str, tuple[Any, ...]]] = {}  # finish reason, tool calls
         self.plans: list[Any] = []
+        self.marks: list[str] = []  # "stepping" / "stepped", in order
+
+    def stepping(self) -> None:
+        self.marks.append("stepping")
+
+    def stepped(self) -> None:
+        self.marks.append("stepped")
 
     def planned(self, plans: Any) -> None:
         self.plans += plans
@@ -623,6 +630,8 @@ def test_a_step_that_fails_loses_nothing_and_the_loop_goes_on() -> None:
         await rt.stop()
         await e.close()
         assert set(rec.done) == {"r0000", "r0001", "r0002"}
+        # every step, the failed one too, ends what it started (a held queue intake is let go)
+        assert rec.marks and rec.marks == ["stepping", "stepped"] * (len(rec.marks) // 2)
 
     run(scenario)
 
