@@ -19,13 +19,13 @@ Reproduce: .venv/bin/python experiments/ablation.py
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
+
+from stamp import write_result
 
 from qlm.agents import AgentConfig
 from qlm.planner import PlannerConfig, create_policy
@@ -34,7 +34,6 @@ from qlm.sim.cluster import ClusterSimulation
 from qlm.sim.traces import load_trace, scale_rate, window
 from qlm.sim.workload import create_workload
 
-RESULTS = Path(__file__).resolve().parent / "results"
 ALL = AgentConfig()
 VARIANTS: dict[str, tuple[str, AgentConfig | None, dict[str, Any]]] = {
     "qlm-all": ("qlm", ALL, {}),
@@ -118,27 +117,9 @@ def main(argv: list[str] | None = None) -> int:
                     f"{r['variant']:<14}{100 * r['slo_attainment']:>8.1f}{r['throughput_rps']:>8.2f}"
                     f"{r['model_switches']:>10}{r['evictions']:>7}{r['swaps']:>6}{r['failed']:>7}"
                 )
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    command = "python experiments/ablation.py " + " ".join(
-        argv if argv is not None else sys.argv[1:]
-    )
-    out = RESULTS / f"{args.name}.json"
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"],
-        cwd=RESULTS,
-        capture_output=True,
-        text=True,
-        check=False,
-    ).stdout.strip()
-    out.write_text(
-        json.dumps(
-            {"command": command.strip(), "commit": commit, "args": vars(args), "rows": rows},
-            indent=1,
-        )
-    )
-    plot(rows, RESULTS / f"{args.name}.png")
-    print(f"\nwrote {out} and {out.with_suffix('.png')}")
-    print(f"reproduce: .venv/bin/{command.strip()}")
+    given = argv if argv is not None else sys.argv[1:]
+    out = write_result(args.name, "ablation.py", given, {"args": vars(args), "rows": rows})
+    plot(rows, out.with_suffix(".png"))
     return 0
 
 

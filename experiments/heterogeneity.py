@@ -14,11 +14,12 @@ Reproduce: .venv/bin/python experiments/heterogeneity.py
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
+
+from stamp import write_result
 
 from qlm.fleet import parse_instances
 from qlm.planner import PlannerConfig, create_policy
@@ -26,7 +27,6 @@ from qlm.sim.cluster import ClusterSimulation
 from qlm.sim.traces import load_trace, scale_rate, window
 from qlm.sim.workload import create_workload
 
-RESULTS = Path(__file__).resolve().parent / "results"
 FLEET = 4
 
 
@@ -77,17 +77,11 @@ def main(argv: list[str] | None = None) -> int:
             r = next(x for x in rows if x["policy"] == p and x["a10_share"] == a10 / FLEET)
             cells += f"{100 * r['slo_attainment']:>16.1f}{r['throughput_rps']:>16.2f}"
         print(f"{100 * a10 / FLEET:>9.0f}%" + cells)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    command = "python experiments/heterogeneity.py " + " ".join(
-        argv if argv is not None else sys.argv[1:]
+    given = argv if argv is not None else sys.argv[1:]
+    out = write_result(
+        "heterogeneity", "heterogeneity.py", given, {"args": vars(args), "rows": rows}
     )
-    out = RESULTS / "heterogeneity.json"
-    out.write_text(
-        json.dumps({"command": command.strip(), "args": vars(args), "rows": rows}, indent=1)
-    )
-    plot(rows, policies, RESULTS / "heterogeneity.png")
-    print(f"wrote {out} and {out.with_suffix('.png')}")
-    print(f"reproduce: .venv/bin/{command.strip()}")
+    plot(rows, policies, out.with_suffix(".png"))
     return 0
 
 

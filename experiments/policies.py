@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
+
+from stamp import write_result
 
 from qlm.domain import Request, Tier
 from qlm.planner import POLICIES, PlannerConfig, create_policy
@@ -39,7 +40,6 @@ from qlm.sim.cluster import ClusterSimulation
 from qlm.sim.traces import load_trace, scale_rate, window
 from qlm.sim.workload import create_workload
 
-RESULTS = Path(__file__).resolve().parent / "results"
 BASELINES = tuple(p for p in POLICIES if p not in ("qlm", "fcfs-rr"))
 ORACLE = "qlm-oracle"  # qlm told the true output lengths (--oracle): not a policy, a yardstick
 FIXED = "qlm-b"  # qlm-b64: qlm with its concurrency limit fixed at 64 (--fixed-concurrency)
@@ -193,17 +193,9 @@ def main(argv: list[str] | None = None) -> int:
                 extra_left -= 1
     report(rows, policies)
     ok = check(rows, policies)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    out = RESULTS / f"{args.name}.json"
-    command = "python experiments/policies.py " + " ".join(
-        argv if argv is not None else sys.argv[1:]
-    )
-    out.write_text(
-        json.dumps({"command": command.strip(), "args": vars(args), "rows": rows}, indent=1)
-    )
-    plot(rows, policies, RESULTS / f"{args.name}.png", args)
-    print(f"wrote {out} and {out.with_suffix('.png')}")
-    print(f"reproduce: .venv/bin/{command.strip()}")
+    given = argv if argv is not None else sys.argv[1:]
+    out = write_result(args.name, "policies.py", given, {"args": vars(args), "rows": rows})
+    plot(rows, policies, out.with_suffix(".png"), args)
     return 0 if ok else 1
 
 

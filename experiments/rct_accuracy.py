@@ -45,7 +45,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import json
 import math
 import sys
 from concurrent.futures import ProcessPoolExecutor
@@ -54,6 +53,7 @@ from pathlib import Path
 
 import numpy as np
 from scipy.stats import t as student_t
+from stamp import write_result
 
 from qlm.domain import Request, RequestRecord
 from qlm.engines.perf_model import default_catalog
@@ -76,7 +76,6 @@ from qlm.sim.traces import (
 )
 from qlm.sim.workload import create_workload
 
-RESULTS = Path(__file__).resolve().parent / "results"
 R2_TARGET, CAL_TOLERANCE, CAL_MIN_N = 0.95, 0.10, 50
 TAIL_S = 300.0  # arrivals go on this long after the measured window (until its requests finish)
 WARMUP_S = 0.0  # and start this long before it (0: the window starts cold)
@@ -723,18 +722,17 @@ def main() -> int:
         heaviest[(fleet, workload)]["_scatter"] = first
     for c in pools:
         report_pooled(c)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    plot([c["_scatter"] for c in heaviest.values()], RESULTS / f"{args.name}.png")  # type: ignore[misc]
-    (RESULTS / f"{args.name}.json").write_text(
-        json.dumps(
-            {
-                "samples": [{k: v for k, v in c.items() if not k.startswith("_")} for c in cases],
-                "pooled": [{k: v for k, v in c.items() if not k.startswith("_")} for c in pools],
-            },
-            indent=2,
-        )
-        + "\n"
+    out = write_result(
+        args.name,
+        "rct_accuracy.py",
+        sys.argv[1:],
+        {
+            "samples": [{k: v for k, v in c.items() if not k.startswith("_")} for c in cases],
+            "pooled": [{k: v for k, v in c.items() if not k.startswith("_")} for c in pools],
+        },
+        indent=2,
     )
+    plot([c["_scatter"] for c in heaviest.values()], out.with_suffix(".png"))  # type: ignore[misc]
     print("\nsummary (R² of latency; of waiting; deciles of ≥ 50 requests off by > 10 points):")
     for c in cases:
         print(
@@ -772,10 +770,8 @@ def main() -> int:
     )
     print(
         f"targets (R² ≥ {R2_TARGET} in every sample and calibrated, pooled, at the heaviest load "
-        f"of each workload and fleet): {'met' if ok else 'NOT met'}; wrote "
-        f"{RESULTS / args.name}.json and .png"
+        f"of each workload and fleet): {'met' if ok else 'NOT met'}; wrote {out} and .png"
     )
-    print("reproduce: .venv/bin/python experiments/rct_accuracy.py " + " ".join(sys.argv[1:]))
     return 0 if ok else 1
 
 

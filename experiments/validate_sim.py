@@ -3,7 +3,7 @@
 For every Llama-3.1-8B row (H100 and A100) of ``qlm/data/profiles/aiconfigurator/aic_static_vllm.csv``
 this runs the same static batch (batch 1–256, input 128–4096, output 128) on the simulated engine
 with the shipped Llama-3-8B profile and compares TTFT and TPOT. Prints the table of errors and
-writes ``experiments/results/validate_sim.csv`` and ``validate_sim.png``.
+writes ``experiments/results/validate_sim.json`` (every batch) and ``validate_sim.png``.
 
 Reproduce: .venv/bin/python experiments/validate_sim.py
 """
@@ -15,12 +15,13 @@ import sys
 from importlib import resources
 from pathlib import Path
 
+from stamp import write_result
+
 from qlm.engines.perf_model import default_catalog
 from qlm.sim.static_batch import run_static_batch
 
 GPUS = {"h100_sxm": "H100", "a100_sxm": "A100"}
 TOLERANCE = 0.15
-RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def aic_rows() -> list[dict[str, str]]:
@@ -107,14 +108,8 @@ def main() -> int:
         f"{100 * worst['ttft']:.1f} %; TPOT error mean {100 * mean['tpot']:.1f} %, max "
         f"{100 * worst['tpot']:.1f} % (tolerance {100 * TOLERANCE:.0f} %)"
     )
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    with (RESULTS / "validate_sim.csv").open("w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-    plot(rows, RESULTS / "validate_sim.png")
-    print(f"wrote {RESULTS / 'validate_sim.csv'} and {RESULTS / 'validate_sim.png'}")
-    print("reproduce: .venv/bin/python experiments/validate_sim.py")
+    out = write_result("validate_sim", "validate_sim.py", sys.argv[1:], {"rows": rows})
+    plot(rows, out.with_suffix(".png"))
     return 0 if max(worst.values()) <= TOLERANCE else 1
 
 
