@@ -158,7 +158,9 @@ def test_priority_lets_an_urgent_request_pass_those_waiting(vllm_url: str) -> No
     prompt, output, n = 1000, 500, 64  # 64 x 8 blocks of prompt: twice the 256 there are
 
     async def scenario() -> None:
-        e = engine(vllm_url)
+        # Those waiting get no chunk until vLLM admits them: on a loaded host that can take
+        # longer than the usual read timeout, which would end them early, failed.
+        e = VllmEngine("cpu-0", vllm_url, MODEL, timeout_s=DEADLINE_S)
         first: dict[str, float] = {}
 
         def on_chunk(chunk: TokenChunk) -> None:
@@ -173,7 +175,8 @@ def test_priority_lets_an_urgent_request_pass_those_waiting(vllm_url: str) -> No
 
             async def full() -> bool:
                 if all(t.done() for t in tasks):
-                    pytest.fail("no request waited: the KV cache held them all")
+                    errors = {repr(t.exception()) for t in tasks if t.exception() is not None}
+                    pytest.fail(f"every request ended before any was seen waiting: {errors}")
                 return (await e.stats()).waiting >= 4
 
             await eventually(full, "the KV cache is full and requests wait")
