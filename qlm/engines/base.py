@@ -152,6 +152,12 @@ class TokenChunk:
     prompt_tokens: int | None = None
     """The prompt's length as the engine's tokenizer counted it (vLLM's ``usage``), if said."""
     calls: tuple[ToolCall, ...] = field(default=(), hash=False)
+    token_ids: tuple[int, ...] | None = field(default=None, hash=False)
+    """The ids of this chunk's new tokens, when the engine says them (vLLM's
+    ``return_token_ids``): an interrupted request then resumes from exactly these tokens."""
+    prompt_token_ids: tuple[int, ...] | None = field(default=None, hash=False)
+    """The prompt as the engine's tokenizer made it (a chat's with its template applied), on a
+    request's first chunk, when the engine says it."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -39,7 +39,7 @@ import random
 import re
 import shutil
 import zlib
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -144,6 +144,7 @@ class _Flight:
     aborted: bool = False
     task: asyncio.Task[EngineOutput] | None = None
     shortened: bool = False  # sent again with the max_tokens the context had room for
+    prompt_ids: tuple[int, ...] | None = None  # the prompt's token ids, until passed on
     calls: dict[int, dict[str, Any]] = field(default_factory=dict)
     """Tool calls by index, assembled from the deltas: id, name, arguments so far."""
 
@@ -553,6 +554,9 @@ class VllmEngine:
             "priority": request.priority if self._priority else 0,
             "stream": True,
             "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+            # the prompt's and each chunk's token ids (vLLM 0.10.2 on; older servers ignore
+            # it): an interrupted request resumes from exactly its tokens
+            "return_token_ids": True,
         }
         if request.messages is not None:
             body.pop("max_completion_tokens", None)
@@ -657,6 +661,12 @@ class VllmEngine:
         usage = event.get("usage") or {}
         choices = event.get("choices") or []
         text = "".join(_choice_text(c) for c in choices)
+        ids = _token_ids(c.get("token_ids") for c in choices)
+        prompt_ids = _token_ids(
+            [event.get("prompt_token_ids"), *(c.get("prompt_token_ids") for c in choices)]
+        )
+        if prompt_ids:  # (a chat says them on its first chunk, which has no token yet)
+            flight.prompt_ids = prompt_ids
         calls = [d for c in choices for d in _choice_calls(c)]
         flight.add_calls(calls)
         raw = next((c.get("finish_reason") for c in choices if c.get("finish_reason")), None)
@@ -670,12 +680,20 @@ class VllmEngine:
             return None
         flight.parts.append(text)
         flight.tokens = max(flight.tokens, tokens)
-        if on_chunk is not None and (text or calls or finish):
+        if on_chunk is not None and (text or calls or finish or ids):
             prompt = usage.get("prompt_tokens")
             counted = int(prompt) if isinstance(prompt, int) and prompt > 0 else None
             chunk = TokenChunk(
-                flight.request.request_id, text, flight.tokens, finish, counted, tuple(calls)
+                flight.request.request_id,
+                text,
+                flight.tokens,
+                finish,
+                counted,
+                tuple(calls),
+                token_ids=ids,
+                prompt_token_ids=flight.prompt_ids,
             )
+            flight.prompt_ids = None
             on_chunk(chunk)
         return finish
 
@@ -715,6 +733,17 @@ def engine_request_id(request: EngineRequest, wire_id: str) -> str:
     ``/abort_requests`` wants: ``cmpl-<id>-0`` (a completion; ``-<n>`` numbers its prompts) or
     ``chatcmpl-<id>`` (a chat)."""
     return f"cmpl-{wire_id}-0" if request.messages is None else f"chatcmpl-{wire_id}"
+
+
+def _token_ids(lists: Iterable[object]) -> tuple[int, ...] | None:
+    """The token ids of the lists given, in order (None for a chunk that carries none)."""
+    out: list[int] = []
+    seen = False
+    for ids in lists:
+        if isinstance(ids, list):
+            seen = True
+            out.extend(int(t) for t in ids)
+    return tuple(out) if seen else None
 
 
 def _dig(data: Any, *keys: str) -> Any:

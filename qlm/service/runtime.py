@@ -88,6 +88,28 @@ def resume_point(partial: str) -> str:
     return partial.rstrip()
 
 
+CHAT_ONLY = frozenset(
+    {
+        "max_completion_tokens",
+        "logprobs",
+        "top_logprobs",
+        "tools",
+        "tool_choice",
+        "parallel_tool_calls",
+        "response_format",
+        "chat_template",
+        "chat_template_kwargs",
+        "add_generation_prompt",
+        "continue_final_message",
+        "documents",
+        "mm_processor_kwargs",
+    }
+)
+"""Parameters of the chat endpoint a chat resumed by token ids (a completion) leaves out:
+templating, tools and structure (such a chat is not resumed), and ``logprobs``, a flag there and
+a count on the completions endpoint."""
+
+
 @dataclass(slots=True)
 class Job:
     """What an engine needs to run a request besides what the controller plans with: the prompt
@@ -99,6 +121,15 @@ class Job:
     partial_text: str = ""
     messages: Sequence[Mapping[str, Any]] | None = None
     stream_failures: int = 0  # its streams an instance that still answered failed
+    prompt_ids: tuple[int, ...] | None = None
+    """The prompt's token ids as the engine made them on the first run (a chat's with its
+    template applied), when the engine says them: with ``partial_ids`` the exact context to
+    resume from."""
+    partial_ids: tuple[int, ...] = ()
+    """The token ids of ``partial_text``, when every one of them is known."""
+    held: str = ""
+    """Trailing whitespace of ``partial_text`` the stream has not shown yet (a resume by token
+    ids keeps it, and shows it before the text that follows)."""
 
     @property
     def has_text(self) -> bool:
@@ -112,10 +143,32 @@ class Job:
         text to go on from): ``qlm.structured.resumable``."""
         return resumable(self.sampling)
 
+    @property
+    def exact(self) -> bool:
+        """Whether output so far resumes from its token ids (``fill``)."""
+        return self.prompt_ids is not None and bool(self.partial_ids)
+
     def fill(self, request: EngineRequest) -> EngineRequest:
-        """``request`` with this job's input. Output so far is resumed, not restarted: it follows
-        the prompt, and a chat gets it as the assistant's message to continue. (A job that is
-        not ``resumable`` never keeps output: ``AgentRuntime._give_back`` drops it.)"""
+        """``request`` with this job's input. Output so far is resumed, not restarted. Where the
+        engine said the tokens of the prompt and of the output so far (``exact``), the request
+        goes on from exactly those tokens: a chat too, as a completion of its templated prompt
+        (the server applied the template on the first run). Otherwise the output so far
+        follows the prompt as text, and a chat gets it as the assistant's message to continue
+        (text that re-tokenizes differently, or tokens that decoded to nothing, then make the
+        context differ a little). (A job that is not ``resumable`` never keeps output:
+        ``AgentRuntime._give_back`` drops it.)"""
+        if self.exact:
+            assert self.prompt_ids is not None
+            ids = self.prompt_ids + self.partial_ids
+            sampling = {k: v for k, v in self.sampling.items() if k not in CHAT_ONLY}
+            return replace(
+                request,
+                prompt=ids,
+                prompt_tokens=len(ids),
+                messages=None,
+                continue_final_message=False,
+                sampling=tuple(sampling.items()),
+            )
         prompt = None if self.prompt is None else self.prompt + self.partial_text
         messages: tuple[Mapping[str, Any], ...] | None = None
         resume = False
@@ -202,6 +255,7 @@ class _Flight:
     leaving: bool = False  # evicted, cancelled or failed over: its end is not a completion
     prompt_counted: bool = False  # the engine's count of its prompt was passed on
     held: str = ""  # trailing whitespace not passed on yet (``resume_point``)
+    ids: list[int] | None = field(default_factory=list)  # its tokens' ids (None: not all known)
 
 
 class AgentRuntime:
@@ -517,7 +571,10 @@ class AgentRuntime:
         flight = _Flight(instance)
         flight.task = asyncio.current_task()
         self._flights[rid] = flight
+        fresh = self.controller.track(rid).output_tokens == 0  # (not resumed: its own prompt)
         request = job.fill(self.controller.engine_request(rid))
+        if job.exact:
+            flight.held, job.held = job.held, ""
         self.listener.dispatched(rid, instance, now)
         if request.tokens_to_generate <= 0:  # all its output came back with it: nothing to run
             self._finish(rid, flight, EngineOutput(rid, "", 0, "length"))
@@ -526,6 +583,15 @@ class AgentRuntime:
         def on_chunk(chunk: TokenChunk) -> None:
             if flight.leaving:
                 return
+            if chunk.prompt_token_ids is not None and fresh:
+                job.prompt_ids = chunk.prompt_token_ids
+            if chunk.token_ids is None:
+                flight.ids = None
+            elif flight.ids is not None:
+                flight.ids.extend(chunk.token_ids)
+            if not (chunk.text or chunk.calls or chunk.finish_reason):
+                flight.tokens = chunk.tokens
+                return  # (a token that decoded to nothing yet: its id is kept)
             flight.text.append(chunk.text)
             if chunk.text:  # trailing whitespace waits for the text that follows it
                 text = flight.held + chunk.text
@@ -536,7 +602,7 @@ class AgentRuntime:
             flight.tokens = chunk.tokens
             if chunk.prompt_tokens is not None and not flight.prompt_counted:
                 flight.prompt_counted = True
-                if job.has_text:
+                if job.has_text and not job.exact:
                     self.controller.observe_prompt(rid, request.prompt_tokens, chunk.prompt_tokens)
             if not flight.started:
                 flight.started = True
@@ -603,7 +669,7 @@ class AgentRuntime:
             MAX_STREAM_FAILURES,
             exc,
         )
-        self._give_back(rid, "".join(flight.text), flight.tokens, evicted=False)
+        self._give_back(rid, flight, "".join(flight.text), flight.tokens, evicted=False)
 
     def _fail(self, rid: str, reason: str) -> None:
         """The request is over, failed for ``reason`` (not returned to its group)."""
@@ -645,12 +711,36 @@ class AgentRuntime:
         text = out.text if out is not None else "".join(flight.text)
         tokens = out.tokens if out is not None else flight.tokens
         self._flights.pop(rid, None)
-        self._give_back(rid, text, tokens, evicted=evicted)
+        self._give_back(rid, flight, text, tokens, evicted=evicted)
 
-    def _give_back(self, rid: str, text: str, tokens: int, *, evicted: bool) -> None:
+    def _give_back(
+        self, rid: str, flight: _Flight, text: str, tokens: int, *, evicted: bool
+    ) -> None:
+        """Back to the policy with its output so far: by its token ids where every one is known
+        (``Job.exact``: nothing is dropped, the whitespace the stream held back included; the
+        tokens the stream had shown, where an engine's abort counts a few more it never sent),
+        else as text from ``resume_point``, or from the start when nothing can be continued."""
         job = self._jobs.get(rid)
         if job is None:
             return
+        before = self.controller.track(rid).output_tokens
+        ids = flight.ids
+        if (
+            job.resumable
+            and job.prompt_ids is not None
+            and ids is not None
+            and len(ids) <= tokens
+            and len(job.partial_ids) == before
+            and before + len(ids) > 0
+        ):
+            job.partial_ids += tuple(ids)
+            job.partial_text += "".join(flight.text)
+            job.held = flight.held
+            self.controller.returned(rid, len(ids), evicted=evicted, restart=False)
+            self.listener.returned(rid, job.partial_text, before + len(ids), evicted=evicted)
+            self._kick.set()
+            return
+        job.partial_ids, job.held = (), ""
         kept = resume_point(job.partial_text + text)
         # Nothing to continue (a structured answer; or only whitespace, which resuming drops):
         # it starts over, with its whole max_tokens.
@@ -774,5 +864,5 @@ class AgentRuntime:
             if flight.task is not None and flight.task is not asyncio.current_task():
                 flight.task.cancel()
             self._flights.pop(rid, None)
-            self._give_back(rid, "".join(flight.text), flight.tokens, evicted=False)
+            self._give_back(rid, flight, "".join(flight.text), flight.tokens, evicted=False)
         self._kick.set()

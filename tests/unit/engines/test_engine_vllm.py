@@ -476,6 +476,58 @@ def test_a_chat_goes_to_the_chat_endpoint_with_its_messages_and_streams_its_delt
     assert "messages" not in prompt_body
 
 
+def test_token_ids_are_asked_for_and_passed_on_with_every_chunk() -> None:
+    """vLLM 0.32 (``return_token_ids``) puts the prompt's ids on the first chunk (completions:
+    in the choice; chat: beside the choices) and each chunk's new ids in its choice: they reach
+    the caller with each chunk, a token that decodes to nothing (no text) included."""
+    seen: list[dict[str, Any]] = []
+
+    def usage(n: int) -> dict[str, int]:
+        return {"prompt_tokens": 3, "completion_tokens": n, "total_tokens": 3 + n}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        seen.append(body)
+        if request.url.path == "/v1/completions":
+
+            def choice(text: str, ids: list[int], first: bool, end: bool) -> dict[str, Any]:
+                return {
+                    "index": 0, "text": text, "finish_reason": "length" if end else None,
+                    "prompt_token_ids": [5, 6, 7] if first else None, "token_ids": ids,
+                }  # fmt: skip
+
+            return sse(
+                {"choices": [choice(" a", [11], True, False)], "usage": usage(1)},
+                {"choices": [choice("", [12], False, False)], "usage": usage(2)},
+                {"choices": [choice("b", [13], False, True)], "usage": usage(3)},
+                {"choices": [], "usage": usage(3)},
+            )
+        role = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+        delta = {"index": 0, "delta": {"content": "Hi"}, "finish_reason": "stop", "token_ids": [9]}
+        return sse(
+            {"choices": [role], "prompt_token_ids": [1, 2, 3, 4]},
+            {"choices": [delta], "usage": usage(1)},
+        )
+
+    async def scenario() -> None:
+        engine = engine_with(handler)
+        chunks: list[TokenChunk] = []
+        out = await engine.submit(
+            EngineRequest("p1", "llama", 3, max_tokens=3, prompt="Once"), chunks.append
+        )
+        assert out.text == " ab" and out.tokens == 3
+        assert [(c.text, c.token_ids) for c in chunks] == [(" a", (11,)), ("", (12,)), ("b", (13,))]
+        assert chunks[0].prompt_token_ids == (5, 6, 7) and chunks[1].prompt_token_ids is None
+        chat: list[TokenChunk] = []
+        await engine.submit(EngineRequest("c1", "llama", 4, max_tokens=1, messages=HI), chat.append)
+        assert [(c.text, c.token_ids) for c in chat] == [("Hi", (9,))]
+        assert chat[0].prompt_token_ids == (1, 2, 3, 4)
+        await engine.close()
+
+    asyncio.run(scenario())
+    assert all(body["return_token_ids"] is True for body in seen)
+
+
 def test_a_resumed_chat_asks_vllm_to_continue_the_partial_answer() -> None:
     """Sent again after an eviction, a chat ends with its partial answer as the assistant's
     message; ``continue_final_message`` (with ``add_generation_prompt`` off: vLLM refuses both)

@@ -311,6 +311,96 @@ def test_a_chat_resumes_at_its_last_word_so_a_trimming_template_leaves_no_double
     run(scenario)
 
 
+class WithIds:
+    """An engine that says its tokens' ids, as vLLM does with ``return_token_ids``: its model
+    writes one fixed answer in which every third token is a space and every third decodes to
+    nothing, so that no text resume could continue it exactly. A request sent with token ids
+    as its prompt must carry the prompt's ids and the answer's so far, and goes on from there.
+    Timing and token counts are ``inner``'s."""
+
+    PROMPT = (1, 7, 42)
+
+    def __init__(self, inner: WallClockEngine, n: int) -> None:
+        self.inner = inner
+        self.name = inner.name
+        self.ids = [100 + i for i in range(n)]
+        self.pieces = [(f"w{i}", " ", "")[i % 3] for i in range(n)]
+        self.requests: list[EngineRequest] = []
+        self._done: dict[str, int] = {}
+
+    @property
+    def answer(self) -> str:
+        return "".join(self.pieces)
+
+    def __getattr__(self, item: str) -> Any:
+        return getattr(self.inner, item)
+
+    async def submit(self, request: EngineRequest, on_chunk: Any = None) -> EngineOutput:
+        self.requests.append(request)
+        rid = request.request_id
+        if isinstance(request.prompt, tuple):  # a resume by token ids
+            done = len(request.prompt) - len(self.PROMPT)
+            assert request.prompt == self.PROMPT + tuple(self.ids[:done])
+        else:
+            done = 0
+        self._done[rid] = done
+        sent = 0
+
+        def mapped(chunk: TokenChunk) -> None:
+            nonlocal sent
+            new = slice(done + sent, done + chunk.tokens)
+            on_chunk(
+                replace(
+                    chunk,
+                    text="".join(self.pieces[new]),
+                    token_ids=tuple(self.ids[new]),
+                    prompt_token_ids=None if done or sent else self.PROMPT,
+                )
+            )
+            sent = chunk.tokens
+
+        out = await self.inner.submit(request, mapped if on_chunk is not None else None)
+        return replace(out, text="".join(self.pieces[done : done + out.tokens]))
+
+    async def abort(self, request_id: str) -> EngineOutput:
+        out = await self.inner.abort(request_id)
+        done = self._done[request_id]
+        return replace(out, text="".join(self.pieces[done : done + out.tokens]))
+
+
+def test_an_evicted_chat_resumes_from_its_token_ids_exactly() -> None:
+    """vLLM says the tokens of the prompt (its chat template applied) and of each chunk: an
+    evicted chat goes on from exactly those tokens, as a completion, without the chat's own
+    parameters; nothing of its answer is dropped or written twice, spaces and tokens that
+    decode to nothing included, and the stream shows every character once."""
+
+    async def scenario() -> None:
+        rec = Recorder()
+        e = WithIds(engine("i0"), 300)
+        rt = start(EvictOnce("r0000"), [e], rec)
+        await rt.start()
+        job = Job(
+            prompt="...",
+            messages=[{"role": "user", "content": "Count"}],
+            sampling={"seed": 7, "logprobs": True, "max_completion_tokens": 300},
+        )
+        rt.submit(make_request(0, arrival_s=rt.clock.now(), replay_output_tokens=300), job)
+        await eventually(lambda: rt.idle, "the evicted chat finished")
+        await rt.stop()
+        await e.inner.close()
+        first, resumed = e.requests
+        done = rec.back[0][1]
+        assert 0 < done < 300 and first.messages is not None
+        assert resumed.prompt == WithIds.PROMPT + tuple(e.ids[:done])
+        assert resumed.messages is None and not resumed.continue_final_message
+        assert resumed.sampling == (("seed", 7),) and resumed.output_tokens == 300 - done
+        record, text = rec.done["r0000"]
+        assert text == e.answer and record.output_tokens == 300
+        assert "".join(rec.streamed) == e.answer.rstrip()  # (the last space: never followed)
+
+    run(scenario)
+
+
 def test_a_failed_engine_loses_nothing_and_rejoins_when_healthy() -> None:
     async def scenario() -> None:
         rec = Recorder()

@@ -1,0 +1,137 @@
+"""An evicted request resumes from its exact tokens on a real vLLM server (the CPU build, a tiny
+random Llama: tests/vllm/conftest.py): the agents' runtime runs a chat, evicts it mid-answer
+and sends it again as a completion of exactly the prompt vLLM made from the chat (its template
+applied) and the tokens it had written — which vLLM counts as such — and the answer comes whole,
+to its full length. Waits poll conditions; nothing is timed."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import pytest
+
+from qlm.clock import WallClock
+from qlm.controller import Controller
+from qlm.domain import SLO, Decision, Evict, InstanceSpec, Pull, Request, RequestRecord, Tier
+from qlm.engines.base import EngineOutput, EngineRequest, TokenChunk
+from qlm.engines.vllm import VllmEngine
+from qlm.planner.policy import DispatchContext, PolicyBase
+from qlm.service.runtime import AgentRuntime, Job, RuntimeListener
+
+from .conftest import MODEL
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
+
+DEADLINE_S = 120.0
+TOKENS = 600  # the answer's length (ignore_eos: exactly this many)
+EVICT_AT = 40  # tokens streamed before the eviction
+
+
+class Watched:
+    """The engine, keeping every request sent and every chunk streamed, per sending."""
+
+    def __init__(self, inner: VllmEngine) -> None:
+        self.inner = inner
+        self.name = inner.name
+        self.sent: list[EngineRequest] = []
+        self.chunks: list[list[TokenChunk]] = []
+
+    def __getattr__(self, item: str) -> Any:
+        return getattr(self.inner, item)
+
+    async def submit(self, request: EngineRequest, on_chunk: Any = None) -> EngineOutput:
+        self.sent.append(request)
+        seen: list[TokenChunk] = []
+        self.chunks.append(seen)
+
+        def keep(chunk: TokenChunk) -> None:
+            seen.append(chunk)
+            if on_chunk is not None:
+                on_chunk(chunk)
+
+        return await self.inner.submit(request, keep)
+
+
+class EvictOnceAt(PolicyBase):
+    """Pulls everything onto the one instance; evicts the request once, when ``ready()``."""
+
+    name = "evict-once-at"
+
+    def __init__(self, ready: Any) -> None:
+        self.ready = ready
+        self.evicted = False
+
+    def decide(self, ctx: DispatchContext) -> list[Decision]:
+        out: list[Decision] = [Pull(r.id, "cpu-0") for r in ctx.arrived]
+        if not self.evicted and self.ready():
+            self.evicted = True
+            out.append(Evict("chat-1", "cpu-0"))
+        return out
+
+
+class Done(RuntimeListener):
+    def __init__(self) -> None:
+        self.ended: dict[str, tuple[RequestRecord, str]] = {}
+        self.errors: dict[str, str] = {}
+
+    def finished(
+        self, record: RequestRecord, text: str, finish_reason: str, tool_calls: Any = ()
+    ) -> None:
+        self.ended[record.request.id] = (record, text)
+
+    def failed(self, request_id: str, error: str) -> None:
+        self.errors[request_id] = error
+
+
+def test_an_evicted_chat_resumes_from_the_exact_tokens_vllm_made_and_wrote(vllm_url: str) -> None:
+    async def scenario() -> None:
+        engine = Watched(VllmEngine("cpu-0", vllm_url, MODEL, timeout_s=DEADLINE_S))
+        streamed = lambda: sum(len(c.token_ids or ()) for c in engine.chunks[0])  # noqa: E731
+        policy = EvictOnceAt(lambda: bool(engine.chunks) and streamed() >= EVICT_AT)
+        done = Done()
+        runtime = AgentRuntime(
+            Controller(policy, [InstanceSpec("cpu-0", "cpu", (MODEL,))]),
+            [engine],
+            clock=WallClock(),
+            listener=done,
+            tick_s=0.01,
+        )
+        await runtime.start()
+        try:
+            now = runtime.clock.now()
+            request = Request(
+                id="chat-1", model=MODEL, arrival_s=now, input_tokens=20, max_tokens=TOKENS,
+                slo=SLO(e2e_s=3600.0), tier=Tier.STANDARD, replay_output_tokens=TOKENS,
+            )  # fmt: skip
+            messages = [{"role": "user", "content": "Which queue serves me first, and why?"}]
+            runtime.submit(request, Job(prompt="Which queue", messages=messages,
+                                        sampling={"temperature": 0.0, "logprobs": True}))  # fmt: skip
+            deadline = time.monotonic() + DEADLINE_S
+            while not runtime.idle:
+                assert time.monotonic() < deadline, "the chat did not finish"
+                await asyncio.sleep(0.05)
+        finally:
+            await runtime.stop()
+            await engine.inner.close()
+        assert not done.errors, done.errors
+        first, resumed = engine.sent  # evicted once, sent again once
+        assert first.messages is not None and isinstance(resumed.prompt, tuple)
+        before, after = engine.chunks
+        template = before[0].prompt_token_ids
+        assert template is not None and len(template) > 10  # the chat, templated by vLLM
+        written = [t for c in before for t in (c.token_ids or ())]
+        kept = len(resumed.prompt) - len(template)
+        assert kept >= EVICT_AT and resumed.prompt == template + tuple(written[:kept])
+        assert resumed.messages is None and dict(resumed.sampling) == {"temperature": 0.0}
+        assert after[0].prompt_tokens == len(resumed.prompt)  # vLLM counts exactly those
+        record, text = done.ended["chat-1"]
+        assert record.output_tokens == TOKENS == kept + after[-1].tokens
+        assert record.evictions == 1
+        # the answer: the text of the tokens kept, then the rest, nothing dropped or repeated
+        shown = [c for c in before if c.tokens <= kept]
+        assert shown[-1].tokens == kept
+        assert text == "".join(c.text for c in shown) + "".join(c.text for c in after)
+
+    asyncio.run(scenario())
