@@ -26,9 +26,8 @@ from __future__ import annotations
 
 import logging
 import math
-from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -55,6 +54,7 @@ from qlm.errors import RequestFailed, check_setting
 from qlm.groups import Grouper, GroupingConfig, PredictOutput, default_predict_output
 from qlm.planner.admission import TokenBucket, hopeless, in_time
 from qlm.planner.arrivals import ArrivalWindow
+from qlm.planner.books import AgentBooks, Inflight
 from qlm.planner.budget import Clock
 from qlm.planner.concurrency import (
     CLASS_SAMPLE,
@@ -82,23 +82,8 @@ from qlm.virtual_queues import GroupPrediction, VirtualQueueSet, VirtualQueuesSn
 log = logging.getLogger(__name__)
 
 
-@dataclass(slots=True)
-class _Inflight:
-    request: Request
-    pulled_s: float
-    generated: int  # output tokens it had when pulled (resumed after an eviction)
-    running: Queued = field(init=False)  # as the estimator sees it behind a new pull
-    started_s: float | None = None  # when the engine started it (seen at a step)
-
-    def __post_init__(self) -> None:
-        self.running = Queued(self.request, self.generated, running=True)
-
-
 MAX_LINE = 64
 """Requests at the head of a queue whose first tokens ``_pull_ahead`` looks after."""
-
-RECENT_FINISHES = 16
-"""Completions per instance whose pace predicts when its next slots free (``_slot_waits``)."""
 
 SEARCH_SHARE = 0.75
 """The share of the search's budget by which the solver stops; the capacity signal (computed
@@ -154,8 +139,7 @@ class QlmPolicy:
             if measure_solve_time is None
             else measure_solve_time
         )
-        self._inflight: dict[str, dict[str, _Inflight]] = {}
-        self._generated: dict[str, int] = {}
+        self.books = AgentBooks()  # what the agents sent to each instance (``qlm.planner.books``)
         self._instances: tuple[InstanceLoad, ...] = ()
         self._up: frozenset[str] = frozenset()
         self._last_plan_s = -math.inf
@@ -169,11 +153,6 @@ class QlmPolicy:
         self._deferred: set[str] = set()  # groups waiting behind all admitted ones
         self._buckets: dict[str, TokenBucket] = {}  # per instance, paces deferred work
         self._arrivals = ArrivalWindow(CLASS_SAMPLE)  # the last rate_window_s
-        self._started: set[str] = set()  # in flight and running in the engine (KV allocated)
-        self._swapped: dict[str, dict[str, _Inflight]] = {}  # per instance, KV in CPU memory
-        self._preemptions: dict[str, int] = {}
-        self._finishes: dict[str, deque[float]] = {}  # per instance, its last completion times
-        self._asked_active: dict[str, str] = {}  # model each instance was told to activate
         self._slots: dict[str, list[Any]] = {}  # per step: queue deadlines and load, for _place
         self._family_cache: tuple[tuple[float, int], tuple[ProblemFamily, list[list[int]]]] | None
         self._family_cache = None  # per step: the plan problem built for the violation check
@@ -234,7 +213,7 @@ class QlmPolicy:
         self._instances = ctx.instances
         held = set(self.queues.instances())
         for inst in ctx.instances:
-            self._inflight.setdefault(inst.name, {})
+            self.books.inflight.setdefault(inst.name, {})
             if inst.up and inst.name not in held:
                 self.queues.add_instance(inst.name)
             elif not inst.up and inst.name in held:
@@ -242,24 +221,11 @@ class QlmPolicy:
                 # re-plans them onto the others); its requests come back through ``arrived``.
                 self.queues.drop_instance(inst.name)
                 self._batch.pop(inst.name, None)
-        self._started.update(ctx.started)
-        if ctx.started:
-            fresh = set(ctx.started)
-            for sent in self._inflight.values():
-                for rid in fresh.intersection(sent):
-                    if sent[rid].started_s is None:
-                        sent[rid].started_s = ctx.now
+        self.books.started_at(ctx.started, ctx.now)
         for inst in ctx.instances:  # preemptions counted before the completions they come with
             self.estimator.watch(self._estimator_instance(inst))
         for done in ctx.finished:
-            self._finishes.setdefault(done.instance, deque(maxlen=RECENT_FINISHES)).append(
-                done.finish_s
-            )
-            self._inflight.get(done.instance, {}).pop(done.request.id, None)
-            self._swapped.get(done.instance, {}).pop(done.request.id, None)
-            self._generated.pop(done.request.id, None)
-            self._started.discard(done.request.id)
-            self._preemptions.pop(done.request.id, None)
+            self.books.finished(done.instance, done.request.id, done.finish_s)
             self.estimator.observe(
                 done.request,
                 output_tokens=done.output_tokens,
@@ -294,21 +260,12 @@ class QlmPolicy:
         """Group one request handed to the policy and place its group if it is new."""
         if self.grouper.group_of(req.id) is not None:
             return  # handed again after a failed step: already held
-        sent_before = [
-            s for s in (*self._inflight.values(), *self._swapped.values()) if req.id in s
-        ]
-        back = bool(sent_before) or req.id in self._generated
+        back = self.books.take_back(req.id, generated)
         if not back and not generated:  # new: not one coming back to run again
             self._arrivals.add(now, req)
-        for sent in sent_before:
-            sent.pop(req.id, None)  # an evicted request comes back
-        self._started.discard(req.id)
-        if generated:
-            self._generated[req.id] = generated
-            if req.slo.ttft_s is not None:  # it has had its first token: only its e2e is due
-                req = replace(req, slo=replace(req.slo, ttft_s=None))
-        else:  # started over (or never started): nothing of an earlier attempt is kept
-            self._generated.pop(req.id, None)
+        if generated and req.slo.ttft_s is not None:
+            # It has had its first token: only its e2e is due.
+            req = replace(req, slo=replace(req.slo, ttft_s=None))
         gid = self.grouper.add(req, now)
         held_by = self.queues.instance_of(gid)
         if held_by is None:
@@ -349,11 +306,7 @@ class QlmPolicy:
         if self.grouper.group_of(request_id) is not None:
             self.queues.remove_request(request_id)
             self._changed = True
-        for sent in (*self._inflight.values(), *self._swapped.values()):
-            sent.pop(request_id, None)
-        self._generated.pop(request_id, None)
-        self._started.discard(request_id)
-        self._preemptions.pop(request_id, None)
+        self.books.forget(request_id)
         self.estimator.forget([request_id])
 
     def learn_output(self, request: Request, output_tokens: int) -> bool:
@@ -626,7 +579,7 @@ class QlmPolicy:
         of its in-flight requests (each has had an equal share of the throughput so far)."""
         out: dict[str, float] = {}
         for inst in self._instances:
-            running = self._inflight.get(inst.name, {})
+            running = self.books.inflight.get(inst.name, {})
             if not running or not inst.up:
                 out[inst.name] = now
                 continue
@@ -663,7 +616,7 @@ class QlmPolicy:
                 entry = self._slots[name] = [
                     [g.due_s for g in admitted],
                     sum(self.grouper.group(g).size for g in gids)
-                    + len(self._inflight.get(name, {})),
+                    + len(self.books.inflight.get(name, {})),
                     len(gids),
                 ]
             return entry
@@ -701,7 +654,7 @@ class QlmPolicy:
             if bounded:
                 now_s = self._clock()
                 until = now_s + max(deadline - now_s, 0.0) / (len(up) - k)
-            swapped = self._swapped.setdefault(load.name, {})
+            swapped = self.books.swapped.setdefault(load.name, {})
             parked = sum(prompt_tokens(x.request, x.generated) for x in swapped.values())
             limit = self._batch.get(load.name, load.max_running)
             fluid = self._admission.get(load.name)
@@ -727,14 +680,14 @@ class QlmPolicy:
                     if not has_room(inst, count, tokens, need):
                         break
                     del swapped[back.request.id]
-                    self._inflight[inst.name][back.request.id] = back
+                    self.books.inflight[inst.name][back.request.id] = back
                     count += 1
                     tokens += need
                     decisions.append(SwapIn(back.request.id, inst.name))
                     continue
                 if req is None:
                     break
-                need = prompt_tokens(req, self._generated.get(req.id, 0))
+                need = prompt_tokens(req, self.books.generated.get(req.id, 0))
                 if not has_room(inst, count, tokens, need):
                     break
                 verdict = self._may_pull(
@@ -748,8 +701,8 @@ class QlmPolicy:
                 self._remember(now, load, req)
                 count += 1
                 tokens += need
-                self._inflight[inst.name][req.id] = _Inflight(
-                    req, now, self._generated.get(req.id, 0)
+                self.books.inflight[inst.name][req.id] = Inflight(
+                    req, now, self.books.generated.get(req.id, 0)
                 )
                 decisions.append(Pull(req.id, inst.name))
             free = max(0, inst.max_running - inst.outstanding_requests - count)
@@ -794,7 +747,7 @@ class QlmPolicy:
             self._remember(now, load, req)
             count += 1
             tokens += need
-            self._inflight[inst.name][req.id] = _Inflight(req, now, 0)
+            self.books.inflight[inst.name][req.id] = Inflight(req, now, 0)
             decisions.append(Pull(req.id, inst.name))
         return count, tokens
 
@@ -802,12 +755,12 @@ class QlmPolicy:
         """The latest time ``req`` may be pulled for its first token to meet its TTFT deadline
         on ``load`` (its prefill and the decode step it rides); None when it has no TTFT SLO left
         to meet, its group is deferred, or it is too late already."""
-        if req.slo.ttft_s is None or req.id in self._generated:
+        if req.slo.ttft_s is None or req.id in self.books.generated:
             return None
         if self.grouper.group_of(req.id) in self._deferred:
             return None
         hw = self.estimator.profile.hardware_for(req.model, load.gpu, load.gpu_count)
-        running = max(len(self._inflight.get(load.name, {})), 1)
+        running = max(len(self.books.inflight.get(load.name, {})), 1)
         latest = req.arrival_s + req.slo.ttft_s - hw.prefill_s(req.input_tokens)
         latest -= hw.decode_s(running) * hw.inefficiency
         return latest if latest >= now else None
@@ -848,7 +801,7 @@ class QlmPolicy:
                 overdue.append(r)
         count = tokens = 0
         for req in sorted(overdue, key=lambda r: (r.arrival_s, r.id)):
-            need = prompt_tokens(req, self._generated.get(req.id, 0))
+            need = prompt_tokens(req, self.books.generated.get(req.id, 0))
             if not has_room(inst, count, tokens, need):
                 break
             head = self.queues.head_group(inst.name)
@@ -861,7 +814,9 @@ class QlmPolicy:
             self._remember(now, load, req)
             count += 1
             tokens += need
-            self._inflight[inst.name][req.id] = _Inflight(req, now, self._generated.get(req.id, 0))
+            self.books.inflight[inst.name][req.id] = Inflight(
+                req, now, self.books.generated.get(req.id, 0)
+            )
             decisions.append(Pull(req.id, inst.name, overdue=promoted))
         return count, tokens
 
@@ -871,10 +826,10 @@ class QlmPolicy:
         oldest of them over their number); before it has had 4, each running request completes
         at the rate ``1 / remaining`` (its expected remaining output at the batch's time per
         token), so the k-th completion comes after ``k / Σ 1/remaining``."""
-        running = self._inflight.get(load.name, {})
+        running = self.books.inflight.get(load.name, {})
         n_run = max(len(running), load.outstanding_requests)
         slots = n_run + MAX_LINE  # (the requests pulled meanwhile complete at the same pace)
-        recent = self._finishes.get(load.name)
+        recent = self.books.finishes.get(load.name)
         if recent is not None and len(recent) >= 4:
             gap = max(now - recent[0], 0.0) / len(recent)
             return [(k + 1) * gap for k in range(slots)]
@@ -912,10 +867,10 @@ class QlmPolicy:
         what it learns is the decode speed (ε), with the batch refilled from the virtual queue
         while it holds more work; the profile's Θ stays the planner's. A request pulled again
         (after an eviction) is judged on its latest pull."""
-        running = [x.running for x in self._inflight.get(load.name, {}).values()]
+        running = [x.running for x in self.books.inflight.get(load.name, {}).values()]
         instance = self._estimator_instance(load)
         self.estimator.forget([req.id])
-        queued = Queued(req, self._generated.get(req.id, 0))
+        queued = Queued(req, self.books.generated.get(req.id, 0))
         self.estimator.estimate_requests(
             instance,
             [*running, queued],
@@ -958,8 +913,8 @@ class QlmPolicy:
         tiers = dict(load.model_tiers)
         waiting = [  # sent, not started: they run before anything still in the queue
             x
-            for x in self._inflight.get(load.name, {}).values()
-            if x.request.id not in self._started
+            for x in self.books.inflight.get(load.name, {}).values()
+            if x.request.id not in self.books.started
         ]
         if waiting:
             oldest = min(waiting, key=lambda x: (x.pulled_s, x.request.arrival_s, x.request.id))
@@ -967,22 +922,22 @@ class QlmPolicy:
         # A request swapped out to CPU memory resumes only on its model: it stays warm, and
         # becomes active when nothing else waits.
         parked = sorted(
-            self._swapped.get(load.name, {}).values(), key=lambda x: x.request.deadline_s
+            self.books.swapped.get(load.name, {}).values(), key=lambda x: x.request.deadline_s
         )
         models += [x.request.model for x in parked]
         changes = plan_tiers(
             load.name, models, tiers, dict(load.model_weights_gb), load.cpu_cache_gb
         )
-        asked = self._asked_active.get(load.name)
+        asked = self.books.asked_active.get(load.name)
         out: list[Decision] = []
         for c in changes:
             if c.tier is ModelTier.ACTIVE:
                 if asked == c.model:
                     continue  # already switching to it
-                self._asked_active[load.name] = c.model
+                self.books.asked_active[load.name] = c.model
             out.append(c)
         if tiers.get(asked or "") is ModelTier.ACTIVE:
-            self._asked_active.pop(load.name, None)
+            self.books.asked_active.pop(load.name, None)
         return out
 
     def _make_room(self, now: float, load: InstanceLoad, free: int) -> list[Decision]:
@@ -992,12 +947,12 @@ class QlmPolicy:
         the switch."""
         if not (self.config.agent.evict or self.config.agent.swap):
             return []
-        inflight = self._inflight.get(load.name, {})
-        running = {rid: x for rid, x in inflight.items() if rid in self._started}
+        inflight = self.books.inflight.get(load.name, {})
+        running = {rid: x for rid, x in inflight.items() if rid in self.books.started}
         if not running or load.active_model is None:
             return []
         sent = sorted(
-            (x for rid, x in inflight.items() if rid not in self._started),
+            (x for rid, x in inflight.items() if rid not in self.books.started),
             key=lambda x: (x.pulled_s, x.request.arrival_s, x.request.id),
         )
         gid = self.queues.head_group(load.name)
@@ -1055,7 +1010,7 @@ class QlmPolicy:
                     item.request,
                     done,
                     mean * per_token,
-                    self._preemptions.get(item.request.id, 0),
+                    self.books.preemptions.get(item.request.id, 0),
                     weights[item.request.tier],
                 )
             )
@@ -1072,7 +1027,7 @@ class QlmPolicy:
         for d in make_room(now, load.name, head, free, views, costs, self.config.agent):
             rid = d.request_id
             if isinstance(d, SwapOut):
-                self._swapped.setdefault(load.name, {})[rid] = inflight.pop(rid)
-            self._preemptions[rid] = self._preemptions.get(rid, 0) + 1
+                self.books.swapped.setdefault(load.name, {})[rid] = inflight.pop(rid)
+            self.books.preemptions[rid] = self.books.preemptions.get(rid, 0) + 1
             out.append(d)
         return out
