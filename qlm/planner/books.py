@@ -1,7 +1,12 @@
-"""What the stages of a QLM policy's step share (``qlm.planner.qlm_policy``): the agents' books
-of the requests sent to each instance. *Observe* writes completions, starts and cancellations into
-them, *group* takes a request back out of them when an engine hands it back, the planner reads
-what runs where, and the agents (``qlm.planner.act``) write every pull, swap and preemption.
+"""What the stages of a QLM policy's step share (``qlm.planner.qlm_policy``).
+
+- The agents' books of the requests sent to each instance (``AgentBooks``): *observe* writes
+  completions, starts and cancellations into them, *group* takes a request back out of them when
+  an engine hands it back, the planner reads what runs where, and the agents
+  (``qlm.planner.act``) write every pull, swap and preemption.
+- The admission the last plan chose (``AdmissionState``): each instance's concurrency limit and
+  fluid model, and the groups deferred behind the admitted ones. The planner writes it, *group*
+  places new groups by it, and the agents pull by it.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from qlm.domain import Request
+from qlm.planner.concurrency import Fluid
 from qlm.rct.estimator import Queued
 
 RECENT_FINISHES = 16
@@ -95,3 +101,15 @@ class AgentBooks:
         else:
             self.generated.pop(request_id, None)
         return back
+
+
+@dataclass(slots=True)
+class AdmissionState:
+    """What the last plan chose of each instance's admission (``QlmPolicy.plan``)."""
+
+    # The concurrency limit per instance, chosen by the planner.
+    limits: dict[str, int] = field(default_factory=dict)
+    # Per instance, its fluid model at its limit (``defer_expensive``).
+    fluids: dict[str, Fluid] = field(default_factory=dict)
+    # The groups waiting behind all admitted ones.
+    deferred: set[str] = field(default_factory=set)

@@ -54,12 +54,11 @@ from qlm.errors import RequestFailed, check_setting
 from qlm.groups import Grouper, GroupingConfig, PredictOutput, default_predict_output
 from qlm.planner.admission import TokenBucket, hopeless, in_time
 from qlm.planner.arrivals import ArrivalWindow
-from qlm.planner.books import AgentBooks, Inflight
+from qlm.planner.books import AdmissionState, AgentBooks, Inflight
 from qlm.planner.budget import Clock
 from qlm.planner.concurrency import (
     CLASS_SAMPLE,
     FLUID_SHARE,
-    Fluid,
     FluidModels,
     choose_limits,
 )
@@ -147,10 +146,8 @@ class QlmPolicy:
         self._last_plan_cost_s = 0.0
         self._changed = False
         self._plans_made = 0
-        self._batch: dict[str, int] = {}  # concurrency limit per instance, chosen by the planner
+        self.admission = AdmissionState()  # what the last plan chose (``qlm.planner.books``)
         self._fixed: int | None = None  # fix_concurrency
-        self._admission: dict[str, Fluid] = {}  # per instance, at its limit (defer_expensive)
-        self._deferred: set[str] = set()  # groups waiting behind all admitted ones
         self._buckets: dict[str, TokenBucket] = {}  # per instance, paces deferred work
         self._arrivals = ArrivalWindow(CLASS_SAMPLE)  # the last rate_window_s
         self._slots: dict[str, list[Any]] = {}  # per step: queue deadlines and load, for _place
@@ -220,7 +217,7 @@ class QlmPolicy:
                 # Fault isolation: its groups go back to the planner (the trigger "instances"
                 # re-plans them onto the others); its requests come back through ``arrived``.
                 self.queues.drop_instance(inst.name)
-                self._batch.pop(inst.name, None)
+                self.admission.limits.pop(inst.name, None)
         self.books.started_at(ctx.started, ctx.now)
         for inst in ctx.instances:  # preemptions counted before the completions they come with
             self.estimator.watch(self._estimator_instance(inst))
@@ -404,15 +401,15 @@ class QlmPolicy:
                 max([b for b in limits if b <= fixed] or [limits[0]]) for limits in family.batches
             ]
         return [
-            self._batch.get(inst.name, limits[-1])
-            if self._batch.get(inst.name) in limits
+            self.admission.limits.get(inst.name, limits[-1])
+            if self.admission.limits.get(inst.name) in limits
             else limits[-1]
             for inst, limits in zip(family.instances, family.batches, strict=True)
         ]
 
     def _deferred_in(self, name: str, gids: Sequence[str]) -> set[str]:
         """The groups of ``gids`` that ``name``'s admission defers (``defer_expensive``)."""
-        fluid = self._admission.get(name)
+        fluid = self.admission.fluids.get(name)
         if fluid is None or not fluid.admission.threshold:
             return set()
         out: set[str] = set()
@@ -437,7 +434,7 @@ class QlmPolicy:
             done = score.completion if score.completion is not None else np.zeros((0, 1))
             for k, i in enumerate(order):
                 gid = family.groups[i].id
-                if gid not in self._deferred:
+                if gid not in self.admission.deferred:
                     risks.append(
                         Violation(
                             gid,
@@ -495,36 +492,38 @@ class QlmPolicy:
             self.config.budget.start(self._clock).part(FLUID_SHARE),
         )
         best = (
-            choose_limits(family, fluid, choice, self._batch, self.config.concurrency_hysteresis)
+            choose_limits(
+                family, fluid, choice, self.admission.limits, self.config.concurrency_hysteresis
+            )
             if choose
             else choice
         )
         # Deferral waits for half a rate window of history: a first burst is not a rate.
         settled = now - self._arrivals.first_s >= self.config.rate_window_s / 2
         for inst, b, fluids in zip(family.instances, best, fluid, strict=True):
-            self._batch[inst.name] = b
+            self.admission.limits[inst.name] = b
             if self.config.defer_expensive and fluids is not None and settled:
-                self._admission[inst.name] = fluids[b]
+                self.admission.fluids[inst.name] = fluids[b]
             else:
-                self._admission.pop(inst.name, None)
+                self.admission.fluids.pop(inst.name, None)
         # Cost-aware admission: a group its instance's admission defers, or that can no longer
         # meet its deadline, stays on that instance behind every admitted group; the solver
         # orders and places the admitted ones only.
         deferred: dict[str, list[int]] = {}
-        self._deferred = set()
+        self.admission.deferred = set()
         full = family.problem(best)
         for g, (inst, order) in enumerate(zip(family.instances, current, strict=True)):
             gids = self._deferred_in(inst.name, [family.groups[i].id for i in order])
             late = hopeless(full, g, now)
             gids -= in_time(full, g, order, now, late, family.groups)
-            if inst.name in self._admission:
+            if inst.name in self.admission.fluids:
                 gids |= {family.groups[i].id for i in order if late[i]}
-            self._deferred |= gids
+            self.admission.deferred |= gids
             deferred[inst.name] = sorted(
                 (i for i in order if family.groups[i].id in gids),
                 key=lambda i: (bool(late[i]), family.groups[i].deadline_s, family.groups[i].id),
             )
-        keep = [i for i, g in enumerate(family.groups) if g.id not in self._deferred]
+        keep = [i for i, g in enumerate(family.groups) if g.id not in self.admission.deferred]
         problem = full if len(keep) == len(family.groups) else subset(full, keep)
         position = {i: k for k, i in enumerate(keep)}
         previous = [[position[i] for i in order if i in position] for order in current]
@@ -560,8 +559,8 @@ class QlmPolicy:
             ),
             solve_s=solution.solve_s,
             evaluations=solution.evaluations,
-            concurrency=dict(self._batch),
-            deferred=len(self._deferred),
+            concurrency=dict(self.admission.limits),
+            deferred=len(self.admission.deferred),
         )
         self.last_plan = record
         self._new_plans.append(record)
@@ -612,7 +611,7 @@ class QlmPolicy:
             entry = self._slots.get(name)
             if entry is None:
                 gids = self.queues.queue(name)
-                admitted = [self.grouper.group(g) for g in gids if g not in self._deferred]
+                admitted = [self.grouper.group(g) for g in gids if g not in self.admission.deferred]
                 entry = self._slots[name] = [
                     [g.due_s for g in admitted],
                     sum(self.grouper.group(g).size for g in gids)
@@ -626,9 +625,9 @@ class QlmPolicy:
         group = self.grouper.group(gid)
         entry[1] += group.size
         entry[2] += 1
-        self._deferred.discard(gid)
+        self.admission.deferred.discard(gid)
         if self._deferred_in(target.name, [gid]):
-            self._deferred.add(gid)
+            self.admission.deferred.add(gid)
             self.queues.assign(gid, target.name, length)
             return
         deadline = group.due_s
@@ -656,8 +655,8 @@ class QlmPolicy:
                 until = now_s + max(deadline - now_s, 0.0) / (len(up) - k)
             swapped = self.books.swapped.setdefault(load.name, {})
             parked = sum(prompt_tokens(x.request, x.generated) for x in swapped.values())
-            limit = self._batch.get(load.name, load.max_running)
-            fluid = self._admission.get(load.name)
+            limit = self.admission.limits.get(load.name, load.max_running)
+            fluid = self.admission.fluids.get(load.name)
             self._buckets.setdefault(load.name, TokenBucket()).refill(
                 now, fluid.admission.spare if fluid is not None else 0.0
             )
@@ -757,7 +756,7 @@ class QlmPolicy:
         to meet, its group is deferred, or it is too late already."""
         if req.slo.ttft_s is None or req.id in self.books.generated:
             return None
-        if self.grouper.group_of(req.id) in self._deferred:
+        if self.grouper.group_of(req.id) in self.admission.deferred:
             return None
         hw = self.estimator.profile.hardware_for(req.model, load.gpu, load.gpu_count)
         running = max(len(self.books.inflight.get(load.name, {})), 1)
@@ -807,7 +806,9 @@ class QlmPolicy:
             head = self.queues.head_group(inst.name)
             of = self.grouper.group_of(req.id)
             promoted = (
-                of != head or of in self._deferred or self.queues.next_request(inst.name) is not req
+                of != head
+                or of in self.admission.deferred
+                or self.queues.next_request(inst.name) is not req
             )
             self.queues.remove_request(req.id)
             self._changed = True
@@ -887,9 +888,9 @@ class QlmPolicy:
         must wait goes behind the admitted groups queued since the last plan (None: look at the
         new head)."""
         gid = self.grouper.group_of(req.id)
-        if gid is None or gid not in self._deferred:
+        if gid is None or gid not in self.admission.deferred:
             return True
-        fluid = self._admission.get(name)
+        fluid = self.admission.fluids.get(name)
         if fluid is None:
             return True
         cost = fluid.cost(req, self.estimator.expected_output(req))
@@ -899,7 +900,7 @@ class QlmPolicy:
             self._buckets[name].level -= cost
             return True
         queue = self.queues.queue(name)
-        if any(g not in self._deferred for g in queue):
+        if any(g not in self.admission.deferred for g in queue):
             self.queues.move_group(gid, name)  # to the tail, behind the admitted ones
             self._slots.pop(name, None)
             return None
@@ -1014,7 +1015,7 @@ class QlmPolicy:
                     weights[item.request.tier],
                 )
             )
-        fluid = self._admission.get(load.name)
+        fluid = self.admission.fluids.get(load.name)
         costs = InstanceCosts(
             kv_bytes_per_token=hw.kv_bytes_per_token,
             host_link_gbs=load.host_link_gbs,
