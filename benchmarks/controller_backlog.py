@@ -147,10 +147,8 @@ class StepTimer:
 
         policy = self.policy
         for obj, names in (
-            (
-                policy,
-                ("decide", "_place", "_trigger", "_family", "plan", "_act", "_remember"),
-            ),
+            (policy, ("decide", "_place", "_trigger", "_family", "plan")),
+            (policy.agents, ("act", "_remember")),  # the act stage (``qlm.planner.act``)
             (policy.grouper, ("add", "recluster")),
             (policy.queues, ("sync",)),
             (policy.estimator, ("observe",)),

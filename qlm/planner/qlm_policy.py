@@ -7,7 +7,8 @@ instance serving its model at its deadline slot; *plan* — the groups are reclu
 and when a trigger fires the planner re-orders and re-assigns every group (``build_family`` +
 ``solve``); *act* — each instance pulls from the head of its own virtual queue while it has room
 (§5 *pull*, *load balancing*: a running request never migrates), makes room for an urgent head
-group and warm-starts models.
+group and warm-starts models. This module observes, groups and plans; the act stage is
+``qlm.planner.act`` (``Agents``), and what the stages share is in ``qlm.planner.books``.
 
 Triggers: a predicted violation (the estimator's completion distribution of the current
 order gives some group ``P(meet) < Δ`` — checked when groups changed, at most every
@@ -26,40 +27,29 @@ from __future__ import annotations
 
 import logging
 import math
-from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 
-from qlm.agents.decide import (
-    HeadGroup,
-    InstanceCosts,
-    RunningRequest,
-    make_room,
-    plan_tiers,
-)
 from qlm.clock import work_seconds
 from qlm.domain import (
     Decision,
-    ModelTier,
     PlanRecord,
-    Pull,
     Request,
-    SwapIn,
-    SwapOut,
     Tier,
 )
 from qlm.errors import RequestFailed, check_setting
 from qlm.groups import Grouper, GroupingConfig, PredictOutput, default_predict_output
-from qlm.planner.admission import TokenBucket, hopeless, in_time
+from qlm.planner.act import Acted, Agents, estimator_instance
+from qlm.planner.admission import hopeless, in_time
 from qlm.planner.arrivals import ArrivalWindow
+from qlm.planner.books import AdmissionState, AgentBooks
 from qlm.planner.budget import Clock
 from qlm.planner.concurrency import (
     CLASS_SAMPLE,
     FLUID_SHARE,
-    Fluid,
     FluidModels,
     choose_limits,
 )
@@ -69,36 +59,16 @@ from qlm.planner.policy import (
     DispatchContext,
     InstanceLoad,
     ModelSwitching,
-    has_room,
-    prompt_tokens,
 )
 from qlm.planner.program import score_queue, subset
 from qlm.planner.solve import Solution, capacity_needed, solve
-from qlm.rct.estimator import EstimatorInstance, Queued, RCTEstimator
+from qlm.rct.estimator import RCTEstimator
 from qlm.rct.profile import RctProfile, default_profile
 from qlm.rct.trigger import Violation, violations
 from qlm.virtual_queues import GroupPrediction, VirtualQueueSet, VirtualQueuesSnapshot
 
 log = logging.getLogger(__name__)
 
-
-@dataclass(slots=True)
-class _Inflight:
-    request: Request
-    pulled_s: float
-    generated: int  # output tokens it had when pulled (resumed after an eviction)
-    running: Queued = field(init=False)  # as the estimator sees it behind a new pull
-    started_s: float | None = None  # when the engine started it (seen at a step)
-
-    def __post_init__(self) -> None:
-        self.running = Queued(self.request, self.generated, running=True)
-
-
-MAX_LINE = 64
-"""Requests at the head of a queue whose first tokens ``_pull_ahead`` looks after."""
-
-RECENT_FINISHES = 16
-"""Completions per instance whose pace predicts when its next slots free (``_slot_waits``)."""
 
 SEARCH_SHARE = 0.75
 """The share of the search's budget by which the solver stops; the capacity signal (computed
@@ -154,8 +124,7 @@ class QlmPolicy:
             if measure_solve_time is None
             else measure_solve_time
         )
-        self._inflight: dict[str, dict[str, _Inflight]] = {}
-        self._generated: dict[str, int] = {}
+        self.books = AgentBooks()  # what the agents sent to each instance (``qlm.planner.books``)
         self._instances: tuple[InstanceLoad, ...] = ()
         self._up: frozenset[str] = frozenset()
         self._last_plan_s = -math.inf
@@ -163,22 +132,23 @@ class QlmPolicy:
         self._last_plan_cost_s = 0.0
         self._changed = False
         self._plans_made = 0
-        self._batch: dict[str, int] = {}  # concurrency limit per instance, chosen by the planner
+        self.admission = AdmissionState()  # what the last plan chose (``qlm.planner.books``)
         self._fixed: int | None = None  # fix_concurrency
-        self._admission: dict[str, Fluid] = {}  # per instance, at its limit (defer_expensive)
-        self._deferred: set[str] = set()  # groups waiting behind all admitted ones
-        self._buckets: dict[str, TokenBucket] = {}  # per instance, paces deferred work
         self._arrivals = ArrivalWindow(CLASS_SAMPLE)  # the last rate_window_s
-        self._started: set[str] = set()  # in flight and running in the engine (KV allocated)
-        self._swapped: dict[str, dict[str, _Inflight]] = {}  # per instance, KV in CPU memory
-        self._preemptions: dict[str, int] = {}
-        self._finishes: dict[str, deque[float]] = {}  # per instance, its last completion times
-        self._asked_active: dict[str, str] = {}  # model each instance was told to activate
         self._slots: dict[str, list[Any]] = {}  # per step: queue deadlines and load, for _place
         self._family_cache: tuple[tuple[float, int], tuple[ProblemFamily, list[list[int]]]] | None
         self._family_cache = None  # per step: the plan problem built for the violation check
         self._inbox: dict[str, tuple[Request, int]] = {}  # handed, not grouped yet (output so far)
         self._fluid_models = FluidModels(self.estimator, self.config)  # the concurrency choice
+        self.agents = Agents(  # the act stage (``qlm.planner.act``)
+            self.books,
+            self.admission,
+            self.queues,
+            self.grouper,
+            self.estimator,
+            self.config,
+            self._clock,
+        )
         # Left for the next step (wall-time budget): "rethink" (recluster if due, plan if a
         # trigger fires) or "plan" (the step reclustered; a trigger is checked first thing).
         self._owed = ""
@@ -225,7 +195,17 @@ class QlmPolicy:
                 self._owed = "rethink"
             else:
                 self._plan_stage(now)
-        return self._act(now, start + self.config.step_budget_s if wall else math.inf)
+        acted = Acted()
+        try:
+            self.agents.act(
+                now, self._instances, acted, start + self.config.step_budget_s if wall else math.inf
+            )
+        finally:  # (what the agents changed stays changed if the step fails part-way)
+            if acted.requeued:
+                self._changed = True
+            for name in acted.reordered:
+                self._slots.pop(name, None)
+        return acted.decisions
 
     def _observe(self, ctx: DispatchContext) -> None:
         """What changed since the last step: instances up or down (a down instance's groups go
@@ -234,32 +214,19 @@ class QlmPolicy:
         self._instances = ctx.instances
         held = set(self.queues.instances())
         for inst in ctx.instances:
-            self._inflight.setdefault(inst.name, {})
+            self.books.inflight.setdefault(inst.name, {})
             if inst.up and inst.name not in held:
                 self.queues.add_instance(inst.name)
             elif not inst.up and inst.name in held:
                 # Fault isolation: its groups go back to the planner (the trigger "instances"
                 # re-plans them onto the others); its requests come back through ``arrived``.
                 self.queues.drop_instance(inst.name)
-                self._batch.pop(inst.name, None)
-        self._started.update(ctx.started)
-        if ctx.started:
-            fresh = set(ctx.started)
-            for sent in self._inflight.values():
-                for rid in fresh.intersection(sent):
-                    if sent[rid].started_s is None:
-                        sent[rid].started_s = ctx.now
+                self.admission.limits.pop(inst.name, None)
+        self.books.started_at(ctx.started, ctx.now)
         for inst in ctx.instances:  # preemptions counted before the completions they come with
-            self.estimator.watch(self._estimator_instance(inst))
+            self.estimator.watch(estimator_instance(inst))
         for done in ctx.finished:
-            self._finishes.setdefault(done.instance, deque(maxlen=RECENT_FINISHES)).append(
-                done.finish_s
-            )
-            self._inflight.get(done.instance, {}).pop(done.request.id, None)
-            self._swapped.get(done.instance, {}).pop(done.request.id, None)
-            self._generated.pop(done.request.id, None)
-            self._started.discard(done.request.id)
-            self._preemptions.pop(done.request.id, None)
+            self.books.finished(done.instance, done.request.id, done.finish_s)
             self.estimator.observe(
                 done.request,
                 output_tokens=done.output_tokens,
@@ -294,21 +261,12 @@ class QlmPolicy:
         """Group one request handed to the policy and place its group if it is new."""
         if self.grouper.group_of(req.id) is not None:
             return  # handed again after a failed step: already held
-        sent_before = [
-            s for s in (*self._inflight.values(), *self._swapped.values()) if req.id in s
-        ]
-        back = bool(sent_before) or req.id in self._generated
+        back = self.books.take_back(req.id, generated)
         if not back and not generated:  # new: not one coming back to run again
             self._arrivals.add(now, req)
-        for sent in sent_before:
-            sent.pop(req.id, None)  # an evicted request comes back
-        self._started.discard(req.id)
-        if generated:
-            self._generated[req.id] = generated
-            if req.slo.ttft_s is not None:  # it has had its first token: only its e2e is due
-                req = replace(req, slo=replace(req.slo, ttft_s=None))
-        else:  # started over (or never started): nothing of an earlier attempt is kept
-            self._generated.pop(req.id, None)
+        if generated and req.slo.ttft_s is not None:
+            # It has had its first token: only its e2e is due.
+            req = replace(req, slo=replace(req.slo, ttft_s=None))
         gid = self.grouper.add(req, now)
         held_by = self.queues.instance_of(gid)
         if held_by is None:
@@ -349,11 +307,7 @@ class QlmPolicy:
         if self.grouper.group_of(request_id) is not None:
             self.queues.remove_request(request_id)
             self._changed = True
-        for sent in (*self._inflight.values(), *self._swapped.values()):
-            sent.pop(request_id, None)
-        self._generated.pop(request_id, None)
-        self._started.discard(request_id)
-        self._preemptions.pop(request_id, None)
+        self.books.forget(request_id)
         self.estimator.forget([request_id])
 
     def learn_output(self, request: Request, output_tokens: int) -> bool:
@@ -451,15 +405,15 @@ class QlmPolicy:
                 max([b for b in limits if b <= fixed] or [limits[0]]) for limits in family.batches
             ]
         return [
-            self._batch.get(inst.name, limits[-1])
-            if self._batch.get(inst.name) in limits
+            self.admission.limits.get(inst.name, limits[-1])
+            if self.admission.limits.get(inst.name) in limits
             else limits[-1]
             for inst, limits in zip(family.instances, family.batches, strict=True)
         ]
 
     def _deferred_in(self, name: str, gids: Sequence[str]) -> set[str]:
         """The groups of ``gids`` that ``name``'s admission defers (``defer_expensive``)."""
-        fluid = self._admission.get(name)
+        fluid = self.admission.fluids.get(name)
         if fluid is None or not fluid.admission.threshold:
             return set()
         out: set[str] = set()
@@ -484,7 +438,7 @@ class QlmPolicy:
             done = score.completion if score.completion is not None else np.zeros((0, 1))
             for k, i in enumerate(order):
                 gid = family.groups[i].id
-                if gid not in self._deferred:
+                if gid not in self.admission.deferred:
                     risks.append(
                         Violation(
                             gid,
@@ -542,36 +496,38 @@ class QlmPolicy:
             self.config.budget.start(self._clock).part(FLUID_SHARE),
         )
         best = (
-            choose_limits(family, fluid, choice, self._batch, self.config.concurrency_hysteresis)
+            choose_limits(
+                family, fluid, choice, self.admission.limits, self.config.concurrency_hysteresis
+            )
             if choose
             else choice
         )
         # Deferral waits for half a rate window of history: a first burst is not a rate.
         settled = now - self._arrivals.first_s >= self.config.rate_window_s / 2
         for inst, b, fluids in zip(family.instances, best, fluid, strict=True):
-            self._batch[inst.name] = b
+            self.admission.limits[inst.name] = b
             if self.config.defer_expensive and fluids is not None and settled:
-                self._admission[inst.name] = fluids[b]
+                self.admission.fluids[inst.name] = fluids[b]
             else:
-                self._admission.pop(inst.name, None)
+                self.admission.fluids.pop(inst.name, None)
         # Cost-aware admission: a group its instance's admission defers, or that can no longer
         # meet its deadline, stays on that instance behind every admitted group; the solver
         # orders and places the admitted ones only.
         deferred: dict[str, list[int]] = {}
-        self._deferred = set()
+        self.admission.deferred = set()
         full = family.problem(best)
         for g, (inst, order) in enumerate(zip(family.instances, current, strict=True)):
             gids = self._deferred_in(inst.name, [family.groups[i].id for i in order])
             late = hopeless(full, g, now)
             gids -= in_time(full, g, order, now, late, family.groups)
-            if inst.name in self._admission:
+            if inst.name in self.admission.fluids:
                 gids |= {family.groups[i].id for i in order if late[i]}
-            self._deferred |= gids
+            self.admission.deferred |= gids
             deferred[inst.name] = sorted(
                 (i for i in order if family.groups[i].id in gids),
                 key=lambda i: (bool(late[i]), family.groups[i].deadline_s, family.groups[i].id),
             )
-        keep = [i for i, g in enumerate(family.groups) if g.id not in self._deferred]
+        keep = [i for i, g in enumerate(family.groups) if g.id not in self.admission.deferred]
         problem = full if len(keep) == len(family.groups) else subset(full, keep)
         position = {i: k for k, i in enumerate(keep)}
         previous = [[position[i] for i in order if i in position] for order in current]
@@ -607,8 +563,8 @@ class QlmPolicy:
             ),
             solve_s=solution.solve_s,
             evaluations=solution.evaluations,
-            concurrency=dict(self._batch),
-            deferred=len(self._deferred),
+            concurrency=dict(self.admission.limits),
+            deferred=len(self.admission.deferred),
         )
         self.last_plan = record
         self._new_plans.append(record)
@@ -626,7 +582,7 @@ class QlmPolicy:
         of its in-flight requests (each has had an equal share of the throughput so far)."""
         out: dict[str, float] = {}
         for inst in self._instances:
-            running = self._inflight.get(inst.name, {})
+            running = self.books.inflight.get(inst.name, {})
             if not running or not inst.up:
                 out[inst.name] = now
                 continue
@@ -659,11 +615,11 @@ class QlmPolicy:
             entry = self._slots.get(name)
             if entry is None:
                 gids = self.queues.queue(name)
-                admitted = [self.grouper.group(g) for g in gids if g not in self._deferred]
+                admitted = [self.grouper.group(g) for g in gids if g not in self.admission.deferred]
                 entry = self._slots[name] = [
                     [g.due_s for g in admitted],
                     sum(self.grouper.group(g).size for g in gids)
-                    + len(self._inflight.get(name, {})),
+                    + len(self.books.inflight.get(name, {})),
                     len(gids),
                 ]
             return entry
@@ -673,9 +629,9 @@ class QlmPolicy:
         group = self.grouper.group(gid)
         entry[1] += group.size
         entry[2] += 1
-        self._deferred.discard(gid)
+        self.admission.deferred.discard(gid)
         if self._deferred_in(target.name, [gid]):
-            self._deferred.add(gid)
+            self.admission.deferred.add(gid)
             self.queues.assign(gid, target.name, length)
             return
         deadline = group.due_s
@@ -684,395 +640,3 @@ class QlmPolicy:
             pos += 1
         self.queues.assign(gid, target.name, pos)
         deadlines.insert(pos, deadline)
-
-    # --- acting ---------------------------------------------------------------------------------
-
-    def _act(self, now: float, deadline: float = math.inf) -> list[Decision]:
-        """Per instance: swap back in what waits in CPU memory when it is the most urgent, pull the
-        head group's requests while there is room, then make room for the head group if it is at
-        risk (``qlm.agents.make_room``). Before ``deadline`` on the policy's clock: each instance
-        has its share of the time left (and one pull at least); what does not fit is pulled at
-        the next step."""
-        decisions: list[Decision] = []
-        up = [load for load in self._instances if load.up]
-        bounded = math.isfinite(deadline)
-        for k, load in enumerate(up):
-            until = math.inf
-            if bounded:
-                now_s = self._clock()
-                until = now_s + max(deadline - now_s, 0.0) / (len(up) - k)
-            swapped = self._swapped.setdefault(load.name, {})
-            parked = sum(prompt_tokens(x.request, x.generated) for x in swapped.values())
-            limit = self._batch.get(load.name, load.max_running)
-            fluid = self._admission.get(load.name)
-            self._buckets.setdefault(load.name, TokenBucket()).refill(
-                now, fluid.admission.spare if fluid is not None else 0.0
-            )
-            inst = replace(
-                load,
-                max_running=min(load.max_running, limit),
-                outstanding_requests=load.outstanding_requests - len(swapped),
-                outstanding_tokens=load.outstanding_tokens - parked,
-            )
-            count, tokens = self._pull_ahead(now, load, inst, decisions)
-            while not (count and bounded and self._clock() >= until):
-                req = self.queues.next_request(inst.name)
-                back = min(  # (one of another model waits for its model: ``_tiers``)
-                    (x for x in swapped.values() if x.request.model == load.active_model),
-                    key=lambda x: x.request.deadline_s,
-                    default=None,
-                )
-                if back is not None and (req is None or back.request.deadline_s <= req.deadline_s):
-                    need = prompt_tokens(back.request, back.generated)
-                    if not has_room(inst, count, tokens, need):
-                        break
-                    del swapped[back.request.id]
-                    self._inflight[inst.name][back.request.id] = back
-                    count += 1
-                    tokens += need
-                    decisions.append(SwapIn(back.request.id, inst.name))
-                    continue
-                if req is None:
-                    break
-                need = prompt_tokens(req, self._generated.get(req.id, 0))
-                if not has_room(inst, count, tokens, need):
-                    break
-                verdict = self._may_pull(
-                    inst.name, req, idle=inst.outstanding_requests + count == 0
-                )
-                if verdict is None:
-                    continue  # a deferred group went behind the admitted ones: a new head
-                if not verdict:
-                    break
-                self.queues.pop_next(inst.name)
-                self._remember(now, load, req)
-                count += 1
-                tokens += need
-                self._inflight[inst.name][req.id] = _Inflight(
-                    req, now, self._generated.get(req.id, 0)
-                )
-                decisions.append(Pull(req.id, inst.name))
-            free = max(0, inst.max_running - inst.outstanding_requests - count)
-            decisions.extend(self._make_room(now, load, free))
-            if self.config.agent.warm_start and len(load.models) > 1:
-                decisions.extend(self._tiers(load))
-        return decisions
-
-    def _pull_ahead(
-        self, now: float, load: InstanceLoad, inst: InstanceLoad, decisions: list[Decision]
-    ) -> tuple[int, int]:
-        """Pulls that do not wait for the plan's order or for a slot under the concurrency limit;
-        how many requests and prompt tokens they took.
-
-        - *Starvation guard* (``PlannerConfig.max_wait_s``): a request that has waited its
-          tier's maximum since its arrival is pulled first, oldest first, within the
-          concurrency limit (``Pull.overdue`` when the plan would not have pulled it next).
-        - *First tokens*: a request at the head of the queue whose TTFT deadline would pass while
-          it waits for a slot under the concurrency limit, and can still be met, is pulled
-          beyond the limit (within the engine's ``max_num_seqs`` and KV cache): a slot frees at
-          the pace the running requests complete (``_slot_waits``). The line behind the head
-          counts: the head is pulled ahead while some request among the first ``MAX_LINE``
-          with a TTFT deadline would miss it waiting for its slot."""
-        count = tokens = 0
-        if self.config.max_wait_s:
-            count, tokens = self._pull_overdue(now, load, inst, decisions)
-        engine = replace(inst, max_running=max(inst.max_running, load.max_running))
-        waits: list[float] | None = None
-        while True:
-            req = self.queues.next_request(inst.name)
-            if req is None or self._first_token(now, load, req) is None:
-                break
-            need = prompt_tokens(req)
-            if has_room(inst, count, tokens, need) or not has_room(engine, count, tokens, need):
-                break  # the plan's pull takes it now, or the engine has no room either
-            if waits is None:
-                waits = self._slot_waits(now, load)
-            over = max(0, inst.outstanding_requests + count - inst.max_running)
-            if not self._first_tokens_late(now, load, inst.name, waits[over:]):
-                break
-            self.queues.pop_next(inst.name)
-            self._remember(now, load, req)
-            count += 1
-            tokens += need
-            self._inflight[inst.name][req.id] = _Inflight(req, now, 0)
-            decisions.append(Pull(req.id, inst.name))
-        return count, tokens
-
-    def _first_token(self, now: float, load: InstanceLoad, req: Request) -> float | None:
-        """The latest time ``req`` may be pulled for its first token to meet its TTFT deadline
-        on ``load`` (its prefill and the decode step it rides); None when it has no TTFT SLO left
-        to meet, its group is deferred, or it is too late already."""
-        if req.slo.ttft_s is None or req.id in self._generated:
-            return None
-        if self.grouper.group_of(req.id) in self._deferred:
-            return None
-        hw = self.estimator.profile.hardware_for(req.model, load.gpu, load.gpu_count)
-        running = max(len(self._inflight.get(load.name, {})), 1)
-        latest = req.arrival_s + req.slo.ttft_s - hw.prefill_s(req.input_tokens)
-        latest -= hw.decode_s(running) * hw.inefficiency
-        return latest if latest >= now else None
-
-    def _first_tokens_late(
-        self, now: float, load: InstanceLoad, name: str, waits: Sequence[float]
-    ) -> bool:
-        """Whether some request in the line at the head of ``name``'s queue (requests with a TTFT
-        deadline it can still meet, in queue order) would miss it waiting for its slot: the
-        ``j``-th in line gets the slot ``waits[j]`` from now (none when its pace is unknown)."""
-        if not waits:
-            return False
-        j = 0
-        for gid in self.queues.queue(name):
-            for req in self.grouper.group(gid).requests:
-                latest = self._first_token(now, load, req)
-                if latest is None or j >= MAX_LINE:
-                    return False
-                if j >= len(waits) or now + waits[j] > latest:
-                    return True
-                j += 1
-        return False
-
-    def _pull_overdue(
-        self, now: float, load: InstanceLoad, inst: InstanceLoad, decisions: list[Decision]
-    ) -> tuple[int, int]:
-        """The starvation guard of ``_pull_ahead``."""
-        limits = self.config.max_wait_s
-        overdue: list[Request] = []
-        for gid in self.queues.queue(inst.name):
-            group = self.grouper.group(gid)
-            limit = limits.get(group.tier)
-            if limit is None:
-                continue
-            for r in group.requests:  # (in arrival order)
-                if now - r.arrival_s < limit:
-                    break
-                overdue.append(r)
-        count = tokens = 0
-        for req in sorted(overdue, key=lambda r: (r.arrival_s, r.id)):
-            need = prompt_tokens(req, self._generated.get(req.id, 0))
-            if not has_room(inst, count, tokens, need):
-                break
-            head = self.queues.head_group(inst.name)
-            of = self.grouper.group_of(req.id)
-            promoted = (
-                of != head or of in self._deferred or self.queues.next_request(inst.name) is not req
-            )
-            self.queues.remove_request(req.id)
-            self._changed = True
-            self._remember(now, load, req)
-            count += 1
-            tokens += need
-            self._inflight[inst.name][req.id] = _Inflight(req, now, self._generated.get(req.id, 0))
-            decisions.append(Pull(req.id, inst.name, overdue=promoted))
-        return count, tokens
-
-    def _slot_waits(self, now: float, load: InstanceLoad) -> list[float]:
-        """Seconds until the 1st, 2nd, … slot of the instance frees (a running request
-        completes), at the pace of its last ``RECENT_FINISHES`` completions (the time since the
-        oldest of them over their number); before it has had 4, each running request completes
-        at the rate ``1 / remaining`` (its expected remaining output at the batch's time per
-        token), so the k-th completion comes after ``k / Σ 1/remaining``."""
-        running = self._inflight.get(load.name, {})
-        n_run = max(len(running), load.outstanding_requests)
-        slots = n_run + MAX_LINE  # (the requests pulled meanwhile complete at the same pace)
-        recent = self._finishes.get(load.name)
-        if recent is not None and len(recent) >= 4:
-            gap = max(now - recent[0], 0.0) / len(recent)
-            return [(k + 1) * gap for k in range(slots)]
-        if not running:
-            return []  # nothing known of its pace
-        eps_f = self.estimator.calibration_factors(load.name)[1]
-        rate = 0.0
-        for item in running.values():
-            hw = self.estimator.profile.hardware_for(item.request.model, load.gpu, load.gpu_count)
-            per_token = hw.decode_s(n_run) * hw.inefficiency * eps_f
-            done = item.generated + int(max(0.0, now - item.pulled_s) / per_token)
-            left, _ = self.estimator.output_moments(
-                item.request, min(done, item.request.max_tokens - 1)
-            )
-            rate += 1.0 / max(left * per_token, per_token)
-        return [(k + 1) / rate for k in range(slots)]
-
-    @staticmethod
-    def _estimator_instance(load: InstanceLoad) -> EstimatorInstance:
-        warm = frozenset(m for m, tier in load.model_tiers if tier is ModelTier.WARM)
-        return EstimatorInstance(
-            load.name,
-            load.gpu,
-            load.gpu_count,
-            load.active_model,
-            warm,
-            preemptions_total=load.preemptions_total,
-        )
-
-    def _remember(self, now: float, load: InstanceLoad, req: Request) -> None:
-        """Predict the completion of a request as it is pulled, behind what runs on the
-        instance, and keep the prediction: its outcome teaches the estimator's online
-        calibration of this instance (``RCTEstimator.observe``), which the plan problem, the
-        drain times and making room use. In pull dispatch nothing waits inside the engine, so
-        what it learns is the decode speed (ε), with the batch refilled from the virtual queue
-        while it holds more work; the profile's Θ stays the planner's. A request pulled again
-        (after an eviction) is judged on its latest pull."""
-        running = [x.running for x in self._inflight.get(load.name, {}).values()]
-        instance = self._estimator_instance(load)
-        self.estimator.forget([req.id])
-        queued = Queued(req, self._generated.get(req.id, 0))
-        self.estimator.estimate_requests(
-            instance,
-            [*running, queued],
-            now,
-            remember=True,
-            only=[-1],
-            refilled=self.queues.next_request(load.name) is not None,
-        )
-
-    def _may_pull(self, name: str, req: Request, *, idle: bool) -> bool | None:
-        """Admitted work is always pulled; deferred work at the pace of the instance's spare
-        capacity (``qlm.planner.admission.TokenBucket``), or when the instance runs nothing at
-        all (an idle GPU serves whatever waits). A deferred group at the head that
-        must wait goes behind the admitted groups queued since the last plan (None: look at the
-        new head)."""
-        gid = self.grouper.group_of(req.id)
-        if gid is None or gid not in self._deferred:
-            return True
-        fluid = self._admission.get(name)
-        if fluid is None:
-            return True
-        cost = fluid.cost(req, self.estimator.expected_output(req))
-        if self._buckets[name].take(cost):
-            return True
-        if idle:
-            self._buckets[name].level -= cost
-            return True
-        queue = self.queues.queue(name)
-        if any(g not in self._deferred for g in queue):
-            self.queues.move_group(gid, name)  # to the tail, behind the admitted ones
-            self._slots.pop(name, None)
-            return None
-        return False
-
-    def _tiers(self, load: InstanceLoad) -> list[Decision]:
-        """Warm start: model tiers from the virtual queue's order, behind the requests already
-        sent that have not started (the oldest one's model first: a request waiting in the engine
-        for a model that is switched away would wait for its return)."""
-        models = [self.grouper.group(g).model for g in self.queues.queue(load.name)]
-        tiers = dict(load.model_tiers)
-        waiting = [  # sent, not started: they run before anything still in the queue
-            x
-            for x in self._inflight.get(load.name, {}).values()
-            if x.request.id not in self._started
-        ]
-        if waiting:
-            oldest = min(waiting, key=lambda x: (x.pulled_s, x.request.arrival_s, x.request.id))
-            models = [oldest.request.model, *models]
-        # A request swapped out to CPU memory resumes only on its model: it stays warm, and
-        # becomes active when nothing else waits.
-        parked = sorted(
-            self._swapped.get(load.name, {}).values(), key=lambda x: x.request.deadline_s
-        )
-        models += [x.request.model for x in parked]
-        changes = plan_tiers(
-            load.name, models, tiers, dict(load.model_weights_gb), load.cpu_cache_gb
-        )
-        asked = self._asked_active.get(load.name)
-        out: list[Decision] = []
-        for c in changes:
-            if c.tier is ModelTier.ACTIVE:
-                if asked == c.model:
-                    continue  # already switching to it
-                self._asked_active[load.name] = c.model
-            out.append(c)
-        if tiers.get(asked or "") is ModelTier.ACTIVE:
-            self._asked_active.pop(load.name, None)
-        return out
-
-    def _make_room(self, now: float, load: InstanceLoad, free: int) -> list[Decision]:
-        """Preempt running requests for what waits at the head when it pays
-        (``qlm.agents.make_room``): the head group waiting for slots, or — when the next model to
-        run is not the active one — the requests waiting for the running batch to drain before
-        the switch."""
-        if not (self.config.agent.evict or self.config.agent.swap):
-            return []
-        inflight = self._inflight.get(load.name, {})
-        running = {rid: x for rid, x in inflight.items() if rid in self._started}
-        if not running or load.active_model is None:
-            return []
-        sent = sorted(
-            (x for rid, x in inflight.items() if rid not in self._started),
-            key=lambda x: (x.pulled_s, x.request.arrival_s, x.request.id),
-        )
-        gid = self.queues.head_group(load.name)
-        group = self.grouper.group(gid) if gid is not None else None
-        # The model the instance serves next (``_tiers``): the oldest sent request's, else the
-        # head group's.
-        target = sent[0].request.model if sent else (group.model if group else None)
-        if target is None:
-            return []
-        switching = target != load.active_model
-        weights = self.config.tier_weights
-        if switching:
-            waiting = [x.request for x in sent if x.request.model == target]
-            if group is not None and group.model == target:
-                waiting += list(group.requests[: max(0, free)])
-            if not waiting:
-                return []
-            tiers = dict(load.model_tiers)
-            hw_t = self.estimator.profile.hardware_for(target, load.gpu, load.gpu_count)
-            switch_s = hw_t.warm_load_s if tiers.get(target) is ModelTier.WARM else hw_t.cold_load_s
-        else:
-            if group is None or group.size <= free:
-                return []
-            waiting = list(group.requests)
-            switch_s = 0.0
-        nxt = min(waiting, key=lambda r: r.deadline_s)
-        hw = self.estimator.profile.hardware_for(load.active_model, load.gpu, load.gpu_count)
-        hw_head = self.estimator.profile.hardware_for(nxt.model, load.gpu, load.gpu_count)
-        eps_f = self.estimator.calibration_factors(load.name)[1]
-        n_run = len(running)
-        mix_in = sum(x.request.input_tokens for x in running.values()) * hw.input_token_work_s
-        mix_out = sum(self.estimator.expected_output(x.request) for x in running.values())
-        per_token = (
-            hw.decode_s(n_run) * hw.inefficiency + n_run * mix_in / max(mix_out, 1.0)
-        ) * eps_f
-        head_token = per_token if not switching else hw_head.decode_s(len(waiting)) * eps_f
-        head = HeadGroup(
-            gid or "",
-            nxt.deadline_s,
-            len(waiting),
-            hw_head.prefill_s(nxt.input_tokens) + self.estimator.expected_output(nxt) * head_token,
-            weight=max(weights[r.tier] for r in waiting),
-            deadlines=tuple(r.deadline_s for r in waiting),
-            switching=switching,
-            switch_s=switch_s,
-        )
-        views = []
-        for item in running.values():
-            began = item.started_s if item.started_s is not None else item.pulled_s
-            done = item.generated + int(max(0.0, now - began) / per_token)
-            done = min(done, item.request.max_tokens - 1)
-            mean, _ = self.estimator.output_moments(item.request, done)
-            views.append(
-                RunningRequest(
-                    item.request,
-                    done,
-                    mean * per_token,
-                    self._preemptions.get(item.request.id, 0),
-                    weights[item.request.tier],
-                )
-            )
-        fluid = self._admission.get(load.name)
-        costs = InstanceCosts(
-            kv_bytes_per_token=hw.kv_bytes_per_token,
-            host_link_gbs=load.host_link_gbs,
-            swap_free_gb=load.swap_free_gb,
-            prefill_base_s=hw.prefill_base_s,
-            prefill_per_token_s=hw.prefill_per_token_s,
-            gpu_second_value=fluid.admission.threshold if fluid is not None else 0.0,
-        )
-        out: list[Decision] = []
-        for d in make_room(now, load.name, head, free, views, costs, self.config.agent):
-            rid = d.request_id
-            if isinstance(d, SwapOut):
-                self._swapped.setdefault(load.name, {})[rid] = inflight.pop(rid)
-            self._preemptions[rid] = self._preemptions.get(rid, 0) + 1
-            out.append(d)
-        return out

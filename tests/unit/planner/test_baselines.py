@@ -326,10 +326,10 @@ def test_the_qlm_policy_counts_a_request_back_from_an_instance_once_and_forgets_
         now=1.0, arrived=(req,), instances=(load(max_running=4),), generated=(("r0000", 7),)
     )
     assert pulls(policy.decide(back)) == ["r0000"]  # resumed with 7 tokens
-    assert policy._generated == {"r0000": 7}
+    assert policy.books.generated == {"r0000": 7}
     again = ctx(2.0, [req], load(max_running=4))  # started over: nothing kept
     assert pulls(policy.decide(again)) == ["r0000"]
-    assert policy._generated == {} and len(policy._arrivals) == 1
+    assert policy.books.generated == {} and len(policy._arrivals) == 1
     other = make_request(1, arrival_s=3.0)
     assert pulls(policy.decide(ctx(3.0, [other], load(max_running=4)))) == ["r0001"]
     returned = ctx(4.0, [other], load(max_running=4))  # lost with its instance before a token

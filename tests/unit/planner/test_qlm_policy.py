@@ -274,7 +274,8 @@ def test_under_overload_cost_aware_admission_defers_the_costliest_groups() -> No
     order = qlm.queues.queue("i0")
     costly = [all(r.input_tokens == 60_000 for r in qlm.grouper.group(g).requests) for g in order]
     assert any(costly) and not any(
-        all(r.input_tokens == 200 for r in qlm.grouper.group(g).requests) and g in qlm._deferred
+        all(r.input_tokens == 200 for r in qlm.grouper.group(g).requests)
+        and g in qlm.admission.deferred
         for g in order
     )
     assert costly == sorted(costly)  # every costly group behind every cheap one
@@ -410,7 +411,7 @@ def test_the_violation_trigger_is_the_risk_the_policy_reports() -> None:
     seen = []
     for now in (1.0, 3.0, 6.0, 10.0, 15.0, 21.0, 28.0, 36.0):
         groups, _ = qlm.estimates(now)
-        risks = [p for gid, (_, _, p) in groups.items() if gid not in qlm._deferred]
+        risks = [p for gid, (_, _, p) in groups.items() if gid not in qlm.admission.deferred]
         seen += risks
         # The chance constraint: at least ceil(delta x S) of the S scenarios meet the deadline.
         scenarios = qlm.config.scenarios
