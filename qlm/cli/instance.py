@@ -11,7 +11,7 @@ import typer
 from qlm.cli.common import fail, guard
 
 if TYPE_CHECKING:
-    from qlm.engines.vllm import VllmCommand
+    from qlm.engines.vllm_launch import VllmCommand
 
 instance_app = typer.Typer(
     help="Real serving instances (vLLM) for QLM.", no_args_is_help=True, rich_markup_mode=None
@@ -66,7 +66,8 @@ def instance_launch_cmd(
     import os
     import subprocess
 
-    from qlm.engines.vllm import VLLM_VERSION, vllm_launcher, vllm_serve_command
+    from qlm.engines.vllm import VLLM_VERSION
+    from qlm.engines.vllm_launch import vllm_launcher, vllm_serve_command
 
     def command_with(interpreter: str | None) -> VllmCommand:
         return guard(

@@ -23,7 +23,7 @@ import httpx
 import pytest
 from services import free_port, in_ci
 
-from qlm.engines.vllm import vllm_serve_command
+from qlm.engines.vllm_launch import vllm_serve_command
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL = "tiny"  # the served model name

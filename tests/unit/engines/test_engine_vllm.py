@@ -20,8 +20,8 @@ from qlm.engines.vllm import (
     context_room,
     engine_request_id,
     filler_prompt,
-    vllm_serve_command,
 )
+from qlm.engines.vllm_launch import vllm_serve_command
 from qlm.errors import EngineError, RequestRejected
 
 METRICS = """\
@@ -191,7 +191,7 @@ def test_instance_launch_prints_the_command_or_says_vllm_is_missing(
     )
     assert result.exit_code == 0
     assert result.stdout.startswith("VLLM_SERVER_DEV_MODE=1 vllm serve m ")
-    monkeypatch.setattr("qlm.engines.vllm.vllm_launcher", lambda python=None: None)
+    monkeypatch.setattr("qlm.engines.vllm_launch.vllm_launcher", lambda python=None: None)
     result = runner.invoke(app, ["instance", "launch", "--model", "m"])
     assert result.exit_code == 1
     assert "vLLM is not installed" in result.stderr
