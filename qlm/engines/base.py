@@ -17,6 +17,28 @@ from typing import Any, Literal, Protocol, runtime_checkable
 from qlm.domain import ModelTier
 from qlm.errors import EngineError
 
+CHAT_ONLY_PARAMETERS = frozenset(
+    {
+        "max_completion_tokens",
+        "logprobs",
+        "top_logprobs",
+        "tools",
+        "tool_choice",
+        "parallel_tool_calls",
+        "response_format",
+        "chat_template",
+        "chat_template_kwargs",
+        "add_generation_prompt",
+        "continue_final_message",
+        "documents",
+        "mm_processor_kwargs",
+    }
+)
+"""Parameters of the chat endpoint that a chat resumed from its token ids (sent as a completion)
+leaves out:
+templating, tools and structure (such a chat is not resumed), and ``logprobs``, a flag there and
+a count on the completions endpoint."""
+
 
 @dataclass(frozen=True, slots=True)
 class EngineRequest:
@@ -104,6 +126,8 @@ class EngineStats:
     """KV usage as the engine reports it (vLLM's ``vllm:kv_cache_usage_perc``), when it reports a
     fraction rather than tokens; ``kv_usage`` prefers it."""
     sleeping: bool = False
+    swap_free_gb: float | None = None
+    """CPU memory the engine can still park KV caches in (KV swap); None: it cannot swap."""
 
     @property
     def kv_usage(self) -> float:

@@ -394,6 +394,7 @@ class SimEngine:
             model_tiers=tuple(self.tiers.items()),
             preemptions_total=self.preemptions_total,
             gpu_memory_used_fraction=self._memory_fraction(used_blocks),
+            swap_free_gb=self._swap_free_gb(),
         )
 
     def gpu_memory_used_fraction(self, now: float | None = None) -> float:

@@ -47,6 +47,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from qlm.domain import ModelTier
 from qlm.engines.base import (
+    CHAT_ONLY_PARAMETERS,
     ChunkCallback,
     EngineCapabilities,
     EngineOutput,
@@ -144,6 +145,19 @@ class _Flight:
     task: asyncio.Task[EngineOutput] | None = None
     shortened: bool = False  # sent again with the max_tokens the context had room for
     prompt_ids: tuple[int, ...] | None = None  # the prompt's token ids, until passed on
+    # Parking (``swap_out``/``swap_in``): the first sending's prompt ids, every output id so
+    # far (None once a chunk came without them), the output tokens before the current stream,
+    # the current stream, and the event a parked request waits on.
+    first_prompt_ids: tuple[int, ...] | None = None
+    ids: list[int] | None = field(default_factory=list)
+    base: int = 0
+    stream: asyncio.Task[EngineOutput] | None = None
+    parked: asyncio.Event | None = None
+    origin: EngineRequest = field(init=False)  # as submitted (``request`` may be replaced)
+
+    def __post_init__(self) -> None:
+        self.origin = self.request
+
     calls: dict[int, dict[str, Any]] = field(default_factory=dict)
     """Tool calls by index, assembled from the deltas: id, name, arguments so far."""
 
@@ -290,6 +304,7 @@ class VllmEngine:
             raise self._fail("models not served", f"{sorted(missing)}; serves {list(served)}")
         families = await self._metrics()
         cap = _cache_capacity_tokens(families)
+        offload = _offload_gb(families)
         info = await self.server_info()
         seqs = self.max_num_seqs
         if seqs is None and info is not None:
@@ -304,7 +319,7 @@ class VllmEngine:
             max_num_seqs=seqs,
             kv_capacity_tokens=cap,
             supports_sleep=sleep,
-            supports_swap=False,
+            supports_swap=offload is not None,
             supports_abort_endpoint=self._abort_endpoint,
         )
 
@@ -477,6 +492,7 @@ class VllmEngine:
         )
         kv_fraction = sum(kv) / len(kv) if kv else 0.0
         cap = _cache_capacity_tokens(families) or 0
+        offload = _offload_gb(families)
         active = next((m for m, t in self._tiers.items() if t is ModelTier.ACTIVE), None)
         return EngineStats(
             running=int(total("vllm:num_requests_running")),
@@ -490,6 +506,7 @@ class VllmEngine:
             gpu_memory_used_fraction=0.0,  # not exported by vLLM
             kv_usage_fraction=kv_fraction,
             sleeping=active is None,
+            swap_free_gb=offload,
         )
 
     async def set_model_tier(self, model: str, tier: ModelTier) -> None:
@@ -519,13 +536,73 @@ class VllmEngine:
         return bool((await self._call("GET", "/is_sleeping")).json().get("is_sleeping"))
 
     async def swap_out(self, request_id: str) -> None:
-        raise UnsupportedOperation(
-            f"{self.name}: vLLM has no per-request KV swap API (CPU KV offloading is a cache "
-            "vLLM manages itself); evict (abort) instead"
-        )
+        """Park a running request: its stream ends (vLLM frees its place in the batch; its KV
+        blocks stay in vLLM's prefix cache, and with CPU KV offloading, ``--kv-offloading-size``,
+        in CPU memory when the GPU needs the room) while ``submit`` goes on waiting;
+        ``swap_in`` sends it again as a completion of exactly the prompt's token ids and those
+        it wrote, which vLLM finds in its cache instead of computing them again. vLLM has no
+        per-request swap API: this is the swap its cache makes possible. Refused
+        (``UnsupportedOperation``: evict instead) when the server did not say the request's
+        token ids (vLLM before 0.10.2) or it is writing a tool call."""
+        flight = self._flights.get(request_id)
+        if flight is None or flight.task is None:
+            raise UnknownRequest(f"{self.name}: no request {request_id!r} in flight")
+        if flight.parked is not None:
+            return
+        if flight.first_prompt_ids is None or flight.ids is None or flight.calls:
+            raise UnsupportedOperation(
+                f"{self.name}: {request_id!r} cannot be parked: the server did not say all its "
+                "token ids (vLLM 0.10.2 or later does); evict it instead"
+            )
+        stream = flight.stream
+        if stream is None or stream.done():
+            return  # it ended meanwhile: ``submit`` returns its output
+        flight.parked = asyncio.Event()
+        stream.cancel()
+        await asyncio.wait({stream})
+        if not stream.cancelled():
+            flight.parked = None  # it ended before the cancel reached it
+            return
+        if self._abort_endpoint:  # frees it now, not once vLLM notices the closed stream
+            body = {"request_ids": [engine_request_id(flight.request, flight.wire_id)]}
+            with contextlib.suppress(EngineError):
+                await self._call("POST", "/abort_requests", json=body)
 
     async def swap_in(self, request_id: str) -> None:
-        await self.swap_out(request_id)
+        """Send a parked request again (``swap_out``)."""
+        flight = self._flights.get(request_id)
+        if flight is None or flight.parked is None:
+            raise UnknownRequest(f"{self.name}: no request {request_id!r} parked")
+        flight.parked.set()
+
+    def _unparked(self, flight: _Flight) -> EngineRequest | None:
+        """The request to send for a parked one: a completion of its prompt's and output's
+        token ids, for what is left to write, under a new wire id; None when not every token id
+        is known."""
+        if (
+            flight.first_prompt_ids is None
+            or flight.ids is None
+            or len(flight.ids) != flight.tokens
+        ):
+            return None
+        origin = flight.origin
+        ids = flight.first_prompt_ids + tuple(flight.ids)
+        done = flight.tokens
+        rid = origin.request_id
+        n = self._sent.pop(rid, 1) + 1
+        self._sent[rid] = n
+        flight.wire_id, flight.base = f"{rid}.{n}", done
+        return replace(
+            origin,
+            prompt=ids,
+            prompt_tokens=len(ids),
+            messages=None,
+            continue_final_message=False,
+            max_tokens=origin.max_tokens - done,
+            output_tokens=None if origin.output_tokens is None else origin.output_tokens - done,
+            resumed_tokens=0,
+            sampling=tuple((k, v) for k, v in origin.sampling if k not in CHAT_ONLY_PARAMETERS),
+        )
 
     async def health(self) -> bool:
         try:
@@ -594,8 +671,22 @@ class VllmEngine:
     async def _stream(self, flight: _Flight, on_chunk: ChunkCallback | None) -> EngineOutput:
         while True:
             sent = flight.request.priority if self._priority else 0
+            flight.stream = asyncio.create_task(self._stream_once(flight, on_chunk))
             try:
-                return await self._stream_once(flight, on_chunk)
+                return await flight.stream
+            except asyncio.CancelledError:
+                current = asyncio.current_task()
+                if flight.parked is None or (current is not None and current.cancelling()):
+                    raise
+                await flight.parked.wait()  # (an abort meanwhile cancels this wait)
+                resumed = self._unparked(flight)
+                if resumed is None:  # its tokens are not all known: it ends, aborted
+                    flight.aborted = True
+                    return flight.partial()
+                if resumed.tokens_to_generate <= 0:
+                    return flight.output("length")
+                flight.request, flight.parked = resumed, None
+                continue
             except RequestRejected as exc:
                 if self._priority_refused(str(exc), sent):
                     continue
@@ -664,14 +755,19 @@ class VllmEngine:
         prompt_ids = _token_ids(
             [event.get("prompt_token_ids"), *(c.get("prompt_token_ids") for c in choices)]
         )
-        if prompt_ids:  # (a chat says them on its first chunk, which has no token yet)
-            flight.prompt_ids = prompt_ids
+        if prompt_ids and flight.base == 0 and flight.first_prompt_ids is None:
+            # (a chat says them on its first chunk, which has no token yet)
+            flight.prompt_ids = flight.first_prompt_ids = prompt_ids
         calls = [d for c in choices for d in _choice_calls(c)]
+        if ids is None and (text or calls):
+            flight.ids = None
+        elif ids is not None and flight.ids is not None:
+            flight.ids.extend(ids)
         flight.add_calls(calls)
         raw = next((c.get("finish_reason") for c in choices if c.get("finish_reason")), None)
         finish = self._finish_reason(raw, choices) if raw else None
         if "completion_tokens" in usage:
-            tokens = int(usage["completion_tokens"])
+            tokens = flight.base + int(usage["completion_tokens"])
         else:
             tokens = flight.tokens + (1 if text or calls else 0)
         if not choices:  # the final usage-only event
@@ -776,6 +872,23 @@ def _cache_capacity_tokens(families: dict[str, list[tuple[dict[str, str], float]
         except (KeyError, ValueError):
             return None
     return best or None
+
+
+def _offload_gb(families: dict[str, list[tuple[dict[str, str], float]]]) -> float | None:
+    """The CPU memory (GiB) of vLLM's KV offloading (``--kv-offloading-size``), from
+    ``vllm:cache_config_info``, when it is on with prefix caching: where a parked request's KV
+    cache waits (``VllmEngine.swap_out``). None without it: a parked request's blocks would stay
+    only as long as the GPU cache does not need them — for the room a preemption makes, not
+    long — so the planner is not offered KV swap there."""
+    for labels, _ in families.get("vllm:cache_config_info", []):
+        if labels.get("enable_prefix_caching") != "True":
+            return None
+        try:
+            size = float(labels.get("kv_offloading_size", "None"))
+        except ValueError:
+            return None
+        return size if size > 0 else None
+    return None
 
 
 def _error_text(body: object) -> str:

@@ -54,6 +54,7 @@ from qlm.clock import Clock
 from qlm.controller import Controller, EngineReading
 from qlm.domain import Decision, InstanceSpec, ModelTier, PlanRecord, Request, RequestRecord
 from qlm.engines.base import (
+    CHAT_ONLY_PARAMETERS,
     Engine,
     EngineCapabilities,
     EngineEvent,
@@ -86,28 +87,6 @@ def resume_point(partial: str) -> str:
     whitespace on only once more text follows. Its tokens stay counted as generated (at most a
     few more than the text holds: ``max_tokens`` is never exceeded)."""
     return partial.rstrip()
-
-
-CHAT_ONLY = frozenset(
-    {
-        "max_completion_tokens",
-        "logprobs",
-        "top_logprobs",
-        "tools",
-        "tool_choice",
-        "parallel_tool_calls",
-        "response_format",
-        "chat_template",
-        "chat_template_kwargs",
-        "add_generation_prompt",
-        "continue_final_message",
-        "documents",
-        "mm_processor_kwargs",
-    }
-)
-"""Parameters of the chat endpoint a chat resumed by token ids (a completion) leaves out:
-templating, tools and structure (such a chat is not resumed), and ``logprobs``, a flag there and
-a count on the completions endpoint."""
 
 
 @dataclass(slots=True)
@@ -160,7 +139,7 @@ class Job:
         if self.exact:
             assert self.prompt_ids is not None
             ids = self.prompt_ids + self.partial_ids
-            sampling = {k: v for k, v in self.sampling.items() if k not in CHAT_ONLY}
+            sampling = {k: v for k, v in self.sampling.items() if k not in CHAT_ONLY_PARAMETERS}
             return replace(
                 request,
                 prompt=ids,
@@ -243,6 +222,7 @@ class _Instance:
     cpu_cache_gb: float = 0.0
     max_running: int | None = None  # configured; overrides what the engine says
     preemptions_total: int | None = None  # the engine's counter, read with each health check
+    swap_free_gb: float = 0.0  # CPU memory for parked KV caches, read with each health check
 
 
 @dataclass(slots=True)
@@ -513,7 +493,7 @@ class AgentRuntime:
             active_model=inst.active_model,
             up=inst.up and inst.spec.name not in self._draining,
             host_link_gbs=inst.host_link_gbs if caps and caps.supports_swap else 0.0,
-            swap_free_gb=0.0,
+            swap_free_gb=inst.swap_free_gb if caps and caps.supports_swap else 0.0,
             model_tiers=tuple(inst.tiers.items()),
             model_weights_gb=inst.weights_gb,
             cpu_cache_gb=inst.cpu_cache_gb,
@@ -814,6 +794,7 @@ class AgentRuntime:
             log.warning("%s does not answer (%s): down until it does", inst.spec.name, exc)
             return
         inst.preemptions_total = stats.preemptions_total
+        inst.swap_free_gb = stats.swap_free_gb or 0.0
         inst.tiers = dict(stats.model_tiers) or {
             m: ModelTier.ACTIVE if i == 0 else ModelTier.COLD
             for i, m in enumerate(inst.spec.models)
@@ -845,9 +826,12 @@ class AgentRuntime:
 
     async def _read_counters(self, inst: _Instance) -> None:
         """The engine's preemption counter, for the estimator (vLLM preempts when its KV cache
-        is full, and recomputes what it threw away: work the estimator must count)."""
+        is full, and recomputes what it threw away: work the estimator must count), and the
+        CPU memory it can still park KV caches in (what KV swap may use)."""
         try:
-            inst.preemptions_total = (await inst.engine.stats()).preemptions_total
+            stats = await inst.engine.stats()
+            inst.preemptions_total = stats.preemptions_total
+            inst.swap_free_gb = stats.swap_free_gb or 0.0
         except EngineError as exc:  # the next health check decides whether it is down
             log.debug("%s: stats not read (%s)", inst.spec.name, exc)
 

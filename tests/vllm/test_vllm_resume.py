@@ -27,6 +27,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 DEADLINE_S = 120.0
 TOKENS = 600  # the answer's length (ignore_eos: exactly this many)
 EVICT_AT = 40  # tokens streamed before the eviction
+LONG = 1800  # a parked request's length: ~2 s alone on the tiny model
 
 
 class Watched:
@@ -133,5 +134,55 @@ def test_an_evicted_chat_resumes_from_the_exact_tokens_vllm_made_and_wrote(vllm_
         shown = [c for c in before if c.tokens <= kept]
         assert shown[-1].tokens == kept
         assert text == "".join(c.text for c in shown) + "".join(c.text for c in after)
+
+    asyncio.run(scenario())
+
+
+async def prefix_hits(engine: VllmEngine) -> float:
+    """vLLM's count of prompt tokens it found in its prefix cache (not computed again)."""
+    families = await engine._metrics()
+    return sum(v for name in ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_hits")
+               for _, v in families.get(name, []))  # fmt: skip
+
+
+def test_a_parked_request_goes_on_from_the_kv_cache_vllm_kept(vllm_url: str) -> None:
+    """``swap_out`` parks a running request (its stream ends, ``submit`` waits); ``swap_in``
+    sends it again from its exact token ids and vLLM finds them in its prefix cache instead of
+    computing them again. (The CPU build cannot offload KV to CPU memory, so it is not offered
+    KV swap as a planner's choice; the mechanism is the same.)"""
+
+    async def scenario() -> None:
+        engine = VllmEngine("cpu-0", vllm_url, MODEL, timeout_s=DEADLINE_S)
+        try:
+            caps = await engine.capabilities()
+            assert not caps.supports_swap  # no KV offloading on the CPU build
+            chunks: list[TokenChunk] = []
+            ready = asyncio.Event()
+
+            def seen(chunk: TokenChunk) -> None:
+                chunks.append(chunk)
+                if chunk.tokens >= EVICT_AT * 4:
+                    ready.set()
+
+            request = EngineRequest(
+                "park-1", MODEL, 8, max_tokens=LONG, output_tokens=LONG,
+                prompt="QLM parks this request and brings it back.",
+            )  # fmt: skip
+            task = asyncio.create_task(engine.submit(request, seen))
+            await asyncio.wait_for(ready.wait(), DEADLINE_S)
+            await engine.swap_out("park-1")
+            assert not task.done(), "it ended before it was parked"  # (160 of 1,800 tokens)
+            parked_at = chunks[-1].tokens
+            hits = await prefix_hits(engine)
+            await engine.swap_in("park-1")
+            out = await asyncio.wait_for(task, DEADLINE_S)
+            assert (out.tokens, out.finish_reason) == (LONG, "length")
+            assert out.text == "".join(c.text for c in chunks)
+            assert [c.tokens for c in chunks] == sorted({c.tokens for c in chunks})
+            # at least the whole 128-token blocks of what it had were found, not computed
+            reused = await prefix_hits(engine) - hits
+            assert reused >= 128 * ((parked_at + 8) // 128) > 0, (reused, parked_at)
+        finally:
+            await engine.close()
 
     asyncio.run(scenario())

@@ -22,7 +22,7 @@ from qlm.engines.vllm import (
     filler_prompt,
 )
 from qlm.engines.vllm_launch import vllm_serve_command
-from qlm.errors import EngineError, RequestRejected
+from qlm.errors import EngineError, RequestRejected, UnknownRequest
 
 METRICS = """\
 # HELP vllm:num_requests_running Number of requests in model execution batches.
@@ -61,6 +61,32 @@ def test_stats_are_read_from_vllm_metrics_for_this_model() -> None:
         assert stats.kv_usage == 0.25
         assert (stats.kv_capacity_tokens, stats.kv_used_tokens) == (16_000, 4_000)
         assert stats.active_model == "llama" and not stats.sleeping
+
+    asyncio.run(scenario())
+
+
+def test_kv_swap_is_offered_where_vllm_offloads_kv_to_cpu_memory() -> None:
+    """A parked request's KV cache lasts only where vLLM offloads KV blocks to CPU memory
+    (``--kv-offloading-size``, with prefix caching): there its size is the swap space; without
+    it (the default, and vLLM's CPU build, which cannot offload) the planner gets no KV swap."""
+    off = METRICS.replace(
+        'num_gpu_blocks="1000"',
+        'num_gpu_blocks="1000",enable_prefix_caching="True",kv_offloading_size="None"',
+    )
+    on = off.replace('kv_offloading_size="None"', 'kv_offloading_size="2.5"')
+    no_prefix = on.replace('enable_prefix_caching="True"', 'enable_prefix_caching="False"')
+
+    async def swap_space(metrics: str) -> float | None:
+        engine = engine_with(lambda r: httpx.Response(200, text=metrics))
+        stats = await engine.stats()
+        await engine.close()
+        return stats.swap_free_gb
+
+    async def scenario() -> None:
+        assert await swap_space(on) == 2.5
+        assert await swap_space(off) is None
+        assert await swap_space(no_prefix) is None
+        assert await swap_space(METRICS) is None
 
     asyncio.run(scenario())
 
@@ -105,16 +131,105 @@ def test_sleep_without_dev_mode_says_how_to_start_vllm() -> None:
     asyncio.run(scenario())
 
 
-def test_kv_swap_is_unsupported_on_vllm() -> None:
+def test_only_a_request_whose_token_ids_the_server_said_can_be_parked() -> None:
+    """Parking (the swap vLLM's cache makes possible) needs the prompt's and the output's token
+    ids: a server that does not say them (before 0.10.2) gets the request evicted instead."""
+
     async def scenario() -> None:
-        engine = engine_with(lambda r: httpx.Response(200))
-        with pytest.raises(UnsupportedOperation, match="no per-request KV swap"):
+        started = asyncio.Event()
+
+        async def body() -> Any:
+            yield b'data: {"choices": [{"index": 0, "text": "a"}], "usage": {"completion_tokens": 1}}\n\n'
+            started.set()
+            await asyncio.Event().wait()  # (until cancelled)
+
+        engine = engine_with(lambda r: httpx.Response(200, content=body()))
+        with pytest.raises(UnknownRequest):
+            await engine.swap_out("nobody")
+        task = asyncio.create_task(
+            engine.submit(EngineRequest("r1", "llama", 3, max_tokens=9, prompt="x"))
+        )
+        await started.wait()
+        with pytest.raises(UnsupportedOperation, match="did not say all its token ids"):
             await engine.swap_out("r1")
-        with pytest.raises(UnsupportedOperation):
-            await engine.swap_in("r1")
+        with pytest.raises(UnknownRequest):
+            await engine.swap_in("r1")  # (not parked)
+        assert (await engine.abort("r1")).aborted
+        await task
         await engine.close()
 
     asyncio.run(scenario())
+
+
+def test_a_parked_request_is_sent_again_from_its_exact_token_ids_and_its_submit_goes_on() -> None:
+    """``swap_out`` ends the request's stream (vLLM frees its place; its KV stays in vLLM's
+    cache) while ``submit`` waits; ``swap_in`` sends it again as a completion of the prompt's
+    and the output's ids, under a new wire id, for the tokens left, and the one ``submit``
+    returns the whole output with every chunk counted from the start."""
+    bodies: list[tuple[dict[str, Any], str]] = []
+    streaming = asyncio.Event()
+
+    def event(
+        text: str, ids: list[int], n: int, *, first: bool = False, end: bool = False
+    ) -> bytes:
+        choice = {
+            "index": 0,
+            "text": text,
+            "token_ids": ids,
+            "finish_reason": "length" if end else None,
+        }
+        if first:
+            choice["prompt_token_ids"] = [1, 2, 3]
+        usage = {"prompt_tokens": 3, "completion_tokens": n}
+        return f"data: {json.dumps({'choices': [choice], 'usage': usage})}\n\n".encode()
+
+    async def first() -> Any:
+        yield event("A", [10], 1, first=True)
+        yield event(" b", [11], 2)
+        streaming.set()
+        await asyncio.Event().wait()  # (until the park cancels it)
+
+    async def rest() -> Any:
+        yield event("c", [12], 1)
+        yield event("d", [13], 2, end=True)
+        yield b"data: [DONE]\n\n"
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        bodies.append((body, request.headers.get("X-Request-Id", "")))
+        if request.url.path == "/abort_requests":
+            return httpx.Response(200)
+        return httpx.Response(200, content=first() if len(bodies) == 1 else rest())
+
+    async def scenario() -> None:
+        engine = engine_with(handler)
+        engine._abort_endpoint = True  # (as ``capabilities`` finds on a dev-mode server)
+        chunks: list[TokenChunk] = []
+        request = EngineRequest(
+            "r1", "llama", 3, max_tokens=4, messages=HI,
+            sampling=(("temperature", 0.0), ("logprobs", True)),
+        )  # fmt: skip
+        task = asyncio.create_task(engine.submit(request, chunks.append))
+        await streaming.wait()
+        await engine.swap_out("r1")
+        assert not task.done()
+        await engine.swap_in("r1")
+        out = await task
+        assert (out.text, out.tokens, out.finish_reason) == ("A bcd", 4, "length")
+        assert [(c.text, c.tokens, c.token_ids) for c in chunks] == [
+            ("A", 1, (10,)), (" b", 2, (11,)), ("c", 3, (12,)), ("d", 4, (13,)),
+        ]  # fmt: skip
+        assert chunks[0].prompt_token_ids == (1, 2, 3)
+        assert all(c.prompt_token_ids is None for c in chunks[1:])
+        await engine.close()
+
+    asyncio.run(scenario())
+    (chat, wire1), (abort, _), (again, wire2) = bodies
+    assert "messages" in chat and wire1 == "r1"
+    assert abort == {"request_ids": ["chatcmpl-r1"]}
+    assert again["prompt"] == [1, 2, 3, 10, 11] and "messages" not in again
+    assert again["max_tokens"] == 2 and again["temperature"] == 0.0 and "logprobs" not in again
+    assert wire2 == "r1.2"
 
 
 def test_server_errors_carry_vllm_s_message() -> None:

@@ -401,6 +401,39 @@ def test_an_evicted_chat_resumes_from_its_token_ids_exactly() -> None:
     run(scenario)
 
 
+class SeesSwapSpace(PolicyBase):
+    """FCFS onto i0, keeping the CPU swap space each step saw there."""
+
+    name = "sees-swap-space"
+
+    def __init__(self) -> None:
+        self.seen: list[float] = []
+
+    def decide(self, ctx: DispatchContext) -> list[Decision]:
+        self.seen += [i.swap_free_gb for i in ctx.instances if i.up]
+        return [Pull(r.id, "i0") for r in ctx.arrived]
+
+
+def test_the_engines_swap_space_reaches_the_policy_so_it_may_swap() -> None:
+    """KV swap is offered to the planner where the engine can park KV caches: the CPU memory it
+    has left for them, as its stats say (the simulated engine's swap space; vLLM's KV
+    offloading size)."""
+
+    async def scenario() -> None:
+        policy = SeesSwapSpace()
+        e = engine("i0")
+        rt = start(policy, [e], Recorder())
+        await rt.start()
+        rt.submit(make_request(0, arrival_s=rt.clock.now()))
+        await eventually(lambda: rt.idle, "the request finished")
+        await rt.stop()
+        await e.close()
+        space = e.sim.config.swap_space_gb
+        assert space > 0 and policy.seen and max(policy.seen) == pytest.approx(space)
+
+    run(scenario)
+
+
 def test_a_failed_engine_loses_nothing_and_rejoins_when_healthy() -> None:
     async def scenario() -> None:
         rec = Recorder()
