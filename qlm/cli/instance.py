@@ -31,9 +31,18 @@ def instance_launch_cmd(
     sleep_mode: Annotated[
         bool,
         typer.Option(
-            "--sleep-mode", help="Enable sleep mode (warm starts) and the dev-mode endpoints."
+            "--sleep-mode", help="Enable sleep mode (warm starts; needs the dev-mode endpoints)."
         ),
     ] = False,
+    dev_mode: Annotated[
+        bool,
+        typer.Option(
+            "--dev-mode/--no-dev-mode",
+            help="Serve vLLM's dev-mode endpoints (VLLM_SERVER_DEV_MODE=1): /abort_requests "
+            "(frees an evicted request at once), /server_info (max_num_seqs), /sleep. They "
+            "take no API key: keep the server reachable by QLM only.",
+        ),
+    ] = True,
     kv_offload_gb: Annotated[
         float | None, typer.Option(help="CPU KV-cache offloading buffer in GiB (native backend).")
     ] = None,
@@ -77,6 +86,7 @@ def instance_launch_cmd(
                 host=host,
                 served_model_name=served_model_name,
                 sleep_mode=sleep_mode,
+                dev_mode=dev_mode,
                 kv_offload_gb=kv_offload_gb,
                 tool_call_parser=tool_call_parser,
                 stream_interval=stream_interval,

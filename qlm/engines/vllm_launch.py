@@ -34,6 +34,7 @@ def vllm_serve_command(
     host: str | None = None,
     served_model_name: str | None = None,
     sleep_mode: bool = False,
+    dev_mode: bool = True,
     kv_offload_gb: float | None = None,
     tool_call_parser: str | None = None,
     stream_interval: int | None = None,
@@ -41,7 +42,9 @@ def vllm_serve_command(
     extra: Sequence[str] = (),
 ) -> VllmCommand:
     """The ``vllm serve`` QLM needs: priority scheduling (the agents send ``priority``),
-    ``X-Request-Id`` echoed back, sleep mode for warm starts, CPU KV offloading if asked, and
+    ``X-Request-Id`` echoed back, dev mode's endpoints (``/abort_requests`` frees an evicted
+    request at once, ``/server_info`` says ``max_num_seqs``; unauthenticated, so the server
+    should be reachable by QLM only), sleep mode for warm starts, CPU KV offloading if asked, and
     tool calling with the model's parser (``hermes``, ``llama3_json``, ...) if named.
     ``python``: start the server as ``python -m vllm.entrypoints.openai.api_server --model``
     with that interpreter instead (vLLM's CPU build installs a ``vllm`` command that fails
@@ -56,10 +59,15 @@ def vllm_serve_command(
         argv += ["--served-model-name", served_model_name]
     argv += ["--scheduling-policy", "priority", "--enable-request-id-headers"]
     env: list[tuple[str, str]] = []
-    if sleep_mode:
-        # The /sleep, /wake_up and /is_sleeping endpoints exist only in dev mode.
-        argv.append("--enable-sleep-mode")
+    if sleep_mode and not dev_mode:
+        raise EngineError(
+            "--sleep-mode needs the dev-mode endpoints (/sleep, /wake_up): drop --no-dev-mode"
+        )
+    if dev_mode:
+        # /abort_requests, /server_info, /sleep, /wake_up and /is_sleeping exist only in dev mode.
         env.append(("VLLM_SERVER_DEV_MODE", "1"))
+    if sleep_mode:
+        argv.append("--enable-sleep-mode")
     if kv_offload_gb is not None:
         if kv_offload_gb <= 0:
             raise EngineError(f"--kv-offload-gb must be > 0, got {kv_offload_gb}")

@@ -267,8 +267,11 @@ def test_the_launch_command_has_the_flags_qlm_needs() -> None:
         assert flag in argv
     assert dict(cmd.env) == {"VLLM_SERVER_DEV_MODE": "1"}
     plain = vllm_serve_command("m")
-    assert "--enable-sleep-mode" not in plain.argv and plain.env == ()
-    assert "--enable-auto-tool-choice" not in plain.argv
+    assert "--enable-sleep-mode" not in plain.argv and "--enable-auto-tool-choice" not in plain.argv
+    assert dict(plain.env) == {"VLLM_SERVER_DEV_MODE": "1"}  # /abort_requests, /server_info
+    assert vllm_serve_command("m", dev_mode=False).env == ()
+    with pytest.raises(EngineError, match="--sleep-mode needs the dev-mode endpoints"):
+        vllm_serve_command("m", sleep_mode=True, dev_mode=False)
     with pytest.raises(EngineError, match="--stream-interval must be >= 1"):
         vllm_serve_command("m", stream_interval=0)
     with pytest.raises(EngineError, match="--tool-call-parser"):
@@ -287,7 +290,9 @@ def test_without_a_working_vllm_command_the_server_module_is_started_with_vllms_
         app, ["instance", "launch", "--model", "m", "--python", "/v/bin/python", "--print-only"]
     )
     assert result.exit_code == 0
-    assert result.stdout.startswith("/v/bin/python -m vllm.entrypoints.openai.api_server --model m")
+    assert result.stdout.startswith(
+        "VLLM_SERVER_DEV_MODE=1 /v/bin/python -m vllm.entrypoints.openai.api_server --model m"
+    )
 
 
 def test_abort_requests_is_sent_vllms_own_id_of_the_request() -> None:
