@@ -20,7 +20,9 @@ Metrics (labels in braces):
 - ``qlm_completion_estimate_error_seconds{quantile}``: finished_at minus the last predicted
   completion of recently finished requests (positive: later than predicted), and
   ``qlm_completion_estimate_abs_error_seconds_mean``
-- ``qlm_controller_state_age_seconds{controller}``
+- ``qlm_controller_state_age_seconds{controller}``: of the controllers alive or recently so
+  (``live_controllers``), so that an alert on a stale state fires for a controller that stopped
+  publishing and ends once it is gone, not forever
 """
 
 from __future__ import annotations
@@ -90,8 +92,25 @@ def _quantile(values: list[float], q: float) -> float:
     return ordered[index]
 
 
+def live_controllers(
+    states: Iterable[ControllerStateRow], now: float, gone_s: float
+) -> list[ControllerStateRow]:
+    """The controllers still reported: all but the gone ones. A controller is gone when it
+    stopped cleanly (its last publication says so), or when it published nothing for
+    ``gone_s`` (``QLM_API__CONTROLLER_GONE_S``): it was killed, or its host died, or it was
+    restarted under another name (the default name, host-pid, changes at every start). Until
+    then a silent controller stays, its age growing, so that a staleness alert fires; after,
+    its row stays in the store (``GET /v1/admin/controllers`` lists it) but not in the
+    metrics."""
+    return [s for s in states if s.stopped_at is None and now - s.updated_at < gone_s]
+
+
 def families(
-    doc: Mapping[str, Any] | None, figures: StoreFigures, submissions: Mapping[tuple[str, str], int]
+    doc: Mapping[str, Any] | None,
+    figures: StoreFigures,
+    submissions: Mapping[tuple[str, str], int],
+    *,
+    controller_gone_s: float,
 ) -> list[Metric]:
     """The metric families of one scrape (pure: the inputs are read already)."""
     out: list[Metric] = []
@@ -213,7 +232,7 @@ def families(
         ["controller"],
     )
     now = time.time()
-    for state in figures.controllers:
+    for state in live_controllers(figures.controllers, now, controller_gone_s):
         age.add_metric([state.name], max(0.0, now - state.updated_at))
     return out
 
@@ -224,6 +243,13 @@ async def render(ctx: ApiContext) -> bytes:
     since = ctx.clock() - ctx.settings.metrics_window_s
     figures = await ctx.threads.run(read_store, ctx.store, since)
     registry = CollectorRegistry(auto_describe=False)
-    collector: Collector = _Families(families(doc, figures, dict(ctx.submissions)))
+    collector: Collector = _Families(
+        families(
+            doc,
+            figures,
+            dict(ctx.submissions),
+            controller_gone_s=ctx.settings.controller_gone_s,
+        )
+    )
     registry.register(collector)
     return generate_latest(registry)

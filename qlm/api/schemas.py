@@ -1072,6 +1072,9 @@ class ControllerOut(BaseModel):
     active: bool
     updated_at: float
     age_s: float = Field(description="Seconds since it last published its state.")
+    stopped_at: float | None = Field(
+        default=None, description="When it stopped cleanly; null while it runs (or if it died)."
+    )
 
 
 class ControllersOut(BaseModel):

@@ -173,6 +173,8 @@ class ControllerStateModel(Base):
     active: Mapped[bool]
     updated_at: Mapped[float]
     snapshot: Mapped[dict[str, Any]] = mapped_column(JSON)
+    # Set by a controller's last words when it stops cleanly; cleared when it publishes again.
+    stopped_at: Mapped[float | None]
 
 
 class ApiKeyModel(Base):

@@ -231,6 +231,7 @@ class ControllerStateRow:
     active: bool
     updated_at: float
     snapshot: Mapping[str, Any]
+    stopped_at: float | None = None  # when it stopped cleanly (None: running, or it died)
 
 
 @dataclass(frozen=True, slots=True)

@@ -515,6 +515,18 @@ class TestStore:
         ]
         assert states[0].snapshot == {"queues": []}
 
+    def test_a_controller_that_stops_says_so_until_it_publishes_again(
+        self, store: Store, clock: FakeClock
+    ) -> None:
+        store.put_controller_state("c0", active=True, snapshot={})
+        assert store.controller_states()[0].stopped_at is None
+        clock.now = 1_005.0
+        store.put_controller_state("c0", active=False, snapshot={}, stopped=True)
+        assert store.controller_states()[0].stopped_at == 1_005.0
+        clock.now = 1_009.0
+        store.put_controller_state("c0", active=False, snapshot={})  # started again, same name
+        assert store.controller_states()[0].stopped_at is None
+
     def test_a_controller_learns_of_recent_cancels_queued_or_running(
         self, store: Store, clock: FakeClock
     ) -> None:

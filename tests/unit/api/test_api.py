@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -14,6 +15,7 @@ from typing import Any
 import httpx
 import pytest
 from fastapi import FastAPI
+from prometheus_client.parser import text_string_to_metric_families
 
 from qlm.api import create_app
 from qlm.api.ports import LocalController
@@ -787,6 +789,38 @@ def test_metrics_export_queues_slo_attainment_plans_and_tenant_counts() -> None:
             assert line in text, line
 
     run(scenario, controller=FakeController(busy_snapshot(now)), clock=lambda: now)
+
+
+def test_metrics_report_controllers_until_they_are_gone() -> None:
+    """A staleness alert on a controller must end once it is gone — stopped cleanly, or
+    silent for ``QLM_API__CONTROLLER_GONE_S`` — not fire forever; a silent one that is not
+    gone yet is reported with its growing age."""
+
+    async def scenario(h: Harness) -> None:
+        now = time.time()
+        for name, ago, stopped in (
+            ("live", 0.0, False),
+            ("silent", 60.0, False),  # stale, not gone: the alert fires
+            ("stopped", 1.0, True),  # said so as it stopped
+            ("dead", 1000.0, False),  # killed long ago
+        ):
+            h.store._clock = lambda ago=ago: now - ago
+            h.store.put_controller_state(name, active=False, snapshot={}, stopped=stopped)
+        text = (await h.client.get("/metrics")).text
+        ages = {
+            s.labels["controller"]: s.value
+            for f in text_string_to_metric_families(text)
+            if f.name == "qlm_controller_state_age_seconds"
+            for s in f.samples
+        }
+        assert set(ages) == {"live", "silent"}
+        assert ages["silent"] >= 60.0
+        admin = (await h.client.get("/v1/admin/controllers", headers=h.auth("admin"))).json()
+        listed = {c["name"]: c["stopped_at"] for c in admin["data"]}
+        assert set(listed) == {"live", "silent", "stopped", "dead"}  # the store keeps them all
+        assert listed["stopped"] == pytest.approx(now - 1.0) and listed["dead"] is None
+
+    run(scenario, metrics_public=True, controller_gone_s=900)
 
 
 def test_two_apps_in_one_process_share_no_metrics() -> None:
