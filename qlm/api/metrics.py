@@ -20,6 +20,13 @@ Metrics (labels in braces):
 - ``qlm_completion_estimate_error_seconds{quantile}``: finished_at minus the last predicted
   completion of recently finished requests (positive: later than predicted), and
   ``qlm_completion_estimate_abs_error_seconds_mean``
+- ``qlm_request_ttft_seconds{tier,model}``, ``qlm_request_e2e_seconds{tier,model}``,
+  ``qlm_request_queue_seconds{tier,model}``: histograms of the finished requests' time to first
+  token, end-to-end latency and wait in the queue (submission to first dispatch), since the
+  store began keeping them. Not counted at scrape time: each finished request adds its
+  observations to counters in the store as its outcome is recorded (``qlm.store.latency`` says
+  why), so a scrape reads a few rows however large the store, the counters never go down
+  (retention deletes requests, not them), and every API replica reports the same values
 - ``qlm_controller_state_age_seconds{controller}``: of the controllers alive or recently so
   (``live_controllers``), so that an alert on a stale state fires for a controller that stopped
   publishing and ends once it is gone, not forever
@@ -27,18 +34,25 @@ Metrics (labels in braces):
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
 from qlm.api.context import ApiContext
 from qlm.domain import PlanRecord, RequestStatus
-from qlm.store import ControllerStateRow, SloSummaryRow, Store
+from qlm.store import ControllerStateRow, LatencyBucketRow, SloSummaryRow, Store
+from qlm.store.latency import cumulative
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _ERROR_SAMPLE = 500
@@ -53,6 +67,7 @@ class StoreFigures:
     errors: list[float]
     plan: PlanRecord | None
     controllers: list[ControllerStateRow]
+    latencies: list[LatencyBucketRow] = field(default_factory=list)
 
 
 def read_store(store: Store, since: float) -> StoreFigures:
@@ -73,6 +88,7 @@ def read_store(store: Store, since: float) -> StoreFigures:
         errors=errors,
         plan=None if latest is None else latest.plan,
         controllers=store.controller_states(),
+        latencies=store.latency_buckets(),
     )
 
 
@@ -90,6 +106,39 @@ def _quantile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     index = min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))
     return ordered[index]
+
+
+_HISTOGRAMS = {
+    "ttft": ("qlm_request_ttft_seconds", "Time to first token of finished requests."),
+    "e2e": ("qlm_request_e2e_seconds", "Submission to finish of finished requests."),
+    "queue": (
+        "qlm_request_queue_seconds",
+        "Wait in the queue (submission to first dispatch) of finished requests.",
+    ),
+}
+
+
+def _le(bound: float) -> str:
+    """A bucket's ``le`` label as Prometheus's clients write it (``0.5``, ``1.0``, ``+Inf``)."""
+    return "+Inf" if math.isinf(bound) else repr(float(bound))
+
+
+def latency_histograms(rows: Iterable[LatencyBucketRow]) -> list[Metric]:
+    """The stored latency buckets as Prometheus histograms, one series per tier and model:
+    cumulative buckets up to ``+Inf``, ``_sum`` and ``_count``."""
+    cells: dict[tuple[str, str, str], list[LatencyBucketRow]] = {}
+    for row in rows:
+        cells.setdefault((row.histogram, row.tier.name.lower(), row.model), []).append(row)
+    out: list[Metric] = []
+    for key, (name, doc) in _HISTOGRAMS.items():
+        family = HistogramMetricFamily(name, doc, labels=["tier", "model"])
+        for (histogram, tier, model), found in sorted(cells.items()):
+            if histogram != key:
+                continue
+            buckets = [(_le(bound), n) for bound, n in cumulative(found)]
+            family.add_metric([tier, model], buckets, sum(r.sum for r in found))
+        out.append(family)
+    return out
 
 
 def live_controllers(
@@ -225,6 +274,8 @@ def families(
         for q in (0.5, 0.9, 0.99):
             error.add_metric([str(q)], _quantile(figures.errors, q))
         mean_abs.add_metric([], sum(abs(e) for e in figures.errors) / len(figures.errors))
+
+    out.extend(latency_histograms(figures.latencies))
 
     age = gauge(
         "qlm_controller_state_age_seconds",

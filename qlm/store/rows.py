@@ -235,6 +235,20 @@ class ControllerStateRow:
 
 
 @dataclass(frozen=True, slots=True)
+class LatencyBucketRow:
+    """One stored bucket of a latency histogram (``qlm.store.latency``): ``count``
+    observations fell in it — above the next lower bound, at most ``le`` — summing ``sum``
+    seconds."""
+
+    histogram: str
+    tier: Tier
+    model: str
+    le: float
+    count: int
+    sum: float
+
+
+@dataclass(frozen=True, slots=True)
 class SloSummaryRow:
     """SLO attainment of the requests of one group (a tenant, model or tier) submitted in a window.
 

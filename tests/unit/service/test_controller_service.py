@@ -134,6 +134,11 @@ def test_published_requests_finish_are_recorded_and_acked() -> None:
         assert not list(service.runtime.controller.tracks())
         assert store.latest_plan() is not None  # the planner's history is in the store
         assert {r.state for r in store.instances()} == {"up"}
+        # Each finished request is in every latency histogram once (the writer's batches).
+        counts: dict[str, int] = {}
+        for bucket in store.latency_buckets():
+            counts[bucket.histogram] = counts.get(bucket.histogram, 0) + bucket.count
+        assert counts == {"ttft": 30, "e2e": 30, "queue": 30}
 
     run(scenario)
 
