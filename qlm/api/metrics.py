@@ -4,7 +4,8 @@ Everything is read at scrape time — the active controller's published state, t
 API replica's own counters — into metric families that one collector hands to a registry made
 for that scrape, so no ``prometheus_client`` global state is touched and two apps in one process
 never share a metric. Store figures cover the requests submitted in the last
-``QLM_API__METRICS_WINDOW_S`` (gauges, not counters: they describe the window).
+``QLM_API__METRICS_WINDOW_S`` (gauges, not counters: they describe the window), but for the
+latency histograms, which the store keeps as counters (below).
 
 Metrics (labels in braces):
 
