@@ -187,6 +187,9 @@ class ApiSettings(BaseModel):
     """How often an API without a controller in process asks the store for finished results."""
     controller_stale_s: float = Field(default=10.0, gt=0)
     """``/readyz`` fails when no controller published its state for this long."""
+    controller_gone_s: float = Field(default=900.0, gt=0)
+    """A controller that published nothing for this long is gone: ``/metrics`` stops reporting
+    it (one that stopped cleanly, at once), so a staleness alert on it ends."""
     snapshot_ttl_s: float = Field(default=1.0, ge=0)
     metrics_public: bool = False
     """Serve ``/metrics`` without a key (else admin keys only)."""
@@ -203,6 +206,16 @@ class ApiSettings(BaseModel):
             raise ValueError(
                 f"default_max_tokens={self.default_max_tokens} exceeds max_tokens_limit="
                 f"{self.max_tokens_limit}: every request that gives no max_tokens would be refused"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _gone_after_stale(self) -> ApiSettings:
+        if self.controller_gone_s < self.controller_stale_s:
+            raise ValueError(
+                f"controller_gone_s={self.controller_gone_s} is below controller_stale_s="
+                f"{self.controller_stale_s}: a controller would stop being reported before "
+                "it counts as stale"
             )
         return self
 

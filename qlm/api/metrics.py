@@ -4,7 +4,8 @@ Everything is read at scrape time — the active controller's published state, t
 API replica's own counters — into metric families that one collector hands to a registry made
 for that scrape, so no ``prometheus_client`` global state is touched and two apps in one process
 never share a metric. Store figures cover the requests submitted in the last
-``QLM_API__METRICS_WINDOW_S`` (gauges, not counters: they describe the window).
+``QLM_API__METRICS_WINDOW_S`` (gauges, not counters: they describe the window), but for the
+latency histograms, which the store keeps as counters (below).
 
 Metrics (labels in braces):
 
@@ -20,23 +21,39 @@ Metrics (labels in braces):
 - ``qlm_completion_estimate_error_seconds{quantile}``: finished_at minus the last predicted
   completion of recently finished requests (positive: later than predicted), and
   ``qlm_completion_estimate_abs_error_seconds_mean``
-- ``qlm_controller_state_age_seconds{controller}``
+- ``qlm_request_ttft_seconds{tier,model}``, ``qlm_request_e2e_seconds{tier,model}``,
+  ``qlm_request_queue_seconds{tier,model}``: histograms of the finished requests' time to first
+  token, end-to-end latency and wait in the queue (submission to first dispatch), since the
+  store began keeping them. Not counted at scrape time: each finished request adds its
+  observations to counters in the store as its outcome is recorded (``qlm.store.latency`` says
+  why), so a scrape reads a few rows however large the store, the counters never go down
+  (retention deletes requests, not them), and every API replica reports the same values
+- ``qlm_controller_state_age_seconds{controller}``: of the controllers alive or recently so
+  (``live_controllers``), so that an alert on a stale state fires for a controller that stopped
+  publishing and ends once it is gone, not forever
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
 from qlm.api.context import ApiContext
 from qlm.domain import PlanRecord, RequestStatus
-from qlm.store import ControllerStateRow, SloSummaryRow, Store
+from qlm.store import ControllerStateRow, LatencyBucketRow, SloSummaryRow, Store
+from qlm.store.latency import cumulative
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _ERROR_SAMPLE = 500
@@ -51,6 +68,7 @@ class StoreFigures:
     errors: list[float]
     plan: PlanRecord | None
     controllers: list[ControllerStateRow]
+    latencies: list[LatencyBucketRow] = field(default_factory=list)
 
 
 def read_store(store: Store, since: float) -> StoreFigures:
@@ -71,6 +89,7 @@ def read_store(store: Store, since: float) -> StoreFigures:
         errors=errors,
         plan=None if latest is None else latest.plan,
         controllers=store.controller_states(),
+        latencies=store.latency_buckets(),
     )
 
 
@@ -90,8 +109,58 @@ def _quantile(values: list[float], q: float) -> float:
     return ordered[index]
 
 
+_HISTOGRAMS = {
+    "ttft": ("qlm_request_ttft_seconds", "Time to first token of finished requests."),
+    "e2e": ("qlm_request_e2e_seconds", "Submission to finish of finished requests."),
+    "queue": (
+        "qlm_request_queue_seconds",
+        "Wait in the queue (submission to first dispatch) of finished requests.",
+    ),
+}
+
+
+def _le(bound: float) -> str:
+    """A bucket's ``le`` label as Prometheus's clients write it (``0.5``, ``1.0``, ``+Inf``)."""
+    return "+Inf" if math.isinf(bound) else repr(float(bound))
+
+
+def latency_histograms(rows: Iterable[LatencyBucketRow]) -> list[Metric]:
+    """The stored latency buckets as Prometheus histograms, one series per tier and model:
+    cumulative buckets up to ``+Inf``, ``_sum`` and ``_count``."""
+    cells: dict[tuple[str, str, str], list[LatencyBucketRow]] = {}
+    for row in rows:
+        cells.setdefault((row.histogram, row.tier.name.lower(), row.model), []).append(row)
+    out: list[Metric] = []
+    for key, (name, doc) in _HISTOGRAMS.items():
+        family = HistogramMetricFamily(name, doc, labels=["tier", "model"])
+        for (histogram, tier, model), found in sorted(cells.items()):
+            if histogram != key:
+                continue
+            buckets = [(_le(bound), n) for bound, n in cumulative(found)]
+            family.add_metric([tier, model], buckets, sum(r.sum for r in found))
+        out.append(family)
+    return out
+
+
+def live_controllers(
+    states: Iterable[ControllerStateRow], now: float, gone_s: float
+) -> list[ControllerStateRow]:
+    """The controllers still reported: all but the gone ones. A controller is gone when it
+    stopped cleanly (its last publication says so), or when it published nothing for
+    ``gone_s`` (``QLM_API__CONTROLLER_GONE_S``): it was killed, or its host died, or it was
+    restarted under another name (the default name, host-pid, changes at every start). Until
+    then a silent controller stays, its age growing, so that a staleness alert fires; after,
+    its row stays in the store (``GET /v1/admin/controllers`` lists it) but not in the
+    metrics."""
+    return [s for s in states if s.stopped_at is None and now - s.updated_at < gone_s]
+
+
 def families(
-    doc: Mapping[str, Any] | None, figures: StoreFigures, submissions: Mapping[tuple[str, str], int]
+    doc: Mapping[str, Any] | None,
+    figures: StoreFigures,
+    submissions: Mapping[tuple[str, str], int],
+    *,
+    controller_gone_s: float,
 ) -> list[Metric]:
     """The metric families of one scrape (pure: the inputs are read already)."""
     out: list[Metric] = []
@@ -207,13 +276,15 @@ def families(
             error.add_metric([str(q)], _quantile(figures.errors, q))
         mean_abs.add_metric([], sum(abs(e) for e in figures.errors) / len(figures.errors))
 
+    out.extend(latency_histograms(figures.latencies))
+
     age = gauge(
         "qlm_controller_state_age_seconds",
         "Seconds since each controller published.",
         ["controller"],
     )
     now = time.time()
-    for state in figures.controllers:
+    for state in live_controllers(figures.controllers, now, controller_gone_s):
         age.add_metric([state.name], max(0.0, now - state.updated_at))
     return out
 
@@ -224,6 +295,13 @@ async def render(ctx: ApiContext) -> bytes:
     since = ctx.clock() - ctx.settings.metrics_window_s
     figures = await ctx.threads.run(read_store, ctx.store, since)
     registry = CollectorRegistry(auto_describe=False)
-    collector: Collector = _Families(families(doc, figures, dict(ctx.submissions)))
+    collector: Collector = _Families(
+        families(
+            doc,
+            figures,
+            dict(ctx.submissions),
+            controller_gone_s=ctx.settings.controller_gone_s,
+        )
+    )
     registry.register(collector)
     return generate_latest(registry)

@@ -888,6 +888,24 @@ class Usage(BaseModel):
     total_tokens: int
 
 
+class OutcomeOut(BaseModel):
+    """QLM's extension of an OpenAI answer (``qlm``): how the request fared against its SLO,
+    so that a caller needs no second call to know (``GET /v1/requests/{id}`` has the rest)."""
+
+    request_id: str = Field(description="The request's id in QLM.")
+    deadline_at: float = Field(description="Unix seconds: submission + slo_seconds.")
+    slo_met: bool | None = Field(
+        description="Finished within every deadline (null only if not judged)."
+    )
+    ttft_met: bool | None = Field(
+        description="The first token came within ttft_slo_seconds; null without a TTFT SLO."
+    )
+    queue_seconds: float | None = Field(
+        description="Wait in the queue: submission to first dispatch to an instance (ms "
+        "resolution); null if never dispatched."
+    )
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
@@ -902,6 +920,7 @@ class CompletionOut(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
+    qlm: OutcomeOut
 
 
 class AssistantMessage(BaseModel):
@@ -926,6 +945,7 @@ class ChatCompletionOut(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    qlm: OutcomeOut
 
 
 class ModelOut(BaseModel):
@@ -1072,6 +1092,9 @@ class ControllerOut(BaseModel):
     active: bool
     updated_at: float
     age_s: float = Field(description="Seconds since it last published its state.")
+    stopped_at: float | None = Field(
+        default=None, description="When it stopped cleanly; null while it runs (or if it died)."
+    )
 
 
 class ControllersOut(BaseModel):

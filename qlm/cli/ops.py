@@ -280,7 +280,8 @@ def controllers_cmd(ctx: typer.Context) -> None:
     for col in ("name", "role", "state age"):
         table.add_column(col)
     for c in doc["data"]:
-        table.add_row(c["name"], "active" if c["active"] else "standby", f"{c['age_s']:,.1f} s")
+        role = "active" if c["active"] else "stopped" if c.get("stopped_at") else "standby"
+        table.add_row(c["name"], role, f"{c['age_s']:,.1f} s")
     console.print(table)
 
 

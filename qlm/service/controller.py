@@ -173,8 +173,9 @@ class ControllerService(RuntimeListener):
         await self.queue.consume(self._on_delivery, on_leader=self.leader_changed)
 
     async def stop(self) -> None:
-        """Graceful stop: abort what runs (partial outputs are recorded), flush the store, then
-        leave the queue, which hands every un-acked message to the next controller."""
+        """Graceful stop: abort what runs (partial outputs are recorded), flush the store,
+        publish its state one last time marked stopped (so readers know it is gone, not late),
+        then leave the queue, which hands every un-acked message to the next controller."""
         self._stopping = True
         if self._watch is not None:
             self._watch.cancel()
@@ -189,7 +190,11 @@ class ControllerService(RuntimeListener):
         await self._writes.wait_settled(SETTLE_ON_STOP_S)
         with contextlib.suppress(Exception):
             await asyncio.to_thread(
-                self.store.put_controller_state, self.name, active=False, snapshot=self.snapshot()
+                self.store.put_controller_state,
+                self.name,
+                active=False,
+                snapshot=self.snapshot(),
+                stopped=True,
             )
         await self.queue.close()
         self.backlog_gc.settled(0)  # what it held is the next controller's now

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
+from sqlalchemy import event
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import CursorResult
 from sqlalchemy.exc import OperationalError, SQLAlchemyError
@@ -23,6 +24,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from qlm.errors import QLMError
 from qlm.store.database import WRITE, display, is_memory, make_engine, parse_url
+from qlm.store.latency import write_tally
 
 if TYPE_CHECKING:
     import psycopg
@@ -72,6 +74,8 @@ class StoreBase:
         self._clock = clock
         self._read = sessionmaker(self._engine)
         self._write = sessionmaker(self._engine.execution_options(**WRITE))
+        # Latency observations gathered in a transaction are written as it commits.
+        event.listen(self._write, "before_commit", write_tally)
         # A shared in-memory connection runs one transaction at a time (qlm.store.database).
         self._batch = threading.local()
         self._lock: AbstractContextManager[Any] = (

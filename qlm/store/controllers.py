@@ -16,9 +16,19 @@ from qlm.store.rows import ControllerStateRow
 class ControllerStates(StoreBase):
     """The controllers' published states."""
 
-    def put_controller_state(self, name: str, *, active: bool, snapshot: Mapping[str, Any]) -> None:
-        """Publish controller ``name``'s state (replacing what it published before)."""
-        values = {"active": active, "updated_at": self._clock(), "snapshot": dict(snapshot)}
+    def put_controller_state(
+        self, name: str, *, active: bool, snapshot: Mapping[str, Any], stopped: bool = False
+    ) -> None:
+        """Publish controller ``name``'s state (replacing what it published before).
+        ``stopped``: its last publication, as it stops cleanly — readers then know it is gone,
+        not late; publishing again (a restart under the same name) clears it."""
+        now = self._clock()
+        values = {
+            "active": active,
+            "updated_at": now,
+            "snapshot": dict(snapshot),
+            "stopped_at": now if stopped else None,
+        }
         stmt = (
             self._insert(ControllerStateModel)
             .values(name=name, **values)
@@ -32,6 +42,6 @@ class ControllerStates(StoreBase):
         query = select(ControllerStateModel).order_by(ControllerStateModel.updated_at.desc())
         with self._tx("read controller states") as session:
             return [
-                ControllerStateRow(m.name, m.active, m.updated_at, dict(m.snapshot))
+                ControllerStateRow(m.name, m.active, m.updated_at, dict(m.snapshot), m.stopped_at)
                 for m in session.scalars(query)
             ]

@@ -18,6 +18,7 @@ from typing import Any, ClassVar
 
 from sqlalchemy import (
     JSON,
+    BigInteger,
     CheckConstraint,
     Double,
     ForeignKey,
@@ -173,6 +174,22 @@ class ControllerStateModel(Base):
     active: Mapped[bool]
     updated_at: Mapped[float]
     snapshot: Mapped[dict[str, Any]] = mapped_column(JSON)
+    # Set by a controller's last words when it stops cleanly; cleared when it publishes again.
+    stopped_at: Mapped[float | None]
+
+
+class LatencyBucketModel(Base):
+    """One bucket of a latency histogram of finished requests (``qlm.store.latency``): how many
+    observations fell in it, and their sum. Only ever added to."""
+
+    __tablename__ = "latency_buckets"
+
+    histogram: Mapped[str] = mapped_column(primary_key=True)  # ttft, e2e or queue
+    tier: Mapped[int] = mapped_column(primary_key=True)
+    model: Mapped[str] = mapped_column(primary_key=True)
+    le: Mapped[float] = mapped_column(primary_key=True)  # upper bound, seconds (may be inf)
+    count: Mapped[int] = mapped_column(BigInteger)  # never reset: past 2**31 in time
+    sum: Mapped[float]
 
 
 class ApiKeyModel(Base):

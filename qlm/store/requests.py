@@ -30,9 +30,10 @@ from sqlalchemy import (
 )
 
 from qlm.domain import RequestStatus, Tier
+from qlm.store import latency
 from qlm.store.base import _CHUNK, StoreBase, StoreError, _in, _rowcount
 from qlm.store.models import ACTIVE_STATUSES, FINAL_STATUSES, Base, RequestLabelModel, RequestModel
-from qlm.store.rows import RequestRow, SloSummaryRow
+from qlm.store.rows import LatencyBucketRow, RequestRow, SloSummaryRow
 
 SummaryKey = Literal["tenant", "model", "tier"]
 
@@ -71,6 +72,14 @@ _RECORD_OUTCOME = _prepared_update(
     ttft_met=None,
     error=None,
     at_risk=literal(False),
+)
+# A finished outcome also returns what its latencies are measured from (qlm.store.latency).
+_RECORD_FINISHED = _RECORD_OUTCOME.returning(
+    _REQUESTS.c.tier,
+    _REQUESTS.c.model,
+    _REQUESTS.c.submitted_at,
+    _REQUESTS.c.dispatched_at,
+    _REQUESTS.c.first_token_at,
 )
 _NOT_FINAL = _R.status.in_(ACTIVE_STATUSES)
 
@@ -169,7 +178,8 @@ class Requests(StoreBase):
         tool_calls: Sequence[Mapping[str, Any]] = (),
     ) -> bool:
         """Record how a request ended (``status`` finished, failed or cancelled at ``at``), with
-        the tool calls its answer made, if any.
+        the tool calls its answer made, if any. A finished request's latencies are added to the
+        histograms (``qlm.store.latency``) in the same transaction.
 
         Idempotent by request id: True when this call recorded it; False, changing nothing, when
         the request was already final (a redelivery, a racing agent) or is unknown. Only after it
@@ -188,9 +198,29 @@ class Requests(StoreBase):
             "error": error,
         }
         params = {f"b_{k}": v for k, v in values.items()}
-        return self._run_update(
-            _RECORD_OUTCOME, f"record outcome {status.name.lower()}", id, params
-        )
+        what = f"record outcome {status.name.lower()}"
+        if status is not RequestStatus.FINISHED:
+            return self._run_update(_RECORD_OUTCOME, what, id, params)
+        params |= {"b_id": id, "b_now": self._clock()}
+        with self._tx(f"{what} of request {id!r}", write=True) as session:
+            found = session.execute(_RECORD_FINISHED, params).first()
+            if found is None:
+                return False
+            tier, model, submitted_at, dispatched_at, first_token_at = found
+            latency.tally(session).finished(
+                tier=tier,
+                model=model,
+                submitted_at=submitted_at,
+                dispatched_at=dispatched_at,
+                first_token_at=first_token_at,
+                finished_at=at,
+            )
+            return True
+
+    def latency_buckets(self) -> list[LatencyBucketRow]:
+        """The latency histograms' stored buckets (``qlm.store.latency``), for metrics."""
+        with self._tx("read latency histograms") as session:
+            return latency.read(session)
 
     def cancel(
         self, id: str, *, tenant: str | None = None, at: float | None = None

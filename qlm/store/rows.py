@@ -231,6 +231,21 @@ class ControllerStateRow:
     active: bool
     updated_at: float
     snapshot: Mapping[str, Any]
+    stopped_at: float | None = None  # when it stopped cleanly (None: running, or it died)
+
+
+@dataclass(frozen=True, slots=True)
+class LatencyBucketRow:
+    """One stored bucket of a latency histogram (``qlm.store.latency``): ``count``
+    observations fell in it — above the next lower bound, at most ``le`` — summing ``sum``
+    seconds."""
+
+    histogram: str
+    tier: Tier
+    model: str
+    le: float
+    count: int
+    sum: float
 
 
 @dataclass(frozen=True, slots=True)

@@ -329,6 +329,54 @@ class TestStore:
         assert not store.record_prediction("r0001", predicted_at=200.0, at_risk=True)
         assert store.get("r0001") == done
 
+    def test_a_finished_request_adds_its_latencies_once(self, store: Store) -> None:
+        store.add_requests([new_request(i) for i in range(5)])  # submitted at 100 + i
+        store.add_request(new_request(5, tier=Tier.BATCH, model="big"))
+        store.mark_dispatched("r0000", instance="i0", at=100.3)
+        store.mark_first_token("r0000", at=100.7)
+        store.mark_dispatched("r0000", instance="i1", at=104.0)  # a second dispatch: no wait
+        store.record_eviction("r0000", partial_text="a", partial_tokens=1)
+        store.mark_first_token("r0000", at=105.0)  # a resumed run's first token: not the first
+        assert record_finished(store, "r0000", at=112.0)
+        assert not record_finished(store, "r0000", at=113.0)  # recorded already
+        assert record_finished(store, "r0001", at=101.04)  # never dispatched nor a first token
+        store.record_outcome("r0002", status=RequestStatus.FAILED, at=150.0, error="x")
+        store.record_outcome("r0003", status=RequestStatus.CANCELLED, at=150.0)
+        store.mark_dispatched("r0004", instance="i0", at=99.0)  # another host's clock: ahead
+        assert record_finished(store, "r0004", at=110.0)
+        assert record_finished(store, "r0005", at=105.0 + 86_400)  # beyond every bound
+        got = {
+            (b.histogram, b.tier, b.model, b.le): (b.count, b.sum) for b in store.latency_buckets()
+        }
+        assert got == {
+            ("e2e", Tier.STANDARD, "m", 0.05): (1, pytest.approx(0.04)),
+            ("e2e", Tier.STANDARD, "m", 10.0): (1, pytest.approx(6.0)),
+            ("e2e", Tier.STANDARD, "m", 30.0): (1, pytest.approx(12.0)),
+            ("queue", Tier.STANDARD, "m", 0.05): (1, 0.0),
+            ("queue", Tier.STANDARD, "m", 0.5): (1, pytest.approx(0.3)),
+            ("ttft", Tier.STANDARD, "m", 1.0): (1, pytest.approx(0.7)),
+            ("e2e", Tier.BATCH, "big", math.inf): (1, pytest.approx(86_400.0)),
+        }
+
+    def test_latencies_are_written_with_their_batch_and_lost_with_it(self, store: Store) -> None:
+        store.add_requests([new_request(i) for i in range(3)])
+        with pytest.raises(RuntimeError), store.batch():
+            assert record_finished(store, "r0000", at=101.0)
+            raise RuntimeError("the writer's batch failed")
+        assert store.latency_buckets() == [] and not store.is_final("r0000")
+        with store.batch():  # the writer retries: counted once
+            for i in range(3):
+                assert record_finished(store, f"r{i:04d}", at=100.0 + i + 1.0)
+        [row] = store.latency_buckets()
+        assert (row.histogram, row.le, row.count, row.sum) == ("e2e", 1.0, 3, 3.0)
+
+    def test_retention_leaves_the_latency_histograms_alone(self, store: Store) -> None:
+        store.add_request(new_request(0))
+        assert record_finished(store, "r0000", at=101.0)
+        before = store.latency_buckets()
+        assert store.prune_requests(1e9) == 1
+        assert store.latency_buckets() == before  # counters never go down
+
     def test_failed_outcome_keeps_its_error(self, store: Store) -> None:
         store.add_request(new_request(1))
         assert store.record_outcome(
@@ -514,6 +562,18 @@ class TestStore:
             ("c1", False, 1_001.0),
         ]
         assert states[0].snapshot == {"queues": []}
+
+    def test_a_controller_that_stops_says_so_until_it_publishes_again(
+        self, store: Store, clock: FakeClock
+    ) -> None:
+        store.put_controller_state("c0", active=True, snapshot={})
+        assert store.controller_states()[0].stopped_at is None
+        clock.now = 1_005.0
+        store.put_controller_state("c0", active=False, snapshot={}, stopped=True)
+        assert store.controller_states()[0].stopped_at == 1_005.0
+        clock.now = 1_009.0
+        store.put_controller_state("c0", active=False, snapshot={})  # started again, same name
+        assert store.controller_states()[0].stopped_at is None
 
     def test_a_controller_learns_of_recent_cancels_queued_or_running(
         self, store: Store, clock: FakeClock
@@ -809,6 +869,8 @@ class TestStore:
             row = store.get(id)
             assert row is not None
             assert row.output_text == f"agent {recorded.index(True)}"
+        e2e = [b for b in store.latency_buckets() if b.histogram == "e2e"]
+        assert sum(b.count for b in e2e) == 3  # one observation per request, like its outcome
 
     def test_racing_submissions_with_one_idempotency_key_create_one_request(
         self, store: Store

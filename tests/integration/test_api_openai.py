@@ -63,6 +63,25 @@ def test_the_openai_client_completes_streams_and_sends_slo_fields() -> None:
             assert row is not None and row.tenant == "acme"
             assert (row.slo_e2e_s, row.slo_ttft_s, row.tier.name) == (120, 10, "INTERACTIVE")
             assert dict(row.labels) == {"app": "docs"} and row.sampling == {"temperature": 0.0}
+            # The outcome rides along: no second call to learn whether the SLOs were met.
+            assert completion.model_extra is not None
+            assert completion.model_extra["qlm"] == {
+                "request_id": row.id,
+                "deadline_at": row.deadline_at,
+                "slo_met": True,
+                "ttft_met": True,
+                "queue_seconds": pytest.approx(
+                    (row.dispatched_at or 0) - row.submitted_at, abs=1e-3
+                ),
+            }
+            raw = await client.chat.completions.with_raw_response.create(
+                model="m", messages=[{"role": "user", "content": "Hi"}], max_tokens=3
+            )
+            assert raw.headers["x-qlm-slo-met"] == "true" and "x-qlm-ttft-met" not in raw.headers
+            assert float(raw.headers["x-qlm-queue-seconds"]) >= 0
+            answered_raw = raw.parse()
+            assert answered_raw.model_extra is not None
+            assert answered_raw.model_extra["qlm"]["request_id"] == raw.headers["x-qlm-request-id"]
 
             chat = await client.chat.completions.create(
                 model="m",
@@ -90,15 +109,19 @@ def test_the_openai_client_completes_streams_and_sends_slo_fields() -> None:
             pieces: list[str] = []
             reasons: list[str | None] = []
             usage = None
+            outcomes = []
             async for chunk in stream:
                 if chunk.usage is not None:
                     usage = chunk.usage
+                outcomes.append((chunk.model_extra or {}).get("qlm"))
                 for choice in chunk.choices:
                     pieces.append(choice.delta.content or "")
                     reasons.append(choice.finish_reason)
             assert count_tokens("".join(pieces)) == 120
             assert sum(bool(p) for p in pieces) > 1  # streamed as generated, not in one piece
             assert reasons[-1] == "length" and usage is not None and usage.completion_tokens == 120
+            *during, last = outcomes  # the last chunk (usage) carries the outcome
+            assert not any(during) and last is not None and last["slo_met"] is True
 
             text_stream = await client.completions.create(
                 model="m", prompt="Count", max_tokens=20, stream=True

@@ -52,7 +52,7 @@ class TestPostgresStore:
         with engine.connect() as connection:
             schema = connection.execute(text("SELECT current_schema()")).scalar_one()
             version = connection.execute(text("SELECT version_num FROM alembic_version"))
-            assert version.scalar_one() == "0005"  # the latest revision
+            assert version.scalar_one() == "0007"  # the latest revision
         engine.dispose()
         assert schema.startswith("qlm_test_")
 
@@ -135,7 +135,7 @@ def test_an_index_built_beforehand_concurrently_is_left_be_by_the_migration(
             Store.open(url).close()  # migrates to the latest revision
             with engine.connect() as connection:
                 version = connection.execute(text("SELECT version_num FROM alembic_version"))
-                assert version.scalar_one() == "0005"
+                assert version.scalar_one() == "0007"
                 count = connection.execute(
                     text(
                         "SELECT count(*) FROM pg_indexes"

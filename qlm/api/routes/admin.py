@@ -208,7 +208,11 @@ async def controllers(ctx: ContextDep, _admin: AdminDep) -> ControllersOut:
     return ControllersOut(
         data=[
             ControllerOut(
-                name=r.name, active=r.active, updated_at=r.updated_at, age_s=now - r.updated_at
+                name=r.name,
+                active=r.active,
+                updated_at=r.updated_at,
+                age_s=now - r.updated_at,
+                stopped_at=r.stopped_at,
             )
             for r in rows
         ]

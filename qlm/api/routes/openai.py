@@ -7,6 +7,12 @@ final). QLM's SLO metadata rides in extra body fields (``slo_seconds``, ``ttft_s
 ``tier``, ``labels``) or headers (``x-qlm-slo-seconds``, ``x-qlm-ttft-slo-seconds``,
 ``x-qlm-tier``, llm-d's ``x-llm-d-slo-ttft-ms``); a body field wins over its header.
 
+An answer says how the request fared, so that a caller needs no second call: headers
+(``x-qlm-request-id``, ``x-qlm-deadline-at``, ``x-qlm-slo-met``, ``x-qlm-ttft-met``,
+``x-qlm-queue-seconds``) and a ``qlm`` object in the body (``outcome``). A stream's headers go
+out before the request is served, so they carry only what is known then (its id and deadline);
+its last chunk before ``[DONE]`` carries the ``qlm`` object.
+
 A client that disconnects before its result cancels the request (as vLLM aborts one), since no
 one will read it. A wait longer than ``QLM_API__WAIT_TIMEOUT_S`` answers 504 naming the request
 id (it keeps running; ``GET /v1/requests/{id}`` has it) with ``x-should-retry: false`` so that
@@ -172,6 +178,40 @@ def usage(row: RequestRow) -> dict[str, int]:
     }
 
 
+def outcome(row: RequestRow) -> dict[str, Any]:
+    """The ``qlm`` object of a final answer (``OutcomeOut``): its id, deadline, whether it met
+    its SLOs, and how long it waited in the queue (to its first dispatch, to the millisecond;
+    hosts' clocks may differ by a little, so never below 0)."""
+    queue_s = None
+    if row.dispatched_at is not None:
+        queue_s = round(max(0.0, row.dispatched_at - row.submitted_at), 3)
+    return {
+        "request_id": row.id,
+        "deadline_at": row.deadline_at,
+        "slo_met": row.slo_met,
+        "ttft_met": row.ttft_met,
+        "queue_seconds": queue_s,
+    }
+
+
+def start_headers(row: RequestRow) -> dict[str, str]:
+    """What an answer's headers can say before the request is served: its id and deadline."""
+    return {"x-qlm-request-id": row.id, "x-qlm-deadline-at": repr(row.deadline_at)}
+
+
+def outcome_headers(row: RequestRow) -> dict[str, str]:
+    """A final answer's headers: ``outcome`` as ``x-qlm-*`` (the body's names, dashed); one
+    whose value is null (no TTFT SLO, never dispatched) is left out."""
+    headers = start_headers(row)
+    found = outcome(row)
+    for key in ("slo_met", "ttft_met"):
+        if found[key] is not None:
+            headers["x-qlm-" + key.replace("_", "-")] = "true" if found[key] else "false"
+    if found["queue_seconds"] is not None:
+        headers["x-qlm-queue-seconds"] = repr(found["queue_seconds"])
+    return headers
+
+
 def restarted_error(row: RequestRow, *, evicted: bool = False) -> ApiError:
     """A stream whose text is not the start of the answer: another controller took the request
     over after this one had streamed part of it (a failover) and wrote its own answer, or
@@ -262,6 +302,7 @@ async def _stream(
         *,
         role: bool = False,
         calls: list[dict[str, Any]] | None = None,
+        qlm: dict[str, Any] | None = None,
     ) -> bytes:
         if chat:
             delta: dict[str, Any] = {}
@@ -288,6 +329,8 @@ async def _stream(
         }
         if include_usage:
             body["usage"] = None
+        if qlm is not None:
+            body["qlm"] = qlm
         return sse.event(body)
 
     completed = False
@@ -332,7 +375,10 @@ async def _stream(
                         yield chunk(rest)
                     if chat and final.output_tool_calls:
                         yield chunk(None, calls=final.output_tool_calls)
-                    yield chunk(None if chat else "", finish_reason(final))
+                    # The outcome rides on the last chunk: the usage chunk when there is one.
+                    fared = outcome(final)
+                    reason = finish_reason(final)
+                    yield chunk(None if chat else "", reason, qlm=None if include_usage else fared)
                     if include_usage:
                         yield sse.event(
                             {
@@ -342,6 +388,7 @@ async def _stream(
                                 "model": model,
                                 "choices": [],
                                 "usage": usage(final),
+                                "qlm": fared,
                             }
                         )
                 break
@@ -352,11 +399,30 @@ async def _stream(
             ctx.spawn(cancel(ctx, row.id), name="qlm-api-cancel-abandoned")
 
 
+def _header(description: str) -> dict[str, Any]:
+    return {"description": description, "schema": {"type": "string"}}
+
+
 _RESPONSES = {
     200: {
         "description": "The result; with `stream: true`, server-sent events in OpenAI's "
-        "streaming format ending with `data: [DONE]`.",
+        "streaming format ending with `data: [DONE]`, the last chunk before it carrying `qlm`.",
         "content": {"text/event-stream": {}},
+        "headers": {
+            "x-qlm-request-id": _header("The request's id in QLM."),
+            "x-qlm-deadline-at": _header("Unix seconds: submission + slo_seconds."),
+            "x-qlm-slo-met": _header(
+                "`true` or `false`: finished within every deadline (not on a stream)."
+            ),
+            "x-qlm-ttft-met": _header(
+                "`true` or `false`: first token within ttft_slo_seconds (absent without a "
+                "TTFT SLO, and on a stream)."
+            ),
+            "x-qlm-queue-seconds": _header(
+                "Submission to first dispatch, seconds (absent if never dispatched, and on a "
+                "stream)."
+            ),
+        },
     },
     **documented(400, 401, 404, 409, 413, 415, 422, 429, 502, 503, 504),
 }
@@ -398,7 +464,6 @@ async def create_completion(
     if isinstance(answer, Response):
         return answer
     done = answer
-    extra = {"x-qlm-request-id": done.id}
     out = {
         "id": "cmpl-" + done.id,
         "object": "text_completion",
@@ -413,8 +478,9 @@ async def create_completion(
             }
         ],
         "usage": usage(done),
+        "qlm": outcome(done),
     }
-    return JSONResponse(out, headers=extra)
+    return JSONResponse(out, headers=outcome_headers(done))
 
 
 async def _answer(
@@ -435,7 +501,7 @@ async def _answer(
         include = bool(body.stream_options and body.stream_options.include_usage)
         return EventStream(
             _stream(ctx, row, chat=chat, include_usage=include, model=body.model),
-            headers={**sse.HEADERS, "x-qlm-request-id": row.id},
+            headers={**sse.HEADERS, **start_headers(row)},
         )
     final = await wait_result(ctx, request, row)
     if final is None:
@@ -481,7 +547,6 @@ async def create_chat_completion(
     if isinstance(answer, Response):
         return answer
     done = answer
-    extra = {"x-qlm-request-id": done.id}
     out = {
         "id": "chatcmpl-" + done.id,
         "object": "chat.completion",
@@ -496,8 +561,9 @@ async def create_chat_completion(
             }
         ],
         "usage": usage(done),
+        "qlm": outcome(done),
     }
-    return JSONResponse(out, headers=extra)
+    return JSONResponse(out, headers=outcome_headers(done))
 
 
 @router.get(

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -14,6 +15,7 @@ from typing import Any
 import httpx
 import pytest
 from fastapi import FastAPI
+from prometheus_client.parser import text_string_to_metric_families
 
 from qlm.api import create_app
 from qlm.api.ports import LocalController
@@ -787,6 +789,96 @@ def test_metrics_export_queues_slo_attainment_plans_and_tenant_counts() -> None:
             assert line in text, line
 
     run(scenario, controller=FakeController(busy_snapshot(now)), clock=lambda: now)
+
+
+def test_metrics_export_latency_histograms_every_replica_alike() -> None:
+    """TTFT, end-to-end and queue-wait histograms of finished requests per tier and model, as
+    Prometheus wants them (cumulative buckets up to +Inf, _sum, _count): the same from every
+    API on the store, and never lowered by retention."""
+
+    async def scenario() -> None:
+        store = Store.open("sqlite://")
+        async with (
+            api_harness(store=store, metrics_public=True) as a,
+            api_harness(store=store, metrics_public=True, instances=False) as b,
+        ):
+            ids = []
+            for tier, slo in (("interactive", 30), ("interactive", 30), ("batch", 3600)):
+                r = await a.submit(tier=tier, slo_seconds=slo)
+                ids.append((r.json()["id"], r.json()["submitted_at"]))
+            for (rid, t0), (queue, ttft, e2e) in zip(
+                ids, ((0.02, 0.3, 2.0), (0.4, 0.9, 7.0), (200.0, 201.0, 900.0)), strict=True
+            ):
+                store.mark_dispatched(rid, instance="i0", at=t0 + queue)
+                store.mark_first_token(rid, at=t0 + ttft)
+                store.record_outcome(rid, status=RequestStatus.FINISHED, at=t0 + e2e)
+            waiting = (await a.submit(tier="interactive")).json()["id"]
+            store.mark_dispatched(waiting, instance="i0", at=time.time())  # not finished
+
+            def samples(text: str) -> dict[tuple[str, str, str, str], float]:
+                return {
+                    (s.name, s.labels["tier"], s.labels["model"], s.labels.get("le", "")): s.value
+                    for f in text_string_to_metric_families(text)
+                    if f.name.startswith("qlm_request_") and f.type == "histogram"
+                    for s in f.samples
+                }
+
+            got = samples((await a.client.get("/metrics")).text)
+            assert samples((await b.client.get("/metrics")).text) == got
+            ttft = "qlm_request_ttft_seconds"
+            assert got[(f"{ttft}_bucket", "interactive", "m", "0.25")] == 0
+            assert got[(f"{ttft}_bucket", "interactive", "m", "0.5")] == 1
+            assert got[(f"{ttft}_bucket", "interactive", "m", "1.0")] == 2
+            assert got[(f"{ttft}_bucket", "interactive", "m", "+Inf")] == 2
+            assert got[(f"{ttft}_count", "interactive", "m", "")] == 2
+            assert got[(f"{ttft}_sum", "interactive", "m", "")] == pytest.approx(1.2, abs=1e-3)
+            e2e = "qlm_request_e2e_seconds"
+            assert got[(f"{e2e}_bucket", "batch", "m", "600.0")] == 0
+            assert got[(f"{e2e}_bucket", "batch", "m", "1800.0")] == 1
+            assert got[(f"{e2e}_sum", "batch", "m", "")] == pytest.approx(900.0, abs=1e-3)
+            queue = "qlm_request_queue_seconds"
+            assert got[(f"{queue}_bucket", "interactive", "m", "0.05")] == 1
+            assert got[(f"{queue}_count", "interactive", "m", "")] == 2  # not the waiting one
+            assert got[(f"{queue}_bucket", "batch", "m", "120.0")] == 0
+            assert got[(f"{queue}_bucket", "batch", "m", "300.0")] == 1
+            assert not any(k[1] == "standard" for k in got)
+            store.prune_requests(time.time() + 10_000)  # retention takes the finished ones
+            assert samples((await b.client.get("/metrics")).text) == got
+        store.close()
+
+    asyncio.run(scenario())
+
+
+def test_metrics_report_controllers_until_they_are_gone() -> None:
+    """A staleness alert on a controller must end once it is gone — stopped cleanly, or
+    silent for ``QLM_API__CONTROLLER_GONE_S`` — not fire forever; a silent one that is not
+    gone yet is reported with its growing age."""
+
+    async def scenario(h: Harness) -> None:
+        now = time.time()
+        for name, ago, stopped in (
+            ("live", 0.0, False),
+            ("silent", 60.0, False),  # stale, not gone: the alert fires
+            ("stopped", 1.0, True),  # said so as it stopped
+            ("dead", 1000.0, False),  # killed long ago
+        ):
+            h.store._clock = lambda ago=ago: now - ago
+            h.store.put_controller_state(name, active=False, snapshot={}, stopped=stopped)
+        text = (await h.client.get("/metrics")).text
+        ages = {
+            s.labels["controller"]: s.value
+            for f in text_string_to_metric_families(text)
+            if f.name == "qlm_controller_state_age_seconds"
+            for s in f.samples
+        }
+        assert set(ages) == {"live", "silent"}
+        assert ages["silent"] >= 60.0
+        admin = (await h.client.get("/v1/admin/controllers", headers=h.auth("admin"))).json()
+        listed = {c["name"]: c["stopped_at"] for c in admin["data"]}
+        assert set(listed) == {"live", "silent", "stopped", "dead"}  # the store keeps them all
+        assert listed["stopped"] == pytest.approx(now - 1.0) and listed["dead"] is None
+
+    run(scenario, metrics_public=True, controller_gone_s=900)
 
 
 def test_two_apps_in_one_process_share_no_metrics() -> None:

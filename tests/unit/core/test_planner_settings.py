@@ -101,6 +101,7 @@ def test_the_group_size_bound_is_configured(monkeypatch: pytest.MonkeyPatch) -> 
         ("QLM_API__DEFAULT_MAX_TOKENS", "100000", "default_max_tokens=100000 exceeds"),
         ("QLM_API__INTERACTIVE_SLO_S", "0.001", "QLM_API__INTERACTIVE_SLO_S"),
         ("QLM_API__BATCH_SLO_S", "1e9", "QLM_API__BATCH_SLO_S"),
+        ("QLM_API__CONTROLLER_GONE_S", "5", "controller_gone_s=5.0 is below"),
     ],
 )
 def test_api_defaults_the_api_itself_would_refuse_stop_start_up(

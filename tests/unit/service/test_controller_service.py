@@ -134,6 +134,11 @@ def test_published_requests_finish_are_recorded_and_acked() -> None:
         assert not list(service.runtime.controller.tracks())
         assert store.latest_plan() is not None  # the planner's history is in the store
         assert {r.state for r in store.instances()} == {"up"}
+        # Each finished request is in every latency histogram once (the writer's batches).
+        counts: dict[str, int] = {}
+        for bucket in store.latency_buckets():
+            counts[bucket.histogram] = counts.get(bucket.histogram, 0) + bucket.count
+        assert counts == {"ttft": 30, "e2e": 30, "queue": 30}
 
     run(scenario)
 
@@ -277,6 +282,7 @@ def test_a_standby_controller_takes_over_and_each_request_ends_once() -> None:
             make_service(store, broker, name="c0", max_running=1),
             make_service(store, broker, name="c1", max_running=1),
         )
+        first.publish_s = 0.02
         await first.start()
         await standby.start()  # waits: single active consumer
         producer = MemoryGlobalQueue(broker=broker)
@@ -290,6 +296,9 @@ def test_a_standby_controller_takes_over_and_each_request_ends_once() -> None:
             lambda: len(store.final_ids(ids)) >= 5, "the first controller finished some"
         )
         assert first.active and not standby.active  # the standby waits behind the first
+        await eventually(
+            lambda: any(s.name == "c0" for s in store.controller_states()), "c0 published"
+        )
         # The first controller dies: no graceful stop, nothing flushed, its deliveries return.
         await first.crash()
         left = 40 - len(store.final_ids(ids))
@@ -303,6 +312,9 @@ def test_a_standby_controller_takes_over_and_each_request_ends_once() -> None:
         assert broker.ready == 0 and not broker.dead
         assert standby.received >= left  # everything not final came back to it
         assert not standby.active  # stopped
+        # The stopped one said so as it left; the killed one could not.
+        stopped = {s.name: s.stopped_at is not None for s in store.controller_states()}
+        assert stopped == {"c0": False, "c1": True}
 
     run(scenario)
 
@@ -598,6 +610,7 @@ def test_snapshots_predictions_drain_and_streamed_results() -> None:
         assert in_batch and all(in_batch)
         states = store.controller_states()
         assert states and states[0].name == "c0" and states[0].active
+        assert states[0].stopped_at is None
         snap = states[0].snapshot
         queued = [g for q in snap["queues"] for g in q["groups"]]
         assert queued and all(q["instance"] == "i0" for q in snap["queues"] if q["groups"])
@@ -613,7 +626,8 @@ def test_snapshots_predictions_drain_and_streamed_results() -> None:
         text = "".join(e.text for e in events)
         assert text == store.get("q0000").output_text  # type: ignore[union-attr]
         assert [r.state for r in store.instances() if r.name == "i1"] == [InstanceState.DRAINING]
-        assert store.controller_states()[0].active is False
+        [last] = store.controller_states()
+        assert last.active is False and last.stopped_at is not None
 
     run(scenario)
 
