@@ -22,9 +22,11 @@ from qlm.service.controller import ControllerService
 from qlm.service.instances import (
     InstanceConfig,
     build_engines,
+    cpu_caches,
     default_instances,
     host_links,
     load_instances,
+    model_weights,
 )
 from qlm.service.runtime import AgentRuntime
 from qlm.settings import Settings
@@ -93,6 +95,8 @@ def build_controller(
         health_interval_s=cs.health_interval_s,
         max_running={c.spec.name: c.max_num_seqs for c in configs if c.max_num_seqs},
         host_link_gbs=host_links(configs),
+        weights_gb=model_weights(configs),
+        cpu_cache_gb=cpu_caches(configs),
     )
     return ControllerService(
         queue if queue is not None else open_queue(settings),

@@ -12,6 +12,18 @@ An instances file is TOML, one ``[[instances]]`` table per serving instance::
     gpu_count = 1                    # optional (default: the fewest GPUs the model fits on)
     max_num_seqs = 256               # optional: vLLM does not export it
 
+Several models on one GPU with warm starts: one vLLM server per model, each started in sleep
+mode (``qlm instance launch --sleep-mode``), driven as one instance (``ColocatedEngine``: one
+server awake, the others asleep — level 1, weights in CPU memory, is a warm model)::
+
+    [[instances]]
+    name = "a100-1"
+    gpu = "A100"
+    servers = { "llama-3-8b" = "http://10.0.0.6:8001", "llama-2-13b" = "http://10.0.0.6:8002" }
+    cpu_cache_gb = 64                # optional: CPU memory for warm models' weights (default:
+                                     # all of them; in-process: the simulator's)
+    weights_gb = { "my-model" = 15 } # optional: weights of a model without a shipped profile
+
 Without a file the controller runs the embedded default: in-process simulated instances given by
 the ``qlm simulate`` shorthand (``2xA100:llama-3-8b``), on the wall clock.
 """
@@ -27,6 +39,7 @@ from typing import Any
 from qlm.clock import WallClock
 from qlm.domain import InstanceSpec
 from qlm.engines.base import Engine
+from qlm.engines.colocated import ColocatedEngine
 from qlm.engines.perf_model import HardwareCatalog, default_catalog
 from qlm.engines.sim import SimEngine, SimEngineConfig
 from qlm.engines.vllm import VllmEngine
@@ -41,13 +54,22 @@ class InstanceConfig:
 
     spec: InstanceSpec
     max_num_seqs: int | None = None
+    servers: tuple[tuple[str, str], ...] = ()
+    """One server per model on the GPU (model, URL), driven as one instance; empty: ``url``."""
+    cpu_cache_gb: float | None = None
+    """CPU memory for warm models' weights (None: the default, ``cpu_caches``)."""
+    weights_gb: tuple[tuple[str, float], ...] = ()
+    """Weights of models without a shipped profile."""
 
     @property
     def remote(self) -> bool:
         return bool(self.spec.url)
 
 
-_KNOWN = {"name", "url", "gpu", "models", "gpu_count", "max_num_seqs"}
+_KNOWN = {
+    "name", "url", "gpu", "models", "gpu_count", "max_num_seqs", "servers", "cpu_cache_gb",
+    "weights_gb",
+}  # fmt: skip
 
 
 def load_instances(path: Path, catalog: HardwareCatalog | None = None) -> list[InstanceConfig]:
@@ -79,6 +101,13 @@ def _entry(path: Path, i: int, entry: Any, catalog: HardwareCatalog) -> Instance
         raise ConfigError(
             f"{where}: unknown field {unknown[0]!r} (known: {', '.join(sorted(_KNOWN))})"
         )
+    servers = _servers(where, entry)
+    if servers:
+        entry = {"models": [m for m, _ in servers], **entry}
+        if "url" in entry:
+            raise ConfigError(f"{where}: give either url or servers, not both")
+        if entry["models"] != [m for m, _ in servers]:
+            raise ConfigError(f"{where}.models: must be the servers' models, in their order")
     for field in ("name", "gpu", "models"):
         if field not in entry:
             raise ConfigError(f"{where}: missing field {field!r}")
@@ -87,9 +116,21 @@ def _entry(path: Path, i: int, entry: Any, catalog: HardwareCatalog) -> Instance
         raise ConfigError(f"{where}.name: must be a non-empty string")
     if not isinstance(models, list) or not models or not all(isinstance(m, str) for m in models):
         raise ConfigError(f"{where}.models: must be a non-empty list of model names")
-    url = entry.get("url", "")
+    url = servers[0][1] if servers else entry.get("url", "")
     if not isinstance(url, str) or (url and not url.startswith(("http://", "https://"))):
         raise ConfigError(f"{where}.url: must be an http(s) URL, got {url!r}")
+    cpu_cache_gb = entry.get("cpu_cache_gb")
+    if cpu_cache_gb is not None and (
+        isinstance(cpu_cache_gb, bool)
+        or not isinstance(cpu_cache_gb, int | float)
+        or cpu_cache_gb < 0
+    ):
+        raise ConfigError(f"{where}.cpu_cache_gb: must be a number >= 0, got {cpu_cache_gb!r}")
+    weights = entry.get("weights_gb", {})
+    if not isinstance(weights, dict) or not all(
+        isinstance(v, int | float) and not isinstance(v, bool) and v > 0 for v in weights.values()
+    ):
+        raise ConfigError(f"{where}.weights_gb: must be a table of model = GB (> 0)")
     if not isinstance(gpu, str) or not gpu:
         raise ConfigError(f"{where}.gpu: must be a non-empty string")
     try:
@@ -110,7 +151,26 @@ def _entry(path: Path, i: int, entry: Any, catalog: HardwareCatalog) -> Instance
         except ConfigError:
             count = 1  # a model without a shipped profile: the estimator says so when it plans
     spec = InstanceSpec(name=name, gpu=gpu_name, models=tuple(models), gpu_count=count, url=url)
-    return InstanceConfig(spec, max_num_seqs)
+    return InstanceConfig(
+        spec,
+        max_num_seqs,
+        servers=servers,
+        cpu_cache_gb=None if cpu_cache_gb is None else float(cpu_cache_gb),
+        weights_gb=tuple((str(m), float(v)) for m, v in weights.items()),
+    )
+
+
+def _servers(where: str, entry: dict[str, Any]) -> tuple[tuple[str, str], ...]:
+    """The ``servers`` table (model = URL), two at least, checked."""
+    servers = entry.get("servers")
+    if servers is None:
+        return ()
+    if not isinstance(servers, dict) or len(servers) < 2:
+        raise ConfigError(f"{where}.servers: must be a table of two or more model = URL")
+    for model, url in servers.items():
+        if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+            raise ConfigError(f"{where}.servers.{model}: must be an http(s) URL, got {url!r}")
+    return tuple(servers.items())
 
 
 def default_instances(shorthand: str = "2xA100:llama-3-8b") -> list[InstanceConfig]:
@@ -130,6 +190,14 @@ def build_engines(
     engines: list[Engine] = []
     for config in configs:
         spec = config.spec
+        if config.servers:
+            seqs = config.max_num_seqs
+            members = {
+                m: VllmEngine(f"{spec.name}/{m}", url, (m,), max_num_seqs=seqs)
+                for m, url in config.servers
+            }
+            engines.append(ColocatedEngine(spec.name, members))
+            continue
         if config.remote:
             engines.append(
                 VllmEngine(spec.name, spec.url, spec.models, max_num_seqs=config.max_num_seqs)
@@ -149,6 +217,50 @@ def build_engines(
             WallClockEngine(SimEngine(spec.name, perf, sim_config), WallClock(time_scale))
         )
     return engines
+
+
+def model_weights(
+    configs: Sequence[InstanceConfig], catalog: HardwareCatalog | None = None
+) -> dict[str, tuple[tuple[str, float], ...]]:
+    """Each instance's models with the GB of their weights (the instances file's
+    ``weights_gb``, else the shipped profile's; a model with neither is left out): what the
+    agents plan warm starts with (which models fit in CPU memory)."""
+    catalog = catalog or default_catalog()
+    out = {}
+    for c in configs:
+        given = dict(c.weights_gb)
+        sizes = []
+        for m in c.spec.models:
+            if m in given:
+                sizes.append((m, given[m]))
+                continue
+            try:
+                sizes.append((m, catalog.model(m).weights_gb))
+            except ConfigError:
+                continue
+        out[c.spec.name] = tuple(sizes)
+    return out
+
+
+def cpu_caches(
+    configs: Sequence[InstanceConfig], catalog: HardwareCatalog | None = None
+) -> dict[str, float]:
+    """Each instance's CPU memory for warm models' weights: the instances file's
+    ``cpu_cache_gb``; else, for colocated servers, room for every model (each sleeps at level 1),
+    for a simulated instance the simulator's, and for a single server none (it serves one
+    model: nothing to keep warm)."""
+    weights = model_weights(configs, catalog)
+    out = {}
+    for c in configs:
+        if c.cpu_cache_gb is not None:
+            out[c.spec.name] = c.cpu_cache_gb
+        elif c.servers:
+            out[c.spec.name] = sum(gb for _, gb in weights[c.spec.name])
+        elif not c.remote:
+            out[c.spec.name] = SimEngineConfig().cpu_model_cache_gb
+        else:
+            out[c.spec.name] = 0.0
+    return out
 
 
 def host_links(

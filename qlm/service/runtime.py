@@ -252,6 +252,8 @@ class AgentRuntime:
         health_interval_s: float = 1.0,
         max_running: Mapping[str, int] | None = None,
         host_link_gbs: Mapping[str, float] | None = None,
+        weights_gb: Mapping[str, Sequence[tuple[str, float]]] | None = None,
+        cpu_cache_gb: Mapping[str, float] | None = None,
     ) -> None:
         self.controller = controller
         self.clock = clock
@@ -268,6 +270,8 @@ class AgentRuntime:
                 by_name[name],
                 max_running=(max_running or {}).get(name),
                 host_link_gbs=(host_link_gbs or {}).get(name, 0.0),
+                weights_gb=tuple((weights_gb or {}).get(name, ())),
+                cpu_cache_gb=(cpu_cache_gb or {}).get(name, 0.0),
             )
             for name, spec in controller.specs.items()
         }

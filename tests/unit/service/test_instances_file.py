@@ -8,10 +8,17 @@ from pathlib import Path
 
 import pytest
 
+from qlm.engines.colocated import ColocatedEngine
 from qlm.errors import ConfigError
 from qlm.rct.profile import RctProfile, default_profile, dump_profile
 from qlm.service import build_controller
-from qlm.service.instances import host_links, load_instances
+from qlm.service.instances import (
+    build_engines,
+    cpu_caches,
+    host_links,
+    load_instances,
+    model_weights,
+)
 from qlm.settings import Settings
 
 GOOD = """
@@ -29,6 +36,14 @@ models = ["llama-3-8b", "llama-2-7b"]
 """
 
 
+COLOCATED = """
+[[instances]]
+name = "g0"
+gpu = "A100"
+servers = { 'm' = 'http://h:1', 'n' = 'http://h:2' }
+"""
+
+
 def write(tmp_path: Path, text: str) -> Path:
     path = tmp_path / "instances.toml"
     path.write_text(text, encoding="utf-8")
@@ -40,6 +55,30 @@ def test_a_good_file_is_read_with_its_defaults(tmp_path: Path) -> None:
     assert (server.spec.name, server.spec.gpu, server.spec.gpu_count) == ("a100-0", "A100", 1)
     assert server.remote and server.max_num_seqs == 128
     assert not sim.remote and sim.spec.models == ("llama-3-8b", "llama-2-7b")
+
+
+def test_colocated_servers_are_one_instance_with_the_memory_for_warm_models(
+    tmp_path: Path,
+) -> None:
+    """One vLLM server per model on one GPU: one instance serving every model, driven by a
+    ``ColocatedEngine``; warm starts are planned with the models' weights (shipped profiles, or
+    given) and the CPU memory for them (given, else room for all)."""
+    text = COLOCATED.replace("'m'", "'llama-3-8b'").replace("'n'", "'my-model'")
+    text += "weights_gb = { 'my-model' = 10.5 }\n"
+    (config,) = load_instances(write(tmp_path, text))
+    assert config.spec.models == ("llama-3-8b", "my-model") and config.remote
+    assert config.servers == (("llama-3-8b", "http://h:1"), ("my-model", "http://h:2"))
+    (engine,) = build_engines([config])
+    assert isinstance(engine, ColocatedEngine) and engine.models == ("llama-3-8b", "my-model")
+    assert [s.base_url for s in engine.servers.values()] == ["http://h:1", "http://h:2"]
+    weights = model_weights([config])["g0"]
+    assert weights[1] == ("my-model", 10.5) and weights[0][0] == "llama-3-8b" and weights[0][1] > 0
+    assert cpu_caches([config]) == {"g0": pytest.approx(weights[0][1] + 10.5)}
+    (given,) = load_instances(write(tmp_path, text + "cpu_cache_gb = 4\n"))
+    assert cpu_caches([given]) == {"g0": 4.0}
+    single, sim = load_instances(write(tmp_path, GOOD))
+    assert cpu_caches([single, sim])["a100-0"] == 0.0  # one model per server: nothing warm
+    assert cpu_caches([single, sim])["sim-0"] > 0  # the simulator's CPU model cache
 
 
 @pytest.mark.parametrize(
@@ -54,6 +93,15 @@ def test_a_good_file_is_read_with_its_defaults(tmp_path: Path) -> None:
         (GOOD.replace("sim-0", "a100-0"), "duplicate instance name 'a100-0'"),
         ("instances = 3\n", "at least one [[instances]]"),
         ("[[instances]\n", "instances file"),
+        (COLOCATED + "url = 'http://h:1'\n", "either url or servers"),
+        (
+            COLOCATED.replace("'n' = 'http://h:2'", "'n' = 'h:2'"),
+            ".servers.n: must be an http(s) URL",
+        ),
+        (COLOCATED.replace(", 'n' = 'http://h:2'", ""), ".servers: must be a table of two"),
+        (COLOCATED + "models = ['n', 'm']\n", ".models: must be the servers' models"),
+        (COLOCATED + "cpu_cache_gb = -1\n", ".cpu_cache_gb"),
+        (COLOCATED + "weights_gb = { m = 0 }\n", ".weights_gb"),
     ],
 )
 def test_a_bad_entry_is_one_line_naming_the_field(tmp_path: Path, text: str, named: str) -> None:
