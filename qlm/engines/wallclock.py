@@ -9,7 +9,10 @@ runs ``scale`` times faster than real time (tests, demos).
 Output text is filler: token *i* of every request is ``FILLER_TOKEN`` (``" tok"``), so a text of
 *n* tokens is ``n`` whitespace-separated words and ``count_tokens`` counts it back exactly. The
 same rule counts a string prompt (whitespace words), which keeps a resumed request (prompt +
-partial output) consistent. A token-id prompt counts its ids. A request with a JSON
+partial output) consistent. A token-id prompt counts its ids. Every token has an id of a
+simulated vocabulary (``tokenize``: a word's id is drawn from its CRC32), and every chunk says
+the ids of its new tokens (``TokenChunk.token_ids``), so that a prompt of an earlier request's
+ids + the ids it generated counts as exactly those tokens. A request with a JSON
 ``response_format`` gets a JSON document of its schema instead, complete within ``max_tokens``
 when it fits (``qlm.structured``).
 
@@ -24,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -57,6 +61,12 @@ log = logging.getLogger(__name__)
 
 FILLER_TOKEN = " tok"
 
+VOCAB_SIZE = 32_000
+"""Token ids of the simulated vocabulary are 0 .. ``VOCAB_SIZE`` - 1 (Llama 2's size)."""
+BOS_ID = 1
+"""The one token of an empty text (a real prompt has at least its BOS token)."""
+_FIRST_WORD_ID = 100  # ids below are special tokens, as in real vocabularies
+
 
 def filler_text(tokens: int) -> str:
     """The deterministic output text of ``tokens`` generated tokens."""
@@ -69,6 +79,22 @@ def count_tokens(prompt: str | Sequence[int]) -> int:
     if isinstance(prompt, str):
         return max(1, len(prompt.split()))
     return len(prompt)
+
+
+def token_id(token: str) -> int:
+    """The id of one token of the simulated vocabulary: a word of a text, or one piece of a
+    structured answer, by its CRC32 (the same token, the same id)."""
+    return _FIRST_WORD_ID + zlib.crc32(token.encode()) % (VOCAB_SIZE - _FIRST_WORD_ID)
+
+
+FILLER_TOKEN_ID = token_id(FILLER_TOKEN.strip())
+"""The id of every filler output token: ``tokenize`` of generated text gives it back."""
+
+
+def tokenize(text: str) -> list[int]:
+    """The token ids of a text as ``count_tokens`` counts it: one per whitespace-separated word
+    (an empty text: ``BOS_ID``)."""
+    return [token_id(word) for word in text.split()] or [BOS_ID]
 
 
 @dataclass(slots=True)
@@ -91,6 +117,13 @@ class _Flight:
         if self.pieces is None:
             return filler_text(max(0, end - start))
         return "".join(self.pieces[start:end])
+
+    def token_ids(self, start: int, end: int) -> tuple[int, ...]:
+        """The ids of output tokens ``start:end``: the filler's, or those of the pieces."""
+        if self.pieces is None:
+            return (FILLER_TOKEN_ID,) * max(0, end - start)
+        ids = tuple(token_id(piece) for piece in self.pieces[start:end])
+        return ids + (FILLER_TOKEN_ID,) * max(0, end - start - len(ids))
 
     def calls(self, start: int, end: int) -> tuple[ToolCall, ...]:
         """The tool-call delta of tokens ``start:end``: the call's id and name with its first
@@ -443,7 +476,8 @@ class WallClockEngine:
         rid = flight.request.request_id
         if tokens > flight.sent or finish is not None:
             text, calls = flight.text(flight.sent, tokens), flight.calls(flight.sent, tokens)
-            chunk = TokenChunk(rid, text, tokens, finish, calls=calls)
+            ids = flight.token_ids(flight.sent, tokens)
+            chunk = TokenChunk(rid, text, tokens, finish, calls=calls, token_ids=ids)
             flight.sent = max(flight.sent, tokens)
             if flight.on_chunk is not None:
                 try:

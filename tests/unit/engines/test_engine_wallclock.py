@@ -7,6 +7,7 @@ takes a few milliseconds; waits poll with a generous deadline, nothing asserts o
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from collections.abc import Awaitable, Callable
 
@@ -15,7 +16,14 @@ from builders import make_catalog
 
 from qlm.domain import ModelTier
 from qlm.engines.base import Engine, EngineRequest, TokenChunk
-from qlm.engines.wallclock import WallClockEngine, count_tokens, filler_text
+from qlm.engines.wallclock import (
+    FILLER_TOKEN_ID,
+    VOCAB_SIZE,
+    WallClockEngine,
+    count_tokens,
+    filler_text,
+    tokenize,
+)
 from qlm.errors import EngineError, UnknownRequest
 
 
@@ -182,3 +190,30 @@ def test_prompt_tokens_are_whitespace_words_of_a_text_or_the_number_of_ids() -> 
     assert count_tokens("") == 1
     assert count_tokens([5, 6, 7, 8]) == 4
     assert count_tokens("prompt" + filler_text(7)) == 8
+
+
+def test_every_chunk_says_the_ids_of_its_tokens_which_tokenize_gives_back() -> None:
+    """The simulated vocabulary: a text's ids are its words' (``tokenize``, as ``count_tokens``
+    counts them), and a chunk's ``token_ids`` are its new tokens', so the text of a prompt and
+    its output tokenizes to the prompt's ids + the ids generated. A structured answer's pieces
+    have ids of their own."""
+    assert tokenize("a b a") == [tokenize("a")[0], tokenize("b")[0], tokenize("a")[0]]
+    assert len(tokenize("")) == count_tokens("") == 1
+    assert all(0 <= t < VOCAB_SIZE for t in tokenize("the quick brown fox"))
+
+    async def scenario(engine: WallClockEngine) -> None:
+        chunks: list[TokenChunk] = []
+        out = await engine.submit(req("r", 9), chunks.append)
+        ids = [t for c in chunks for t in c.token_ids or ()]
+        assert ids == [FILLER_TOKEN_ID] * 9 == tokenize(out.text)
+        counts = [0, *(c.tokens for c in chunks)]
+        assert [len(c.token_ids or ()) for c in chunks] == [
+            b - a for a, b in itertools.pairwise(counts)
+        ]
+        fmt = {"type": "json_object"}
+        doc: list[TokenChunk] = []
+        await engine.submit(req("j", 12, sampling=(("response_format", fmt),)), doc.append)
+        assert sum(len(c.token_ids or ()) for c in doc) == doc[-1].tokens
+        assert {t for c in doc for t in c.token_ids or ()} != {FILLER_TOKEN_ID}
+
+    run(scenario)
