@@ -1,17 +1,18 @@
 """A vLLM-compatible HTTP server backed by the simulated engine (``qlm sim-engine serve``).
 
-It answers the part of ``vllm serve``'s API that QLM uses, with the same paths, fields and
-formats (docs/engines.md lists them and the deviations), so that ``VllmEngine`` is tested end to
-end without a GPU: ``POST /v1/completions`` and ``POST /v1/chat/completions`` (plain and SSE
-streaming), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (vLLM's metric names) and, with
+It answers the part of ``vllm serve``'s API that QLM uses as vLLM 0.32 answers it
+(``qlm.engines.vllm.VLLM_VERSION``), with the same paths, fields and formats (docs/engines.md
+lists them and the deviations), so that ``VllmEngine`` is tested end to end without a GPU:
+``POST /v1/completions`` and ``POST /v1/chat/completions`` (plain and SSE streaming),
+``GET /v1/models``, ``GET /health``, ``GET /metrics`` (vLLM's metric names) and, with
 ``dev_mode`` (vLLM: ``VLLM_SERVER_DEV_MODE=1``), ``POST /sleep``, ``POST /wake_up``,
 ``GET /is_sleeping``.
 
-Like ``vllm serve`` before generating, it refuses a prompt that leaves no room in the model's
-context and prompt + ``max_tokens`` beyond it (400 in vLLM's words, ``_over_context``). Under
-``--scheduling-policy fcfs`` (vLLM's default) it refuses a ``priority`` other than 0, as vLLM
-documents (``PRIORITY_REFUSED``); under ``priority`` it accepts it, but the simulated scheduler
-stays FCFS (docs/simulator.md).
+Like ``vllm serve`` before generating, it refuses ``max_tokens`` above the model's context and a
+prompt longer than the context (400 in vLLM's words, ``_output_budget``), and lowers
+``max_tokens`` to the room the prompt leaves. Under ``--scheduling-policy fcfs`` (vLLM's
+default) it refuses a ``priority`` other than 0, as vLLM documents (``PRIORITY_REFUSED``); under
+``priority`` it accepts it, but the simulated scheduler stays FCFS (docs/simulator.md).
 
 Output length: with ``ignore_eos`` the request generates exactly ``max_tokens`` tokens. Without
 it, the "end of sequence" comes after a length drawn from ``eos_lengths`` (``qlm sim-engine serve``
@@ -127,10 +128,17 @@ class _GenerationBody(BaseModel):
 
 
 class CompletionBody(_GenerationBody):
-    """vLLM's ``CompletionRequest``, as far as simulated."""
+    """vLLM's ``CompletionRequest``, as far as simulated: ``max_tokens`` null is its default,
+    16, as in vLLM 0.32."""
 
-    prompt: str | list[int]
-    max_tokens: int | None = Field(default=16, ge=1)
+    prompt: str | list[Annotated[int, Field(ge=0)]]
+    max_tokens: int | None = 16
+
+    @model_validator(mode="after")
+    def _default_max_tokens(self) -> CompletionBody:
+        if self.max_tokens is None:
+            self.max_tokens = 16
+        return self
 
 
 class ContentPart(BaseModel):
@@ -158,8 +166,8 @@ class ChatBody(_GenerationBody):
     the deprecated ``max_tokens``; with neither, the rest of the context (as in vLLM)."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
 
@@ -179,6 +187,12 @@ class ChatBody(_GenerationBody):
     def prompt_tokens(self) -> int:
         """The words of the messages' text (module docstring)."""
         return count_tokens(" ".join(m.text() for m in self.messages))
+
+    def output_limit(self) -> tuple[int | None, str]:
+        """``max_completion_tokens``, else the deprecated ``max_tokens``, and its name."""
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens, "max_completion_tokens"
+        return self.max_tokens, "max_tokens"
 
     def message_dicts(self) -> tuple[dict[str, Any], ...]:
         return tuple(m.model_dump(exclude_none=True) for m in self.messages)
@@ -238,29 +252,50 @@ def _error(
     )
 
 
-def _over_context(
-    max_model_len: int, prompt_tokens: int, max_tokens: int | None
-) -> tuple[str, str] | None:
-    """Why vLLM refuses a generation that does not fit the model's context, in its words, and the
-    parameter at fault (``OpenAIServing._validate_input``, 0.14): the prompt must leave room for
-    one token and, when ``max_tokens`` is given, prompt + ``max_tokens`` must fit. The message
-    ends as ``VLLMValidationError`` ends it, naming the parameter and its value."""
-    if prompt_tokens >= max_model_len:
-        message = (
+class _Refused(Exception):
+    """A request vLLM refuses before generating (400), in its words, and the parameter."""
+
+    def __init__(self, message: str, param: str | None) -> None:
+        super().__init__(message)
+        self.message, self.param = message, param
+
+
+def _validation(message: str, param: str, value: object) -> _Refused:
+    """vLLM's ``VLLMValidationError``: its message ends naming the parameter and its value."""
+    return _Refused(f"{message} (parameter={param}, value={value})", param)
+
+
+def _output_budget(
+    max_model_len: int, prompt_tokens: int, *, tokenized: bool, limit: int | None, param: str
+) -> int:
+    """The tokens a generation may write, as vLLM 0.32 decides before generating, or
+    ``_Refused`` in its words: ``max_tokens`` (``param``: the chat's name of it) above the
+    context (``TokenizeParams``), a prompt longer than the context (``_token_len_check``; a text
+    is tokenized up to one token past the context, so its count stops there, "at least"), then
+    ``limit`` lowered to the room the prompt leaves (``get_max_tokens``; None: all of it), which
+    must be at least 1 (``SamplingParams``)."""
+    if limit is not None and limit > max_model_len:
+        raise _validation(
+            f"{param}={limit} cannot be greater than max_model_len={max_model_len}. "
+            "Please request fewer output tokens.",
+            param,
+            limit,
+        )
+    if prompt_tokens > max_model_len:
+        count = min(prompt_tokens, max_model_len + 1) if tokenized else prompt_tokens
+        at_least = "at least " if count == max_model_len + 1 else ""
+        raise _validation(
             f"This model's maximum context length is {max_model_len} tokens. However, your "
-            f"request has {prompt_tokens} input tokens. Please reduce the length of the input "
-            f"messages. (parameter=input_tokens, value={prompt_tokens})"
+            f"prompt contains {at_least}{count} input tokens, which exceeds this limit even "
+            "without any output tokens. Please reduce the length of the input prompt.",
+            "input_tokens",
+            count,
         )
-        return message, "input_tokens"
-    if max_tokens is not None and prompt_tokens + max_tokens > max_model_len:
-        message = (
-            f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This model's "
-            f"maximum context length is {max_model_len} tokens and your request has "
-            f"{prompt_tokens} input tokens ({max_tokens} > {max_model_len} - {prompt_tokens}). "
-            f"(parameter=max_tokens, value={max_tokens})"
-        )
-        return message, "max_tokens"
-    return None
+    room = max_model_len - prompt_tokens
+    budget = room if limit is None else min(room, limit)
+    if budget < 1:
+        raise _validation(f"max_tokens must be at least 1, got {budget}.", "max_tokens", budget)
+    return budget
 
 
 async def _error_stream(message: str) -> AsyncIterator[str]:
@@ -390,21 +425,35 @@ def create_app(
     async def metrics() -> Response:
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
+    def unknown_model(model: str) -> JSONResponse:
+        message = f"The model `{model}` does not exist. Valid aliases: {', '.join(models)}."
+        return _error(404, message, "NotFoundError", "model")
+
     async def generate(
         request: Request,
         body: _GenerationBody,
         prompt_tokens: int,
-        max_tokens: int | None,
+        limit: tuple[int | None, str],
         fmt: _Format,
+        *,
+        tokenized: bool,
     ) -> Response:
-        """Run one request of either endpoint; ``max_tokens`` None: the rest of the context."""
+        """Run one request of either endpoint: ``limit`` the output tokens asked for (None: the
+        rest of the context) and the name of the parameter that asked; ``tokenized``: the prompt
+        is a text (counted as vLLM's tokenizer counts it, up to one token past the context)."""
         model = body.model or models[0]
         if model not in models:
-            return _error(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
-        too_long = _over_context(max_model_len[model], prompt_tokens, max_tokens)
-        if too_long is not None:
-            message, param = too_long
-            return _error(400, message, param=param)
+            return unknown_model(model)
+        try:
+            max_tokens = _output_budget(
+                max_model_len[model],
+                prompt_tokens,
+                tokenized=tokenized,
+                limit=limit[0],
+                param=limit[1],
+            )
+        except _Refused as exc:
+            return _error(400, exc.message, param=exc.param)
         if engine.is_sleeping:
             return _error(503, "the engine is sleeping", "ServiceUnavailableError")
         if weights["empty"]:
@@ -419,8 +468,6 @@ def create_app(
                 events = _error_stream(refused)
                 return StreamingResponse(events, media_type="text/event-stream", headers=headers)
             return _error(400, refused)
-        if max_tokens is None:
-            max_tokens = max_model_len[model] - prompt_tokens
         output = max_tokens if body.ignore_eos else _eos_length(rid, max_tokens, eos_lengths, seed)
         req = EngineRequest(
             request_id=rid,
@@ -466,9 +513,13 @@ def create_app(
         except (ValidationError, json.JSONDecodeError) as exc:
             return _error(400, str(exc))
         if isinstance(body.prompt, list) and not body.prompt:
-            return _error(400, "prompt must not be empty")
-        tokens = count_tokens(body.prompt)
-        return await generate(request, body, tokens, body.max_tokens, COMPLETION)
+            return _error(400, "You must pass at least one prompt")
+        if body.prompt == "":
+            message = "Either prompt or prompt_embeds must be provided and non-empty."
+            return _error(400, f"{message} (parameter=prompt)", param="prompt")
+        tokens, limit = count_tokens(body.prompt), (body.max_tokens, "max_tokens")
+        text = isinstance(body.prompt, str)
+        return await generate(request, body, tokens, limit, COMPLETION, tokenized=text)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -476,9 +527,9 @@ def create_app(
             body = ChatBody.model_validate(await request.json())
         except (ValidationError, json.JSONDecodeError) as exc:
             return _error(400, str(exc))
-        max_tokens = body.max_completion_tokens or body.max_tokens
         fmt = chat_format(body.role())
-        return await generate(request, body, body.prompt_tokens(), max_tokens, fmt)
+        limit = body.output_limit()
+        return await generate(request, body, body.prompt_tokens(), limit, fmt, tokenized=True)
 
     if dev_mode:
 

@@ -181,7 +181,8 @@ def test_vllm_client_errors_name_the_instance_and_url(server_url: str) -> None:
             with pytest.raises(RequestRejected, match=r"sim-0 \(http://127\.0\.0\.1:\d+\).*404"):
                 await engine.submit(request("r-x", 4, model="no-such-model"))
             with pytest.raises(RequestRejected, match=r"400.*maximum context length is 8192"):
-                await engine.submit(request("r-y", 9000))  # the request is at fault, not the server
+                # the request is at fault, not the server
+                await engine.submit(request("r-y", 10, prompt_tokens=9000))
         finally:
             await engine.close()
         dead = VllmEngine("dead-1", "http://127.0.0.1:9", MODEL, timeout_s=2.0)

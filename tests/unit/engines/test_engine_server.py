@@ -7,7 +7,6 @@ import itertools
 import json
 import warnings
 from collections.abc import Iterator
-from dataclasses import replace
 from typing import Any
 
 import httpx
@@ -17,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from qlm.engines.base import EngineRequest, TokenChunk
 from qlm.engines.server import SchedulingPolicy, _stream, create_app
-from qlm.engines.vllm import VllmEngine
+from qlm.engines.vllm import VllmEngine, context_room
 from qlm.engines.wallclock import WallClockEngine, filler_text
 from qlm.errors import ConfigError, RequestRejected
 
@@ -119,7 +118,7 @@ def test_continuous_usage_stats_put_the_running_token_count_in_every_chunk(
 def test_bad_requests_get_vllm_style_errors(client: TestClient) -> None:
     resp = client.post("/v1/completions", json={"model": "nope", "prompt": "x"})
     assert resp.status_code == 404
-    assert resp.json()["error"]["message"] == "The model `nope` does not exist."
+    assert resp.json()["error"]["message"] == "The model `nope` does not exist. Valid aliases: m."
     assert client.post("/v1/completions", json={"model": "m"}).status_code == 400
     assert client.post("/v1/completions", json={"prompt": []}).status_code == 400
 
@@ -131,31 +130,52 @@ def refusal(resp: Any) -> tuple[int, str, str | None]:
     return resp.status_code, error["message"], error["param"]
 
 
-def test_a_completion_beyond_the_context_is_refused_in_vllms_words(client: TestClient) -> None:
-    """vLLM (0.14, ``_validate_input``) checks before generating, whatever the output would
-    have been: prompt + max_tokens must fit the context (8,192 here), and the prompt must leave
-    room for one token."""
-    for ignore_eos in (True, False):  # without it this output would stop after 3 tokens: no matter
-        body = {"prompt": "x y z", "max_tokens": 8190, "ignore_eos": ignore_eos}
-        assert refusal(client.post("/v1/completions", json=body)) == (
-            400,
-            "'max_tokens' or 'max_completion_tokens' is too large: 8190. This model's maximum "
-            "context length is 8192 tokens and your request has 3 input tokens "
-            "(8190 > 8192 - 3). (parameter=max_tokens, value=8190)",
-            "max_tokens",
+def test_a_prompt_past_the_context_is_refused_and_max_tokens_past_it_clamped_as_032(
+    client: TestClient,
+) -> None:
+    """vLLM 0.32 checks before generating: ``max_tokens`` above the context (8,192 here) and a
+    prompt longer than it are refused (a text is tokenized one token past the context, hence "at
+    least"); prompt + ``max_tokens`` past it is not: ``max_tokens`` is lowered to the room left,
+    which must be at least one token. ``VllmEngine.context_room`` reads the room from the
+    refusal. A null ``max_tokens`` is 16, vLLM's default."""
+    too_many = {"prompt": "x y z", "max_tokens": 8193}
+    assert refusal(client.post("/v1/completions", json=too_many)) == (
+        400,
+        "max_tokens=8193 cannot be greater than max_model_len=8192. Please request fewer output "
+        "tokens. (parameter=max_tokens, value=8193)",
+        "max_tokens",
+    )
+    past = (
+        "This model's maximum context length is 8192 tokens. However, your prompt contains {} "
+        "input tokens, which exceeds this limit even without any output tokens. Please reduce "
+        "the length of the input prompt. (parameter=input_tokens, value={})"
+    )
+    for prompt, count in (([7] * 8200, "8200"), ([7] * 8193, "at least 8193"), ("w " * 9000, "at least 8193")):  # fmt: skip
+        status, message, param = refusal(
+            client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 4})
         )
-    full = {"prompt": [7] * 8192, "max_tokens": None}  # None: the rest of the context, none left
+        assert (status, param) == (400, "input_tokens")
+        assert message == past.format(count, count.split()[-1])
+        assert context_room(message) == 8192 - int(count.split()[-1])
+    full = {"prompt": [7] * 8192, "max_tokens": 4}  # no room left for one token
     assert refusal(client.post("/v1/completions", json=full)) == (
         400,
-        "This model's maximum context length is 8192 tokens. However, your request has 8192 input "
-        "tokens. Please reduce the length of the input messages. "
-        "(parameter=input_tokens, value=8192)",
-        "input_tokens",
+        "max_tokens must be at least 1, got 0. (parameter=max_tokens, value=0)",
+        "max_tokens",
     )
-    fits = {"prompt": [7] * 8191, "max_tokens": 1, "ignore_eos": True}
-    assert complete(client, **fits)["usage"]["completion_tokens"] == 1
-    rest = complete(client, prompt=[7] * 8190, max_tokens=None, ignore_eos=True)
-    assert rest["usage"]["completion_tokens"] == 2
+    none = {"prompt": "x", "max_tokens": 0}
+    assert refusal(client.post("/v1/completions", json=none))[1].startswith(
+        "max_tokens must be at least 1, got 0."
+    )
+    clamped = complete(client, prompt=[7] * 8100, max_tokens=1000, ignore_eos=True)
+    assert clamped["usage"] == {
+        "prompt_tokens": 8100,
+        "completion_tokens": 92,
+        "total_tokens": 8192,
+    }
+    assert clamped["choices"][0]["finish_reason"] == "length"
+    default = complete(client, prompt=[7] * 8100, max_tokens=None, ignore_eos=True)
+    assert default["usage"]["completion_tokens"] == 16
 
 
 def test_models_health_and_metrics_use_vllm_names_and_labels(client: TestClient) -> None:
@@ -328,26 +348,35 @@ def test_bad_chats_get_vllm_style_errors(client: TestClient) -> None:
     assert unknown.status_code == 404
 
 
-def test_a_chat_beyond_the_context_is_refused_in_vllms_words(client: TestClient) -> None:
-    """The same check on the chat endpoint, on ``max_completion_tokens`` or ``max_tokens``; with
-    neither, only the prompt must leave room (the answer gets the rest of the context)."""
+def test_a_chat_past_the_context_is_refused_and_its_cap_clamped_as_032(client: TestClient) -> None:
+    """The same checks on the chat endpoint, on ``max_completion_tokens`` (named so in the
+    refusal) or else ``max_tokens``; with neither, the answer gets the rest of the context. The
+    chat's prompt is counted as this server renders it (its messages' words)."""
     for cap in ("max_tokens", "max_completion_tokens"):
-        status, message, param = refusal(
-            client.post("/v1/chat/completions", json={"messages": CHAT, cap: 8188})
+        body = {"messages": CHAT, cap: 9000}
+        assert refusal(client.post("/v1/chat/completions", json=body)) == (
+            400,
+            f"{cap}=9000 cannot be greater than max_model_len=8192. Please request fewer output "
+            f"tokens. (parameter={cap}, value=9000)",
+            cap,
         )
-        assert (status, param) == (400, "max_tokens")
-        assert message == (
-            "'max_tokens' or 'max_completion_tokens' is too large: 8188. This model's maximum "
-            "context length is 8192 tokens and your request has 5 input tokens "
-            "(8188 > 8192 - 5). (parameter=max_tokens, value=8188)"
-        )
-    full = [{"role": "user", "content": "w " * 8192}]
-    status, message, param = refusal(client.post("/v1/chat/completions", json={"messages": full}))
+    long = [{"role": "user", "content": "w " * 9000}]
+    status, message, param = refusal(client.post("/v1/chat/completions", json={"messages": long}))
     assert (status, param) == (400, "input_tokens")
-    assert message.startswith("This model's maximum context length is 8192 tokens. However, your")
-    fits = {"messages": CHAT, "max_completion_tokens": 8187, "max_tokens": 9000}
-    resp = client.post("/v1/chat/completions", json=fits)  # max_completion_tokens wins, and fits
+    assert "your prompt contains at least 8193 input tokens" in message
+    full = [{"role": "user", "content": "w " * 8192}]
+    assert refusal(client.post("/v1/chat/completions", json={"messages": full}))[1].startswith(
+        "max_tokens must be at least 1, got 0."
+    )
+    # 5 prompt tokens + 8190 past the context: lowered to 8187, and the sampled end comes first
+    fits = {"messages": CHAT, "max_completion_tokens": 8190, "max_tokens": 9000}
+    resp = client.post("/v1/chat/completions", json=fits)  # max_completion_tokens wins
     assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 3
+    near = [{"role": "user", "content": "w " * 8180}]
+    body = {"messages": near, "max_tokens": 100, "ignore_eos": True}
+    answer = client.post("/v1/chat/completions", json=body).json()
+    assert answer["usage"]["completion_tokens"] == 12
+    assert answer["choices"][0]["finish_reason"] == "length"
 
 
 def test_priority_is_refused_without_priority_scheduling_as_vllm_documents() -> None:
@@ -436,29 +465,31 @@ def test_the_client_sends_again_without_priority_to_a_server_that_schedules_fcfs
     assert all("--scheduling-policy priority" in w for w in warnings)
 
 
-def test_the_client_rejects_a_request_beyond_the_context_with_vllms_message() -> None:
-    """The server's 400 becomes ``RequestRejected`` (the request is at fault, not the server)
-    carrying vLLM's message, from either endpoint; the server serves the next request."""
-    too_large = (
-        r"s0 \(http://s0\): POST {path} answered 400: 'max_tokens' or 'max_completion_tokens' "
-        r"is too large: {cap}\. This model's maximum context length is 8192 tokens and your "
-        r"request has {prompt} input tokens \({cap} > 8192 - {prompt}\)"
+def test_the_client_rejects_a_prompt_past_the_context_and_gets_what_fits_otherwise() -> None:
+    """A prompt longer than the context: the server's 400 becomes ``RequestRejected`` (the
+    request is at fault, not the server) carrying vLLM 0.32's message, from either endpoint.
+    Prompt + ``max_tokens`` past it: the answer is what fits, cut at the context (``length``)."""
+    past = (
+        r"s0 \(http://s0\): POST {path} answered 400: This model's maximum context length is "
+        r"8192 tokens\. However, your prompt contains {count} input tokens"
     )
 
     async def scenario() -> None:
         client, engine = simulated_vllm()
         try:
-            long = EngineRequest("long", "m", 300, max_tokens=8190, output_tokens=8190)
-            completion = too_large.format(path="/v1/completions", cap=8190, prompt=300)
-            with pytest.raises(RequestRejected, match=completion):
+            long = EngineRequest("long", "m", 9000, max_tokens=10, output_tokens=10)
+            with pytest.raises(
+                RequestRejected, match=past.format(path="/v1/completions", count=9000)
+            ):
                 await client.submit(long)
-            words = ({"role": "user", "content": "a b"},)
-            chat = EngineRequest("chat", "m", 2, 8191, output_tokens=8191, messages=words)
-            answer = too_large.format(path="/v1/chat/completions", cap=8191, prompt=2)
+            words = ({"role": "user", "content": "a " * 8200},)
+            chat = EngineRequest("chat", "m", 8200, 10, output_tokens=10, messages=words)
+            answer = past.format(path="/v1/chat/completions", count="at least 8193")
             with pytest.raises(RequestRejected, match=answer):
                 await client.submit(chat)
-            fits = replace(long, request_id="fits", max_tokens=7892, output_tokens=4)
-            assert (await client.submit(fits)).tokens == 4
+            near = EngineRequest("near", "m", 8100, max_tokens=8000, output_tokens=8000)
+            out = await client.submit(near)
+            assert (out.tokens, out.finish_reason) == (92, "length")
         finally:
             await client.close()
             await engine.close()

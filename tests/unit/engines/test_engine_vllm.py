@@ -9,7 +9,6 @@ from typing import Any
 
 import httpx
 import pytest
-from builders import simulated_vllm
 from typer.testing import CliRunner
 
 from qlm.cli import app
@@ -706,27 +705,43 @@ def test_the_room_left_in_the_context_is_read_from_vllms_refusal() -> None:
 
 def test_a_resumed_request_past_the_context_is_sent_again_with_the_room_left() -> None:
     """Sent again after an eviction, a request's partial output can re-tokenize a few tokens
-    longer, pushing prompt + max_tokens past the context: vLLM refuses it (400). QLM interrupted
-    it, so it is not failed: it goes again with max_tokens lowered to the room left. A request
-    sent as is (not resumed) that does not fit is the client's to fix: refused."""
+    longer, pushing prompt + max_tokens past the context: vLLM 0.14 refuses it (400; 0.32
+    clamps max_tokens instead). QLM interrupted it, so it is not failed: it goes again with
+    max_tokens lowered to the room left. A request sent as is (not resumed) that does not fit
+    is the client's to fix: refused."""
+    sent: list[int] = []
+
+    def vllm_014(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        prompt, cap = len(body["prompt"].split()), body["max_tokens"]
+        sent.append(cap)
+        if prompt + cap > 8192:
+            message = (
+                f"'max_tokens' or 'max_completion_tokens' is too large: {cap}. This model's "
+                f"maximum context length is 8192 tokens and your request has {prompt} input "
+                f"tokens ({cap} > 8192 - {prompt}). (parameter=max_tokens, value={cap})"
+            )
+            return httpx.Response(400, json={"error": {"message": message, "code": 400}})
+        done = {"choices": [{"text": " x", "finish_reason": "stop"}]}
+        return sse(done | {"usage": {"prompt_tokens": prompt, "completion_tokens": 1}})
 
     async def scenario() -> None:
-        engine, server = simulated_vllm("s0")
-        prompt = " ".join(["word"] * 100)  # 100 tokens to the simulated server
+        engine = engine_with(vllm_014)
+        prompt = " ".join(["word"] * 100)
         try:
-            fresh = EngineRequest("r-fresh", "m", 100, max_tokens=8100, prompt=prompt)
+            fresh = EngineRequest("r-fresh", "llama", 100, max_tokens=8100, prompt=prompt)
             with pytest.raises(RequestRejected, match="maximum context length is 8192"):
                 await engine.submit(fresh)
             resumed = EngineRequest(
-                "r-resumed", "m", 97, max_tokens=8100, prompt=prompt, resumed_tokens=20
+                "r-resumed", "llama", 97, max_tokens=8100, prompt=prompt, resumed_tokens=20
             )
             out = await engine.submit(resumed)
-            assert out.finish_reason in ("stop", "length") and 1 <= out.tokens <= 8092
+            assert (out.tokens, out.finish_reason) == (1, "stop")
         finally:
             await engine.close()
-            await server.close()
 
     asyncio.run(scenario())
+    assert sent == [8100, 8100, 8092]
 
 
 # --- what the server says of itself: /server_info, the sleep probe, /abort_requests, /tokenize ---

@@ -513,8 +513,8 @@ def test_an_engine_that_never_answers_starts_down_and_gets_nothing() -> None:
     ("over_http", "why"),
     [
         (False, "needs 9200 tokens, more than m's max context 8192"),
-        (True, "400: 'max_tokens' or 'max_completion_tokens' is too large: 9000. This model's "
-               "maximum context length is 8192 tokens and your request has 200 input tokens"),
+        (True, "400: max_tokens=9000 cannot be greater than max_model_len=8192. Please "
+               "request fewer output tokens."),
     ],
     ids=["in-process", "vllm-api"],
 )  # fmt: skip
