@@ -3,10 +3,10 @@
 It answers the part of ``vllm serve``'s API that QLM uses as vLLM 0.32 answers it
 (``qlm.engines.vllm.VLLM_VERSION``), with the same paths, fields and formats (docs/engines.md
 lists them and the deviations), so that ``VllmEngine`` is tested end to end without a GPU:
-``POST /v1/completions`` and ``POST /v1/chat/completions`` (plain and SSE streaming),
-``GET /v1/models``, ``GET /health``, ``GET /metrics`` (vLLM's metric names) and, with
-``dev_mode`` (vLLM: ``VLLM_SERVER_DEV_MODE=1``), ``POST /sleep``, ``POST /wake_up``,
-``GET /is_sleeping``.
+``POST /v1/completions`` and ``POST /v1/chat/completions`` (plain and SSE streaming, token ids
+with ``return_token_ids``), ``POST /tokenize``, ``GET /v1/models``, ``GET /health``,
+``GET /metrics`` (vLLM's metric names) and, with ``dev_mode`` (vLLM:
+``VLLM_SERVER_DEV_MODE=1``), ``POST /sleep``, ``POST /wake_up``, ``GET /is_sleeping``.
 
 Like ``vllm serve`` before generating, it refuses ``max_tokens`` above the model's context and a
 prompt longer than the context (400 in vLLM's words, ``_output_budget``), and lowers
@@ -24,10 +24,14 @@ of the schema, which ends the output when complete (the engine writes it:
 ``qlm.structured``).
 
 Both endpoints run the same generation (``generate``) and stream the same chunks, worded per
-endpoint (``_Format``). A chat has no tokenizer or chat template here: its prompt length is
-counted as the words of its messages' text, as a prompt's are (``count_tokens``); the template's
-own tokens are not counted. So a resumed chat (the partial answer as its last message) is longer
-by exactly the tokens generated, as a resumed prompt is.
+endpoint (``_Format``). Tokens are the simulated engine's (``qlm.engines.wallclock``): a text is
+one token per whitespace-separated word, each word's id drawn from the word
+(``wallclock.tokenize``), and ``/tokenize`` answers the same ids. A chat has no chat template
+here: its prompt is its messages' text joined by spaces (``ChatBody.rendered``), tokenized as a
+prompt is; the template's own tokens are not counted. So a resumed chat (the partial answer as
+its last message) is longer by exactly the tokens generated, as a resumed prompt is, and a
+prompt of an earlier request's ``prompt_token_ids`` + the ``token_ids`` it generated counts as
+exactly those tokens.
 """
 
 from __future__ import annotations
@@ -57,7 +61,13 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from qlm.engines.base import EngineOutput, EngineRequest, TokenChunk
 from qlm.engines.perf_model import HardwareCatalog
-from qlm.engines.wallclock import LATENCY_BUCKETS, WallClockEngine, count_tokens
+from qlm.engines.wallclock import (
+    LATENCY_BUCKETS,
+    VOCAB_SIZE,
+    WallClockEngine,
+    count_tokens,
+    tokenize,
+)
 from qlm.errors import EngineError, UnknownRequest, check_setting
 
 DISCONNECT_POLL_S = 0.25
@@ -112,6 +122,7 @@ class _GenerationBody(BaseModel):
     priority: int = 0
     ignore_eos: bool = False
     response_format: ResponseFormatBody | None = None
+    return_token_ids: bool | None = False
 
     def sampling(self) -> tuple[tuple[str, Any], ...]:
         """What the simulated engine honours of the sampling parameters: the format, and a
@@ -161,6 +172,12 @@ class ChatMessage(BaseModel):
         return self.content or ""
 
 
+def _chat_text(messages: Sequence[ChatMessage]) -> str:
+    """A chat as this server's model reads it: its messages' text, joined by spaces (no chat
+    template: module docstring)."""
+    return " ".join(m.text() for m in messages)
+
+
 class ChatBody(_GenerationBody):
     """vLLM's ``ChatCompletionRequest``, as far as simulated: ``max_completion_tokens`` wins over
     the deprecated ``max_tokens``; with neither, the rest of the context (as in vLLM)."""
@@ -184,9 +201,8 @@ class ChatBody(_GenerationBody):
         the last message is continued, that message's."""
         return "assistant" if self.add_generation_prompt else self.messages[-1].role
 
-    def prompt_tokens(self) -> int:
-        """The words of the messages' text (module docstring)."""
-        return count_tokens(" ".join(m.text() for m in self.messages))
+    def rendered(self) -> str:
+        return _chat_text(self.messages)
 
     def output_limit(self) -> tuple[int | None, str]:
         """``max_completion_tokens``, else the deprecated ``max_tokens``, and its name."""
@@ -198,10 +214,39 @@ class ChatBody(_GenerationBody):
         return tuple(m.model_dump(exclude_none=True) for m in self.messages)
 
 
+BOS_TEXT = "<s>"
+"""The text of ``wallclock.BOS_ID``, the one token of an empty text."""
+
+
+class TokenizeBody(BaseModel):
+    """vLLM's ``TokenizeRequest``: a prompt, or a chat (rendered as ``ChatBody`` renders it)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    return_token_strs: bool | None = False
+
+    @model_validator(mode="after")
+    def _prompt_or_messages(self) -> TokenizeBody:
+        if self.prompt is None and self.messages is None:
+            raise ValueError("either prompt or messages is required")
+        return self
+
+    def text(self) -> str:
+        return self.prompt if self.prompt is not None else _chat_text(self.messages or ())
+
+
 @dataclass(frozen=True, slots=True)
 class _Format:
     """How an endpoint words its answer: id prefix, object names, choices. ``role`` is set for a
-    chat: its answer is a message, streamed as deltas after one that announces the role."""
+    chat: its answer is a message, streamed as deltas after one that announces the role.
+
+    Token ids (``return_token_ids``; ``None`` without it, as vLLM sends them) go where vLLM 0.32
+    puts them: a completion's choice has ``token_ids`` and ``prompt_token_ids`` (a stream's first
+    chunk only); a chat's choice has ``token_ids`` and its answer (or its stream's first chunk,
+    the role's) has ``prompt_token_ids`` at the top level."""
 
     id_prefix: str
     answer_object: str
@@ -215,18 +260,28 @@ class _Format:
         *,
         stream: bool,
         calls: Sequence[Mapping[str, Any]] = (),
+        token_ids: Sequence[int] | None = None,
+        prompt_ids: Sequence[int] | None = None,
     ) -> dict[str, Any]:
         """One choice; a chat's tool calls (whole, or a stream's deltas) replace its content."""
         out: dict[str, Any] = {"index": 0}
+        ids = None if token_ids is None else list(token_ids)
         if self.role is None:
-            out["text"] = text
-        elif stream:
+            out |= {"text": text, "logprobs": None, "finish_reason": finish, "stop_reason": None}
+            prompt = None if prompt_ids is None else list(prompt_ids)
+            if stream:
+                return out | {"prompt_token_ids": prompt, "token_ids": ids}
+            return out | {"token_ids": ids, "prompt_logprobs": None, "prompt_token_ids": prompt}
+        if stream:
             out["delta"] = {"tool_calls": list(calls)} if calls else {"content": text}
         elif calls:
             out["message"] = {"role": self.role, "content": None, "tool_calls": list(calls)}
         else:
             out["message"] = {"role": self.role, "content": text}
-        return out | {"logprobs": None, "finish_reason": finish, "stop_reason": None}
+        out |= {"logprobs": None, "finish_reason": finish}
+        if finish is not None or not stream:  # (a chat stream says it on its last chunk only)
+            out["stop_reason"] = None
+        return out | {"token_ids": ids}
 
     def opening(self) -> dict[str, Any] | None:
         """A chat stream's first choice, before any token: the role and empty content."""
@@ -296,6 +351,14 @@ def _output_budget(
     if budget < 1:
         raise _validation(f"max_tokens must be at least 1, got {budget}.", "max_tokens", budget)
     return budget
+
+
+def _out_of_vocabulary(prompt: str | Sequence[int]) -> str | None:
+    """vLLM's refusal of a token-id prompt with an id its vocabulary does not have."""
+    if isinstance(prompt, str):
+        return None
+    bad = next((t for t in prompt if t >= VOCAB_SIZE), None)
+    return None if bad is None else f"Token id {bad} is out of vocabulary"
 
 
 async def _error_stream(message: str) -> AsyncIterator[str]:
@@ -432,23 +495,22 @@ def create_app(
     async def generate(
         request: Request,
         body: _GenerationBody,
-        prompt_tokens: int,
+        prompt: str | list[int],
         limit: tuple[int | None, str],
         fmt: _Format,
-        *,
-        tokenized: bool,
     ) -> Response:
-        """Run one request of either endpoint: ``limit`` the output tokens asked for (None: the
-        rest of the context) and the name of the parameter that asked; ``tokenized``: the prompt
-        is a text (counted as vLLM's tokenizer counts it, up to one token past the context)."""
+        """Run one request of either endpoint: ``prompt`` as this server reads it (a chat's
+        rendered), ``limit`` the output tokens asked for (None: the rest of the context) and the
+        name of the parameter that asked."""
         model = body.model or models[0]
         if model not in models:
             return unknown_model(model)
+        prompt_tokens = count_tokens(prompt)
         try:
             max_tokens = _output_budget(
                 max_model_len[model],
                 prompt_tokens,
-                tokenized=tokenized,
+                tokenized=isinstance(prompt, str),
                 limit=limit[0],
                 param=limit[1],
             )
@@ -460,10 +522,12 @@ def create_app(
             return _error(500, WEIGHTS_EMPTY, "InternalServerError")
         rid = request.headers.get("X-Request-Id") or uuid.uuid4().hex
         headers = {"X-Request-Id": rid}
+        refused = _out_of_vocabulary(prompt)
         if body.priority and scheduling_policy != "priority":
+            refused = PRIORITY_REFUSED.format(priority=body.priority)
+        if refused is not None:
             # Refused by the engine once the request is parsed: a 400, or inside a stream (already
             # answered 200) an error event, as vLLM's stream generators report any failure.
-            refused = PRIORITY_REFUSED.format(priority=body.priority)
             if body.stream:
                 events = _error_stream(refused)
                 return StreamingResponse(events, media_type="text/event-stream", headers=headers)
@@ -484,6 +548,9 @@ def create_app(
             done = engine.start_request(req, chunks.put_nowait)
         except EngineError as exc:
             return _error(400, str(exc))
+        prompt_ids: list[int] | None = None
+        if body.return_token_ids:
+            prompt_ids = tokenize(prompt) if isinstance(prompt, str) else list(prompt)
         meta = {
             "id": fmt.id_prefix + rid,
             "object": fmt.chunk_object if body.stream else fmt.answer_object,
@@ -492,19 +559,32 @@ def create_app(
         }
         if body.stream:
             events = _stream(
-                engine, request, req, chunks, meta, body.stream_options, fmt, stream_interval
+                engine,
+                request,
+                req,
+                chunks,
+                meta,
+                body.stream_options,
+                fmt,
+                stream_interval,
+                prompt_ids=prompt_ids,
             )
             return StreamingResponse(events, media_type="text/event-stream", headers=headers)
         result = await _wait_or_abort(engine, request, rid, done)
         if result is None:
             return Response(status_code=499)  # the client is gone; nobody reads this
         choice = fmt.choice(
-            result.text, result.finish_reason, stream=False, calls=result.tool_calls
+            result.text,
+            result.finish_reason,
+            stream=False,
+            calls=result.tool_calls,
+            token_ids=None if prompt_ids is None else _drained_ids(chunks),
+            prompt_ids=prompt_ids,
         )
-        if fmt.role is None:
-            choice["prompt_logprobs"] = None
-        usage = _usage(req.prompt_tokens, result.tokens)
-        return JSONResponse({**meta, "choices": [choice], "usage": usage}, headers=headers)
+        answer = {**meta, "choices": [choice], "usage": _usage(req.prompt_tokens, result.tokens)}
+        if fmt.role is not None:
+            answer["prompt_token_ids"] = prompt_ids
+        return JSONResponse(answer, headers=headers)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -517,9 +597,8 @@ def create_app(
         if body.prompt == "":
             message = "Either prompt or prompt_embeds must be provided and non-empty."
             return _error(400, f"{message} (parameter=prompt)", param="prompt")
-        tokens, limit = count_tokens(body.prompt), (body.max_tokens, "max_tokens")
-        text = isinstance(body.prompt, str)
-        return await generate(request, body, tokens, limit, COMPLETION, tokenized=text)
+        limit = (body.max_tokens, "max_tokens")
+        return await generate(request, body, body.prompt, limit, COMPLETION)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -528,8 +607,24 @@ def create_app(
         except (ValidationError, json.JSONDecodeError) as exc:
             return _error(400, str(exc))
         fmt = chat_format(body.role())
-        limit = body.output_limit()
-        return await generate(request, body, body.prompt_tokens(), limit, fmt, tokenized=True)
+        return await generate(request, body, body.rendered(), body.output_limit(), fmt)
+
+    @app.post("/tokenize")
+    async def tokenize_prompt(request: Request) -> Response:
+        """vLLM's ``/tokenize`` of a prompt or of a chat, by this server's tokens (a chat
+        rendered as its generations render it), so the count is the one it generates with."""
+        try:
+            body = TokenizeBody.model_validate(await request.json())
+        except (ValidationError, json.JSONDecodeError) as exc:
+            return _error(400, str(exc))
+        model = body.model or models[0]
+        if model not in models:
+            return unknown_model(model)
+        text = body.text()
+        ids = tokenize(text)
+        strs = (text.split() or [BOS_TEXT]) if body.return_token_strs else None
+        answer = {"count": len(ids), "max_model_len": max_model_len[model], "tokens": ids}
+        return JSONResponse(answer | {"token_strs": strs})
 
     if dev_mode:
 
@@ -614,21 +709,27 @@ async def _stream(
     options: StreamOptions | None,
     fmt: _Format = COMPLETION,
     interval: int = 1,
+    *,
+    prompt_ids: Sequence[int] | None = None,
 ) -> AsyncIterator[str]:
     """SSE events as vLLM sends them; aborts the engine request if the client goes away.
     ``interval`` > 1 (vLLM's ``--stream-interval``): the first token goes at once, then the
-    tokens wait until ``interval`` of them (or the end) make one event."""
+    tokens wait until ``interval`` of them (or the end) make one event. ``prompt_ids`` (asked
+    for with ``return_token_ids``): the prompt's ids go on the first event (``_Format``) and
+    every event says its new tokens' ids."""
     include_usage = bool(options and options.include_usage)
     continuous = include_usage and bool(options and options.continuous_usage_stats)
     finished = False
     held: list[TokenChunk] = []
     sent_tokens = 0
+    first_event = True  # (of the tokens: a chat's opening says the role before)
     try:
         opening = fmt.opening()
         if opening is not None:
             first: dict[str, Any] = {**meta, "choices": [opening]}
             if continuous:
                 first["usage"] = _usage(req.prompt_tokens, 0)
+            first["prompt_token_ids"] = None if prompt_ids is None else list(prompt_ids)
             yield f"data: {json.dumps(first)}\n\n"
         while True:
             try:
@@ -643,8 +744,16 @@ async def _stream(
             if not (due or chunk.finish_reason is not None):
                 continue
             chunk, held = _merged(held), []
-            sent_tokens = chunk.tokens
-            choice = fmt.choice(chunk.text, chunk.finish_reason, stream=True, calls=chunk.calls)
+            ids = None if prompt_ids is None else (chunk.token_ids or ())
+            choice = fmt.choice(
+                chunk.text,
+                chunk.finish_reason,
+                stream=True,
+                calls=chunk.calls,
+                token_ids=ids,
+                prompt_ids=prompt_ids if first_event else None,
+            )
+            sent_tokens, first_event = chunk.tokens, False
             event: dict[str, Any] = {**meta, "choices": [choice]}
             if continuous:
                 event["usage"] = _usage(req.prompt_tokens, chunk.tokens)
@@ -678,7 +787,19 @@ def _merged(chunks: Sequence[TokenChunk]) -> TokenChunk:
             else:
                 calls.append({**delta, "function": dict(delta.get("function", {}))})
     text = "".join(c.text for c in chunks)
-    return replace(last, text=text, calls=tuple(calls))
+    ids: list[int] | None = []
+    for chunk in chunks:
+        ids = None if ids is None or chunk.token_ids is None else ids + list(chunk.token_ids)
+    token_ids = None if ids is None else tuple(ids)
+    return replace(last, text=text, calls=tuple(calls), token_ids=token_ids)
+
+
+def _drained_ids(chunks: asyncio.Queue[TokenChunk]) -> list[int]:
+    """The token ids of the chunks queued (an unstreamed answer's, once it has ended)."""
+    ids: list[int] = []
+    while not chunks.empty():
+        ids.extend(chunks.get_nowait().token_ids or ())
+    return ids
 
 
 def serve(

@@ -21,12 +21,15 @@ from typing import Any
 import httpx
 import pytest
 
-from qlm.domain import ModelTier
-from qlm.engines.base import Engine, EngineRequest, TokenChunk
+from qlm.clock import WallClock
+from qlm.controller import Controller
+from qlm.domain import SLO, Decision, Evict, InstanceSpec, ModelTier, Pull, Request, RequestRecord
+from qlm.engines.base import Engine, EngineOutput, EngineRequest, TokenChunk
 from qlm.engines.vllm import VllmEngine
 from qlm.engines.wallclock import filler_text
 from qlm.errors import EngineError, RequestRejected, UnknownRequest
-from qlm.service.runtime import Job
+from qlm.planner.policy import DispatchContext, PolicyBase
+from qlm.service.runtime import AgentRuntime, Job, RuntimeListener
 
 MODEL = "llama-3-8b"
 DEADLINE_S = 60.0
@@ -355,3 +358,115 @@ def test_a_chat_with_tools_comes_back_as_the_calls_the_server_made(server_url: s
     (call,) = out.tool_calls
     assert call["id"] == "call_tools-1" and call["function"]["name"] == "weather"
     assert set(json.loads(call["function"]["arguments"])) == {"city"}
+
+
+class Watched:
+    """The engine, keeping every request sent and every chunk streamed, per sending."""
+
+    def __init__(self, inner: VllmEngine) -> None:
+        self.inner = inner
+        self.name = inner.name
+        self.sent: list[EngineRequest] = []
+        self.chunks: list[list[TokenChunk]] = []
+
+    def __getattr__(self, item: str) -> Any:
+        return getattr(self.inner, item)
+
+    async def submit(self, request: EngineRequest, on_chunk: Any = None) -> EngineOutput:
+        self.sent.append(request)
+        seen: list[TokenChunk] = []
+        self.chunks.append(seen)
+
+        def keep(chunk: TokenChunk) -> None:
+            seen.append(chunk)
+            if on_chunk is not None:
+                on_chunk(chunk)
+
+        return await self.inner.submit(request, keep)
+
+
+class EvictOnceAt(PolicyBase):
+    """Pulls everything onto the one instance; evicts ``rid`` once, when ``ready()``."""
+
+    name = "evict-once-at"
+
+    def __init__(self, rid: str, ready: Callable[[], bool]) -> None:
+        self.rid = rid
+        self.ready = ready
+        self.evicted = False
+
+    def decide(self, ctx: DispatchContext) -> list[Decision]:
+        out: list[Decision] = [Pull(r.id, "sim-0") for r in ctx.arrived]
+        if not self.evicted and self.ready():
+            self.evicted = True
+            out.append(Evict(self.rid, "sim-0"))
+        return out
+
+
+class Ended(RuntimeListener):
+    def __init__(self) -> None:
+        self.done: dict[str, tuple[RequestRecord, str]] = {}
+        self.errors: dict[str, str] = {}
+
+    def finished(
+        self, record: RequestRecord, text: str, finish_reason: str, tool_calls: Any = ()
+    ) -> None:
+        self.done[record.request.id] = (record, text)
+
+    def failed(self, request_id: str, error: str) -> None:
+        self.errors[request_id] = error
+
+
+def test_an_evicted_chat_resumes_from_the_token_ids_the_server_said(server_url: str) -> None:
+    """The agents' runtime over ``qlm sim-engine serve`` as over vLLM 0.32: a chat is sent with
+    ``return_token_ids``, the server says its prompt's ids (as ``/tokenize`` makes them) and each
+    chunk's; evicted mid-answer, it goes again as a completion whose prompt is exactly those ids
+    + the ids written, which the server counts as the prompt, and the answer comes whole."""
+    tokens, evict_at = 1000, 40  # (~1 ms a token here: the eviction lands mid-answer)
+    messages = [{"role": "user", "content": "Which queue serves me first, and why?"}]
+
+    async def scenario() -> Ended:
+        engine = Watched(VllmEngine("sim-0", server_url, MODEL, timeout_s=LOADED_HOST_S))
+        written = lambda: sum(len(c.token_ids or ()) for c in engine.chunks[0])  # noqa: E731
+        policy = EvictOnceAt("chat-1", lambda: bool(engine.chunks) and written() >= evict_at)
+        ended = Ended()
+        runtime = AgentRuntime(
+            Controller(policy, [InstanceSpec("sim-0", "A100", (MODEL,))]),
+            [engine],
+            clock=WallClock(),
+            listener=ended,
+            tick_s=0.01,
+        )
+        await runtime.start()
+        try:
+            request = Request(
+                id="chat-1", model=MODEL, arrival_s=runtime.clock.now(), input_tokens=7,
+                max_tokens=tokens, slo=SLO(e2e_s=3600.0), replay_output_tokens=tokens,
+            )  # fmt: skip
+            runtime.submit(request, Job(prompt="Which queue", messages=messages))
+            deadline = time.monotonic() + DEADLINE_S
+            while not runtime.idle:
+                assert time.monotonic() < deadline, "the chat did not finish"
+                await asyncio.sleep(0.02)
+        finally:
+            await runtime.stop()
+            await engine.inner.close()
+        first, resumed = engine.sent  # evicted once, sent again once
+        assert first.messages is not None and isinstance(resumed.prompt, tuple)
+        assert resumed.messages is None and not resumed.continue_final_message
+        before, after = engine.chunks
+        prompt = before[0].prompt_token_ids
+        said = httpx.post(f"{server_url}/tokenize", json={"messages": messages}).json()
+        assert prompt is not None and list(prompt) == said["tokens"] and len(prompt) == 7
+        ids = [t for c in before for t in (c.token_ids or ())]
+        kept = len(resumed.prompt) - len(prompt)
+        assert kept >= evict_at and resumed.prompt == prompt + tuple(ids[:kept])
+        assert after[0].prompt_tokens == len(resumed.prompt)  # counted as exactly those
+        assert kept + after[-1].tokens == tokens
+        return ended
+
+    ended = asyncio.run(scenario())
+    assert not ended.errors, ended.errors
+    record, text = ended.done["chat-1"]
+    assert (record.output_tokens, record.evictions) == (tokens, 1)
+    assert text == filler_text(tokens)

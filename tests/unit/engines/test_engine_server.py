@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from qlm.engines.base import EngineRequest, TokenChunk
 from qlm.engines.server import SchedulingPolicy, _stream, create_app
 from qlm.engines.vllm import VllmEngine, context_room
-from qlm.engines.wallclock import WallClockEngine, filler_text
+from qlm.engines.wallclock import VOCAB_SIZE, WallClockEngine, filler_text
 from qlm.errors import ConfigError, RequestRejected
 
 with warnings.catch_warnings():  # Starlette nudges towards httpx2; httpx is what QLM uses
@@ -542,13 +542,17 @@ def test_a_stream_interval_sends_the_first_token_at_once_then_every_n() -> None:
     app = create_app(engine, eos_lengths=(3,), scheduling_policy="priority", stream_interval=4)
     with TestClient(app) as client:
         options = {"include_usage": True, "continuous_usage_stats": True}
-        events = sse(client, max_tokens=11, ignore_eos=True, stream_options=options)
+        events = sse(
+            client, max_tokens=11, ignore_eos=True, stream_options=options, return_token_ids=True
+        )
         chunks = [e for e in events[:-1] if e["choices"]]
         counts = [e["usage"]["completion_tokens"] for e in chunks]
         assert counts[0] == 1 and counts[-1] == 11  # the first at once, the end whatever is left
         assert all(b - a >= 4 for a, b in itertools.pairwise(counts[:-1]))
         assert len(chunks) <= 1 + 10 // 4 + 1
         assert "".join(c["choices"][0]["text"] for c in chunks) == filler_text(11)
+        ids = [len(c["choices"][0]["token_ids"]) for c in chunks]  # each event: its tokens' ids
+        assert ids == [b - a for a, b in itertools.pairwise([0, *counts])]
         tools = [{"type": "function", "function": {"name": "f"}}]
         body = {"messages": CHAT, "tools": tools, "max_tokens": 30, "ignore_eos": True}
         calls = [
@@ -584,3 +588,116 @@ def test_the_server_times_each_finished_request_as_vllm_exports_it() -> None:
             await engine.close()
 
     asyncio.run(scenario())
+
+
+# --- what vLLM 0.32 says besides generating: token ids, /tokenize ----------------------------------
+
+
+def test_tokenize_counts_a_prompt_and_a_chat_as_the_generations_count_them(
+    client: TestClient,
+) -> None:
+    """``/tokenize`` answers vLLM's fields with this server's tokens: a text's words (a chat's
+    messages rendered as the chat endpoint renders them), so its count is the prompt's
+    ``usage.prompt_tokens``, and the text of generated tokens tokenizes to the ids generated."""
+    text = "Which queue serves me first?"
+    said = client.post("/tokenize", json={"model": "m", "prompt": text}).json()
+    assert set(said) == {"count", "max_model_len", "tokens", "token_strs"}
+    assert (said["count"], said["max_model_len"], said["token_strs"]) == (5, 8192, None)
+    assert len(said["tokens"]) == 5 and len(set(said["tokens"])) == 5
+    assert said["count"] == complete(client, prompt=text)["usage"]["prompt_tokens"]
+    chat = client.post("/tokenize", json={"messages": CHAT, "return_token_strs": True}).json()
+    answer = client.post("/v1/chat/completions", json={"messages": CHAT}).json()
+    assert chat["count"] == answer["usage"]["prompt_tokens"] == 5
+    assert chat["token_strs"] == ["You", "are", "terse.", "say", "hi"]
+    written = complete(client, prompt=text, return_token_ids=True)["choices"][0]
+    again = client.post("/tokenize", json={"prompt": text + written["text"]}).json()
+    assert again["tokens"] == said["tokens"] + written["token_ids"]
+    assert client.post("/tokenize", json={"prompt": ""}).json()["count"] == 1
+    unknown = client.post("/tokenize", json={"model": "x", "prompt": "a"})
+    assert unknown.status_code == 404 and "Valid aliases: m." in unknown.text
+    assert client.post("/tokenize", json={"model": "m"}).status_code == 400
+
+
+def test_the_client_builds_synthetic_prompts_of_ids_the_server_takes() -> None:
+    """``VllmEngine.load_token_ids`` reads the ids of its sample text from ``/tokenize``; a
+    replay's synthetic prompt made of them is inside the vocabulary and counted exactly. An id
+    outside the vocabulary is refused as vLLM refuses it (streamed: an error event)."""
+
+    async def scenario() -> None:
+        client, engine = simulated_vllm()
+        try:
+            ids = await client.load_token_ids()
+            assert len(ids) > 50 and all(0 <= t < VOCAB_SIZE for t in ids)
+            chunks: list[TokenChunk] = []
+            out = await client.submit(
+                EngineRequest("replay", "m", 300, max_tokens=4, output_tokens=4), chunks.append
+            )
+            assert out.tokens == 4 and chunks[0].prompt_tokens == 300
+            bad = EngineRequest("bad", "m", 2, max_tokens=4, prompt=(5, VOCAB_SIZE))
+            with pytest.raises(
+                RequestRejected, match=f"Token id {VOCAB_SIZE} is out of vocabulary"
+            ):
+                await client.submit(bad)
+        finally:
+            await client.close()
+            await engine.close()
+
+    asyncio.run(scenario())
+
+
+def test_return_token_ids_streams_the_ids_where_vllm_032_puts_them(client: TestClient) -> None:
+    """Completions: ``prompt_token_ids`` in the first chunk's choice (null after), ``token_ids``
+    (the chunk's new tokens) in every choice. Chat: ``prompt_token_ids`` at the top level of the
+    role's chunk, ``token_ids`` in every content choice. Unstreamed: the same fields on the one
+    choice (a chat's prompt ids at the top level). Not asked for: the same keys, null."""
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    prompt_ids = client.post("/tokenize", json={"prompt": "hi there"}).json()["tokens"]
+    events = sse(
+        client,
+        prompt="hi there",
+        max_tokens=5,
+        ignore_eos=True,
+        return_token_ids=True,
+        stream_options=options,
+    )
+    chunks = [e["choices"][0] for e in events[:-2]]
+    assert chunks[0]["prompt_token_ids"] == prompt_ids
+    assert all(c["prompt_token_ids"] is None for c in chunks[1:])
+    written = [t for c in chunks for t in c["token_ids"]]
+    assert len(written) == 5 == events[-2]["usage"]["completion_tokens"]
+    plain = sse(client, prompt="hi there", max_tokens=2, ignore_eos=True)
+    assert all(
+        e["choices"][0]["token_ids"] is None and e["choices"][0]["prompt_token_ids"] is None
+        for e in plain[:-1]
+    )
+
+    chat_ids = client.post("/tokenize", json={"messages": CHAT}).json()["tokens"]
+    events = chat_sse(
+        client, max_tokens=5, ignore_eos=True, return_token_ids=True, stream_options=options
+    )
+    role, deltas = events[0], [e["choices"][0] for e in events[1:-2]]
+    assert role["prompt_token_ids"] == chat_ids and "token_ids" not in role["choices"][0]
+    assert all("prompt_token_ids" not in e for e in events[1:-1])
+    assert sum(len(d["token_ids"]) for d in deltas) == 5
+    assert chat_sse(client, max_tokens=2)[0]["prompt_token_ids"] is None
+
+    answer = complete(client, prompt="hi there", max_tokens=3, return_token_ids=True)
+    choice = answer["choices"][0]
+    assert choice["prompt_token_ids"] == prompt_ids and len(choice["token_ids"]) == 3
+    body = {"messages": CHAT, "max_tokens": 3, "return_token_ids": True}
+    chat = client.post("/v1/chat/completions", json=body).json()
+    assert chat["prompt_token_ids"] == chat_ids and len(chat["choices"][0]["token_ids"]) == 3
+
+
+def test_a_prompt_of_the_ids_said_goes_on_from_exactly_those_tokens(client: TestClient) -> None:
+    """What QLM sends to resume an evicted request: the first run's prompt ids + the ids it
+    wrote, as a completion's prompt. The server counts exactly those tokens as the prompt, and a
+    replay (``ignore_eos``) writes exactly ``max_tokens`` more."""
+    body = {"messages": CHAT, "max_tokens": 7, "ignore_eos": True, "return_token_ids": True}
+    first = client.post("/v1/chat/completions", json=body).json()
+    ids = first["prompt_token_ids"] + first["choices"][0]["token_ids"]
+    resumed = complete(client, prompt=ids, max_tokens=20, ignore_eos=True, return_token_ids=True)
+    assert resumed["usage"] == {"prompt_tokens": 12, "completion_tokens": 20, "total_tokens": 32}
+    choice = resumed["choices"][0]
+    assert choice["prompt_token_ids"] == ids and len(choice["token_ids"]) == 20
+    assert first["choices"][0]["message"]["content"] + choice["text"] == filler_text(27)
