@@ -6,7 +6,8 @@ lists them and the deviations), so that ``VllmEngine`` is tested end to end with
 ``POST /v1/completions`` and ``POST /v1/chat/completions`` (plain and SSE streaming, token ids
 with ``return_token_ids``), ``POST /tokenize``, ``GET /v1/models``, ``GET /health``,
 ``GET /metrics`` (vLLM's metric names) and, with ``dev_mode`` (vLLM:
-``VLLM_SERVER_DEV_MODE=1``), ``POST /sleep``, ``POST /wake_up``, ``GET /is_sleeping``.
+``VLLM_SERVER_DEV_MODE=1``), ``GET /server_info``, ``POST /abort_requests``, ``POST /sleep``,
+``POST /wake_up``, ``GET /is_sleeping``.
 
 Like ``vllm serve`` before generating, it refuses ``max_tokens`` above the model's context and a
 prompt longer than the context (400 in vLLM's words, ``_output_budget``), and lowers
@@ -492,6 +493,18 @@ def create_app(
         message = f"The model `{model}` does not exist. Valid aliases: {', '.join(models)}."
         return _error(404, message, "NotFoundError", "model")
 
+    # vLLM's own id of each request running (what /abort_requests takes) -> the engine's id
+    live: dict[str, tuple[str, asyncio.Future[EngineOutput]]] = {}
+
+    def track(vllm_id: str, rid: str, done: asyncio.Future[EngineOutput]) -> None:
+        live[vllm_id] = (rid, done)
+
+        def forget(_: object) -> None:
+            if live.get(vllm_id, (None, None))[1] is done:
+                del live[vllm_id]
+
+        done.add_done_callback(forget)
+
     async def generate(
         request: Request,
         body: _GenerationBody,
@@ -548,6 +561,8 @@ def create_app(
             done = engine.start_request(req, chunks.put_nowait)
         except EngineError as exc:
             return _error(400, str(exc))
+        # vLLM numbers the prompts of one completion request (``-0``: its only one)
+        track(fmt.id_prefix + rid + ("-0" if fmt.role is None else ""), rid, done)
         prompt_ids: list[int] | None = None
         if body.return_token_ids:
             prompt_ids = tokenize(prompt) if isinstance(prompt, str) else list(prompt)
@@ -666,6 +681,37 @@ def create_app(
         @app.get("/is_sleeping")
         async def is_sleeping() -> dict[str, bool]:
             return {"is_sleeping": engine.is_sleeping}
+
+        @app.get("/server_info")
+        async def server_info(
+            config_format: Annotated[Literal["text", "json"], Query()] = "text",
+        ) -> dict[str, Any]:
+            """vLLM's configuration as this server runs it: the fields of vLLM's ``VllmConfig``
+            that the simulated engine has, with its values (JSON, or vLLM's one-line text)."""
+            config = _vllm_config(engine, scheduling_policy, stream_interval)
+            shown = config if config_format == "json" else _config_text(config)
+            return {"vllm_config": shown, "vllm_env": {}, "system_env": {}}
+
+        @app.post("/abort_requests")
+        async def abort_requests(request: Request) -> Response:
+            """vLLM 0.32's RL router: abort by vLLM's own ids (``cmpl-<id>-0``, ``chatcmpl-<id>``;
+            another id aborts nothing), or, without ids, everything running. It answers how many
+            ids it was given (without: how many it aborted)."""
+            try:
+                body = await request.json()
+            except json.JSONDecodeError:
+                return _error(400, "Invalid JSON format", "Bad Request")
+            if not isinstance(body, dict):
+                return _error(400, "Request body must be a JSON object", "Bad Request")
+            given = body.get("request_ids")
+            if given and not isinstance(given, (list, str)):
+                return _error(400, "request_ids must be a list of request ids", "Bad Request")
+            ids = ([given] if isinstance(given, str) else list(given)) if given else list(live)
+            for vllm_id in ids:
+                held = live.get(str(vllm_id))
+                if held is not None:
+                    _abort_quietly(engine, held[0])
+            return JSONResponse({"status": "aborted", "aborted": len(given or ids)})
 
     return app
 
@@ -800,6 +846,55 @@ def _drained_ids(chunks: asyncio.Queue[TokenChunk]) -> list[int]:
     while not chunks.empty():
         ids.extend(chunks.get_nowait().token_ids or ())
     return ids
+
+
+def _vllm_config(
+    engine: WallClockEngine, scheduling_policy: SchedulingPolicy, stream_interval: int
+) -> dict[str, Any]:
+    """The sections of vLLM's ``VllmConfig`` (``/server_info``) that the simulated engine has,
+    with its values: the model, the KV cache (``num_gpu_blocks`` x ``block_size`` tokens), the
+    scheduler (``max_num_seqs``, ``max_num_batched_tokens``), the GPUs. Sleep mode is on: this
+    server sleeps in dev mode, where ``/server_info`` is served."""
+    model, pm = next(iter(engine.sim.perf_models.items()))
+    cfg = engine.sim.config
+    capacity = engine.sim.token_capacity()
+    return {
+        "model_config": {
+            "model": model,
+            "served_model_name": model,
+            "tokenizer": model,
+            "max_model_len": pm.model.max_context,
+            "enable_sleep_mode": True,
+            "skip_tokenizer_init": False,
+        },
+        "cache_config": {
+            "block_size": cfg.block_size,
+            "gpu_memory_utilization": cfg.gpu_memory_utilization,
+            "enable_prefix_caching": False,  # not simulated
+            "num_gpu_blocks": capacity // cfg.block_size,
+            "kv_cache_size_tokens": capacity,
+        },
+        "parallel_config": {
+            "pipeline_parallel_size": 1,
+            "tensor_parallel_size": pm.gpu_count,
+            "data_parallel_size": 1,
+            "world_size": pm.gpu_count,
+        },
+        "scheduler_config": {
+            "runner_type": "generate",
+            "max_num_batched_tokens": cfg.max_num_batched_tokens,
+            "max_num_seqs": cfg.max_num_seqs,
+            "enable_chunked_prefill": True,
+            "policy": scheduling_policy,
+            "stream_interval": stream_interval,
+        },
+        "device_config": {"device": "cuda"},
+    }
+
+
+def _config_text(config: Mapping[str, Mapping[str, Any]]) -> str:
+    """``/server_info``'s default (text) form of the configuration: one line of ``name=value``."""
+    return ", ".join(f"{k}={v!r}" for section in config.values() for k, v in section.items())
 
 
 def serve(

@@ -590,7 +590,8 @@ def test_the_server_times_each_finished_request_as_vllm_exports_it() -> None:
     asyncio.run(scenario())
 
 
-# --- what vLLM 0.32 says besides generating: token ids, /tokenize ----------------------------------
+# --- what vLLM 0.32 says besides generating: token ids, /tokenize, dev mode's /server_info and
+# /abort_requests ---------------------------------------------------------------------------------
 
 
 def test_tokenize_counts_a_prompt_and_a_chat_as_the_generations_count_them(
@@ -701,3 +702,95 @@ def test_a_prompt_of_the_ids_said_goes_on_from_exactly_those_tokens(client: Test
     choice = resumed["choices"][0]
     assert choice["prompt_token_ids"] == ids and len(choice["token_ids"]) == 20
     assert first["choices"][0]["message"]["content"] + choice["text"] == filler_text(27)
+
+
+def test_server_info_says_the_simulated_engines_configuration_and_the_client_reads_it() -> None:
+    """Dev mode's ``/server_info`` (JSON, or vLLM's one-line text by default): the simulated
+    engine's own values, which ``VllmEngine.capabilities`` reads (``max_num_seqs``) beside the
+    KV capacity of ``/metrics``; sleep mode on, which the probe confirms by sleeping it."""
+    engine = WallClockEngine.from_catalog(
+        "s0", "m", "G", 1, time_scale=50, catalog=make_catalog(), max_num_seqs=48
+    )
+    app = create_app(engine, dev_mode=True, scheduling_policy="priority")
+
+    async def scenario() -> None:
+        client = VllmEngine("s0", "http://s0", "m", transport=httpx.ASGITransport(app))
+        try:
+            info = await client.server_info()
+            assert info is not None
+            cache, scheduler = info["cache_config"], info["scheduler_config"]
+            assert scheduler["max_num_seqs"] == 48 and scheduler["policy"] == "priority"
+            capacity = engine.sim.token_capacity()
+            assert cache["num_gpu_blocks"] * cache["block_size"] == capacity
+            assert cache["block_size"] == engine.sim.config.block_size
+            assert info["model_config"]["max_model_len"] == 8192
+            assert info["model_config"]["enable_sleep_mode"] is True
+            caps = await client.capabilities()
+            assert (caps.max_num_seqs, caps.kv_capacity_tokens) == (48, capacity)
+            assert caps.supports_sleep and caps.supports_abort_endpoint
+            assert "cuda: slept (level 1) and woke" in client.sleep_probe
+        finally:
+            await client.close()
+            await engine.close()
+
+    asyncio.run(scenario())
+    with TestClient(app) as http:
+        text = http.get("/server_info").json()
+        assert isinstance(text["vllm_config"], str) and "max_num_seqs=48" in text["vllm_config"]
+        assert set(text) == {"vllm_config", "vllm_env", "system_env"}
+    with make_client(dev_mode=False) as plain:
+        assert plain.get("/server_info").status_code == 404
+        assert plain.post("/abort_requests", json={}).status_code == 404
+
+
+def test_abort_requests_takes_vllms_own_ids_as_vllm_032_does() -> None:
+    """Dev mode's ``/abort_requests``: vLLM's id of a completion (``cmpl-<X-Request-Id>-0``) or a
+    chat (``chatcmpl-<X-Request-Id>``) aborts it, whose answer ends with ``finish_reason:
+    abort``; the bare id aborts nothing; no ids abort everything. It answers how many ids it was
+    given (without ids: how many it aborted)."""
+    engine = WallClockEngine.from_catalog("s0", "m", "G", 1, time_scale=50, catalog=make_catalog())
+    app = create_app(engine, dev_mode=True, scheduling_policy="priority")
+
+    async def scenario() -> None:
+        async with httpx.AsyncClient(
+            transport=httpx.ASGITransport(app), base_url="http://s"
+        ) as http:
+
+            async def running(rid: str, path: str, body: dict[str, Any]) -> asyncio.Task[Any]:
+                body |= {"max_tokens": 5000, "ignore_eos": True, "return_token_ids": True}
+                task = asyncio.create_task(
+                    http.post(path, json=body, headers={"X-Request-Id": rid})
+                )
+                while rid not in engine.in_flight():
+                    await asyncio.sleep(0.001)
+                return task
+
+            async def abort(*ids: str) -> Any:
+                body = {"request_ids": list(ids)} if ids else {}
+                return (await http.post("/abort_requests", json=body)).json()
+
+            one = await running("one", "/v1/completions", {"prompt": "a b"})
+            two = await running("two", "/v1/chat/completions", {"messages": CHAT})
+            assert await abort("one", "two", "cmpl-one", "chatcmpl-two-0") == {
+                "status": "aborted",
+                "aborted": 4,
+            }
+            assert sorted(engine.in_flight()) == ["one", "two"]
+            assert await abort("cmpl-one-0") == {"status": "aborted", "aborted": 1}
+            cut = (await one).json()["choices"][0]
+            assert cut["finish_reason"] == "abort" and len(cut["token_ids"]) < 5000
+            assert await abort("chatcmpl-two") == {"status": "aborted", "aborted": 1}
+            assert (await two).json()["choices"][0]["finish_reason"] == "abort"
+            three = await running("three", "/v1/completions", {"prompt": "c", "stream": True})
+            assert await abort() == {"status": "aborted", "aborted": 1}
+            events = [line for line in (await three).text.splitlines() if line]
+            assert json.loads(events[-2][6:])["choices"][0]["finish_reason"] == "abort"
+            assert events[-1] == "data: [DONE]"
+            assert not engine.in_flight()
+            bad = await http.post("/abort_requests", content=b"{")
+            assert (
+                bad.status_code == 400 and bad.json()["error"]["message"] == "Invalid JSON format"
+            )
+        await engine.close()
+
+    asyncio.run(scenario())
