@@ -203,15 +203,16 @@ def test_the_client_runs_as_many_requests_at_once_as_the_agent_sends(server_url:
     """An agent keeps up to max_num_seqs requests streaming on one server (256 on an A100, 1,024
     on an H100); every one holds its connection until it ends. A connection pool capped below
     that (httpx's default is 100) would hold the rest back and time them out. The requests are
-    long enough (4,000 tokens: ~10 s here) that none can end before the last one starts however
-    slowly a loaded machine opens the streams; once all run they are aborted."""
-    n = 150
+    long enough (8,000 tokens of the 8,192-token context: ~30 s here) that none ends before the
+    last one starts, however slowly a loaded machine opens the streams; once all run they are
+    aborted."""
+    n, tokens = 150, 8000
 
     async def scenario() -> None:
         engine = VllmEngine("sim-0", server_url, MODEL, timeout_s=LOADED_HOST_S)
         peak = 0
         try:
-            runs = [asyncio.create_task(engine.submit(request(f"c-{i}", 4000))) for i in range(n)]
+            runs = [asyncio.create_task(engine.submit(request(f"c-{i}", tokens))) for i in range(n)]
 
             async def all_running() -> bool:
                 nonlocal peak
@@ -219,6 +220,11 @@ def test_the_client_runs_as_many_requests_at_once_as_the_agent_sends(server_url:
                 return peak >= n or any(r.done() for r in runs)
 
             await eventually(all_running, f"{n} requests run at once (or one ended)")
+            ended = {i: r for i, r in enumerate(runs) if r.done()}
+            assert not ended, f"{len(ended)} ended before all ran: " + ", ".join(
+                f"c-{i}: {r.exception() or r.result().finish_reason}"
+                for i, r in list(ended.items())[:3]
+            )
             outs = [await engine.abort(f"c-{i}") for i in range(n)]
             await asyncio.gather(*runs, return_exceptions=True)
 
@@ -229,7 +235,7 @@ def test_the_client_runs_as_many_requests_at_once_as_the_agent_sends(server_url:
         finally:
             await engine.close()
         assert peak == n, f"at most {peak} of {n} ran at once"
-        assert all(o.tokens < 4000 for o in outs)
+        assert all(o.tokens < tokens for o in outs)
 
     asyncio.run(scenario())
 

@@ -25,7 +25,7 @@ from .conftest import MODEL
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
 DEADLINE_S = 120.0
-TOKENS = 600  # the answer's length (ignore_eos: exactly this many)
+TOKENS = 1800  # the answer's length (ignore_eos: exactly this many)
 EVICT_AT = 40  # tokens streamed before the eviction
 LONG = 1800  # a parked request's length: ~2 s alone on the tiny model
 
@@ -60,7 +60,8 @@ class EvictOnceAt(PolicyBase):
 
     name = "evict-once-at"
 
-    def __init__(self, ready: Any) -> None:
+    def __init__(self, victim: str, ready: Any) -> None:
+        self.victim = victim
         self.ready = ready
         self.evicted = False
 
@@ -68,7 +69,7 @@ class EvictOnceAt(PolicyBase):
         out: list[Decision] = [Pull(r.id, "cpu-0") for r in ctx.arrived]
         if not self.evicted and self.ready():
             self.evicted = True
-            out.append(Evict("chat-1", "cpu-0"))
+            out.append(Evict(self.victim, "cpu-0"))
         return out
 
 
@@ -87,55 +88,65 @@ class Done(RuntimeListener):
 
 
 def test_an_evicted_chat_resumes_from_the_exact_tokens_vllm_made_and_wrote(vllm_url: str) -> None:
-    async def scenario() -> None:
-        engine = Watched(VllmEngine("cpu-0", vllm_url, MODEL, timeout_s=DEADLINE_S))
-        streamed = lambda: sum(len(c.token_ids or ()) for c in engine.chunks[0])  # noqa: E731
-        policy = EvictOnceAt(lambda: bool(engine.chunks) and streamed() >= EVICT_AT)
-        done = Done()
-        runtime = AgentRuntime(
-            Controller(policy, [InstanceSpec("cpu-0", "cpu", (MODEL,))]),
-            [engine],
-            clock=WallClock(),
-            listener=done,
-            tick_s=0.01,
-        )
-        await runtime.start()
-        try:
-            now = runtime.clock.now()
-            request = Request(
-                id="chat-1", model=MODEL, arrival_s=now, input_tokens=20, max_tokens=TOKENS,
-                slo=SLO(e2e_s=3600.0), tier=Tier.STANDARD, replay_output_tokens=TOKENS,
-            )  # fmt: skip
-            messages = [{"role": "user", "content": "Which queue serves me first, and why?"}]
-            runtime.submit(request, Job(prompt="Which queue", messages=messages,
-                                        sampling={"temperature": 0.0, "logprobs": True}))  # fmt: skip
-            deadline = time.monotonic() + DEADLINE_S
-            while not runtime.idle:
-                assert time.monotonic() < deadline, "the chat did not finish"
-                await asyncio.sleep(0.05)
-        finally:
-            await runtime.stop()
-            await engine.inner.close()
-        assert not done.errors, done.errors
-        first, resumed = engine.sent  # evicted once, sent again once
-        assert first.messages is not None and isinstance(resumed.prompt, tuple)
-        before, after = engine.chunks
-        template = before[0].prompt_token_ids
-        assert template is not None and len(template) > 10  # the chat, templated by vLLM
-        written = [t for c in before for t in (c.token_ids or ())]
-        kept = len(resumed.prompt) - len(template)
-        assert kept >= EVICT_AT and resumed.prompt == template + tuple(written[:kept])
-        assert resumed.messages is None and dict(resumed.sampling) == {"temperature": 0.0}
-        assert after[0].prompt_tokens == len(resumed.prompt)  # vLLM counts exactly those
-        record, text = done.ended["chat-1"]
-        assert record.output_tokens == TOKENS == kept + after[-1].tokens
-        assert record.evictions == 1
-        # the answer: the text of the tokens kept, then the rest, nothing dropped or repeated
-        shown = [c for c in before if c.tokens <= kept]
-        assert shown[-1].tokens == kept
-        assert text == "".join(c.text for c in shown) + "".join(c.text for c in after)
+    """(On a loaded host the eviction may reach vLLM after the chat ended: it is tried again
+    under a new id, three times at most.)"""
+    for attempt in range(3):
+        if asyncio.run(evicted_chat(vllm_url, f"chat-{attempt}")):
+            return
+    pytest.fail("the chat ended before its eviction reached vLLM, three times")
 
-    asyncio.run(scenario())
+
+async def evicted_chat(vllm_url: str, rid: str) -> bool:
+    """One try: False when the chat ended before it was evicted."""
+    engine = Watched(VllmEngine("cpu-0", vllm_url, MODEL, timeout_s=DEADLINE_S))
+    streamed = lambda: sum(len(c.token_ids or ()) for c in engine.chunks[0])  # noqa: E731
+    policy = EvictOnceAt(rid, lambda: bool(engine.chunks) and streamed() >= EVICT_AT)
+    done = Done()
+    runtime = AgentRuntime(
+        Controller(policy, [InstanceSpec("cpu-0", "cpu", (MODEL,))]),
+        [engine],
+        clock=WallClock(),
+        listener=done,
+        tick_s=0.01,
+    )
+    await runtime.start()
+    try:
+        now = runtime.clock.now()
+        request = Request(
+            id=rid, model=MODEL, arrival_s=now, input_tokens=20, max_tokens=TOKENS,
+            slo=SLO(e2e_s=3600.0), tier=Tier.STANDARD, replay_output_tokens=TOKENS,
+        )  # fmt: skip
+        messages = [{"role": "user", "content": "Which queue serves me first, and why?"}]
+        runtime.submit(request, Job(prompt="Which queue", messages=messages,
+                                    sampling={"temperature": 0.0, "logprobs": True}))  # fmt: skip
+        deadline = time.monotonic() + DEADLINE_S
+        while not runtime.idle:
+            assert time.monotonic() < deadline, "the chat did not finish"
+            await asyncio.sleep(0.05)
+    finally:
+        await runtime.stop()
+        await engine.inner.close()
+    assert not done.errors, done.errors
+    if len(engine.sent) == 1:
+        return False
+    first, resumed = engine.sent  # evicted once, sent again once
+    assert first.messages is not None and isinstance(resumed.prompt, tuple)
+    before, after = engine.chunks
+    template = before[0].prompt_token_ids
+    assert template is not None and len(template) > 10  # the chat, templated by vLLM
+    written = [t for c in before for t in (c.token_ids or ())]
+    kept = len(resumed.prompt) - len(template)
+    assert kept >= EVICT_AT and resumed.prompt == template + tuple(written[:kept])
+    assert resumed.messages is None and dict(resumed.sampling) == {"temperature": 0.0}
+    assert after[0].prompt_tokens == len(resumed.prompt)  # vLLM counts exactly those
+    record, text = done.ended[rid]
+    assert record.output_tokens == TOKENS == kept + after[-1].tokens
+    assert record.evictions == 1
+    # the answer: the text of the tokens kept, then the rest, nothing dropped or repeated
+    shown = [c for c in before if c.tokens <= kept]
+    assert shown[-1].tokens == kept
+    assert text == "".join(c.text for c in shown) + "".join(c.text for c in after)
+    return True
 
 
 async def prefix_hits(engine: VllmEngine) -> float:
