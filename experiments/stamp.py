@@ -30,12 +30,19 @@ def _git(*args: str) -> str:
     return done.stdout.strip() if done.returncode == 0 else ""
 
 
+_STARTED_AT = (
+    _git("rev-parse", "HEAD"),
+    bool(_git("status", "--porcelain", "--", "qlm", "experiments")),
+)
+"""The checkout as the experiment started (a commit made while it runs is not its commit)."""
+
+
 def provenance(script: str, argv: Sequence[str]) -> dict[str, Any]:
     """``command`` (as a user reruns it, from the repository's root), ``commit`` (the full
-    hash of HEAD; "" outside a git checkout) and ``dirty``."""
+    hash of HEAD when the experiment started; "" outside a git checkout) and ``dirty``."""
     command = " ".join(["python", f"experiments/{script}", *argv])
-    changed = _git("status", "--porcelain", "--", "qlm", "experiments")
-    return {"command": command, "commit": _git("rev-parse", "HEAD"), "dirty": bool(changed)}
+    commit, dirty = _STARTED_AT
+    return {"command": command, "commit": commit, "dirty": dirty}
 
 
 def write_result(
