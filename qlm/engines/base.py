@@ -10,7 +10,7 @@ protocol is what an agent talks to on the wall clock: ``VllmEngine`` (``vllm.py`
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Any, Literal, Protocol, runtime_checkable
 
@@ -81,6 +81,20 @@ class EngineRequest:
         if self.output_tokens is None:
             return self.max_tokens
         return min(self.output_tokens, self.max_tokens)
+
+
+def continued_from_ids(request: EngineRequest, ids: tuple[int, ...]) -> EngineRequest:
+    """``request`` sent as a completion of exactly ``ids`` (its prompt's token ids and those it
+    wrote so far): a chat too, without the chat endpoint's own parameters
+    (``CHAT_ONLY_PARAMETERS``). The caller sets what is left to write."""
+    return replace(
+        request,
+        prompt=ids,
+        prompt_tokens=len(ids),
+        messages=None,
+        continue_final_message=False,
+        sampling=tuple((k, v) for k, v in request.sampling if k not in CHAT_ONLY_PARAMETERS),
+    )
 
 
 class EventKind(Enum):

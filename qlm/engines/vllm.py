@@ -47,7 +47,6 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from qlm.domain import ModelTier
 from qlm.engines.base import (
-    CHAT_ONLY_PARAMETERS,
     ChunkCallback,
     EngineCapabilities,
     EngineOutput,
@@ -56,6 +55,7 @@ from qlm.engines.base import (
     FinishReason,
     TokenChunk,
     UnsupportedOperation,
+    continued_from_ids,
 )
 from qlm.errors import EngineError, RequestRejected, UnknownRequest
 
@@ -593,15 +593,10 @@ class VllmEngine:
         self._sent[rid] = n
         flight.wire_id, flight.base = f"{rid}.{n}", done
         return replace(
-            origin,
-            prompt=ids,
-            prompt_tokens=len(ids),
-            messages=None,
-            continue_final_message=False,
+            continued_from_ids(origin, ids),
             max_tokens=origin.max_tokens - done,
             output_tokens=None if origin.output_tokens is None else origin.output_tokens - done,
             resumed_tokens=0,
-            sampling=tuple((k, v) for k, v in origin.sampling if k not in CHAT_ONLY_PARAMETERS),
         )
 
     async def health(self) -> bool:

@@ -54,7 +54,6 @@ from qlm.clock import Clock
 from qlm.controller import Controller, EngineReading
 from qlm.domain import Decision, InstanceSpec, ModelTier, PlanRecord, Request, RequestRecord
 from qlm.engines.base import (
-    CHAT_ONLY_PARAMETERS,
     Engine,
     EngineCapabilities,
     EngineEvent,
@@ -63,6 +62,7 @@ from qlm.engines.base import (
     EventKind,
     TokenChunk,
     ToolCall,
+    continued_from_ids,
 )
 from qlm.errors import EngineError, QLMError, RequestRejected
 from qlm.structured import resumable
@@ -138,16 +138,8 @@ class Job:
         ``AgentRuntime._give_back`` drops it.)"""
         if self.exact:
             assert self.prompt_ids is not None
-            ids = self.prompt_ids + self.partial_ids
-            sampling = {k: v for k, v in self.sampling.items() if k not in CHAT_ONLY_PARAMETERS}
-            return replace(
-                request,
-                prompt=ids,
-                prompt_tokens=len(ids),
-                messages=None,
-                continue_final_message=False,
-                sampling=tuple(sampling.items()),
-            )
+            filled = replace(request, sampling=tuple(self.sampling.items()))
+            return continued_from_ids(filled, self.prompt_ids + self.partial_ids)
         prompt = None if self.prompt is None else self.prompt + self.partial_text
         messages: tuple[Mapping[str, Any], ...] | None = None
         resume = False

@@ -20,16 +20,16 @@ from typing import Any
 
 import httpx
 import pytest
+from resume_helpers import Ended, EvictOnceAt, Watched
 
 from qlm.clock import WallClock
 from qlm.controller import Controller
-from qlm.domain import SLO, Decision, Evict, InstanceSpec, ModelTier, Pull, Request, RequestRecord
-from qlm.engines.base import Engine, EngineOutput, EngineRequest, TokenChunk
+from qlm.domain import SLO, InstanceSpec, ModelTier, Request
+from qlm.engines.base import Engine, EngineRequest, TokenChunk
 from qlm.engines.vllm import VllmEngine
 from qlm.engines.wallclock import filler_text
 from qlm.errors import EngineError, RequestRejected, UnknownRequest
-from qlm.planner.policy import DispatchContext, PolicyBase
-from qlm.service.runtime import AgentRuntime, Job, RuntimeListener
+from qlm.service.runtime import AgentRuntime, Job
 
 MODEL = "llama-3-8b"
 DEADLINE_S = 60.0
@@ -366,63 +366,6 @@ def test_a_chat_with_tools_comes_back_as_the_calls_the_server_made(server_url: s
     assert set(json.loads(call["function"]["arguments"])) == {"city"}
 
 
-class Watched:
-    """The engine, keeping every request sent and every chunk streamed, per sending."""
-
-    def __init__(self, inner: VllmEngine) -> None:
-        self.inner = inner
-        self.name = inner.name
-        self.sent: list[EngineRequest] = []
-        self.chunks: list[list[TokenChunk]] = []
-
-    def __getattr__(self, item: str) -> Any:
-        return getattr(self.inner, item)
-
-    async def submit(self, request: EngineRequest, on_chunk: Any = None) -> EngineOutput:
-        self.sent.append(request)
-        seen: list[TokenChunk] = []
-        self.chunks.append(seen)
-
-        def keep(chunk: TokenChunk) -> None:
-            seen.append(chunk)
-            if on_chunk is not None:
-                on_chunk(chunk)
-
-        return await self.inner.submit(request, keep)
-
-
-class EvictOnceAt(PolicyBase):
-    """Pulls everything onto the one instance; evicts ``rid`` once, when ``ready()``."""
-
-    name = "evict-once-at"
-
-    def __init__(self, rid: str, ready: Callable[[], bool]) -> None:
-        self.rid = rid
-        self.ready = ready
-        self.evicted = False
-
-    def decide(self, ctx: DispatchContext) -> list[Decision]:
-        out: list[Decision] = [Pull(r.id, "sim-0") for r in ctx.arrived]
-        if not self.evicted and self.ready():
-            self.evicted = True
-            out.append(Evict(self.rid, "sim-0"))
-        return out
-
-
-class Ended(RuntimeListener):
-    def __init__(self) -> None:
-        self.done: dict[str, tuple[RequestRecord, str]] = {}
-        self.errors: dict[str, str] = {}
-
-    def finished(
-        self, record: RequestRecord, text: str, finish_reason: str, tool_calls: Any = ()
-    ) -> None:
-        self.done[record.request.id] = (record, text)
-
-    def failed(self, request_id: str, error: str) -> None:
-        self.errors[request_id] = error
-
-
 def test_an_evicted_chat_resumes_from_the_token_ids_the_server_said(server_url: str) -> None:
     """The agents' runtime over ``qlm sim-engine serve`` as over vLLM 0.32: a chat is sent with
     ``return_token_ids``, the server says its prompt's ids (as ``/tokenize`` makes them) and each
@@ -433,8 +376,7 @@ def test_an_evicted_chat_resumes_from_the_token_ids_the_server_said(server_url: 
 
     async def scenario() -> Ended:
         engine = Watched(VllmEngine("sim-0", server_url, MODEL, timeout_s=LOADED_HOST_S))
-        written = lambda: sum(len(c.token_ids or ()) for c in engine.chunks[0])  # noqa: E731
-        policy = EvictOnceAt("chat-1", lambda: bool(engine.chunks) and written() >= evict_at)
+        policy = EvictOnceAt("chat-1", "sim-0", lambda: engine.written() >= evict_at)
         ended = Ended()
         runtime = AgentRuntime(
             Controller(policy, [InstanceSpec("sim-0", "A100", (MODEL,))]),

@@ -8,17 +8,16 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
 
 import pytest
+from resume_helpers import Ended, EvictOnceAt, Watched
 
 from qlm.clock import WallClock
 from qlm.controller import Controller
-from qlm.domain import SLO, Decision, Evict, InstanceSpec, Pull, Request, RequestRecord, Tier
-from qlm.engines.base import EngineOutput, EngineRequest, TokenChunk
+from qlm.domain import SLO, InstanceSpec, Request, Tier
+from qlm.engines.base import EngineRequest, TokenChunk
 from qlm.engines.vllm import VllmEngine
-from qlm.planner.policy import DispatchContext, PolicyBase
-from qlm.service.runtime import AgentRuntime, Job, RuntimeListener
+from qlm.service.runtime import AgentRuntime, Job
 
 from .conftest import MODEL
 
@@ -28,63 +27,6 @@ DEADLINE_S = 120.0
 TOKENS = 1800  # the answer's length (ignore_eos: exactly this many)
 EVICT_AT = 40  # tokens streamed before the eviction
 LONG = 1800  # a parked request's length: ~2 s alone on the tiny model
-
-
-class Watched:
-    """The engine, keeping every request sent and every chunk streamed, per sending."""
-
-    def __init__(self, inner: VllmEngine) -> None:
-        self.inner = inner
-        self.name = inner.name
-        self.sent: list[EngineRequest] = []
-        self.chunks: list[list[TokenChunk]] = []
-
-    def __getattr__(self, item: str) -> Any:
-        return getattr(self.inner, item)
-
-    async def submit(self, request: EngineRequest, on_chunk: Any = None) -> EngineOutput:
-        self.sent.append(request)
-        seen: list[TokenChunk] = []
-        self.chunks.append(seen)
-
-        def keep(chunk: TokenChunk) -> None:
-            seen.append(chunk)
-            if on_chunk is not None:
-                on_chunk(chunk)
-
-        return await self.inner.submit(request, keep)
-
-
-class EvictOnceAt(PolicyBase):
-    """Pulls everything onto the one instance; evicts the request once, when ``ready()``."""
-
-    name = "evict-once-at"
-
-    def __init__(self, victim: str, ready: Any) -> None:
-        self.victim = victim
-        self.ready = ready
-        self.evicted = False
-
-    def decide(self, ctx: DispatchContext) -> list[Decision]:
-        out: list[Decision] = [Pull(r.id, "cpu-0") for r in ctx.arrived]
-        if not self.evicted and self.ready():
-            self.evicted = True
-            out.append(Evict(self.victim, "cpu-0"))
-        return out
-
-
-class Done(RuntimeListener):
-    def __init__(self) -> None:
-        self.ended: dict[str, tuple[RequestRecord, str]] = {}
-        self.errors: dict[str, str] = {}
-
-    def finished(
-        self, record: RequestRecord, text: str, finish_reason: str, tool_calls: Any = ()
-    ) -> None:
-        self.ended[record.request.id] = (record, text)
-
-    def failed(self, request_id: str, error: str) -> None:
-        self.errors[request_id] = error
 
 
 def test_an_evicted_chat_resumes_from_the_exact_tokens_vllm_made_and_wrote(vllm_url: str) -> None:
@@ -99,9 +41,8 @@ def test_an_evicted_chat_resumes_from_the_exact_tokens_vllm_made_and_wrote(vllm_
 async def evicted_chat(vllm_url: str, rid: str) -> bool:
     """One try: False when the chat ended before it was evicted."""
     engine = Watched(VllmEngine("cpu-0", vllm_url, MODEL, timeout_s=DEADLINE_S))
-    streamed = lambda: sum(len(c.token_ids or ()) for c in engine.chunks[0])  # noqa: E731
-    policy = EvictOnceAt(rid, lambda: bool(engine.chunks) and streamed() >= EVICT_AT)
-    done = Done()
+    policy = EvictOnceAt(rid, "cpu-0", lambda: engine.written() >= EVICT_AT)
+    done = Ended()
     runtime = AgentRuntime(
         Controller(policy, [InstanceSpec("cpu-0", "cpu", (MODEL,))]),
         [engine],
@@ -139,7 +80,7 @@ async def evicted_chat(vllm_url: str, rid: str) -> bool:
     assert kept >= EVICT_AT and resumed.prompt == template + tuple(written[:kept])
     assert resumed.messages is None and dict(resumed.sampling) == {"temperature": 0.0}
     assert after[0].prompt_tokens == len(resumed.prompt)  # vLLM counts exactly those
-    record, text = done.ended[rid]
+    record, text = done.done[rid]
     assert record.output_tokens == TOKENS == kept + after[-1].tokens
     assert record.evictions == 1
     # the answer: the text of the tokens kept, then the rest, nothing dropped or repeated
