@@ -1,6 +1,8 @@
 """Heterogeneous fleets (paper Fig. 14): four instances, 0–100 % of them A10s and the rest
-A100s, all serving Llama-3-8B, under QLM and under round-robin dispatch (``fcfs-rr``: a load
-balancer that ignores how fast each instance is).
+A100s, all serving Llama-3-8B, under QLM, under QLM's ordering behind round-robin placement
+(``qlm-rr``: the paper's baseline — each group goes to the next instance in turn, whatever its
+speed, and the planner only orders each queue), and under FCFS behind round-robin dispatch
+(``fcfs-rr``: vLLM behind a load balancer that ignores how fast each instance is).
 
 W_B on the first ``--end`` seconds of the Azure conversation trace at ``--rate`` × its arrival
 rate, seed 0. QLM's planner assigns groups by each instance's own throughput (from its hardware
@@ -61,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--rate", type=float, default=4.0, help="multiple of the trace's arrival rate")
     ap.add_argument("--end", type=float, default=600.0, help="seconds of the trace to replay")
-    ap.add_argument("--policies", default="qlm,fcfs-rr")
+    ap.add_argument("--policies", default="qlm,qlm-rr,fcfs-rr")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--jobs", type=int, default=2)
     args = ap.parse_args(argv)

@@ -6,6 +6,8 @@ harness, trace and seed. Each policy is pure: ``decide(ctx)`` returns decisions 
 
 from __future__ import annotations
 
+import dataclasses
+
 from qlm.errors import ConfigError
 from qlm.planner.baselines import BaselineConfig, create_baseline
 from qlm.planner.config import PlannerConfig
@@ -26,8 +28,8 @@ __all__ = [
     "create_policy",
 ]
 
-POLICIES = ("fcfs", "fcfs-rr", "edf", "sedf", "priority", "proserve", "shepherd", "qlm")
-PROFILED = ("sedf", "proserve", "shepherd", "qlm")
+POLICIES = ("fcfs", "fcfs-rr", "edf", "sedf", "priority", "proserve", "shepherd", "qlm", "qlm-rr")
+PROFILED = ("sedf", "proserve", "shepherd", "qlm", "qlm-rr")
 """The policies that estimate service times with the RCT profile (the others need none)."""
 
 
@@ -45,9 +47,13 @@ def create_policy(
     ``fcfs``/``fcfs-rr``: vLLM as it serves requests (dispatch on arrival, least-loaded or
     round-robin); ``edf``, ``sedf`` (FlowPrefill), ``priority`` (QLLM), ``proserve`` (PROSERVE),
     ``shepherd`` (SHEPHERD as the QLM paper describes it): ``qlm.planner.baselines``; ``qlm``: groups,
-    RCT estimator and the stochastic planner (``qlm.planner.qlm_policy``)."""
+    RCT estimator and the stochastic planner (``qlm.planner.qlm_policy``); ``qlm-rr``: the same
+    ordering inside each instance behind round-robin placement (``PlannerConfig.placement``)."""
     if name == "qlm":
         return QlmPolicy(profile, config=planner)
+    if name == "qlm-rr":
+        config = dataclasses.replace(planner or PlannerConfig(), placement="round-robin")
+        return QlmPolicy(profile, config=config)
     policy = create_baseline(name, profile=profile, config=baselines)
     if policy is not None:
         return policy

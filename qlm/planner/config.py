@@ -52,6 +52,11 @@ class PlannerConfig:
     while the first half lasts (else first at the next step). A simulated run does it all."""
     grouping: GroupingConfig = DEFAULT_GROUPING
     """How requests are grouped (δ × average batch size bounds a group: ``DEFAULT_GROUPING``)."""
+    placement: str = "planned"
+    """``planned``: the solver assigns groups to instances and orders them; ``round-robin``: each
+    group is placed on the next instance serving its model in turn when it is made, and the
+    solver only orders each instance's queue (the baseline ``qlm-rr``: QLM's ordering behind a
+    round-robin balancer)."""
     max_wait_s: Mapping[Tier, float] = field(default_factory=dict)
     """Starvation guard: a request of a tier listed here that has waited this long since its
     arrival is pulled ahead of the plan's order, at the next free slot of its instance (tiers
@@ -68,6 +73,8 @@ class PlannerConfig:
     def __post_init__(self) -> None:
         check_setting(0 < self.delta < 1, "planner.delta", "in (0, 1)", self.delta)
         check_setting(self.scenarios >= 1, "planner.scenarios", ">= 1", self.scenarios)
+        ok = self.placement in ("planned", "round-robin")
+        check_setting(ok, "planner.placement", "planned or round-robin", self.placement)
         ok = self.solver in ("auto", "cbc", "highs")
         check_setting(ok, "planner.solver", "auto, cbc or highs", self.solver)
         for name in (

@@ -47,6 +47,7 @@ class ProblemFamily:
     scenarios: _Scenarios
     speeds: tuple[_Speed, ...]  # per instance
     now_s: float = -math.inf  # the earliest a request is pulled (TTFT)
+    pinned: tuple[int, ...] = ()  # per group, the instance it must stay on (-1: any); () none
     _terms: dict[tuple[_Speed, int], tuple[FloatArray, FloatArray]] = field(
         default_factory=dict, compare=False, repr=False
     )
@@ -88,6 +89,11 @@ class ProblemFamily:
         floor = np.empty((n, q, s_count))
         for g, b in enumerate(choice):
             proc[:, g], floor[:, g] = self.terms(g, b)
+        if self.pinned:  # a pinned group is eligible on its instance only
+            pins = np.asarray(self.pinned)
+            elsewhere = (pins[:, None] >= 0) & (pins[:, None] != np.arange(q)[None, :])
+            proc[elsewhere] = np.inf
+            floor[elsewhere] = np.inf
         if not self.has_ttft:
             return PlanProblem(self.groups, self.instances, proc, floor, delta=self.delta)
         first = np.empty((n, q))
@@ -175,10 +181,12 @@ def build_family(
     config: PlannerConfig,
     rng: np.random.Generator,
     now: float | None = None,
+    pinned: Mapping[str, str] | None = None,
 ) -> ProblemFamily:
     """The plan problems of the waiting groups (id, requests in FCFS order, tier) on the up
     instances, with scenarios of each group's output drawn from the estimator's posterior.
-    ``now``: the earliest a request can be pulled (default: the earliest ``ready_s``)."""
+    ``now``: the earliest a request can be pulled (default: the earliest ``ready_s``);
+    ``pinned``: groups that must stay on an instance (by name; one that is not up: any)."""
     up = [i for i in instances if i.up]
     n, s_count = len(groups), config.scenarios
     z_total = rng.standard_normal((n, s_count))
@@ -229,4 +237,14 @@ def build_family(
         scenarios,
         tuple(speeds),
         min(ready_s.values(), default=0.0) if now is None else now,
+        _pins(groups, up, pinned) if pinned is not None else (),
     )
+
+
+def _pins(
+    groups: Sequence[tuple[str, Sequence[Request], Tier]],
+    up: Sequence[InstanceLoad],
+    pinned: Mapping[str, str],
+) -> tuple[int, ...]:
+    where = {inst.name: q for q, inst in enumerate(up)}
+    return tuple(where.get(pinned.get(gid, ""), -1) for gid, _, _ in groups)

@@ -106,6 +106,11 @@ class QlmPolicy:
         (``PlannerConfig.step_budget_s``)."""
         self.config = config or PlannerConfig()
         self._clock = clock
+        self._round_robin = self.config.placement == "round-robin"
+        if self._round_robin:
+            self.name = "qlm-rr"
+        self._pins: dict[str, str] = {}  # round-robin placement: group -> its instance
+        self._turn = 0
         # The agents switch models themselves (warm start), so engines must not switch on their own.
         self.model_switching: ModelSwitching = (
             "explicit" if self.config.agent.warm_start else "fcfs"
@@ -385,9 +390,18 @@ class QlmPolicy:
         # instance is up to plan it on.
         self.estimator.keep_group_loads(self.grouper.group_ids())
         rng = np.random.default_rng((self.config.seed, self._plans_made))
+        pinned = None
+        if self._round_robin:
+            up = {i.name for i in self._instances if i.up}
+            self._pins = {g: n for g, n in self._pins.items() if n in up}
+            for gid, requests, _ in groups:
+                if gid not in self._pins:
+                    self._pin(gid, requests[0])
+            pinned = self._pins
         family = build_family(
-            groups, self._instances, self._ready(now), self.estimator, self.config, rng, now
-        )
+            groups, self._instances, self._ready(now), self.estimator, self.config, rng, now,
+            pinned,
+        )  # fmt: skip
         self._family_cache = (key, (family, current))
         return family, current
 
@@ -601,6 +615,14 @@ class QlmPolicy:
             out[inst.name] = now + work * self.estimator.calibration_factors(inst.name)[0]
         return out
 
+    def _pin(self, gid: str, req: Request) -> str:
+        """Round-robin placement: the next up instance serving the group's model, in name order."""
+        able = sorted(i.name for i in self._instances if i.up and req.model in i.models)
+        name = able[self._turn % len(able)]
+        self._turn += 1
+        self._pins[gid] = name
+        return name
+
     def _place(self, gid: str, req: Request) -> None:
         """A new group between plans: on the eligible instance with the fewest waiting requests,
         at its deadline slot (its earliest deadline, end-to-end or first-token) among the admitted
@@ -624,7 +646,12 @@ class QlmPolicy:
                 ]
             return entry
 
-        target = min(able, key=lambda i: (slots(i.name)[1], i.name))
+        if self._round_robin:
+            by_name = {i.name: i for i in able}
+            pinned = self._pins.get(gid, "")
+            target = by_name.get(pinned) or by_name[self._pin(gid, req)]
+        else:
+            target = min(able, key=lambda i: (slots(i.name)[1], i.name))
         deadlines, _, length = entry = slots(target.name)
         group = self.grouper.group(gid)
         entry[1] += group.size

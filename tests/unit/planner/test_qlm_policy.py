@@ -252,6 +252,36 @@ def test_the_concurrency_limit_worth_the_most_wins_unless_the_current_one_is_clo
         pick_limit({}, None, 0.05)
 
 
+def test_round_robin_placement_keeps_each_group_on_its_instance_and_only_orders_it() -> None:
+    """``qlm-rr`` (QLM's ordering behind a round-robin balancer): each new group goes to the
+    next instance serving its model in turn, and no plan moves it off that instance, however
+    uneven the instances' queues; ``qlm`` places by load and may move them."""
+    busy = load("i0", max_running=1, outstanding_requests=1, outstanding_tokens=200)
+    free = load("i1", max_running=1, outstanding_requests=1, outstanding_tokens=200)
+    slos = (SLO(20.0), SLO(60.0), SLO(300.0), SLO(30.0), SLO(90.0), SLO(600.0))
+    arrivals = tuple(
+        make_request(i, slo=slo, input_tokens=100 + 500 * i) for i, slo in enumerate(slos)
+    )
+
+    def placed_then_planned(p: QlmPolicy) -> tuple[dict[str, str | None], dict[str, str | None]]:
+        p.decide(DispatchContext(0.0, arrivals, (busy, free)))
+        placed = {g: p.queues.instance_of(g) for g in p.grouper.group_ids()}
+        p.plan(1.0, "manual")
+        return placed, {g: p.queues.instance_of(g) for g in placed}
+
+    rr = policy(placement="round-robin")
+    assert rr.name == "qlm-rr"
+    placed, planned = placed_then_planned(rr)
+    assert [placed[g] for g in sorted(placed)] == ["i0", "i1"] * (len(placed) // 2) + (
+        ["i0"] if len(placed) % 2 else []
+    )  # in turn
+    assert planned == placed
+    before, after = placed_then_planned(policy())
+    assert before != after  # (the planner's own placement moves some here)
+    with pytest.raises(ConfigError, match=r"planner\.placement"):
+        PlannerConfig(placement="random")
+
+
 def test_a_hysteresis_outside_zero_to_one_is_refused() -> None:
     with pytest.raises(ConfigError, match=r"planner\.concurrency_hysteresis"):
         PlannerConfig(concurrency_hysteresis=1.0)
