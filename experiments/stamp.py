@@ -3,8 +3,8 @@
 Every file an experiment writes to ``experiments/results/`` (or to ``QLM_RESULTS_DIR``, which
 ``experiments/run_all --quick`` points at a scratch directory) records the command that made it
 and the commit it was made at, with ``dirty: true`` when the checkout differed from that commit
-in ``qlm/`` or ``experiments/`` (the result then belongs to no commit: make it again once the
-change is committed)."""
+in ``qlm/`` or ``experiments/``, its results aside (the result then belongs to no commit: make it
+again once the change is committed)."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def _git(*args: str) -> str:
 
 _STARTED_AT = (
     _git("rev-parse", "HEAD"),
-    bool(_git("status", "--porcelain", "--", "qlm", "experiments")),
+    bool(_git("status", "--porcelain", "--", "qlm", "experiments", ":!experiments/results")),
 )
 """The checkout as the experiment started (a commit made while it runs is not its commit)."""
 
