@@ -131,7 +131,8 @@ def test_an_unknown_log_format_stops_a_service_with_one_line_naming_it(
 
 def test_a_qlm_serve_process_logs_only_json_lines(tmp_path: Path) -> None:
     """A whole process — start-up, migrations, the engines, the planner (HiGHS included), a
-    replay, shutting down — writes nothing on stderr but JSON lines."""
+    replay, shutting down — writes nothing on stderr but JSON lines, one of them for each
+    request's outcome."""
     here = str(Path(qlm.__file__).resolve().parents[1])  # the qlm under test, not another
     env = {
         **os.environ,
@@ -157,5 +158,12 @@ def test_a_qlm_serve_process_logs_only_json_lines(tmp_path: Path) -> None:
     for line in lines:
         doc = json.loads(line)
         assert {"time", "level", "logger", "message"} <= set(doc), line
-    loggers = {json.loads(line)["logger"] for line in lines}
-    assert {"qlm.service.serve", "qlm.service.runtime"} <= loggers
+    docs = [json.loads(line) for line in lines]
+    assert {"qlm.service.serve", "qlm.service.runtime"} <= {d["logger"] for d in docs}
+    # One line per request outcome the controller recorded.
+    replayed = int(done.stdout.split()[1])
+    outcomes = [d for d in docs if d["logger"] == "qlm.outcomes"]
+    assert len(outcomes) == len({d["request_id"] for d in outcomes}) == replayed > 0
+    for d in outcomes:
+        assert d["status"] in ("finished", "failed") and d["e2e_s"] >= 0, d
+        assert d["message"].startswith(f"request {d['request_id']} {d['status']}: tenant="), d
