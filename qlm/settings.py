@@ -243,6 +243,10 @@ def _upper(value: object) -> object:
     return {"WARN": "WARNING", "FATAL": "CRITICAL"}.get(name, name)
 
 
+def _lower(value: object) -> object:
+    return value.lower() if isinstance(value, str) else value
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix="QLM_", env_nested_delimiter="__", extra="ignore", frozen=True
@@ -252,6 +256,11 @@ class Settings(BaseSettings):
         Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"], BeforeValidator(_upper)
     ] = "INFO"
     """``QLM_LOG_LEVEL`` (any case); HTTP client libraries log each call only at ``DEBUG``."""
+    log_format: Annotated[Literal["text", "json"], BeforeValidator(_lower)] = "text"
+    """``QLM_LOG_FORMAT``: ``text``, a line for people to read, or ``json``, one JSON object per
+    line (time, level, logger, message and the record's own fields) for a log pipeline to
+    parse without patterns. Every service process (``qlm api``, ``controller``, ``serve``,
+    ``sim-engine serve``) logs so, the HTTP server's lines too."""
     broker_url: str | None = None
     """``QLM_BROKER_URL``: ``amqp://user:password@host:5672/vhost``; unset: the in-process queue."""
     broker: BrokerSettings = BrokerSettings()

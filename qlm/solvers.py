@@ -3,8 +3,9 @@ as a subprocess) and HiGHS (``highspy``, in process).
 
 This is the process-level edge of planning: the planner (``qlm.planner.milp``) builds and reads
 its programs purely and asks here for a solver object. What the process must remember lives
-here, not in the planner: whether HiGHS has greeted yet (its banner must not reach standard
-output) and how many solves have failed (the first failure is a warning, later ones debug).
+here, not in the planner: whether HiGHS has greeted yet (its banner must reach neither
+standard output nor the log) and how many solves have failed (the first failure is a warning,
+later ones debug).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ SOLVERS = ("cbc", "highs")
 class _Process:
     """What this process remembers of its solvers."""
 
-    greeted: bool = False  # HiGHS's banner was sent to standard error
+    greeted: bool = False  # HiGHS's banner was printed, where no one reads it
     failures: int = 0  # solves that raised
 
 
@@ -49,12 +50,14 @@ def resolve_solver(name: str) -> str:
     return name
 
 
-def _greet_highs_on_stderr() -> None:
-    """HiGHS prints a two-line banner on the process's standard output (file descriptor 1, from
-    C++) when the first solver object is made, before PuLP can turn its output off: it would
-    corrupt what a command prints there (``qlm simulate --json``). The first object is made here,
-    once per process, with descriptor 1 pointed at standard error and the C library's buffers
-    flushed before it is put back."""
+def _greet_highs_silently() -> None:
+    """HiGHS prints a two-line banner (its version and licence) on the process's standard
+    output (file descriptor 1, from C++) when the first solver object is made, before PuLP can
+    turn its output off: it would corrupt what a command prints there (``qlm simulate
+    --json``), and on standard error it would be two lines in no log format among the log's
+    (``QLM_LOG_FORMAT=json``). The first object is made here, once per process, with descriptor
+    1 pointed at ``/dev/null`` and the C library's buffers flushed before it is put back; later
+    objects print nothing, and PuLP runs each solve with its messages off."""
     if _PROCESS.greeted:
         return
     _PROCESS.greeted = True
@@ -66,13 +69,15 @@ def _greet_highs_on_stderr() -> None:
 
     sys.stdout.flush()
     saved = os.dup(1)
+    null = os.open(os.devnull, os.O_WRONLY)
     try:
-        os.dup2(2, 1)
+        os.dup2(null, 1)
         highspy.Highs()  # type: ignore[no-untyped-call]
         ctypes.CDLL(None).fflush(None)
     finally:
         os.dup2(saved, 1)
         os.close(saved)
+        os.close(null)
 
 
 def make_solver(name: str, time_limit_s: float | None, warm: bool) -> Any:
@@ -84,7 +89,7 @@ def make_solver(name: str, time_limit_s: float | None, warm: bool) -> Any:
     if name == "highs":
         if "highs" not in available_solvers():
             raise ValueError("solver 'highs' needs the highspy package (pip install highspy)")
-        _greet_highs_on_stderr()
+        _greet_highs_silently()
         return pulp.HiGHS(msg=False, timeLimit=time_limit_s, warmStart=warm)
     raise ValueError(f"unknown solver {name!r}; known: {', '.join(SOLVERS)}")
 

@@ -31,10 +31,18 @@ Metrics (labels in braces):
 - ``qlm_controller_state_age_seconds{controller}``: of the controllers alive or recently so
   (``live_controllers``), so that an alert on a stale state fires for a controller that stopped
   publishing and ends once it is gone, not forever
+- ``qlm_broker_up``, ``qlm_store_up``: 1 when this replica reaches the broker (it takes messages)
+  and the store (it answers), as ``/readyz`` checks them. A store that does not answer leaves
+  the scrape standing, with ``qlm_store_up`` 0 and without what the store contributes, so that
+  an alert can say which part is down rather than only that the scrape failed (a scrape with an
+  admin key still needs the store for the key, once the key cache expires:
+  ``QLM_API__KEY_CACHE_S``)
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import math
 import time
 from collections.abc import Iterable, Iterator, Mapping
@@ -52,12 +60,18 @@ from prometheus_client.registry import Collector
 
 from qlm.api.context import ApiContext
 from qlm.domain import PlanRecord, RequestStatus
-from qlm.store import ControllerStateRow, LatencyBucketRow, SloSummaryRow, Store
+from qlm.global_queue import GlobalQueue
+from qlm.store import ControllerStateRow, LatencyBucketRow, SloSummaryRow, Store, StoreError
 from qlm.store.latency import cumulative
+
+log = logging.getLogger(__name__)
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _ERROR_SAMPLE = 500
 _COUNTERS = ("received", "settled", "evictions", "swaps", "model_switches", "plans")
+BROKER_TIMEOUT_S = 5.0
+"""The longest a check of the broker may take (``/readyz`` and a scrape): a broker that does
+not answer within it is down."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +83,18 @@ class StoreFigures:
     plan: PlanRecord | None
     controllers: list[ControllerStateRow]
     latencies: list[LatencyBucketRow] = field(default_factory=list)
+
+
+NO_FIGURES = StoreFigures(counts={}, by_tier=[], by_tenant=[], errors=[], plan=None, controllers=[])
+"""What a store that does not answer contributes."""
+
+
+async def broker_up(queue: GlobalQueue) -> bool:
+    """Whether the global queue takes messages now, within ``BROKER_TIMEOUT_S``."""
+    try:
+        return await asyncio.wait_for(queue.healthy(), BROKER_TIMEOUT_S)
+    except TimeoutError:
+        return False
 
 
 def read_store(store: Store, since: float) -> StoreFigures:
@@ -161,6 +187,8 @@ def families(
     submissions: Mapping[tuple[str, str], int],
     *,
     controller_gone_s: float,
+    broker_ok: bool = True,
+    store_ok: bool = True,
 ) -> list[Metric]:
     """The metric families of one scrape (pure: the inputs are read already)."""
     out: list[Metric] = []
@@ -286,14 +314,35 @@ def families(
     now = time.time()
     for state in live_controllers(figures.controllers, now, controller_gone_s):
         age.add_metric([state.name], max(0.0, now - state.updated_at))
+
+    gauge("qlm_broker_up", "1 when this API replica reaches the broker.").add_metric(
+        [], 1.0 if broker_ok else 0.0
+    )
+    gauge("qlm_store_up", "1 when this API replica reaches the store.").add_metric(
+        [], 1.0 if store_ok else 0.0
+    )
     return out
 
 
 async def render(ctx: ApiContext) -> bytes:
-    """One scrape."""
-    doc = await ctx.control.snapshot()
-    since = ctx.clock() - ctx.settings.metrics_window_s
-    figures = await ctx.threads.run(read_store, ctx.store, since)
+    """One scrape. A store that does not answer is reported (``qlm_store_up`` 0), not raised:
+    the families it would fill are left empty, and the controller's state is still read when
+    the controller runs in this process."""
+    broker_ok = await broker_up(ctx.queue)
+    store_ok = True
+    try:
+        doc = await ctx.control.snapshot()
+    except StoreError as exc:
+        log.warning("metrics without the controller's state: %s", exc)
+        doc, store_ok = None, False
+    figures = NO_FIGURES
+    if store_ok:
+        since = ctx.clock() - ctx.settings.metrics_window_s
+        try:
+            figures = await ctx.threads.run(read_store, ctx.store, since)
+        except StoreError as exc:
+            log.warning("metrics without the store's figures: %s", exc)
+            store_ok = False
     registry = CollectorRegistry(auto_describe=False)
     collector: Collector = _Families(
         families(
@@ -301,6 +350,8 @@ async def render(ctx: ApiContext) -> bytes:
             figures,
             dict(ctx.submissions),
             controller_gone_s=ctx.settings.controller_gone_s,
+            broker_ok=broker_ok,
+            store_ok=store_ok,
         )
     )
     registry.register(collector)

@@ -53,6 +53,7 @@ class ApiServer:
             host=host,
             port=port,
             log_level=log_level.lower(),
+            log_config=None,  # its lines go to QLM's handler, in QLM's format (qlm.cli.logs)
             access_log=access_log,
             lifespan="on",
             timeout_graceful_shutdown=5,

@@ -3,6 +3,7 @@ red line and exit code 1 (here and only here)."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import NoReturn, TypeVar
 
@@ -19,8 +20,14 @@ T = TypeVar("T")
 
 
 def fail(message: str) -> NoReturn:
-    """Print ``message`` as one red line on stderr and exit 1."""
-    err_console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
+    """Print ``message`` as one red line on stderr and exit 1; once the process logs JSON
+    (``QLM_LOG_FORMAT=json``), log it instead, so that its log stays JSON to the last line."""
+    from qlm.cli.logs import logs_json
+
+    if logs_json():
+        logging.getLogger("qlm.cli").critical("error: %s", message)
+    else:
+        err_console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
     raise typer.Exit(1)
 
 

@@ -8,23 +8,7 @@ from typing import Annotated
 import typer
 
 from qlm.cli.common import console, guard
-
-QUIET_LOGGERS = ("httpx", "httpcore")
-"""Libraries that log every HTTP call at INFO (each stream to vLLM, each health check): shown
-only at QLM_LOG_LEVEL=DEBUG."""
-
-
-def configure_logging() -> None:
-    """Log at ``QLM_LOG_LEVEL`` (the HTTP clients' calls only at DEBUG)."""
-    import logging
-
-    from qlm.settings import get_settings
-
-    level = logging.getLevelNamesMapping()[guard(get_settings).log_level]
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if level > logging.DEBUG:
-        for name in QUIET_LOGGERS:
-            logging.getLogger(name).setLevel(max(level, logging.WARNING))
+from qlm.cli.logs import configure_logging
 
 
 def controller_cmd() -> None:

@@ -3,11 +3,15 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Annotated
 
 import typer
 
-from qlm.cli.common import err_console, fail, guard
+from qlm.cli.common import fail, guard
+from qlm.cli.logs import configure_logging
+
+log = logging.getLogger(__name__)
 
 sim_engine_app = typer.Typer(
     help="A simulated vLLM instance behind vLLM's HTTP API (docs/engines.md).",
@@ -87,6 +91,7 @@ def sim_engine_serve_cmd(
     if stream_interval < 1:
         fail(f"--stream-interval must be >= 1, got {stream_interval}")
     policy: SchedulingPolicy = "priority" if scheduling_policy == "priority" else "fcfs"
+    configure_logging()
     catalog = guard(lambda: sim_catalog(None, perf_model, kv_memory))
 
     def lengths() -> list[int]:
@@ -97,11 +102,16 @@ def sim_engine_serve_cmd(
 
         return [int(x) for x in load_lengths(eos_lengths).output_tokens]
 
-    err_console.print(
-        f"simulated vLLM: {model} on {f'{gpus}x' if gpus else ''}{gpu} at http://{host}:{port} "
-        f"(time x{time_scale:g}, {policy} scheduling{', dev mode' if dev_mode else ''})",
-        highlight=False,
-        soft_wrap=True,
+    log.info(
+        "simulated vLLM: %s on %s%s at http://%s:%d (time x%g, %s scheduling%s)",
+        model,
+        f"{gpus}x" if gpus else "",
+        gpu,
+        host,
+        port,
+        time_scale,
+        policy,
+        ", dev mode" if dev_mode else "",
     )
     guard(
         lambda: serve(

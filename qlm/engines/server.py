@@ -935,4 +935,5 @@ def serve(
         scheduling_policy=scheduling_policy,
         stream_interval=stream_interval,
     )
-    uvicorn.run(app, host=host, port=port, log_level="warning")
+    # Its lines go to the process's handler, in QLM's format (qlm.cli.logs).
+    uvicorn.run(app, host=host, port=port, log_level="warning", log_config=None)

@@ -395,7 +395,7 @@ class ControllerService(RuntimeListener):
             if msg.model not in served:
                 reason = f"no instance serves model {msg.model!r}"
                 self._writes.op(
-                    self.store.record_outcome,
+                    self.store.record_outcome_row,
                     msg.id,
                     status=RequestStatus.FAILED,
                     at=self.runtime.clock.now(),
@@ -454,7 +454,7 @@ class ControllerService(RuntimeListener):
         ttft, first = row.slo_ttft_s, row.first_token_at
         ttft_met = None if ttft is None else first is not None and first - row.submitted_at <= ttft
         self._writes.op(
-            self.store.record_outcome,
+            self.store.record_outcome_row,
             msg.id,
             status=RequestStatus.FINISHED,
             at=at,
@@ -512,7 +512,7 @@ class ControllerService(RuntimeListener):
         rid = record.request.id
         ttft = record.request.slo.ttft_s
         self._writes.op(
-            self.store.record_outcome,
+            self.store.record_outcome_row,
             rid,
             status=RequestStatus.FINISHED,
             at=record.finish_s if record.finish_s is not None else self.runtime.clock.now(),
@@ -526,7 +526,7 @@ class ControllerService(RuntimeListener):
 
     def failed(self, request_id: str, error: str) -> None:
         self._writes.op(
-            self.store.record_outcome,
+            self.store.record_outcome_row,
             request_id,
             status=RequestStatus.FAILED,
             at=self.runtime.clock.now(),
@@ -537,7 +537,7 @@ class ControllerService(RuntimeListener):
     def rejected(self, request_id: str, reason: str) -> None:
         """Poison: recorded failed with the reason, and its delivery dead-lettered with it."""
         self._writes.op(
-            self.store.record_outcome,
+            self.store.record_outcome_row,
             request_id,
             status=RequestStatus.FAILED,
             at=self.runtime.clock.now(),
@@ -547,7 +547,7 @@ class ControllerService(RuntimeListener):
 
     def cancelled(self, request_id: str, partial_text: str, tokens: int) -> None:
         self._writes.op(
-            self.store.record_outcome,
+            self.store.record_outcome_row,
             request_id,
             status=RequestStatus.CANCELLED,
             at=self.runtime.clock.now(),

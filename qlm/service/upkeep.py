@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 from qlm.domain import RequestStatus
 from qlm.global_queue import DeadLetter, GlobalQueue, MessageError, QueuedRequest
+from qlm.service.outcomes import log_outcome
 from qlm.store import NewRequest, Store
 
 log = logging.getLogger(__name__)
@@ -83,11 +84,12 @@ def _record_dead(store: Store, failures: list[tuple[NewRequest, str]]) -> None:
     store.ensure_requests([new for new, _ in failures])
     now = store.now()
     for new, reason in failures:
-        recorded = store.record_outcome(
+        recorded = store.record_outcome_row(
             new.id, status=RequestStatus.FAILED, at=now, error=f"dead-lettered: {reason}"
         )
-        if recorded:
+        if recorded is not None:
             log.warning("request %s failed: dead-lettered (%s)", new.id, reason)
+            log_outcome(recorded)
 
 
 class OrphanSweep:
@@ -162,7 +164,11 @@ def _record_orphans(store: Store, ids: list[str]) -> list[str]:
     """Record them failed (in a worker thread); returns those this call recorded."""
     now, recorded = store.now(), []
     for rid in ids:
-        if store.record_outcome(rid, status=RequestStatus.FAILED, at=now, error=ORPHAN_ERROR):
+        outcome = store.record_outcome_row(
+            rid, status=RequestStatus.FAILED, at=now, error=ORPHAN_ERROR
+        )
+        if outcome is not None:
             log.warning("request %s failed: no message in the global queue stands for it", rid)
+            log_outcome(outcome)
             recorded.append(rid)
     return recorded

@@ -1,7 +1,8 @@
 """The controller service's store writer: what the event loop reports (dispatches, first tokens,
 partial outputs, outcomes, plans, predictions) is queued as store operations and applied in
-order, one transaction per flush; the deliveries whose outcome a flush committed are then
-settled with the broker — acked, or dead-lettered with their reason — and never before."""
+order, one transaction per flush; the outcomes a flush committed are then logged
+(``qlm.service.outcomes``) and their deliveries settled with the broker — acked, or
+dead-lettered with their reason — and never before."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from typing import Any
 
 from qlm.domain import RequestStatus
 from qlm.global_queue import Delivery, GlobalQueue
-from qlm.store import Store
+from qlm.service.outcomes import log_outcome
+from qlm.store import OutcomeRow, Store
 
 log = logging.getLogger(__name__)
 
@@ -64,13 +66,15 @@ class StoreWriter:
         writes, self._writes = self._writes, _Writes()
         if writes.ops:
             try:
-                await asyncio.to_thread(_run_all, store, writes.ops)
+                outcomes = await asyncio.to_thread(_run_all, store, writes.ops)
             except Exception:
                 log.exception("store write failed; retrying")
                 self._writes.ops[:0] = writes.ops
                 self._writes.settle[:0] = writes.settle
                 await asyncio.sleep(retry_s)  # the store may be down: do not spin
                 return
+            for outcome in outcomes:
+                log_outcome(outcome)
         batch = committed(writes.settle)
         if batch:
             self._unsettled += len(batch)
@@ -110,8 +114,9 @@ class StoreWriter:
                     task.cancel()
 
 
-def _run_all(store: Store, ops: list[Callable[[], Any]]) -> None:
-    """In order, in one transaction (one commit for a whole flush)."""
+def _run_all(store: Store, ops: list[Callable[[], Any]]) -> list[OutcomeRow]:
+    """In order, in one transaction (one commit for a whole flush); returns the outcomes it
+    recorded (``Store.record_outcome_row``'s answers)."""
     with store.batch():
-        for op in ops:
-            op()
+        results = [op() for op in ops]
+    return [r for r in results if isinstance(r, OutcomeRow)]

@@ -33,7 +33,7 @@ from qlm.domain import RequestStatus, Tier
 from qlm.store import latency
 from qlm.store.base import _CHUNK, StoreBase, StoreError, _in, _rowcount
 from qlm.store.models import ACTIVE_STATUSES, FINAL_STATUSES, Base, RequestLabelModel, RequestModel
-from qlm.store.rows import LatencyBucketRow, RequestRow, SloSummaryRow
+from qlm.store.rows import LatencyBucketRow, OutcomeRow, RequestRow, SloSummaryRow
 
 SummaryKey = Literal["tenant", "model", "tier"]
 
@@ -62,6 +62,8 @@ _MARK_DISPATCHED = _prepared_update(
 _MARK_FIRST_TOKEN = _prepared_update(
     first_token_at=func.coalesce(_REQUESTS.c.first_token_at, bindparam("b_at"))
 )
+# An outcome returns what its latencies are measured from (qlm.store.latency) and what else
+# the line it is logged with names (OutcomeRow).
 _RECORD_OUTCOME = _prepared_update(
     status=None,
     finished_at=None,
@@ -72,14 +74,14 @@ _RECORD_OUTCOME = _prepared_update(
     ttft_met=None,
     error=None,
     at_risk=literal(False),
-)
-# A finished outcome also returns what its latencies are measured from (qlm.store.latency).
-_RECORD_FINISHED = _RECORD_OUTCOME.returning(
-    _REQUESTS.c.tier,
+).returning(
+    _REQUESTS.c.tenant,
     _REQUESTS.c.model,
+    _REQUESTS.c.tier,
     _REQUESTS.c.submitted_at,
     _REQUESTS.c.dispatched_at,
     _REQUESTS.c.first_token_at,
+    _REQUESTS.c.instance,
 )
 _NOT_FINAL = _R.status.in_(ACTIVE_STATUSES)
 
@@ -185,6 +187,34 @@ class Requests(StoreBase):
         the request was already final (a redelivery, a racing agent) or is unknown. Only after it
         returns may the global-queue delivery be acked.
         """
+        recorded = self.record_outcome_row(
+            id,
+            status=status,
+            at=at,
+            output_text=output_text,
+            output_tokens=output_tokens,
+            slo_met=slo_met,
+            ttft_met=ttft_met,
+            error=error,
+            tool_calls=tool_calls,
+        )
+        return recorded is not None
+
+    def record_outcome_row(
+        self,
+        id: str,
+        *,
+        status: RequestStatus,
+        at: float,
+        output_text: str | None = None,
+        output_tokens: int = 0,
+        slo_met: bool | None = None,
+        ttft_met: bool | None = None,
+        error: str | None = None,
+        tool_calls: Sequence[Mapping[str, Any]] = (),
+    ) -> OutcomeRow | None:
+        """``record_outcome``, returning the outcome this call recorded (None: none, the
+        request was final already or is unknown), for the line it is logged with."""
         if not status.is_final:
             raise ValueError(f"record_outcome needs a final status, got {status.name}")
         values = {
@@ -197,25 +227,37 @@ class Requests(StoreBase):
             "ttft_met": ttft_met,
             "error": error,
         }
-        params = {f"b_{k}": v for k, v in values.items()}
+        params = {f"b_{k}": v for k, v in values.items()} | {"b_id": id, "b_now": self._clock()}
         what = f"record outcome {status.name.lower()}"
-        if status is not RequestStatus.FINISHED:
-            return self._run_update(_RECORD_OUTCOME, what, id, params)
-        params |= {"b_id": id, "b_now": self._clock()}
         with self._tx(f"{what} of request {id!r}", write=True) as session:
-            found = session.execute(_RECORD_FINISHED, params).first()
+            found = session.execute(_RECORD_OUTCOME, params).first()
             if found is None:
-                return False
-            tier, model, submitted_at, dispatched_at, first_token_at = found
-            latency.tally(session).finished(
-                tier=tier,
-                model=model,
-                submitted_at=submitted_at,
-                dispatched_at=dispatched_at,
-                first_token_at=first_token_at,
-                finished_at=at,
-            )
-            return True
+                return None
+            tenant, model, tier, submitted_at, dispatched_at, first_token_at, instance = found
+            if status is RequestStatus.FINISHED:
+                latency.tally(session).finished(
+                    tier=tier,
+                    model=model,
+                    submitted_at=submitted_at,
+                    dispatched_at=dispatched_at,
+                    first_token_at=first_token_at,
+                    finished_at=at,
+                )
+        return OutcomeRow(
+            id=id,
+            tenant=tenant,
+            model=model,
+            tier=Tier(tier),
+            status=status,
+            submitted_at=submitted_at,
+            dispatched_at=dispatched_at,
+            first_token_at=first_token_at,
+            finished_at=at,
+            instance=instance,
+            output_tokens=output_tokens,
+            slo_met=slo_met,
+            error=error,
+        )
 
     def latency_buckets(self) -> list[LatencyBucketRow]:
         """The latency histograms' stored buckets (``qlm.store.latency``), for metrics."""

@@ -179,6 +179,40 @@ class RequestRow:
 
 
 @dataclass(frozen=True, slots=True)
+class OutcomeRow:
+    """How a request ended, as ``record_outcome_row`` recorded it, with the stored timestamps
+    its latencies are measured from — the first dispatch, the first token ever — as the
+    latency histograms measure them (``qlm.store.latency``)."""
+
+    id: str
+    tenant: str
+    model: str
+    tier: Tier
+    status: RequestStatus
+    submitted_at: float
+    dispatched_at: float | None
+    first_token_at: float | None
+    finished_at: float
+    instance: str | None
+    output_tokens: int
+    slo_met: bool | None  # as given: a finished request's verdict (None for the others)
+    error: str | None
+
+    @property
+    def e2e_s(self) -> float:
+        return self.finished_at - self.submitted_at
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_token_at is None else self.first_token_at - self.submitted_at
+
+    @property
+    def queue_s(self) -> float | None:
+        """Submission to the first dispatch to an instance: the wait in the queue."""
+        return None if self.dispatched_at is None else self.dispatched_at - self.submitted_at
+
+
+@dataclass(frozen=True, slots=True)
 class InstanceRow:
     name: str
     url: str

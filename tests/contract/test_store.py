@@ -386,6 +386,40 @@ class TestStore:
         assert row is not None
         assert (row.status, row.error, row.slo_met) == (RequestStatus.FAILED, "engine died", False)
 
+    def test_a_recorded_outcome_says_what_its_log_line_needs(self, store: Store) -> None:
+        """The stored timestamps, as the histograms measure them: a resumed request's first
+        dispatch and first token ever, not its last run's."""
+        store.add_request(new_request(1, tier=Tier.INTERACTIVE))
+        store.mark_dispatched("r0001", instance="i0", at=102.0)
+        store.mark_first_token("r0001", at=103.5)
+        store.mark_dispatched("r0001", instance="i1", at=110.0)  # resumed elsewhere
+        store.mark_first_token("r0001", at=111.0)
+        outcome = store.record_outcome_row(
+            "r0001", status=RequestStatus.FINISHED, at=121.0, output_tokens=9, slo_met=True
+        )
+        assert outcome is not None
+        assert (outcome.id, outcome.tenant, outcome.model, outcome.tier) == (
+            "r0001",
+            "acme",
+            "m",
+            Tier.INTERACTIVE,
+        )
+        assert (outcome.status, outcome.slo_met, outcome.output_tokens) == (
+            RequestStatus.FINISHED,
+            True,
+            9,
+        )
+        assert (outcome.e2e_s, outcome.ttft_s, outcome.queue_s) == (20.0, 2.5, 1.0)
+        assert outcome.instance == "i1" and outcome.error is None
+        again = store.record_outcome_row("r0001", status=RequestStatus.FAILED, at=130.0)
+        assert again is None  # written once
+        store.add_request(new_request(2))
+        failed = store.record_outcome_row(
+            "r0002", status=RequestStatus.FAILED, at=140.0, error="engine died"
+        )
+        assert failed is not None and failed.error == "engine died"
+        assert (failed.ttft_s, failed.queue_s, failed.instance) == (None, None, None)
+
     def test_outcome_needs_a_final_status(self, store: Store) -> None:
         store.add_request(new_request(1))
         with pytest.raises(ValueError, match="final status"):

@@ -7,7 +7,6 @@ which part is down. ``/metrics`` needs an admin key unless ``QLM_API__METRICS_PU
 
 from __future__ import annotations
 
-import asyncio
 import time
 from typing import Annotated
 
@@ -25,8 +24,6 @@ from qlm.store import StoreError
 
 router = APIRouter(tags=["health"])
 
-_BROKER_TIMEOUT_S = 5.0
-
 
 @router.get("/healthz", response_model=HealthOut, summary="Liveness")
 async def healthz() -> HealthOut:
@@ -37,10 +34,7 @@ async def healthz() -> HealthOut:
 async def readiness(ctx: ApiContext) -> dict[str, CheckOut]:
     """Each dependency's check: the broker takes messages, the store answers, a controller
     published its state within ``QLM_API__CONTROLLER_STALE_S`` (or runs in this process)."""
-    try:
-        broker_ok = await asyncio.wait_for(ctx.queue.healthy(), _BROKER_TIMEOUT_S)
-    except TimeoutError:
-        broker_ok = False
+    broker_ok = await metrics.broker_up(ctx.queue)
     checks = {"broker": CheckOut(ok=broker_ok, detail="ok" if broker_ok else "unreachable")}
     try:
         states = await ctx.threads.run(ctx.store.controller_states)

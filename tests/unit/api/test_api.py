@@ -881,6 +881,44 @@ def test_metrics_report_controllers_until_they_are_gone() -> None:
     run(scenario, metrics_public=True, controller_gone_s=900)
 
 
+def test_metrics_say_which_of_broker_and_store_is_down() -> None:
+    """An alert must be able to name the part that is down: a store that does not answer
+    leaves the scrape standing, with ``qlm_store_up`` 0 and nothing the store would give."""
+
+    def values(text: str) -> dict[str, float]:
+        return {
+            s.name: s.value
+            for f in text_string_to_metric_families(text)
+            for s in f.samples
+            if not s.labels
+        }
+
+    async def scenario(h: Harness) -> None:
+        h.store.put_controller_state("c0", active=True, snapshot={})
+        text = (await h.client.get("/metrics")).text
+        got = values(text)
+        assert got["qlm_broker_up"] == 1.0 and got["qlm_store_up"] == 1.0
+        assert 'qlm_controller_state_age_seconds{controller="c0"}' in text
+
+        def down(*_a: Any, **_k: Any) -> Any:
+            from qlm.store import StoreError
+
+            raise StoreError("cannot read controller states (sqlite://): database is gone")
+
+        h.store.controller_states = down  # type: ignore[method-assign]
+        h.store.counts = down  # type: ignore[method-assign]
+        await asyncio.sleep(0.01)  # past the snapshot cache (QLM_API__SNAPSHOT_TTL_S)
+        r = await h.client.get("/metrics")
+        assert r.status_code == 200
+        got = values(r.text)
+        assert got["qlm_broker_up"] == 1.0 and got["qlm_store_up"] == 0.0
+        assert 'qlm_controller_state_age_seconds{controller="c0"}' not in r.text
+        await h.queue.close()
+        assert values((await h.client.get("/metrics")).text)["qlm_broker_up"] == 0.0
+
+    run(scenario, metrics_public=True, snapshot_ttl_s=0)
+
+
 def test_two_apps_in_one_process_share_no_metrics() -> None:
     async def main() -> None:
         async with api_harness() as a, api_harness(metrics_public=True) as b:
