@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from qlm.sim.cluster import SimResult
     from qlm.sim.run import Simulation
 
-POLICIES = ("fcfs", "fcfs-rr", "edf", "sedf", "priority", "proserve", "shepherd", "qlm")
+POLICIES = ("fcfs", "fcfs-rr", "edf", "sedf", "priority", "proserve", "shepherd", "qlm", "qlm-rr")
 """``qlm.planner.POLICIES``, named here so that ``qlm --help`` does not import the planner
 (tests/unit/cli/test_cli.py checks that they agree)."""
 
