@@ -141,8 +141,18 @@ def build_controller(
 
 
 async def run_controller(settings: Settings) -> None:
-    """``qlm controller``: run until SIGINT/SIGTERM, then stop gracefully."""
-    service = build_controller(settings)
+    """``qlm controller``: run until SIGINT/SIGTERM, then stop gracefully.
+
+    It starts in the order that writes nothing before it knows it can run: the broker
+    (reached), the instances and the profile (read and checked), then the store (opened:
+    connected and migrated, which creates an SQLite file). Each failure is one line."""
+    queue = open_queue(settings)
+    await queue.reach()
+    try:
+        service = build_controller(settings, queue=queue)
+    except BaseException:
+        await queue.close()
+        raise
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
