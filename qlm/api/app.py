@@ -23,7 +23,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from qlm.api import errors
+from qlm.api import docs, errors
 from qlm.api.context import ApiContext
 from qlm.api.errors import TOO_LARGE, ApiError
 from qlm.api.hotpath import SubmitFastPath
@@ -197,6 +197,8 @@ def create_app(
         version="1",
         description=DESCRIPTION,
         lifespan=lifespan,
+        docs_url=None,  # docs.install serves both pages without a CDN
+        redoc_url=None,
         openapi_tags=[
             {"name": "requests", "description": "The native API: queue requests with SLOs."},
             {"name": "openai", "description": "OpenAI-compatible endpoints."},
@@ -205,6 +207,7 @@ def create_app(
         ],
     )
     errors.install(app)
+    docs.install(app)
     app.include_router(requests.router)
     app.include_router(openai.router)
     app.include_router(admin.router)
