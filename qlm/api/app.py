@@ -2,10 +2,12 @@
 
 Given only settings, the app opens its own store (``QLM_DATABASE_URL``, SQLite ``./qlm.db``
 without it) and global-queue client (``QLM_BROKER_URL``; the in-process queue without it — only
-useful with a controller in the same process) when it starts, and closes them when it stops.
-``qlm serve`` passes the queue and store it shares with the in-process controller, and the
-controller itself (results then stream from its hub, cancels reach it at once); the app leaves
-whatever it was given open.
+useful with a controller in the same process) when it starts, and closes them when it stops
+(``uvicorn --factory qlm.api.app:app_factory``). ``qlm api`` opens them itself before serving,
+so that a store or broker it cannot reach is one line, not uvicorn's failed lifespan
+(``qlm.api.server.run_api``). ``qlm serve`` passes the queue and store it shares with the
+in-process controller, and the controller itself (results then stream from its hub, cancels
+reach it at once). The app leaves whatever it was given open.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from qlm.api import errors
+from qlm.api import docs, errors
 from qlm.api.context import ApiContext
 from qlm.api.errors import TOO_LARGE, ApiError
 from qlm.api.hotpath import SubmitFastPath
@@ -141,12 +143,13 @@ def _not_null(schema: dict[str, Any]) -> dict[str, Any]:
     return {**branches[0], **rest} if len(branches) == 1 else {**rest, "anyOf": branches}
 
 
-def _open_store(settings: Settings) -> Store:
+def open_store(settings: Settings) -> Store:
+    """The store at ``QLM_DATABASE_URL`` (SQLite ``./qlm.db`` without it), migrated."""
     return Store.open(settings.database_url)
 
 
-def _open_queue(settings: Settings) -> GlobalQueue:
-    """The publishing side of the global queue; the API never consumes."""
+def open_queue(settings: Settings) -> GlobalQueue:
+    """The publishing side of the global queue, not yet connected; the API never consumes."""
     return open_global_queue(settings.broker_url, **settings.broker.queue_options())
 
 
@@ -170,9 +173,9 @@ def create_app(
         own_store = store is None
         own_queue = queue is None
         the_store: Store = (
-            store if store is not None else await asyncio.to_thread(_open_store, settings)
+            store if store is not None else await asyncio.to_thread(open_store, settings)
         )
-        the_queue = queue if queue is not None else _open_queue(settings)
+        the_queue = queue if queue is not None else open_queue(settings)
         ctx = ApiContext.build(
             settings.api, the_store, the_queue, controller=controller, clock=clock
         )
@@ -194,6 +197,8 @@ def create_app(
         version="1",
         description=DESCRIPTION,
         lifespan=lifespan,
+        docs_url=None,  # docs.install serves both pages without a CDN
+        redoc_url=None,
         openapi_tags=[
             {"name": "requests", "description": "The native API: queue requests with SLOs."},
             {"name": "openai", "description": "OpenAI-compatible endpoints."},
@@ -202,6 +207,7 @@ def create_app(
         ],
     )
     errors.install(app)
+    docs.install(app)
     app.include_router(requests.router)
     app.include_router(openai.router)
     app.include_router(admin.router)

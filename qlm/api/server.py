@@ -2,9 +2,9 @@
 ``qlm serve`` (next to the controller, sharing its queue and store).
 
 uvicorn runs as a task of the caller's loop rather than owning the process: the socket is bound
-first (so a taken port is one clear error, not uvicorn's ``sys.exit``), and uvicorn's own signal
-handling is off, so the caller decides how to stop (``qlm serve`` stops the API first, then the
-controller). ``qlm api`` runs on uvloop and uvicorn parses HTTP with httptools: both are
+first (``bind``: so a taken port is one clear error, not uvicorn's ``sys.exit``, and it is known
+before anything is written), and uvicorn's own signal handling is off, so the caller decides how
+to stop (``qlm serve`` stops the API first, then the controller). ``qlm api`` runs on uvloop and uvicorn parses HTTP with httptools: both are
 dependencies of QLM (uvloop except on Windows, where asyncio's loop is used); the ingest figures
 in docs/api.md were measured with both.
 """
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import signal
 import socket
@@ -34,8 +35,35 @@ class _Server(uvicorn.Server):
         yield  # the owner of the loop handles signals
 
 
+def bind(host: str, port: int) -> socket.socket:
+    """A socket bound to ``host:port`` (0: any free port), not yet listening: connections are
+    refused until the server starts on it. A start-up binds before it opens the store or
+    writes anything, so that a port in use stops it with one line and nothing written."""
+    try:
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    except OSError as exc:
+        raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        reason = exc.strerror or str(exc)
+        if exc.errno == errno.EADDRINUSE:
+            raise ConfigError(
+                f"port {port} is in use on {host} ({reason}: another QLM or another server "
+                "listens there); choose another with QLM_API__PORT"
+            ) from None
+        raise ConfigError(
+            f"cannot listen on {host}:{port} ({reason}); check QLM_API__HOST (an address of "
+            "this machine) and QLM_API__PORT (below 1024 needs privileges)"
+        ) from None
+    return sock
+
+
 class ApiServer:
-    """``app`` served by uvicorn on ``host:port`` (0: any free port; see ``port`` once started)."""
+    """``app`` served by uvicorn on ``host:port`` (0: any free port; see ``port`` once bound),
+    or on ``sock``, bound already (``bind``)."""
 
     def __init__(
         self,
@@ -43,11 +71,13 @@ class ApiServer:
         *,
         host: str,
         port: int,
+        sock: socket.socket | None = None,
         log_level: str = "info",
         access_log: bool = False,
     ) -> None:
         self.host = host
-        self.port = port
+        self.port = port if sock is None else sock.getsockname()[1]
+        self._sock = sock
         self._config = uvicorn.Config(
             app,
             host=host,
@@ -66,17 +96,12 @@ class ApiServer:
         return f"http://{self.host}:{self.port}"
 
     async def start(self) -> None:
-        """Bind, start serving, and return once the app's lifespan started."""
-        try:
-            sock = socket.socket(socket.AF_INET6 if ":" in self.host else socket.AF_INET)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind((self.host, self.port))
-        except OSError as exc:
-            raise ConfigError(
-                f"QLM_API__HOST/QLM_API__PORT: cannot listen on {self.host}:{self.port}: "
-                f"{exc.strerror or exc}"
-            ) from None
-        self.port = sock.getsockname()[1]
+        """Bind (unless given a socket), start serving, and return once the app's lifespan
+        started."""
+        if self._sock is None:
+            self._sock = bind(self.host, self.port)
+            self.port = self._sock.getsockname()[1]
+        sock = self._sock
         self._task = asyncio.create_task(self._server.serve(sockets=[sock]), name="qlm-api")
         while not self._server.started:
             if self._task.done():
@@ -93,8 +118,12 @@ class ApiServer:
         return self._task is not None and self._task.done()
 
     async def stop(self) -> None:
-        """Stop taking connections, finish the requests in flight (5 s at most), stop the app."""
+        """Stop taking connections, finish the requests in flight (5 s at most), stop the app;
+        or, never started, let go of the socket."""
         if self._task is None:
+            if self._sock is not None:
+                self._sock.close()
+                self._sock = None
             return
         self._server.should_exit = True
         with contextlib.suppress(asyncio.CancelledError):
@@ -115,22 +144,43 @@ async def until_signalled(*, also: Callable[[], bool] = lambda: False) -> None:
 
 
 async def run_api(settings: Settings) -> None:
-    """``qlm api``: the API alone (a controller runs elsewhere), until SIGINT/SIGTERM."""
-    from qlm.api.app import create_app
+    """``qlm api``: the API alone (a controller runs elsewhere), until SIGINT/SIGTERM.
+
+    It starts in the order that writes nothing before it knows it can run: the address
+    (bound), the broker (reached: an API that cannot make a request durable must not take
+    it), then the store (opened: connected and migrated, which creates an SQLite file). Each
+    failure is one line. The app is given the queue and the store opened here: opened in its
+    lifespan, a failure would be uvicorn's tracebacks and its exit code 3."""
+    from qlm.api.app import create_app, open_queue, open_store
 
     api = settings.api
+    sock = bind(api.host, api.port)
+    try:
+        queue = open_queue(settings)
+        await queue.reach()
+        try:
+            store = await asyncio.to_thread(open_store, settings)
+        except BaseException:
+            await queue.close()
+            raise
+    except BaseException:
+        sock.close()
+        raise
     server = ApiServer(
-        create_app(settings),
+        create_app(settings, queue=queue, store=store),
         host=api.host,
         port=api.port,
+        sock=sock,
         log_level=settings.log_level,
         access_log=api.access_log,
     )
-    await server.start()
     try:
+        await server.start()
         await until_signalled(also=lambda: server.done)
     finally:
         await server.stop()
+        await queue.close()
+        await asyncio.to_thread(store.close)
 
 
 def run(main: Coroutine[Any, Any, None]) -> None:

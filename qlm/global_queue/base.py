@@ -142,6 +142,14 @@ class GlobalQueue(Protocol):
         ``QueueUnavailable`` when the broker cannot be asked."""
         ...
 
+    async def reach(self) -> None:
+        """Connect to the broker now, declare the topology and let go; raise
+        ``QueueUnavailable`` naming why and what to check when that fails (a broker that is down,
+        a wrong host, user, password or vhost). A process calls it at start-up, before it writes
+        anything, so that a wrong ``QLM_BROKER_URL`` stops it with one line; once running, the
+        queue reconnects by itself. A no-op where there is no broker."""
+        ...
+
     async def healthy(self) -> bool:
         """Whether the queue can take messages now (``/readyz``); never raises."""
         ...

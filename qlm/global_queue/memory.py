@@ -241,6 +241,9 @@ class MemoryGlobalQueue:
     def release_intake(self) -> None:
         """Nothing was held."""
 
+    async def reach(self) -> None:
+        """Nothing to reach: the queue is in this process."""
+
     async def healthy(self) -> bool:
         return not self._closed
 

@@ -126,8 +126,10 @@ class RctProfile:
         if hw is None:
             have = ", ".join(f"{m}@{c}x{g}" for m, g, c in sorted(self.hardware))
             raise ConfigError(
-                f"no RCT hardware profile for {model} on {gpu_count}x{gpu}; run `qlm profile "
-                f"hardware --model {model} --gpu {gpu} --gpus {gpu_count}` (have: {have})"
+                f"no RCT hardware profile for {model} on {gpu_count}x{gpu}; profile it on the "
+                f"simulator (`qlm profile hardware --model {model} --gpu {gpu} --gpus "
+                f"{gpu_count} --out profile.json`, or `qlm profile server` for a vLLM server) "
+                f"and set QLM_PROFILE_FILE=profile.json (have: {have})"
             )
         return hw
 

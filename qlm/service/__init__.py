@@ -18,6 +18,7 @@ from qlm.controller import Controller
 from qlm.errors import ConfigError
 from qlm.global_queue import GlobalQueue, open_global_queue
 from qlm.planner import PROFILED, create_policy
+from qlm.rct.profile import RctProfile
 from qlm.service.controller import ControllerService
 from qlm.service.instances import (
     InstanceConfig,
@@ -33,7 +34,13 @@ from qlm.settings import Settings
 from qlm.store import Store
 from qlm.wiring import baseline_config, planner_config, rct_profile
 
-__all__ = ["ControllerService", "build_controller", "instance_configs", "run_controller"]
+__all__ = [
+    "ControllerService",
+    "build_controller",
+    "check_profiled",
+    "instance_configs",
+    "run_controller",
+]
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +61,42 @@ def open_queue(settings: Settings) -> GlobalQueue:
     return open_global_queue(settings.broker_url, **settings.broker.queue_options())
 
 
+def check_profiled(policy: str, profile: RctProfile, configs: list[InstanceConfig]) -> None:
+    """Under a policy that estimates every instance's service, stop at start naming an
+    instance that ``profile`` does not cover, and the command that profiles it."""
+    if policy not in PROFILED:
+        return
+    for config in configs:
+        spec = config.spec
+        for model in spec.models:
+            try:
+                profile.hardware_for(model, spec.gpu, spec.gpu_count)
+            except ConfigError:
+                raise ConfigError(_unprofiled(config, model, profile)) from None
+
+
+def _unprofiled(config: InstanceConfig, model: str, profile: RctProfile) -> str:
+    """The one line for an instance without a profile: a server (``url``) is measured over
+    its HTTP API (``qlm profile server``), a simulated instance by the simulator that runs it
+    (``qlm profile hardware``); either writes a file that ``QLM_PROFILE_FILE`` then names."""
+    spec = config.spec
+    where = f"--model {model} --gpu {spec.gpu} --gpus {spec.gpu_count}"
+    if spec.url:
+        url = dict(config.servers).get(model, spec.url)  # one server per model: that model's
+        seqs = config.max_num_seqs or "N"
+        command = f"qlm profile server --url {url} {where} --max-num-seqs {seqs} --out profile.json"
+        what = "profile the server"
+    else:
+        command = f"qlm profile hardware {where} --out profile.json"
+        what = "profile the simulated instance"
+    have = ", ".join(f"{m}@{c}x{g}" for m, g, c in sorted(profile.hardware))
+    return (
+        f"instance {spec.name!r}: no RCT hardware profile for {model} on "
+        f"{spec.gpu_count}x{spec.gpu}; {what} (`{command}`) and set "
+        f"QLM_PROFILE_FILE=profile.json (profiled: {have})"
+    )
+
+
 def build_controller(
     settings: Settings,
     *,
@@ -67,20 +110,7 @@ def build_controller(
     configs = configs if configs is not None else instance_configs(settings)
     specs = [c.spec for c in configs]
     profile = rct_profile(settings)
-    if cs.policy in PROFILED:  # it estimates every instance's service: say now what is missing
-        for spec in specs:
-            for model in spec.models:
-                try:
-                    profile.hardware_for(model, spec.gpu, spec.gpu_count)
-                except ConfigError as exc:
-                    fix = (
-                        f"; profile the server (`qlm profile server --url {spec.url} --model "
-                        f"{model} --gpu {spec.gpu} --gpus {spec.gpu_count} --max-num-seqs N "
-                        "--out FILE`) and set QLM_PROFILE_FILE"
-                        if spec.url
-                        else ""
-                    )
-                    raise ConfigError(f"instance {spec.name!r}: {exc}{fix}") from None
+    check_profiled(cs.policy, profile, configs)
     policy = create_policy(
         cs.policy,
         profile=profile,
@@ -111,8 +141,18 @@ def build_controller(
 
 
 async def run_controller(settings: Settings) -> None:
-    """``qlm controller``: run until SIGINT/SIGTERM, then stop gracefully."""
-    service = build_controller(settings)
+    """``qlm controller``: run until SIGINT/SIGTERM, then stop gracefully.
+
+    It starts in the order that writes nothing before it knows it can run: the broker
+    (reached), the instances and the profile (read and checked), then the store (opened:
+    connected and migrated, which creates an SQLite file). Each failure is one line."""
+    queue = open_queue(settings)
+    await queue.reach()
+    try:
+        service = build_controller(settings, queue=queue)
+    except BaseException:
+        await queue.close()
+        raise
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -7,69 +7,94 @@ replays the demo trace through the service instead of serving the API, and exits
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import socket
 
 from qlm.api.app import create_app
-from qlm.api.server import ApiServer, until_signalled
-from qlm.service import build_controller, instance_configs, open_queue, open_store
+from qlm.api.server import ApiServer, bind, until_signalled
+from qlm.service import (
+    build_controller,
+    check_profiled,
+    instance_configs,
+    open_queue,
+    open_store,
+)
 from qlm.service.replay import ReplayResult, replay
 from qlm.service.sim_servers import SimServers
 from qlm.settings import Settings
 from qlm.sim.traces import load_trace, scale_rate, window
 from qlm.sim.workload import create_workload
+from qlm.wiring import rct_profile
 
 log = logging.getLogger(__name__)
 
 
 async def serve(settings: Settings, *, replay_s: float | None = None) -> ReplayResult | None:
-    """Run until SIGINT/SIGTERM, or until a replay of ``replay_s`` trace seconds is served."""
-    queue = open_queue(settings)
-    store = open_store(settings)
-    servers = SimServers()
-    configs = None
-    if settings.instances_file is None and settings.controller.sim_over_http:
-        configs = await servers.start(
-            instance_configs(settings), time_scale=settings.controller.sim_time_scale
-        )
-        log.info("simulated instances over HTTP: %s", ", ".join(c.spec.url for c in configs))
+    """Run until SIGINT/SIGTERM, or until a replay of ``replay_s`` trace seconds is served.
+
+    It starts in the order that writes nothing before it knows it can run: the API's address
+    (bound, unless replaying), the instances and the profile (read and checked), the broker
+    (reached), then the store (opened: connected and migrated, which creates an SQLite file)
+    and the controller, which records its instances there. Each failure is one line."""
+    sock = bind(settings.api.host, settings.api.port) if replay_s is None else None
     try:
-        service = build_controller(settings, queue=queue, store=store, configs=configs)
-        await service.start()
-    except BaseException:
-        servers.stop()
-        raise
-    try:
-        if replay_s is not None:
-            demo = settings.demo
-            trace = window(
-                scale_rate(load_trace(demo.trace, seed=demo.seed), demo.rate_scale), 0.0, replay_s
-            )
-            requests = create_workload(demo.workload, trace, seed=demo.seed)
-            log.info("replaying %d requests of %s", len(requests), demo.trace)
-            return await replay(
-                requests,
-                queue,
-                store,
-                service.runtime.clock,
-                time_scale=settings.controller.sim_time_scale,
-            )
-        app = create_app(
-            settings, queue=queue, store=store, controller=service, clock=service.runtime.clock.now
-        )
-        api = ApiServer(
-            app,
-            host=settings.api.host,
-            port=settings.api.port,
-            log_level=settings.log_level,
-            access_log=settings.api.access_log,
-        )
-        await api.start()
-        try:
-            await until_signalled(also=lambda: api.done)
-        finally:
-            await api.stop()
-        return None
+        async with contextlib.AsyncExitStack() as stack:
+            return await _serve(settings, stack, sock, replay_s)
     finally:
-        await service.stop()
-        servers.stop()
-        await asyncio.to_thread(store.close)
+        if sock is not None:
+            sock.close()  # a no-op once the server closed it
+
+
+async def _serve(
+    settings: Settings,
+    stack: contextlib.AsyncExitStack,
+    sock: socket.socket | None,
+    replay_s: float | None,
+) -> ReplayResult | None:
+    configs = instance_configs(settings)
+    check_profiled(settings.controller.policy, rct_profile(settings), configs)
+    queue = open_queue(settings)
+    await queue.reach()
+    stack.push_async_callback(queue.close)
+    if settings.instances_file is None and settings.controller.sim_over_http:
+        servers = SimServers()
+        stack.callback(servers.stop)
+        configs = await servers.start(configs, time_scale=settings.controller.sim_time_scale)
+        log.info("simulated instances over HTTP: %s", ", ".join(c.spec.url for c in configs))
+    store = await asyncio.to_thread(open_store, settings)
+    stack.push_async_callback(asyncio.to_thread, store.close)
+    service = build_controller(settings, queue=queue, store=store, configs=configs)
+    await service.start()
+    stack.push_async_callback(service.stop)
+    if replay_s is not None:
+        demo = settings.demo
+        trace = window(
+            scale_rate(load_trace(demo.trace, seed=demo.seed), demo.rate_scale), 0.0, replay_s
+        )
+        requests = create_workload(demo.workload, trace, seed=demo.seed)
+        log.info("replaying %d requests of %s", len(requests), demo.trace)
+        return await replay(
+            requests,
+            queue,
+            store,
+            service.runtime.clock,
+            time_scale=settings.controller.sim_time_scale,
+        )
+    app = create_app(
+        settings, queue=queue, store=store, controller=service, clock=service.runtime.clock.now
+    )
+    api = ApiServer(
+        app,
+        host=settings.api.host,
+        port=settings.api.port,
+        sock=sock,
+        log_level=settings.log_level,
+        access_log=settings.api.access_log,
+    )
+    await api.start()
+    try:
+        await until_signalled(also=lambda: api.done)
+    finally:
+        await api.stop()
+    return None

@@ -79,8 +79,8 @@ def make_engine(url: URL) -> Engine:
         return _sqlite_engine(url)
     except (NoSuchModuleError, ImportError) as exc:
         raise ConfigError(
-            f"{SETTING}: no driver for {url.drivername!r} ({exc}); "
-            "PostgreSQL needs psycopg 3: pip install 'qlm[postgres]'"
+            f"{SETTING} is a PostgreSQL URL but its driver, psycopg 3, is not installed ({exc}): "
+            "install QLM with its postgres extra, pip install 'qlm[postgres]'"
         ) from None
     except ArgumentError as exc:
         raise ConfigError(f"{SETTING}: {exc}") from None
@@ -89,6 +89,29 @@ def make_engine(url: URL) -> Engine:
 def display(url: URL) -> str:
     """``url`` fit for a log line or an error message: its password hidden."""
     return url.render_as_string(hide_password=True)
+
+
+def unreachable(url: URL, reason: str) -> str:
+    """The one line a store that cannot be connected to gets at start-up: where (password
+    hidden), the driver's reason, what to check, and the setting that chose it."""
+    if url.get_backend_name() == "sqlite":
+        hint = "does its directory exist, and may this user write there?"
+    else:
+        hint = _postgres_hint(reason)
+    return f"cannot reach the store at {display(url)}: {reason}; {hint} ({SETTING})"
+
+
+def _postgres_hint(reason: str) -> str:
+    """What to check for libpq's reason: a login it refuses, a database that does not exist, a
+    host name that does not resolve, else a server that is not there."""
+    text = reason.lower()
+    if "authentication" in text or "password" in text or ("role" in text and "not exist" in text):
+        return "check the user and password in the URL"
+    if "database" in text and "does not exist" in text:
+        return "create the database first (createdb), or name an existing one"
+    if "resolve" in text or "translate host name" in text:
+        return "check the host name in the URL"
+    return "is PostgreSQL running there?"
 
 
 def _sqlite_engine(url: URL) -> Engine:

@@ -31,7 +31,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from qlm.store.base import StoreError, _reason
 from qlm.store.controllers import ControllerStates
-from qlm.store.database import DEFAULT_PATH, WRITE
+from qlm.store.database import DEFAULT_PATH, WRITE, unreachable
 from qlm.store.ingest import RequestIngest
 from qlm.store.instances import Instances
 from qlm.store.keys import ApiKeys
@@ -69,11 +69,22 @@ class Store(RequestIngest, Requests, Instances, Plans, ControllerStates, ApiKeys
             url = f"sqlite:///{path}"
         store = cls(url, clock=clock)
         try:
+            store._reach()
             store.migrate()
         except BaseException:
             store.close()
             raise
         return store
+
+    def _reach(self) -> None:
+        """Connect once before migrating, so that a database that is not there (a server down,
+        a wrong host or password, a directory that does not exist) stops start-up with one line
+        saying so and naming ``QLM_DATABASE_URL``, not as a failed migration."""
+        try:
+            with self._engine.connect():
+                pass
+        except SQLAlchemyError as exc:
+            raise StoreError(unreachable(self._url, _reason(exc))) from exc
 
     def migrate(self) -> None:
         """Upgrade the schema to the latest Alembic revision; a no-op when it is there already.

@@ -67,7 +67,7 @@ def shard_names(queue: str, shards: int) -> list[str]:
 def connection_name(role: str, queue: str) -> str:
     """What a connection calls itself to the broker (``rabbitmqctl list_connections
     client_properties``, the management UI): its role (``publisher``, ``consumer``,
-    ``dead-letters``, ``backlog``), the global queue and this process's id, so an operator (or a
+    ``dead-letters``, ``backlog``, ``check``: start-up's, closed at once), the global queue and this process's id, so an operator (or a
     test) can tell which process holds it and close exactly that one."""
     return f"qlm-{role} {queue} (pid {os.getpid()})"
 
@@ -259,6 +259,9 @@ class RabbitBase:
             parsed = parsed.update_query(heartbeat=heartbeat_s)
         self._url = parsed
         self._safe_url = str(parsed.with_password("***") if parsed.password else parsed)
+        given = URL(url)
+        self._shown_url = str(given.with_password("***") if given.password else given)
+        """The URL as ``QLM_BROKER_URL`` gave it, password hidden (start-up's errors)."""
         self.queue = queue
         self.shards = shards
         self.queues = shard_names(queue, shards)
@@ -322,11 +325,18 @@ class RabbitBase:
         return len(self._held)
 
     async def _connect(self, role: str) -> AbstractConnection:
-        return await aio_pika.connect(
-            self._url,
-            timeout=self.connect_timeout_s,
-            client_properties={"connection_name": connection_name(role, self.queue)},
+        """A connection named for ``role``. One that fails to open is closed before the error
+        goes on: aio-pika's ``connect`` drops it unclosed, and its finaliser then makes a
+        ``close()`` coroutine that nothing awaits (Python warns "never awaited")."""
+        connection = aio_pika.Connection(
+            self._url, client_properties={"connection_name": connection_name(role, self.queue)}
         )
+        try:
+            await connection.connect(timeout=self.connect_timeout_s)
+        except BaseException:
+            await connection.close()
+            raise
+        return connection
 
     async def _declare(
         self, channel: AbstractChannel

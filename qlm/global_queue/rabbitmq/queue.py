@@ -20,8 +20,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import socket
 
-from aiormq.exceptions import ChannelNotFoundEntity
+from aiormq.exceptions import (
+    AuthenticationError,
+    ChannelAccessRefused,
+    ChannelNotFoundEntity,
+    ChannelPreconditionFailed,
+    ConnectionNotAllowed,
+    InvalidFrameError,
+    ProbableAuthenticationError,
+)
 
 from qlm.global_queue.base import QueueUnavailable
 from qlm.global_queue.rabbitmq.base import BROKER_ERRORS, _close_quietly
@@ -76,6 +86,70 @@ class RabbitGlobalQueue(Publishing, Consuming, LeaderLock, DeadLetters):
             raise self._unavailable("cannot count the queue's messages", exc) from exc
         finally:
             await _close_quietly(connection)
+
+    # --- start-up, health and shutdown ---------------------------------------------------------
+
+    async def reach(self) -> None:
+        """A plain TCP connection to the broker's address first, then an AMQP connection that
+        declares the topology, closed again (the publisher and the consumer open their own).
+        The TCP step says that nothing answers there without the AMQP client's own error log,
+        so that a broker that is down is one line."""
+        url = self._url
+        host = url.host or "localhost"
+        port = url.port or (5671 if url.scheme == "amqps" else 5672)
+        try:
+            _, writer = await asyncio.wait_for(
+                asyncio.open_connection(host, port), self.connect_timeout_s
+            )
+        except TimeoutError:
+            raise self._not_reached(
+                TimeoutError(f"no answer within {self.connect_timeout_s:g} s")
+            ) from None
+        except socket.gaierror as exc:
+            raise self._not_reached(exc) from None
+        except OSError as exc:  # the system's words ("Connection refused"), whichever loop
+            reason = os.strerror(exc.errno) if exc.errno else str(exc)
+            raise self._not_reached(OSError(reason)) from None
+        writer.close()
+        with contextlib.suppress(OSError):
+            await writer.wait_closed()
+        try:
+            connection = await self._connect("check")
+        except BROKER_ERRORS as exc:
+            raise self._not_reached(exc) from exc
+        try:
+            channel = await connection.channel(publisher_confirms=False)
+            await self._declare(channel)
+        except BROKER_ERRORS as exc:
+            raise self._not_reached(exc) from exc
+        finally:
+            await _close_quietly(connection)
+
+    def _not_reached(self, exc: BaseException) -> QueueUnavailable:
+        """The one line of ``reach``: where (password hidden), why, and what to check."""
+        detail = str(exc) or type(exc).__name__
+        where = f"the broker at {self._shown_url}"
+        if isinstance(exc, ChannelPreconditionFailed):
+            return QueueUnavailable(
+                f"{where} holds a queue of that name with other arguments than this process "
+                f"declares ({detail}); give every API and controller the same QLM_BROKER__* "
+                "settings (broker/README.md)"
+            )
+        if isinstance(exc, socket.gaierror):
+            detail = exc.strerror or detail
+            hint = "check the host name in the URL"
+        elif isinstance(exc, AuthenticationError | ProbableAuthenticationError):
+            hint = "check the user and password in the URL"
+        elif isinstance(exc, ConnectionNotAllowed | ChannelAccessRefused):
+            hint = "check the vhost in the URL (it must exist and the user be allowed on it)"
+        elif isinstance(exc, InvalidFrameError) and "Connection.Close" in detail:
+            # aiormq's way of saying that the broker closed the connection it asked to open
+            # (its reply text is lost): an unknown vhost, or one the user may not use
+            detail = "the broker closed the connection as it opened"
+            hint = "check the vhost in the URL (it must exist and the user be allowed on it)"
+        else:
+            hint = "is RabbitMQ running there?"
+        return QueueUnavailable(f"cannot reach {where}: {detail}; {hint} (QLM_BROKER_URL)")
 
     # --- health and shutdown ------------------------------------------------------------------
 

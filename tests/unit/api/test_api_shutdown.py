@@ -69,7 +69,7 @@ def test_the_store_is_closed_only_after_the_results_poller_left_it(
         store.upsert_instance(InstanceSpec("i0", "G", ("m",)))
         key = store.create_api_key("acme")
         slow = SlowStore(store, asyncio.get_running_loop())
-        monkeypatch.setattr(app_module, "_open_store", lambda _settings: store)
+        monkeypatch.setattr(app_module, "open_store", lambda _settings: store)
         app = create_app(Settings(api=ApiSettings(poll_interval_s=0.01)), queue=MemoryGlobalQueue())
         lifespan = app.router.lifespan_context(app)
         await lifespan.__aenter__()

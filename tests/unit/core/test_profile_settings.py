@@ -112,6 +112,38 @@ def test_an_instance_the_profile_does_not_cover_stops_an_estimating_controller_a
     assert "QLM_PROFILE_FILE" in message
 
 
+def test_an_unprofiled_server_is_told_to_profile_the_server_and_nothing_else() -> None:
+    """``qlm profile hardware`` measures the simulator, not the server the instance stands for."""
+    spec = InstanceSpec("odd", "A100", ("llama-3-8b",), gpu_count=3, url="http://10.0.0.5:8000")
+    with pytest.raises(ConfigError) as err:
+        build_controller(Settings(), configs=[InstanceConfig(spec, max_num_seqs=64)])
+    message = str(err.value)
+    assert (
+        "profile the server (`qlm profile server --url http://10.0.0.5:8000 --model llama-3-8b "
+        "--gpu A100 --gpus 3 --max-num-seqs 64 --out profile.json`) and set "
+        "QLM_PROFILE_FILE=profile.json" in message
+    )
+    assert "profile hardware" not in message
+    # one server per model on a GPU: the command names the server of the model not covered
+    servers = (("llama-3-8b", "http://10.0.0.6:8001"), ("my-model", "http://10.0.0.6:8002"))
+    warm = InstanceSpec("two", "A100", ("llama-3-8b", "my-model"), url=servers[0][1])
+    with pytest.raises(ConfigError, match=r"--url http://10\.0\.0\.6:8002 --model my-model "):
+        build_controller(Settings(), configs=[InstanceConfig(warm, servers=servers)])
+
+
+def test_an_unprofiled_simulated_instance_is_told_to_profile_it_on_the_simulator() -> None:
+    spec = InstanceSpec("sim", "A10", ("llama-3-8b",), gpu_count=3)  # no url: simulated
+    with pytest.raises(ConfigError) as err:
+        build_controller(Settings(), configs=[InstanceConfig(spec)])
+    message = str(err.value)
+    assert message.startswith("instance 'sim': no RCT hardware profile for llama-3-8b on 3xA10; ")
+    assert (
+        "profile the simulated instance (`qlm profile hardware --model llama-3-8b --gpu A10 "
+        "--gpus 3 --out profile.json`) and set QLM_PROFILE_FILE=profile.json" in message
+    )
+    assert "profile server" not in message and "\n" not in message
+
+
 @pytest.mark.parametrize("policy", ["fcfs", "fcfs-rr", "edf", "priority"])
 def test_a_policy_that_estimates_nothing_needs_no_profile(policy: str) -> None:
     spec = InstanceSpec("odd", "A100", ("llama-3-8b",), gpu_count=3, url="http://127.0.0.1:9")

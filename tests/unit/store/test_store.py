@@ -5,13 +5,14 @@ backend does is the contract, ``tests/contract/test_store.py``."""
 from __future__ import annotations
 
 import sqlite3
+import sys
 from pathlib import Path
 
 import pytest
 
 from qlm.errors import ConfigError
 from qlm.store import Store, StoreError
-from qlm.store.database import make_engine, parse_url
+from qlm.store.database import make_engine, parse_url, unreachable
 from qlm.store.models import Base
 from tests.contract.test_store import new_request, plan_record, race_outcomes
 
@@ -67,10 +68,59 @@ def test_plain_postgresql_urls_use_psycopg(url: str) -> None:
     assert parse_url(url).drivername == "postgresql+psycopg"
 
 
-def test_an_unreachable_database_is_a_store_error(tmp_path: Path) -> None:
+def test_an_unreachable_database_is_one_line_naming_the_setting(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path / 'missing-dir' / 'q.db'}"
-    with pytest.raises(StoreError, match="cannot migrate"):
+    with pytest.raises(StoreError) as err:
         Store.open(url)
+    message = str(err.value)
+    assert message.startswith(f"cannot reach the store at {url}: unable to open database file")
+    assert "does its directory exist" in message and message.endswith("(QLM_DATABASE_URL)")
+    assert not (tmp_path / "missing-dir").exists()
+
+
+@pytest.mark.parametrize(
+    ("reason", "hint"),
+    [
+        (
+            'connection to server at "127.0.0.1", port 1 failed: Connection refused',
+            "is PostgreSQL running there?",
+        ),
+        ('FATAL:  password authentication failed for user "qlm"', "check the user and password"),
+        ('FATAL:  role "nobody" does not exist', "check the user and password"),
+        ('FATAL:  database "qlm" does not exist', "create the database first"),
+        ("failed to resolve host 'db': [Errno -2] Name or service not known", "check the host"),
+    ],
+)
+def test_an_unreachable_postgresql_says_what_to_check(reason: str, hint: str) -> None:
+    url = parse_url("postgresql+psycopg://qlm:secret@db:5432/qlm")
+    message = unreachable(url, reason)
+    assert message == (
+        f"cannot reach the store at postgresql+psycopg://qlm:***@db:5432/qlm: {reason}; "
+        f"{message.split('; ')[-1]}"
+    )
+    assert hint in message and message.endswith("(QLM_DATABASE_URL)")
+
+
+def test_a_postgresql_server_that_is_not_there_stops_the_store_with_one_line() -> None:
+    pytest.importorskip("psycopg")
+    with pytest.raises(StoreError) as err:
+        Store.open("postgresql+psycopg://postgres:secret@127.0.0.1:1/test")  # nothing listens
+    message = str(err.value)
+    assert message.startswith("cannot reach the store at postgresql+psycopg://postgres:***@")
+    assert "refused" in message and "is PostgreSQL running there?" in message
+    assert "\n" not in message and "secret" not in message
+
+
+def test_without_the_postgres_extra_a_postgresql_url_names_the_extra(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setitem(sys.modules, "psycopg", None)  # as if psycopg were not installed
+    with pytest.raises(ConfigError) as err:
+        Store("postgresql://qlm:secret@db/qlm")
+    message = str(err.value)
+    assert message.startswith("QLM_DATABASE_URL is a PostgreSQL URL but its driver, psycopg 3,")
+    assert "pip install 'qlm[postgres]'" in message
+    assert "\n" not in message and "secret" not in message
 
 
 def test_plans_recorded_before_the_deferred_column_read_back_with_zero_deferred(
