@@ -66,13 +66,30 @@ def formatter(log_format: LogFormat) -> logging.Formatter:
     return JsonFormatter() if log_format == "json" else logging.Formatter(TEXT_FORMAT)
 
 
+class _Stderr(logging.StreamHandler):  # type: ignore[type-arg]
+    """Writes to standard error as it is when a line is written (a caller that replaced it, as a
+    test runner does, may have closed the one there was when logging was set up)."""
+
+    @property
+    def stream(self) -> TextIO:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: TextIO) -> None:
+        pass
+
+
 def setup_logging(level: str, log_format: LogFormat, stream: TextIO | None = None) -> None:
     """Log at ``level`` in ``log_format`` to ``stream`` (standard error): the root logger gets
     one handler, replacing any it had; the HTTP clients' per-call lines only at DEBUG."""
     number = logging.getLevelNamesMapping()[level]
-    handler = logging.StreamHandler(sys.stderr if stream is None else stream)
+    handler = _Stderr() if stream is None else logging.StreamHandler(stream)
     handler.setFormatter(formatter(log_format))
     logging.basicConfig(level=number, handlers=[handler], force=True)
+    for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):  # an earlier server's own setup
+        logger = logging.getLogger(name)
+        logger.handlers.clear()
+        logger.propagate = True
     logging.captureWarnings(True)
     if number > logging.DEBUG:
         for name in QUIET_LOGGERS:
