@@ -1,4 +1,5 @@
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -18,3 +19,17 @@ def amqp_url() -> str:
 def postgres_url() -> str:
     """The PostgreSQL server's URL; skips without one (fails under CI=true)."""
     return require(DATABASE_URL, 5432, "PostgreSQL")
+
+
+@pytest.fixture(autouse=True)
+def _root_logging_restored() -> Iterator[None]:
+    """A command run in process (typer's CliRunner) sets the root logger up for its run
+    (``qlm.cli.logs.setup_logging``); each test gets the logging it started with back, so that
+    one command's handler never writes into the next test's captured output."""
+    import logging
+
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
