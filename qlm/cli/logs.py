@@ -86,6 +86,9 @@ def setup_logging(level: str, log_format: LogFormat, stream: TextIO | None = Non
     handler = _Stderr() if stream is None else logging.StreamHandler(stream)
     handler.setFormatter(formatter(log_format))
     logging.basicConfig(level=number, handlers=[handler], force=True)
+    for existing in logging.Logger.manager.loggerDict.values():  # (a dictConfig disables them)
+        if isinstance(existing, logging.Logger):
+            existing.disabled = False
     for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):  # an earlier server's own setup
         logger = logging.getLogger(name)
         logger.handlers.clear()
