@@ -93,6 +93,7 @@ def setup_logging(level: str, log_format: LogFormat, stream: TextIO | None = Non
         logger = logging.getLogger(name)
         logger.handlers.clear()
         logger.propagate = True
+        logger.setLevel(logging.NOTSET)  # (a server started with log_level= had set its own)
     logging.captureWarnings(True)
     if number > logging.DEBUG:
         for name in QUIET_LOGGERS:

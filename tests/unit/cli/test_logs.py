@@ -167,3 +167,16 @@ def test_a_qlm_serve_process_logs_only_json_lines(tmp_path: Path) -> None:
     for d in outcomes:
         assert d["status"] in ("finished", "failed") and d["e2e_s"] >= 0, d
         assert d["message"].startswith(f"request {d['request_id']} {d['status']}: tenant="), d
+
+
+@pytest.mark.usefixtures("root_logging")
+def test_set_up_takes_back_the_levels_an_earlier_server_in_the_process_set() -> None:
+    import uvicorn
+
+    uvicorn.Config(app=None, log_level="warning", log_config=None).configure_logging()
+    assert logging.getLogger("uvicorn.error").level == logging.WARNING
+    out = io.StringIO()
+    setup_logging("INFO", "json", stream=out)
+    logging.getLogger("uvicorn.error").info("Started server process [%d]", 7)
+    [record] = records(out)
+    assert record["logger"] == "uvicorn.error" and record["message"] == "Started server process [7]"
