@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -53,24 +54,26 @@ def qlm_executable() -> str:
     return str(exe) if exe.exists() else "qlm"
 
 
-@pytest.fixture(scope="module")
-def server_url() -> Iterator[str]:
+@contextmanager
+def sim_engine(log: Path, time_scale: str = TIME_SCALE) -> Iterator[str]:
+    """A ``qlm sim-engine serve`` process (output to ``log``), healthy; its URL."""
     port = free_port()
-    proc = subprocess.Popen(
-        [qlm_executable(), "sim-engine", "serve", "--model", MODEL, "--gpu", "A100",
-         "--port", str(port), "--time-scale", TIME_SCALE, "--dev-mode",
-         "--scheduling-policy", "priority"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )  # fmt: skip
+    with log.open("ab") as out:
+        proc = subprocess.Popen(
+            [qlm_executable(), "sim-engine", "serve", "--model", MODEL, "--gpu", "A100",
+             "--port", str(port), "--time-scale", time_scale, "--dev-mode",
+             "--scheduling-policy", "priority"],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + DEADLINE_S
         while True:
             if proc.poll() is not None:
-                out = proc.stdout.read().decode() if proc.stdout else ""
-                pytest.fail(f"qlm sim-engine serve exited with {proc.returncode}:\n{out}")
+                text = log.read_text(errors="replace")[-4000:]
+                pytest.fail(f"qlm sim-engine serve exited with {proc.returncode}:\n{text}")
             try:
                 if httpx.get(f"{url}/health", timeout=1.0).status_code == 200:
                     break
@@ -87,6 +90,12 @@ def server_url() -> Iterator[str]:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+@pytest.fixture(scope="module")
+def server_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    with sim_engine(tmp_path_factory.mktemp("sim-engine") / "server.log") as url:
+        yield url
 
 
 async def eventually(check: Callable[[], Awaitable[bool]], what: str) -> None:
@@ -199,16 +208,16 @@ def test_vllm_client_errors_name_the_instance_and_url(server_url: str) -> None:
     asyncio.run(scenario())
 
 
-def test_the_client_runs_as_many_requests_at_once_as_the_agent_sends(server_url: str) -> None:
+def test_the_client_runs_as_many_requests_at_once_as_the_agent_sends(tmp_path: Path) -> None:
     """An agent keeps up to max_num_seqs requests streaming on one server (256 on an A100, 1,024
     on an H100); every one holds its connection until it ends. A connection pool capped below
     that (httpx's default is 100) would hold the rest back and time them out. The requests are
-    long enough (8,000 tokens of the 8,192-token context: ~30 s here) that none ends before the
-    last one starts, however slowly a loaded machine opens the streams; once all run they are
-    aborted."""
+    long (8,000 tokens of the 8,192-token context) on a server in real time (minutes each), so
+    none ends before the last one starts, however slowly a loaded machine opens the streams;
+    once all run they are aborted."""
     n, tokens = 150, 8000
 
-    async def scenario() -> None:
+    async def scenario(server_url: str) -> None:
         engine = VllmEngine("sim-0", server_url, MODEL, timeout_s=LOADED_HOST_S)
         peak = 0
         try:
@@ -237,7 +246,8 @@ def test_the_client_runs_as_many_requests_at_once_as_the_agent_sends(server_url:
         assert peak == n, f"at most {peak} of {n} ran at once"
         assert all(o.tokens < tokens for o in outs)
 
-    asyncio.run(scenario())
+    with sim_engine(tmp_path / "server.log", time_scale="1") as url:
+        asyncio.run(scenario(url))
 
 
 class Recording(httpx.AsyncHTTPTransport):
