@@ -447,7 +447,7 @@ def running_cmd(
     instance: Annotated[str | None, typer.Option(help="Only this instance's.")] = None,
     as_json: JsonOption = False,
 ) -> None:
-    """The requests each instance runs: tenant, time waited, deadline, tokens so far."""
+    """The requests each instance runs: tenant, time running, deadline, tokens so far."""
     params = {"instance": instance} if instance else None
     doc = _fetch(ctx, "GET", "/v1/admin/running", params, as_json=as_json)
     if doc is not None:

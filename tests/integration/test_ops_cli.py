@@ -118,7 +118,9 @@ async def busy_submissions(
 
 async def ops(url: str, key: str | None, *args: str) -> Result:
     base = ["ops", "--url", url, *(["--key", key] if key else [])]
-    return await asyncio.to_thread(CliRunner().invoke, app, [*base, *args], env={"QLM_API_KEY": ""})
+    return await asyncio.to_thread(
+        CliRunner().invoke, app, [*base, *args], env={"QLM_KEY": "", "QLM_API_KEY": ""}
+    )
 
 
 def test_operators_inspect_and_steer_a_running_qlm() -> None:
@@ -192,7 +194,7 @@ def test_operators_see_a_group_s_requests_what_runs_and_what_is_already_missed()
         assert r.exit_code == 0 and " missed" in r.output, r.output
         r = await ops(url, admin, "queues", "--watch", "--count", "2", "--interval", "0.1")
         assert r.exit_code == 0 and r.output.count("(Ctrl-C to stop)") == 2, r.output
-        r = await ops(url, admin, "queues", "--watch", "--count", "2", "--json")
+        r = await ops(url, admin, "queues", "-w", "--count", "2", "--interval", "0.1", "--json")
         rounds = [json.loads(line) for line in r.output.splitlines()]
         assert len(rounds) == 2 and all("queues" in doc for doc in rounds)
 
