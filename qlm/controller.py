@@ -507,6 +507,10 @@ class Controller:
         """Requests sent to ``instance`` that have not come back."""
         return [rid for rid, name in self._on.items() if name == instance]
 
+    def running_on(self) -> dict[str, str]:
+        """Every request sent to an instance that has not come back, with that instance."""
+        return dict(self._on)
+
     def pending(self) -> list[Request]:
         """Requests the policy holds and has not pulled."""
         return list(self._pending.values())

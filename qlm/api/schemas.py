@@ -104,6 +104,15 @@ RequestIdPath = Annotated[
         description="The request's id, as `POST /v1/requests` answered it.",
     ),
 ]
+GroupIdPath = Annotated[
+    str,
+    Path(
+        min_length=1,
+        max_length=ID_MAX_CHARS,
+        pattern=ID_PATTERN,
+        description="The group's id (GET /v1/admin/groups).",
+    ),
+]
 InstanceNamePath = Annotated[
     str,
     Path(
@@ -1004,10 +1013,21 @@ class GroupOut(BaseModel):
     model: str
     size: int = Field(description="Requests in the group.")
     tier: str
+    slo_class: str | None = None
     earliest_deadline_at: float | None = None
+    latest_deadline_at: float | None = None
     predicted_completion_at: float | None = None
     p_meet_slo: float | None = Field(default=None, description="P(group meets its SLO).")
-    at_risk: bool = False
+    at_risk: bool = Field(
+        default=False, description="Predicted to miss its SLO (P(meet SLO) below the planner's Δ)."
+    )
+    missed: int | None = Field(
+        default=None,
+        description="Its requests already past their deadline when the state was published.",
+    )
+    tenants: dict[str, int] | None = Field(
+        default=None, description="Its requests per tenant, most first."
+    )
     instance: str | None = Field(default=None, description="The virtual queue holding it.")
     position: int | None = Field(default=None, description="0 = the head of its queue.")
 
@@ -1018,7 +1038,10 @@ class VirtualQueueOut(BaseModel):
     instance: str
     predicted_drain_at: float | None = None
     size: int = Field(description="Requests in the queue (the sum of its groups).")
-    at_risk_requests: int
+    at_risk_requests: int = Field(description="Requests of its groups at risk.")
+    missed_requests: int = Field(
+        default=0, description="Requests already past their deadline (their groups are at risk)."
+    )
     groups: list[GroupOut]
 
 
@@ -1033,6 +1056,77 @@ class GroupsOut(BaseModel):
     controller: str | None
     at: float | None
     data: list[GroupOut]
+
+
+class RequestBriefOut(BaseModel):
+    """A request as an operator scans it in a list: who, when due, where it is."""
+
+    id: str
+    tenant: str
+    model: str
+    tier: TierName
+    status: StatusName
+    submitted_at: float
+    deadline_at: float
+    dispatched_at: float | None
+    first_token_at: float | None
+    predicted_completion_at: float | None
+    at_risk: bool = Field(description="Predicted to miss its deadline.")
+    missed: bool = Field(
+        description="Past its deadline and not final yet, or final without meeting its SLO."
+    )
+    instance: str | None
+    tokens: int = Field(description="Output tokens generated so far (all of them once final).")
+    evictions: int
+
+    @classmethod
+    def of(cls, row: RequestRow, now: float) -> RequestBriefOut:
+        return cls(
+            id=row.id,
+            tenant=row.tenant,
+            model=row.model,
+            tier=tier_name(row.tier),
+            status=status_name(row.status),
+            submitted_at=row.submitted_at,
+            deadline_at=row.deadline_at,
+            dispatched_at=row.dispatched_at,
+            first_token_at=row.first_token_at,
+            predicted_completion_at=row.predicted_completion_at,
+            at_risk=row.at_risk,
+            missed=row.slo_met is False if row.is_final else now > row.deadline_at,
+            instance=row.instance,
+            tokens=row.output_tokens if row.is_final else row.partial_tokens,
+            evictions=row.evictions,
+        )
+
+
+class GroupDetailOut(BaseModel):
+    """One group and the requests it holds, as the controller last published them."""
+
+    controller: str | None
+    at: float | None = Field(description="When the state was published (unix seconds).")
+    group: GroupOut
+    requests: list[RequestBriefOut] = Field(
+        description="Its requests in FCFS order (the first ``listed`` of them, as the store has them)."
+    )
+    listed: int = Field(
+        description="How many of its requests the controller named: all of them unless its "
+        "queues held more than 5,000 requests."
+    )
+
+
+class RunningOut(BaseModel):
+    """The requests one instance runs."""
+
+    instance: str
+    max_running: int | None = Field(description="Its concurrency limit.")
+    requests: list[RequestBriefOut]
+
+
+class RunningListOut(BaseModel):
+    controller: str | None
+    at: float | None = Field(description="When the state was published (unix seconds).")
+    data: list[RunningOut]
 
 
 class InstanceOut(BaseModel):

@@ -1,24 +1,29 @@
 """The operator CLI, ``qlm ops``: what a running QLM's admin endpoints show, as tables — virtual
-queues with their groups, groups, instances, plans, controllers, one request — and the steering
-they allow (drain, undrain); ``qlm ops report`` is the SLO-attainment report a nightly job runs
-(docs/operations.md), computed by ``qlm.reports``. It talks to the REST API with an admin key
-(``qlm keys create --tenant ops --admin``); ``--json`` prints what the API answered instead of
-tables.
+queues with their groups (``--watch`` redraws them), groups and one group's requests and
+tenants, instances and the requests each runs, plans, controllers, one request — and the
+steering they allow (drain, undrain); ``qlm ops report`` is the SLO-attainment report a nightly
+job runs (docs/operations.md), computed by ``qlm.reports``. It talks to the REST API with an
+admin key (``qlm keys create --tenant ops --admin``); ``--json``, before or after the command,
+prints what the API answered instead of tables. Every number is printed with its unit.
+
+The tables are built by pure functions of the API's answer (``queues_view``, ``group_view``,
+...), so that their wording is tested without a server.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, NoReturn
 
 import typer
-from rich.console import Console
+from rich.console import Console, RenderableType
 from rich.table import Table
 
 from qlm.reports import REPORT_COLUMNS, markdown, slo_report
@@ -30,6 +35,8 @@ ops_app = typer.Typer(
 )
 console = Console(soft_wrap=True, highlight=False)
 err_console = Console(stderr=True, soft_wrap=True, highlight=False)
+
+JsonOption = Annotated[bool, typer.Option("--json", help="Print the API's JSON instead of tables.")]
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,36 +65,60 @@ def _call(target: Target, method: str, path: str, params: Mapping[str, Any] | No
             message = resp.json()["error"]["message"]
         except (ValueError, KeyError, TypeError):
             message = resp.text[:200]
-        hint = (
-            " (give an admin key: --key or QLM_API_KEY)" if resp.status_code in (401, 403) else ""
-        )
+        hint = " (give an admin key: --key or QLM_KEY)" if resp.status_code in (401, 403) else ""
         _fail(f"{method} {path} answered {resp.status_code}: {message}{hint}")
     return resp.json()
 
 
-def _target(ctx: typer.Context) -> Target:
+def _target(ctx: typer.Context, as_json: bool = False) -> Target:
     target = ctx.obj
     assert isinstance(target, Target)
-    return target
+    return Target(target.url, target.key, True) if as_json else target
+
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8080
+
+
+def default_url(env: Mapping[str, str]) -> str:
+    """Where ``qlm serve`` and ``qlm api`` listen with the same environment: ``QLM_API__HOST``
+    and ``QLM_API__PORT`` (read here without the settings, which are slow to import), a
+    wildcard host reached on the loopback address."""
+    host = env.get("QLM_API__HOST", "").strip() or DEFAULT_HOST
+    port = env.get("QLM_API__PORT", "").strip() or str(DEFAULT_PORT)
+    if host in ("0.0.0.0", "::", "[::]"):
+        host = DEFAULT_HOST
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"http://{host}:{port}"
 
 
 @ops_app.callback()
 def ops_main(
     ctx: typer.Context,
     url: Annotated[
-        str, typer.Option(envvar="QLM_URL", help="The QLM REST API (QLM_URL).")
-    ] = "http://127.0.0.1:8080",
-    key: Annotated[
-        str | None, typer.Option(envvar="QLM_API_KEY", help="An admin API key (QLM_API_KEY).")
+        str | None,
+        typer.Option(
+            envvar="QLM_URL",
+            help="The QLM REST API (QLM_URL; default: where qlm serve and qlm api listen, "
+            "http://127.0.0.1:8080 unless QLM_API__HOST or QLM_API__PORT say otherwise).",
+            show_default=False,
+        ),
     ] = None,
-    as_json: Annotated[
-        bool, typer.Option("--json", help="Print the API's JSON instead of tables.")
-    ] = False,
+    key: Annotated[
+        str | None,
+        typer.Option(
+            envvar=["QLM_KEY", "QLM_API_KEY"],
+            help="An admin API key (QLM_KEY; QLM_API_KEY is read too).",
+        ),
+    ] = None,
+    as_json: JsonOption = False,
 ) -> None:
     """Inspect and steer a running QLM through its admin endpoints."""
+    url = url or default_url(os.environ)
     if not re.match(r"^https?://", url):
         _fail(f"--url must start with http:// or https://, got {url!r}")
-    ctx.obj = Target(url.rstrip("/"), key, as_json)
+    ctx.obj = Target(url.rstrip("/"), key or None, as_json)
 
 
 def _print_json(data: Any) -> None:
@@ -95,15 +126,27 @@ def _print_json(data: Any) -> None:
 
 
 def _fetch(
-    ctx: typer.Context, method: str, path: str, params: Mapping[str, Any] | None = None
+    ctx: typer.Context,
+    method: str,
+    path: str,
+    params: Mapping[str, Any] | None = None,
+    as_json: bool = False,
 ) -> Any:
     """The API's answer; None once printed as it is (``--json``)."""
-    target = _target(ctx)
+    target = _target(ctx, as_json)
     doc = _call(target, method, path, params)
     if target.raw:
         _print_json(doc)
         return None
     return doc
+
+
+def _show(views: Sequence[RenderableType]) -> None:
+    for view in views:
+        console.print(view)
+
+
+# --- formatting: pure functions of the API's answers ----------------------------------------------
 
 
 def _in(at: float | None, now: float | None) -> str:
@@ -115,15 +158,35 @@ def _in(at: float | None, now: float | None) -> str:
 
 
 def _p(p: float | None) -> str:
-    return "-" if p is None else f"{p:.2f}"
+    """A probability as a percentage."""
+    return "-" if p is None else f"{100.0 * p:.0f} %"
+
+
+def _n(count: int, unit: str) -> str:
+    """``3 requests``, ``1 request``."""
+    return f"{count:,} {unit if count == 1 else unit + 's'}"
+
+
+def risk(group: Mapping[str, Any]) -> str:
+    """What a group's risk column says: its requests already past their deadline ("missed"),
+    else whether it is predicted to miss its SLO ("at risk")."""
+    missed = int(group.get("missed") or 0)
+    if missed:
+        return f"{missed:,} missed"
+    return "at risk" if group.get("at_risk") else ""
 
 
 def _group_table(title: str, groups: Sequence[Mapping[str, Any]], now: float | None) -> Table:
     table = Table(title=title, title_justify="left")
-    for col in ("queue", "pos", "group", "model", "tier", "size", "deadline", "completion"):
-        table.add_column(col, justify="right" if col in ("pos", "size") else "left")
+    table.add_column("queue")
+    table.add_column("pos", justify="right")
+    for col in ("group", "model", "tier"):
+        table.add_column(col)
+    table.add_column("requests", justify="right")
+    table.add_column("deadline (earliest)")
+    table.add_column("completion (predicted)")
     table.add_column("P(meet SLO)", justify="right")
-    table.add_column("at risk")
+    table.add_column("risk")
     for g in groups:
         table.add_row(
             str(g.get("instance") or "-"),
@@ -131,11 +194,11 @@ def _group_table(title: str, groups: Sequence[Mapping[str, Any]], now: float | N
             str(g["id"]),
             str(g["model"]),
             str(g["tier"]),
-            str(g["size"]),
+            f"{g['size']:,}",
             _in(g.get("earliest_deadline_at"), now),
             _in(g.get("predicted_completion_at"), now),
             _p(g.get("p_meet_slo")),
-            "yes" if g.get("at_risk") else "",
+            risk(g),
         )
     return table
 
@@ -147,57 +210,202 @@ def _stale(doc: Mapping[str, Any]) -> str:
     return f"controller {doc.get('controller')}, state of {time.time() - at:,.1f} s ago"
 
 
-@ops_app.command("queues")
-def queues_cmd(ctx: typer.Context) -> None:
-    """The virtual queue of every instance: its groups in order, their predicted completion and
-    risk."""
-    doc = _fetch(ctx, "GET", "/v1/admin/queues")
-    if doc is None:
-        return
-    console.print(f"{_stale(doc)}; policy {doc.get('policy') or '-'}")
+def queue_title(q: Mapping[str, Any], now: float | None) -> str:
+    """``i0: 12 requests in 3 groups, 4 at risk, 2 missed, drained in 30 s``: "at risk"
+    counts the requests of groups at risk that are not past their deadline yet."""
+    groups = q.get("groups") or []
+    missed = int(q.get("missed_requests") or 0)
+    at_risk = sum(int(g["size"]) - int(g.get("missed") or 0) for g in groups if g.get("at_risk"))
+    return (
+        f"{q['instance']}: {_n(int(q['size']), 'request')} in {_n(len(groups), 'group')}, "
+        f"{at_risk:,} at risk, {missed:,} missed, drained {_in(q.get('predicted_drain_at'), now)}"
+    )
+
+
+def queues_view(doc: Mapping[str, Any]) -> list[RenderableType]:
+    """``GET /v1/admin/queues`` as a line on the state's age and a table per virtual queue."""
+    out: list[RenderableType] = [f"{_stale(doc)}; policy {doc.get('policy') or '-'}"]
     now = doc.get("at")
     for q in doc["queues"]:
-        title = (
-            f"{q['instance']}: {q['size']} requests in {len(q['groups'])} groups, "
-            f"{q['at_risk_requests']} at risk, drained {_in(q.get('predicted_drain_at'), now)}"
-        )
-        if q["groups"]:
-            console.print(_group_table(title, q["groups"], now))
-        else:
-            console.print(f"{title}: empty")
+        title = queue_title(q, now)
+        out.append(_group_table(title, q["groups"], now) if q["groups"] else f"{title}: empty")
     if not doc["queues"]:
-        console.print("no virtual queues")
+        out.append("no virtual queues")
+    return out
+
+
+def _watch(
+    fetch: Callable[[], Any],
+    view: Callable[[Any], list[RenderableType]],
+    *,
+    raw: bool,
+    interval: float,
+    count: int | None,
+) -> None:
+    """Fetch and show every ``interval`` seconds, ``count`` times (until Ctrl-C without): in a
+    terminal the screen is redrawn, else each round follows the last (with ``--json`` one JSON
+    object per line)."""
+    shown = 0
+    try:
+        while True:
+            doc = fetch()
+            if raw:
+                console.print(json.dumps(doc, sort_keys=True), markup=False)
+            else:
+                if console.is_terminal:
+                    console.clear()
+                console.print(f"{time.strftime('%H:%M:%S')}, every {interval:g} s (Ctrl-C to stop)")
+                _show(view(doc))
+            shown += 1
+            if count is not None and shown >= count:
+                return
+            time.sleep(interval)
+    except KeyboardInterrupt:
+        return
+
+
+@ops_app.command("queues")
+def queues_cmd(
+    ctx: typer.Context,
+    watch: Annotated[
+        bool, typer.Option("--watch", "-w", help="Redraw every --interval until Ctrl-C.")
+    ] = False,
+    interval: Annotated[
+        float, typer.Option(min=0.1, max=3600.0, help="Seconds between redraws (--watch).")
+    ] = 2.0,
+    count: Annotated[
+        int | None, typer.Option(min=1, help="Stop after this many draws (--watch).")
+    ] = None,
+    as_json: JsonOption = False,
+) -> None:
+    """The virtual queue of every instance: its groups in order, their predicted completion and
+    risk (requests past their deadline: missed)."""
+    target = _target(ctx, as_json)
+    if watch or count is not None:
+        _watch(
+            lambda: _call(target, "GET", "/v1/admin/queues"),
+            queues_view,
+            raw=target.raw,
+            interval=interval,
+            count=count,
+        )
+        return
+    doc = _fetch(ctx, "GET", "/v1/admin/queues", as_json=as_json)
+    if doc is not None:
+        _show(queues_view(doc))
 
 
 @ops_app.command("groups")
 def groups_cmd(
     ctx: typer.Context,
     at_risk: Annotated[bool, typer.Option("--at-risk", help="Only groups at risk.")] = False,
+    as_json: JsonOption = False,
 ) -> None:
-    """Every request group, across the virtual queues."""
-    doc = _fetch(ctx, "GET", "/v1/admin/groups", {"at_risk": True} if at_risk else None)
+    """Every request group, across the virtual queues (qlm ops group ID: one of them)."""
+    doc = _fetch(
+        ctx, "GET", "/v1/admin/groups", {"at_risk": True} if at_risk else None, as_json=as_json
+    )
     if doc is None:
         return
     console.print(_stale(doc))
-    console.print(_group_table(f"{len(doc['data'])} groups", doc["data"], doc.get("at")))
+    console.print(_group_table(_n(len(doc["data"]), "group"), doc["data"], doc.get("at")))
 
 
-@ops_app.command("instances")
-def instances_cmd(ctx: typer.Context) -> None:
-    """Instances: state, health, models and their tiers, load."""
-    doc = _fetch(ctx, "GET", "/v1/admin/instances")
-    if doc is None:
-        return
-    table = Table(title=f"{len(doc['data'])} instances", title_justify="left")
-    for col in ("name", "state", "health", "gpu", "models (tier)", "running", "url"):
-        table.add_column(col, justify="right" if col == "running" else "left")
+def _request_state(r: Mapping[str, Any]) -> str:
+    if r.get("missed"):
+        return "missed"
+    return "at risk" if r.get("at_risk") else ""
+
+
+def group_view(doc: Mapping[str, Any]) -> list[RenderableType]:
+    """``GET /v1/admin/groups/{id}``: the group, its tenants, its requests."""
+    g, now = doc["group"], doc.get("at")
+    head = Table(title=f"group {g['id']}", title_justify="left", show_header=False)
+    head.add_column("field")
+    head.add_column("value")
+    tenants = g.get("tenants") or {}
+    rows = [
+        ("queue / position", f"{g.get('instance') or '-'} / {g.get('position', '-')}"),
+        ("model / tier / SLO class", f"{g['model']} / {g['tier']} / {g.get('slo_class') or '-'}"),
+        ("requests", f"{g['size']:,} of {_n(len(tenants), 'tenant')}"),
+        ("deadlines", f"{_in(g.get('earliest_deadline_at'), now)} (earliest), "
+            f"{_in(g.get('latest_deadline_at'), now)} (latest)"),
+        ("completion (predicted)", _in(g.get("predicted_completion_at"), now)),
+        ("P(meet SLO)", _p(g.get("p_meet_slo"))),
+        ("risk", risk(g) or "none"),
+    ]  # fmt: skip
+    for name, value in rows:
+        head.add_row(name, value)
+    out: list[RenderableType] = [_stale(doc), head]
+    if tenants:
+        by_tenant = Table(title="tenants", title_justify="left")
+        by_tenant.add_column("tenant")
+        by_tenant.add_column("requests", justify="right")
+        for tenant, n in tenants.items():
+            by_tenant.add_row(tenant, f"{n:,}")
+        out.append(by_tenant)
+    listed = int(doc.get("listed") or 0)
+    shown = "" if listed >= int(g["size"]) else f" (the first {listed:,} of {g['size']:,})"
+    out.append(_requests_table(f"requests, FCFS{shown}", doc["requests"], now, running=False))
+    return out
+
+
+def _requests_table(
+    title: str, requests: Sequence[Mapping[str, Any]], now: float | None, *, running: bool
+) -> Table:
+    """Requests waiting in a group, or running on an instance (with their tokens so far and
+    their own predicted completion)."""
+    table = Table(title=title, title_justify="left")
+    # Ids are what an operator copies into the next command: never cut.
+    table.add_column("request", min_width=max((len(r["id"]) for r in requests), default=7))
+    table.add_column("tenant")
+    if not running:
+        table.add_column("status")
+    table.add_column("running (s)" if running else "waited (s)", justify="right")
+    table.add_column("deadline")
+    if running:
+        table.add_column("completion (predicted)")
+        table.add_column("tokens", justify="right")
+    table.add_column("state")
+    for r in requests:
+        since = r.get("dispatched_at") if running else r.get("submitted_at")
+        row = [r["id"], r["tenant"]] + ([] if running else [r["status"]])
+        row += [
+            "-" if since is None or now is None else f"{now - since:,.1f}",
+            _in(r.get("deadline_at"), now),
+        ]
+        if running:
+            row += [_in(r.get("predicted_completion_at"), now), f"{r.get('tokens', 0):,}"]
+        table.add_row(*row, _request_state(r))
+    return table
+
+
+@ops_app.command("group")
+def group_cmd(
+    ctx: typer.Context,
+    group_id: Annotated[str, typer.Argument(help="Group id (qlm ops groups).")],
+    as_json: JsonOption = False,
+) -> None:
+    """One group: where it is, its tenants, its requests and their deadlines."""
+    doc = _fetch(ctx, "GET", f"/v1/admin/groups/{group_id}", as_json=as_json)
+    if doc is not None:
+        _show(group_view(doc))
+
+
+def instances_view(doc: Mapping[str, Any]) -> Table:
+    """``GET /v1/admin/instances`` as a table."""
+    table = Table(title=_n(len(doc["data"]), "instance"), title_justify="left")
+    for col in ("name", "state", "health", "GPUs", "models (tier)"):
+        table.add_column(col)
+    table.add_column("running / max (requests)", justify="right")
+    table.add_column("url")
     for i in doc["data"]:
         tiers = i.get("tiers") or {}
         models = ", ".join(f"{m} ({tiers.get(m, '?')})" for m in i["models"])
         up = i.get("up")
-        running = "-" if i.get("outstanding") is None else str(i["outstanding"])
+        running = "-" if i.get("outstanding") is None else f"{i['outstanding']:,}"
         if i.get("max_running"):
-            running += f" / {i['max_running']}"
+            running += f" / {i['max_running']:,}"
         table.add_row(
             i["name"],
             i["state"],
@@ -207,11 +415,47 @@ def instances_cmd(ctx: typer.Context) -> None:
             running,
             i.get("url") or "(in process)",
         )
-    console.print(table)
+    return table
 
 
-def _steer(ctx: typer.Context, name: str, action: str) -> None:
-    doc = _fetch(ctx, "POST", f"/v1/admin/instances/{name}/{action}")
+@ops_app.command("instances")
+def instances_cmd(ctx: typer.Context, as_json: JsonOption = False) -> None:
+    """Instances: state, health, models and their tiers, requests running (qlm ops running:
+    which)."""
+    doc = _fetch(ctx, "GET", "/v1/admin/instances", as_json=as_json)
+    if doc is not None:
+        console.print(instances_view(doc))
+
+
+def running_view(doc: Mapping[str, Any]) -> list[RenderableType]:
+    """``GET /v1/admin/running``: a table of running requests per instance."""
+    out: list[RenderableType] = [_stale(doc)]
+    now = doc.get("at")
+    for i in doc["data"]:
+        limit = f" of {i['max_running']:,}" if i.get("max_running") else ""
+        title = f"{i['instance']}: {_n(len(i['requests']), 'request')} running{limit}"
+        table = _requests_table(title, i["requests"], now, running=True)
+        out.append(table if i["requests"] else title)
+    if not doc["data"]:
+        out.append("no instances")
+    return out
+
+
+@ops_app.command("running")
+def running_cmd(
+    ctx: typer.Context,
+    instance: Annotated[str | None, typer.Option(help="Only this instance's.")] = None,
+    as_json: JsonOption = False,
+) -> None:
+    """The requests each instance runs: tenant, time running, deadline, tokens so far."""
+    params = {"instance": instance} if instance else None
+    doc = _fetch(ctx, "GET", "/v1/admin/running", params, as_json=as_json)
+    if doc is not None:
+        _show(running_view(doc))
+
+
+def _steer(ctx: typer.Context, name: str, action: str, as_json: bool) -> None:
+    doc = _fetch(ctx, "POST", f"/v1/admin/instances/{name}/{action}", as_json=as_json)
     if doc is None:
         return
     console.print(f"{doc['name']}: {doc['state']}")
@@ -219,58 +463,76 @@ def _steer(ctx: typer.Context, name: str, action: str) -> None:
 
 @ops_app.command("drain")
 def drain_cmd(
-    ctx: typer.Context, name: Annotated[str, typer.Argument(help="Instance name.")]
+    ctx: typer.Context,
+    name: Annotated[str, typer.Argument(help="Instance name.")],
+    as_json: JsonOption = False,
 ) -> None:
     """Stop pulling new work onto an instance; what it runs finishes."""
-    _steer(ctx, name, "drain")
+    _steer(ctx, name, "drain", as_json)
 
 
 @ops_app.command("undrain")
 def undrain_cmd(
-    ctx: typer.Context, name: Annotated[str, typer.Argument(help="Instance name.")]
+    ctx: typer.Context,
+    name: Annotated[str, typer.Argument(help="Instance name.")],
+    as_json: JsonOption = False,
 ) -> None:
     """Let a drained instance take work again."""
-    _steer(ctx, name, "undrain")
+    _steer(ctx, name, "undrain", as_json)
 
 
-@ops_app.command("plans")
-def plans_cmd(
-    ctx: typer.Context,
-    limit: Annotated[int, typer.Option(min=1, max=1000, help="How many, newest first.")] = 20,
-) -> None:
-    """Recent plans: why each ran, how it was solved, what it gained over EDF, what stays at
-    risk."""
-    doc = _fetch(ctx, "GET", "/v1/admin/plans", {"limit": limit})
-    if doc is None:
-        return
-    table = Table(title=f"{len(doc['data'])} plans, newest first", title_justify="left")
+PLANS_LEGEND = (
+    "violation: the plan's objective, its expected lateness in seconds (end to end, and to the "
+    "first token) weighted by tier and requests, plus 10,000 times that weight for each group "
+    "short of its chance of meeting its SLO, in proportion to the shortfall (docs/planner.md); "
+    "EDF's: the same for plain earliest-deadline-first. "
+    "at risk: groups left below that chance. deferred: groups cost-aware admission put behind "
+    "the others on their instance, served as capacity allows."
+)
+
+
+def plans_view(doc: Mapping[str, Any], now: float) -> list[RenderableType]:
+    """``GET /v1/admin/plans`` as a table and the legend of its columns."""
+    table = Table(title=f"{_n(len(doc['data']), 'plan')}, newest first", title_justify="left")
     for col in ("id", "age", "controller", "trigger", "groups", "method", "status"):
         table.add_column(col, justify="right" if col in ("id", "groups") else "left")
-    for col in ("violation", "EDF's", "solve", "at risk", "deferred"):
+    for col in ("violation (s)", "EDF's (s)", "solve", "at risk (groups)", "deferred (groups)"):
         table.add_column(col, justify="right")
-    now = time.time()
     for p in doc["data"]:
         table.add_row(
             str(p["id"]),
             f"{now - p['at']:,.0f} s",
             p["controller"],
             p["trigger"],
-            str(p["groups"]),
+            f"{p['groups']:,}",
             p["method"],
             p["status"],
-            f"{p['objective']:.3g}",
-            f"{p['edf_objective']:.3g}",
+            f"{p['objective']:,.1f}",
+            f"{p['edf_objective']:,.1f}",
             f"{p['solve_s'] * 1000:,.0f} ms",
-            str(len(p["at_risk"])),
-            str(p.get("deferred", 0)),
+            f"{len(p['at_risk']):,}",
+            f"{p.get('deferred', 0):,}",
         )
-    console.print(table)
+    return [table, PLANS_LEGEND]
+
+
+@ops_app.command("plans")
+def plans_cmd(
+    ctx: typer.Context,
+    limit: Annotated[int, typer.Option(min=1, max=1000, help="How many, newest first.")] = 20,
+    as_json: JsonOption = False,
+) -> None:
+    """Recent plans: why each ran, how it was solved, what it gained over EDF, what stays at
+    risk and what it deferred."""
+    doc = _fetch(ctx, "GET", "/v1/admin/plans", {"limit": limit}, as_json=as_json)
+    if doc is not None:
+        _show(plans_view(doc, time.time()))
 
 
 @ops_app.command("controllers")
-def controllers_cmd(ctx: typer.Context) -> None:
+def controllers_cmd(ctx: typer.Context, as_json: JsonOption = False) -> None:
     """Controllers: which one is active, and how fresh its published state is."""
-    doc = _fetch(ctx, "GET", "/v1/admin/controllers")
+    doc = _fetch(ctx, "GET", "/v1/admin/controllers", as_json=as_json)
     if doc is None:
         return
     if not doc["data"]:
@@ -285,14 +547,8 @@ def controllers_cmd(ctx: typer.Context) -> None:
     console.print(table)
 
 
-@ops_app.command("request")
-def request_cmd(
-    ctx: typer.Context, request_id: Annotated[str, typer.Argument(help="Request id.")]
-) -> None:
-    """One request: where it is, its SLO and whether it met it."""
-    doc = _fetch(ctx, "GET", f"/v1/requests/{request_id}")
-    if doc is None:
-        return
+def request_view(doc: Mapping[str, Any]) -> Table:
+    """``GET /v1/requests/{id}`` as a table: times relative to its submission."""
     sub = doc["submitted_at"]
 
     def rel(key: str) -> str:
@@ -303,22 +559,38 @@ def request_cmd(
     table.add_column("field")
     table.add_column("value")
     met = doc.get("slo_met")
+    final = doc["status"] in ("finished", "failed", "cancelled")
+    predicted = doc.get("predicted_completion_at")
+    late = predicted is not None and not final and predicted > doc["deadline_at"]
     rows = [
         ("status", doc["status"] + (f" ({doc['error']})" if doc.get("error") else "")),
         ("tenant / model / tier", f"{doc['tenant']} / {doc['model']} / {doc['tier']}"),
         ("SLO", f"{doc['slo_seconds']:g} s" + _ttft(doc.get("ttft_slo_seconds"))),
         ("submitted", time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(sub))),
+        ("deadline", rel("deadline_at")),
         ("dispatched / first token / finished", " / ".join(
             rel(k) for k in ("dispatched_at", "first_token_at", "finished_at"))),
         ("predicted completion", rel("predicted_completion_at")
-            + (" (at risk)" if doc.get("at_risk") else "")),
+            + (" (past its deadline)" if late else " (at risk)" if doc.get("at_risk") else "")),
         ("instance", doc.get("instance") or "-"),
         ("evictions / swaps / attempts", f"{doc['evictions']} / {doc['swaps']} / {doc['attempts']}"),
         ("SLO met", "-" if met is None else ("yes" if met else "NO")),
     ]  # fmt: skip
     for name, value in rows:
         table.add_row(name, value)
-    console.print(table)
+    return table
+
+
+@ops_app.command("request")
+def request_cmd(
+    ctx: typer.Context,
+    request_id: Annotated[str, typer.Argument(help="Request id.")],
+    as_json: JsonOption = False,
+) -> None:
+    """One request: where it is, its SLO and whether it met it."""
+    doc = _fetch(ctx, "GET", f"/v1/requests/{request_id}", as_json=as_json)
+    if doc is not None:
+        console.print(request_view(doc))
 
 
 def _ttft(ttft: float | None) -> str:
@@ -363,10 +635,11 @@ def report_cmd(
     out: Annotated[
         Path | None, typer.Option(help="Also write the report as Markdown to this file.")
     ] = None,
+    as_json: JsonOption = False,
 ) -> None:
     """SLO attainment of the requests submitted in a span, overall and by tier, tenant and
     model (what a nightly job runs: `qlm ops report --since 24h --out slo-$(date +%F).md`)."""
-    target = _target(ctx)
+    target = _target(ctx, as_json)
     try:
         span = parse_span(since)
     except ValueError as exc:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections import Counter
+from operator import attrgetter
 from typing import Any
 
 from qlm.domain import PlanRecord
@@ -17,6 +19,13 @@ PREDICTION_SLACK_FRACTION = 0.05
 more than ``PREDICTION_SLACK_S`` or this fraction of the time still to go, whichever is more: a
 backlog of 100,000 requests would otherwise be rewritten after every plan, while a client
 polling a request due in an hour gains nothing from a correction of a minute."""
+
+LISTED_REQUESTS = 5000
+"""How many waiting requests a snapshot names, at most, for ``qlm ops group`` (``_queue_dict``):
+every one while the queues hold no more; beyond, each group names its first
+``max(LISTED_PER_GROUP, LISTED_REQUESTS // groups)`` members, so that a backlog of 100,000
+requests does not publish 3 MB of ids every second."""
+LISTED_PER_GROUP = 4
 
 Prediction = tuple[float | None, bool]
 """A waiting request's predicted completion (None: not predicted) and whether it is at risk."""
@@ -77,35 +86,55 @@ def snapshot_dict(
     plan: PlanRecord | None,
 ) -> dict[str, Any]:
     """A controller's snapshot as JSON-ready data (``ControllerService.snapshot``)."""
+    listed = LISTED_REQUESTS
+    if queues is not None:
+        groups = sum(len(q.groups) for q in queues.queues)
+        if sum(g.size for q in queues.queues for g in q.groups) > listed:
+            listed = max(LISTED_PER_GROUP, LISTED_REQUESTS // max(groups, 1))
     return {
         "controller": controller,
         "at": at,
         "policy": policy,
-        "queues": [] if queues is None else [_queue_dict(q) for q in queues.queues],
+        "queues": [] if queues is None else [_queue_dict(q, at, listed) for q in queues.queues],
         "instances": instances,
         "counters": counters,
         "plan": None if plan is None else _plan_dict(plan),
     }
 
 
-def _queue_dict(q: QueueSnapshot) -> dict[str, Any]:
-    return {
-        "instance": q.instance,
-        "predicted_drain_at": q.predicted_drain_s,
-        "groups": [
+def _queue_dict(q: QueueSnapshot, at: float, listed: int) -> dict[str, Any]:
+    """One virtual queue; each group with its tenants (requests per tenant), its latest
+    deadline, how many of its requests are past their deadline at ``at`` (``missed``) and the
+    ids of its first ``listed`` requests in FCFS order. One pass over each group's requests,
+    in C where it can be: a snapshot of 100,000 waiting requests, taken every second, spends
+    ~40 ms of CPU here (the prediction writes' pass over them, ~80 ms)."""
+    groups = []
+    for g in q.groups:
+        deadlines = list(map(_DEADLINE, g.requests))
+        missed = 0 if g.earliest_deadline_s >= at else sum(d < at for d in deadlines)
+        groups.append(
             {
                 "id": g.id,
                 "model": g.model,
                 "size": g.size,
                 "tier": g.tier.name.lower(),
+                "slo_class": g.slo_class,
                 "earliest_deadline_at": g.earliest_deadline_s,
+                "latest_deadline_at": max(deadlines, default=None),
                 "predicted_completion_at": g.predicted_completion_s,
                 "p_meet_slo": g.p_meet_slo,
                 "at_risk": g.at_risk,
+                "missed": missed,
+                "tenants": dict(Counter(map(_TENANT, g.requests)).most_common()),
+                "request_ids": list(map(_ID, g.requests[:listed])),
             }
-            for g in q.groups
-        ],
-    }
+        )
+    return {"instance": q.instance, "predicted_drain_at": q.predicted_drain_s, "groups": groups}
+
+
+_DEADLINE = attrgetter("deadline_s")
+_TENANT = attrgetter("tenant")
+_ID = attrgetter("id")
 
 
 def _plan_dict(record: PlanRecord) -> dict[str, Any]:

@@ -431,7 +431,11 @@ class AgentRuntime:
             self._kick.set()
 
     def instance_states(self) -> list[dict[str, Any]]:
-        """Each instance as operators see it (the controller's snapshot)."""
+        """Each instance as operators see it (the controller's snapshot), with the ids of the
+        requests it runs (sent to it and not back: at most its concurrency limit)."""
+        running: dict[str, list[str]] = {name: [] for name in self._instances}
+        for rid, name in self.controller.running_on().items():
+            running.setdefault(name, []).append(rid)
         out = []
         for name, inst in self._instances.items():
             view = self._view(inst)
@@ -447,6 +451,7 @@ class AgentRuntime:
                     "tiers": {m: t.name.lower() for m, t in inst.tiers.items()},
                     "outstanding": self.controller.outstanding(name),
                     "max_running": view.max_running,
+                    "running": running[name],
                 }
             )
         return out

@@ -311,6 +311,18 @@ class Requests(StoreBase):
                 return None
             return _request_row(model)
 
+    def get_many(self, ids: Iterable[str]) -> list[RequestRow]:
+        """The requests among ``ids`` the store knows, in the order of ``ids`` (unknown ones,
+        e.g. deleted by retention, left out)."""
+        wanted = list(dict.fromkeys(ids))
+        found: dict[str, RequestRow] = {}
+        with self._tx(f"get {len(wanted)} requests") as session:
+            for start in range(0, len(wanted), _CHUNK):
+                chunk = wanted[start : start + _CHUNK]
+                for model in session.scalars(select(RequestModel).where(_in(_R.id, chunk))):
+                    found[model.id] = _request_row(model)
+        return [found[id] for id in wanted if id in found]
+
     def is_final(self, id: str) -> bool:
         """Whether the request's outcome is recorded (False for an unknown id)."""
         return bool(self.final_ids([id]))

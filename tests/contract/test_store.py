@@ -433,6 +433,13 @@ class TestStore:
         assert not record_finished(store, "nope")
         assert store.cancel("nope") is None
 
+    def test_many_requests_are_read_at_once_in_the_order_asked(self, store: Store) -> None:
+        for i in range(3):
+            store.add_request(new_request(i))
+        rows = store.get_many(["r0002", "nope", "r0000", "r0002"])
+        assert [r.id for r in rows] == ["r0002", "r0000"]
+        assert store.get_many([]) == []
+
     def test_predictions_are_recorded_singly_and_in_bulk(self, store: Store) -> None:
         for i in range(3):
             store.add_request(new_request(i))

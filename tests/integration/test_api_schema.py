@@ -177,7 +177,7 @@ def test_every_answer_matches_the_schema_and_none_is_a_server_error(
 
 PATHS = sorted(SCHEMA.raw_schema["paths"])
 METHODS = ("GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
-SAMPLE = {"request_id": "req_0", "name": "i0", "model": "m"}
+SAMPLE = {"request_id": "req_0", "name": "i0", "model": "m", "group_id": "g0"}
 """A value for each path parameter: a method a path does not serve is refused before it."""
 
 

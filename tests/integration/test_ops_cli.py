@@ -1,8 +1,10 @@
 """``qlm ops``, the operator CLI, against the REST API served by uvicorn on a free port with a
 controller service and simulated instances in process: it lists instances, drains and undrains
 one, shows a request, plans, queues and controllers, and reports SLO attainment that agrees with
-the API's own records; bad input and a missing key fail in one line. Nothing asserts on timing:
-the CLI runs after the requests it looks at are final."""
+the API's own records; on a busy fleet it shows one group's requests and tenants, the requests
+each instance runs, and requests past their deadline as missed; bad input and a missing key fail
+in one line. Nothing asserts on timing: the CLI runs once the requests it looks at are final, or
+once the API shows the state it looks at."""
 
 from __future__ import annotations
 
@@ -29,11 +31,21 @@ from tests.unit.service.test_controller_service import make_service
 N = 6
 
 
-def run(scenario: Callable[[str, str, str, list[str]], Awaitable[None]]) -> None:
+def run(
+    scenario: Callable[[str, str, str, list[str]], Awaitable[None]], *, busy: bool = False
+) -> None:
+    """``scenario(url, admin key, tenant key, request ids)`` once the requests are final; with
+    ``busy``, slow engines running one request at a time, once the API shows requests running
+    and waiting, some of them past their deadline (``busy_submissions``)."""
+
     async def main() -> None:
         store = Store.open("sqlite://")
         broker = MemoryBroker()
-        service = make_service(store, broker)
+        service = (
+            make_service(store, broker, step_ms=2000.0, max_running=1)
+            if busy
+            else make_service(store, broker)
+        )
         await service.start()
         admin = store.create_api_key("ops", admin=True)
         tenant = store.create_api_key("acme")
@@ -48,6 +60,10 @@ def run(scenario: Callable[[str, str, str, list[str]], Awaitable[None]]) -> None
         await server.start()
         try:
             async with httpx.AsyncClient(base_url=server.url) as client:
+                if busy:
+                    ids = await busy_submissions(client, store, tenant, admin)
+                    await scenario(server.url, admin, tenant, ids)
+                    return
                 auth = {"Authorization": f"Bearer {tenant}"}
                 ids = []
                 for i in range(N):
@@ -73,9 +89,38 @@ def run(scenario: Callable[[str, str, str, list[str]], Awaitable[None]]) -> None
     asyncio.run(main())
 
 
+async def busy_submissions(
+    client: httpx.AsyncClient, store: Store, tenant: str, admin: str
+) -> list[str]:
+    """Six requests of two tenants on engines that take minutes (of the sped-up clock) each,
+    one at a time: two run, four wait, and the waiting ones with a 60 s SLO go past their
+    deadline while the long one runs. Returns once the API shows it (or fails after 60 s)."""
+    other = store.create_api_key("globex")
+    ids = []
+    for i in range(6):
+        key = tenant if i % 3 else other
+        body = {"model": "m", "prompt": "hi", "max_tokens": 200, "slo_seconds": 60}
+        if i >= 4:
+            body["slo_seconds"] = 3600
+        r = await client.post("/v1/requests", json=body, headers={"Authorization": f"Bearer {key}"})
+        assert r.status_code in (200, 201, 202), r.text
+        ids.append(r.json()["id"])
+    auth = {"Authorization": f"Bearer {admin}"}
+    deadline = time.monotonic() + 60
+    while True:
+        running = (await client.get("/v1/admin/running", headers=auth)).json()["data"]
+        groups = (await client.get("/v1/admin/groups", headers=auth)).json()["data"]
+        if all(i["requests"] for i in running) and any(g["missed"] for g in groups):
+            return ids
+        assert time.monotonic() < deadline, (running, groups)
+        await asyncio.sleep(0.05)
+
+
 async def ops(url: str, key: str | None, *args: str) -> Result:
     base = ["ops", "--url", url, *(["--key", key] if key else [])]
-    return await asyncio.to_thread(CliRunner().invoke, app, [*base, *args], env={"QLM_API_KEY": ""})
+    return await asyncio.to_thread(
+        CliRunner().invoke, app, [*base, *args], env={"QLM_KEY": "", "QLM_API_KEY": ""}
+    )
 
 
 def test_operators_inspect_and_steer_a_running_qlm() -> None:
@@ -104,6 +149,56 @@ def test_operators_inspect_and_steer_a_running_qlm() -> None:
         assert json.loads(r.output)["data"], "the QLM policy planned at least once"
 
     run(scenario)
+
+
+def test_operators_see_a_group_s_requests_what_runs_and_what_is_already_missed() -> None:
+    async def scenario(url: str, admin: str, tenant: str, ids: list[str]) -> None:
+        r = await ops(url, admin, "groups", "--json")
+        groups = json.loads(r.output)["data"]
+        missed = next(g for g in groups if g["missed"])
+        # the key from the environment, --json after the command
+        r = await asyncio.to_thread(
+            CliRunner().invoke,
+            app,
+            ["ops", "--url", url, "group", missed["id"], "--json"],
+            env={"QLM_KEY": admin, "QLM_API_KEY": ""},
+        )
+        assert r.exit_code == 0, r.output
+        doc = json.loads(r.output)
+        assert doc["group"]["id"] == missed["id"] and doc["listed"] == missed["size"]
+        members = doc["requests"]
+        assert {m["id"] for m in members} <= set(ids) and len(members) == missed["size"]
+        assert sum(doc["group"]["tenants"].values()) == missed["size"]
+        assert {m["tenant"] for m in members} == set(doc["group"]["tenants"])
+        assert sum(m["missed"] for m in members) == missed["missed"]
+        assert all(m["deadline_at"] < doc["at"] for m in members if m["missed"])
+
+        r = await ops(url, admin, "group", missed["id"])
+        assert r.exit_code == 0, r.output
+        assert f"group {missed['id']}" in r.output and "tenants" in r.output
+        assert "missed" in r.output and members[0]["id"] in r.output
+        r = await ops(url, admin, "group", "g-nope")
+        assert r.exit_code == 1 and "'g-nope'" in r.output and "404" in r.output
+
+        r = await ops(url, admin, "--json", "running")
+        running = {i["instance"]: i["requests"] for i in json.loads(r.output)["data"]}
+        assert set(running) == {"i0", "i1"}
+        assert all(len(reqs) == 1 and reqs[0]["status"] == "running" for reqs in running.values())
+        r = await ops(url, admin, "running", "--instance", "i0")
+        assert r.exit_code == 0 and "i0: 1 request running of 1" in r.output, r.output
+        assert running["i0"][0]["id"] in r.output and "i1" not in r.output
+        r = await ops(url, admin, "running", "--instance", "nope")
+        assert r.exit_code == 1 and "'nope'" in r.output
+
+        r = await ops(url, admin, "queues")
+        assert r.exit_code == 0 and " missed" in r.output, r.output
+        r = await ops(url, admin, "queues", "--watch", "--count", "2", "--interval", "0.1")
+        assert r.exit_code == 0 and r.output.count("(Ctrl-C to stop)") == 2, r.output
+        r = await ops(url, admin, "queues", "-w", "--count", "2", "--interval", "0.1", "--json")
+        rounds = [json.loads(line) for line in r.output.splitlines()]
+        assert len(rounds) == 2 and all("queues" in doc for doc in rounds)
+
+    run(scenario, busy=True)
 
 
 def test_the_slo_report_agrees_with_the_requests_the_api_records(tmp_path: Path) -> None:

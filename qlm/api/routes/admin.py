@@ -1,5 +1,6 @@
-"""Operator endpoints (admin keys only): the controller's virtual queues and groups, instances
-with their model tiers and load, plans and why they were made, drain/undrain, controllers."""
+"""Operator endpoints (admin keys only): the controller's virtual queues and groups (one group
+with its requests and tenants), instances with their model tiers and load, the requests each
+instance runs, plans and why they were made, drain/undrain, controllers."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ from qlm.api.errors import documented, not_found
 from qlm.api.schemas import (
     ControllerOut,
     ControllersOut,
+    GroupDetailOut,
+    GroupIdPath,
     GroupOut,
     GroupsOut,
     InstanceNamePath,
@@ -24,6 +27,9 @@ from qlm.api.schemas import (
     PlanOut,
     PlansOut,
     QueuesOut,
+    RequestBriefOut,
+    RunningListOut,
+    RunningOut,
     VirtualQueueOut,
 )
 from qlm.store import InstanceState, PlanRow
@@ -36,7 +42,10 @@ _ERRORS = documented(401, 403, 503)
 def _groups(queue: Mapping[str, Any]) -> list[GroupOut]:
     out = []
     for position, group in enumerate(queue.get("groups") or []):
-        fields = {k: v for k, v in group.items() if k not in ("instance", "position")}
+        # Request ids stay out of lists: ``GET /v1/admin/groups/{id}`` shows them, with the rows.
+        fields = {
+            k: v for k, v in group.items() if k not in ("instance", "position", "request_ids")
+        }
         out.append(
             GroupOut.model_validate(
                 {**fields, "instance": queue.get("instance"), "position": position}
@@ -55,6 +64,7 @@ def _queues(doc: SnapshotDoc | None) -> list[VirtualQueueOut]:
                 predicted_drain_at=queue.get("predicted_drain_at"),
                 size=sum(g.size for g in groups),
                 at_risk_requests=sum(g.size for g in groups if g.at_risk),
+                missed_requests=sum(g.missed or 0 for g in groups),
                 groups=groups,
             )
         )
@@ -87,6 +97,77 @@ async def groups(
         data = [g for g in data if g.at_risk is at_risk]
     data.sort(key=lambda g: (g.earliest_deadline_at is None, g.earliest_deadline_at or 0.0))
     return GroupsOut(controller=(doc or {}).get("controller"), at=(doc or {}).get("at"), data=data)
+
+
+@router.get(
+    "/groups/{group_id}",
+    response_model=GroupDetailOut,
+    responses=documented(401, 403, 404, 503),
+    summary="One request group",
+)
+async def group(group_id: GroupIdPath, ctx: ContextDep, _admin: AdminDep) -> GroupDetailOut:
+    """A group where its virtual queue holds it, its requests per tenant and its requests in
+    FCFS order with their deadlines, status and predictions (the controller names every
+    request of every group while its queues hold at most 5,000; beyond, each group's first
+    ones: ``listed``). 404 for a group the controller's latest state does not hold (it was
+    served, or re-clustered into others)."""
+    doc = await ctx.control.snapshot()
+    for queue in (doc or {}).get("queues") or []:
+        for found in _groups(queue):
+            if found.id != group_id:
+                continue
+            raw = (queue.get("groups") or [])[found.position or 0]
+            ids = [str(i) for i in raw.get("request_ids") or []]
+            rows = await ctx.threads.run(ctx.store.get_many, ids)
+            at = (doc or {}).get("at")
+            now = at if isinstance(at, int | float) else ctx.clock()
+            return GroupDetailOut(
+                controller=(doc or {}).get("controller"),
+                at=at,
+                group=found,
+                requests=[RequestBriefOut.of(r, now) for r in rows],
+                listed=len(ids),
+            )
+    raise not_found(f"group {group_id!r}", "group_id", code="group_not_found")
+
+
+@router.get(
+    "/running", response_model=RunningListOut, responses=documented(401, 403, 404, 503),
+    summary="Running requests",
+)  # fmt: skip
+async def running(
+    ctx: ContextDep,
+    _admin: AdminDep,
+    instance: Annotated[
+        str | None, Query(max_length=256, description="Only this instance's.")
+    ] = None,
+) -> RunningListOut:
+    """The requests each instance runs (sent to it and not back yet), as the controller last
+    published them, with their tenant, deadline, tokens so far and whether they are past
+    their deadline. 404 for an instance the controller does not know."""
+    doc = await ctx.control.snapshot()
+    states = [i for i in (doc or {}).get("instances") or [] if isinstance(i, dict)]
+    if instance is not None:
+        states = [i for i in states if i.get("name") == instance]
+        if not states:
+            raise not_found(f"instance {instance!r}", "instance", code="instance_not_found")
+    ids = [str(rid) for i in states for rid in i.get("running") or []]
+    rows = {r.id: r for r in await ctx.threads.run(ctx.store.get_many, ids)}
+    at = (doc or {}).get("at")
+    now = at if isinstance(at, int | float) else ctx.clock()
+    data = [
+        RunningOut(
+            instance=str(i.get("name")),
+            max_running=i.get("max_running"),
+            requests=[
+                RequestBriefOut.of(rows[str(rid)], now)
+                for rid in i.get("running") or []
+                if str(rid) in rows
+            ],
+        )
+        for i in states
+    ]
+    return RunningListOut(controller=(doc or {}).get("controller"), at=at, data=data)
 
 
 @router.get("/instances", response_model=InstancesOut, responses=_ERRORS, summary="Instances")

@@ -23,7 +23,7 @@ from qlm.domain import InstanceSpec, PlanRecord, RequestStatus
 from qlm.global_queue import GlobalQueue, MemoryGlobalQueue, QueuedRequest, QueueUnavailable
 from qlm.service.hub import ResultEvent, ResultHub
 from qlm.settings import ApiSettings, Settings
-from qlm.store import InstanceState, Store
+from qlm.store import InstanceState, NewRequest, Store
 
 
 @dataclass
@@ -687,6 +687,58 @@ def test_operators_see_queues_groups_instances_and_plans() -> None:
         assert [p["id"] for p in history] == [plan["id"]]
 
     run(scenario, controller=FakeController(busy_snapshot(now)), clock=lambda: now)
+
+
+def test_operators_see_one_group_s_requests_and_what_each_instance_runs() -> None:
+    now = 1000.0
+    snapshot = busy_snapshot(now)
+    [group] = snapshot["queues"][0]["groups"]
+    group |= {"size": 3, "missed": 1, "tenants": {"acme": 2, "globex": 1}}
+    group["request_ids"] = ["r2", "r0", "r1"]
+    snapshot["instances"][0]["running"] = ["r3"]
+
+    async def scenario(h: Harness) -> None:
+        for i, (tenant, slo) in enumerate((("acme", 900.0), ("acme", 10.0), ("globex", 900.0))):
+            h.store.add_request(
+                NewRequest(
+                    id=f"r{i}", tenant=tenant, model="m", prompt_tokens=10, max_tokens=10,
+                    slo_e2e_s=slo, submitted_at=now - 100,
+                )
+            )  # fmt: skip
+        h.store.add_request(
+            NewRequest(
+                id="r3", tenant="acme", model="m", prompt_tokens=10, max_tokens=10,
+                slo_e2e_s=60.0, submitted_at=now - 100,
+            )
+        )  # fmt: skip
+        h.store.mark_dispatched("r3", instance="i0", at=now - 50)
+        admin = h.auth("admin")
+        r = await h.client.get("/v1/admin/groups/g1", headers=admin)
+        assert r.status_code == 200, r.text
+        doc = r.json()
+        assert doc["group"]["tenants"] == {"acme": 2, "globex": 1} and doc["listed"] == 3
+        assert [m["id"] for m in doc["requests"]] == ["r2", "r0", "r1"]  # as the group holds them
+        assert [m["missed"] for m in doc["requests"]] == [False, False, True]
+        assert "request_ids" not in doc["group"]
+        listed = (await h.client.get("/v1/admin/groups", headers=admin)).json()["data"]
+        assert "request_ids" not in listed[0] and listed[0]["missed"] == 1
+        queue = (await h.client.get("/v1/admin/queues", headers=admin)).json()["queues"][0]
+        assert (queue["at_risk_requests"], queue["missed_requests"]) == (3, 1)
+        r = await h.client.get("/v1/admin/groups/g9", headers=admin)
+        assert r.status_code == 404 and "'g9'" in r.json()["error"]["message"]
+        assert r.json()["error"]["param"] == "group_id"
+
+        [i0] = (await h.client.get("/v1/admin/running", headers=admin)).json()["data"]
+        assert (i0["instance"], i0["max_running"]) == ("i0", 64)
+        [running] = i0["requests"]
+        assert (running["id"], running["status"], running["instance"]) == ("r3", "running", "i0")
+        assert running["dispatched_at"] == now - 50 and running["missed"] is True
+        r = await h.client.get("/v1/admin/running", params={"instance": "i9"}, headers=admin)
+        assert r.status_code == 404 and "'i9'" in r.json()["error"]["message"]
+        r = await h.client.get("/v1/admin/running", headers=h.auth())
+        assert r.status_code == 403
+
+    run(scenario, controller=FakeController(snapshot), clock=lambda: now)
 
 
 def test_drain_and_undrain_go_through_the_store() -> None:

@@ -143,8 +143,11 @@ def test_the_cli_imports_no_slow_library_until_a_command_needs_it() -> None:
     code = "import sys, qlm.cli; print(' '.join(sorted(sys.modules)))"
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     loaded = set(run.stdout.split())
-    slow = {"numpy", "scipy", "sklearn", "sqlalchemy", "fastapi", "httpx", "pydantic"}
-    assert not (slow | {"qlm.planner"}) & loaded
+    slow = {"numpy", "scipy", "sklearn", "pulp", "sqlalchemy", "alembic", "psycopg"}
+    slow |= {"fastapi", "starlette", "uvicorn", "httpx", "pydantic", "pydantic_settings"}
+    slow |= {"aio_pika", "aiormq", "pamqp", "prometheus_client", "yaml"}
+    qlm_heavy = {"qlm.planner", "qlm.settings", "qlm.store", "qlm.api", "qlm.service"}
+    assert not (slow | qlm_heavy) & loaded, sorted((slow | qlm_heavy) & loaded)
 
 
 def test_help_of_every_command_renders() -> None:
@@ -312,7 +315,21 @@ def test_ops_looks_where_serve_and_api_listen_by_default(monkeypatch) -> None:  
         ops, "Target", lambda url, key, as_json: seen.append(url) or stop_the_command()
     )
     runner.invoke(app, ["ops", "queues"])
-    assert seen == [f"http://127.0.0.1:{ApiSettings().port}"]
+    assert seen == [f"http://{ApiSettings().host}:{ApiSettings().port}"]
+    monkeypatch.setenv("QLM_API__PORT", "9001")
+    runner.invoke(app, ["ops", "queues"])
+    assert seen[-1] == f"http://{ApiSettings().host}:9001"  # what qlm serve reads too
+    monkeypatch.setenv("QLM_URL", "http://qlm:80")
+    runner.invoke(app, ["ops", "queues"])
+    assert seen[-1] == "http://qlm:80"
+
+
+def test_ops_reaches_a_server_on_every_address_through_the_loopback() -> None:
+    assert ops.default_url({"QLM_API__HOST": "0.0.0.0", "QLM_API__PORT": "80"}) == (
+        "http://127.0.0.1:80"
+    )
+    assert ops.default_url({"QLM_API__HOST": "::1"}) == "http://[::1]:8080"
+    assert ops.default_url({"QLM_API__HOST": "qlm.internal"}) == "http://qlm.internal:8080"
 
 
 def stop_the_command() -> None:
