@@ -427,8 +427,7 @@ async def run_backlog(args: argparse.Namespace, names: dict[str, str], database:
             )
         )
         report(taken, policy, timer.plans, args)
-        if taken.planned_s is not None:
-            print(timer.split(taken.planned_s))
+        print(timer.split(taken.planned_s if taken.planned_s is not None else args.timeout))
         print(timer.report(f"take-over of {args.requests:,} queued requests"), flush=True)
         if args.redeliver and taken.planned_s is not None:
             # The broker hands the leader a burst at once (as after a broker restart, when every
