@@ -1,43 +1,58 @@
 """How fast does a controller take over a large backlog?
 
 Publishes N requests (default 100,000; W_B's SLO classes and tiers, real Azure-conversation
-lengths) to the global queue, then starts a controller service (the production one: store
-writes, groups, estimator, planner, agents) on simulated instances serving meanwhile, and
-measures three times: until every request is held, recorded, grouped and placed in a virtual
-queue (by the planner's online placement, §4); until the estimator has checked that order against
-the SLOs (a predicted violation re-plans at once); and until the next whole plan (periodic, every
-``period_s`` = 10 s, when no violation is predicted). And the peak memory (RSS) of the process.
-Target: <= 60 s and <= 1.5 GB.
+lengths), recorded in the store first as the API records them, to the global queue, then
+starts a controller service (the production one: store writes, groups, estimator, planner,
+agents) and measures three times: until every request is held, recorded, grouped and placed in
+a virtual queue (by the planner's online placement, §4); until the estimator has checked that
+order against the SLOs (a predicted violation re-plans at once); and until the next whole plan
+(periodic, every ``period_s`` = 10 s, when no violation is predicted). And the peak memory
+(RSS) of the controller's process. Target: 100,000 requests taken over, grouped and planned
+<= 15 s with RabbitMQ and PostgreSQL, <= 1 GB.
+
+What runs where, so that the figures are the controller's alone: the instances are ``qlm
+sim-engine serve`` processes (16 simulated A100s by default), driven over vLLM's HTTP API as
+production drives vLLM (``--in-process-engines``: simulated in the controller's process, as
+``qlm serve`` does by default). With ``--broker`` the requests are recorded and published by a
+process of its own, which has ended before the controller starts, so the controller's process
+holds only what the controller holds (with the in-process queue the queue's messages live in it
+too). The store is SQLite in a temporary file, or PostgreSQL with ``--database
+postgresql://...`` (a schema of the run's own, dropped afterwards). The time split by stage
+sums every control step of the take-over (nested: ``plan`` holds ``solve``; ``gcN``: Python's
+garbage collections) against the wall time; the rest is the intake (deliveries, store reads,
+acks) and the event loop's other work.
 
 It also prints the longest control step, ``longest control step: X s``: the wall time of the
 longest single ``Controller.step`` (the controller's event loop records no outcome, acks nothing
-and publishes nothing while one runs), with what that step spent its time in (parts of the
-policy, nested: a plan holds its solver; ``gcN``: Python's garbage collections). Target: <= 1 s.
+and publishes nothing while one runs), with what that step spent its time in. Target: <= 1 s.
 ``--redeliver 2400`` then delivers 2,400 more requests at once to the controller holding its
 plan (what a broker restart does: it delivers again every message the leader held) and prints
 the longest step of that too; with ``--drained`` they arrive while every instance is drained (a
 leader whose engines have not answered yet), and the instances come back once all are held, so
 that one plan places every group.
 
-    .venv/bin/python benchmarks/controller_backlog.py    # in-process queue, SQLite file
     .venv/bin/python benchmarks/controller_backlog.py \
-        --broker amqp://guest:guest@127.0.0.1:5672/%2F --shards 2
+        --broker amqp://guest:guest@127.0.0.1:5672/%2F \
+        --database postgresql://postgres@127.0.0.1:5432/test
+    .venv/bin/python benchmarks/controller_backlog.py    # in-process queue, SQLite file
     .venv/bin/python benchmarks/controller_backlog.py --requests 2400 --redeliver 2400
     .venv/bin/python benchmarks/controller_backlog.py --redeliver 2400 --drained
 
 With RabbitMQ one consumer can hold at most 65,535 un-acked deliveries per shard (AMQP's prefetch
 limit; quorum queues turn "unlimited" into 2,000), so the controller holds
 min(N, shards × 65,535) and the rest wait in the broker; the script says so and measures what is
-held. The run's queues are deleted afterwards.
+held (``--shards 2`` holds 100,000). The run's queues are deleted afterwards.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import cProfile
 import dataclasses
 import gc
+import multiprocessing
 import resource
 import sys
 import tempfile
@@ -45,6 +60,7 @@ import time
 import traceback
 import uuid
 from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -58,9 +74,12 @@ from qlm.service import ControllerService
 from qlm.service.instances import build_engines, default_instances
 from qlm.service.replay import to_message
 from qlm.service.runtime import AgentRuntime
+from qlm.service.sim_servers import SimServers
+from qlm.service.upkeep import new_request
 from qlm.sim.traces import load_trace
 from qlm.sim.workload import create_workload
 from qlm.store import Store
+from qlm.store.database import scratch_schema
 
 MAX_PREFETCH = 65535
 
@@ -85,6 +104,8 @@ class StepTimer:
         self.what = ""
         self.parts: dict[str, float] = {}  # seconds in each part of the step under way
         self.longest_parts: dict[str, float] = {}
+        self.total_parts: dict[str, float] = {}  # summed over the phase's steps
+        self.step_s = 0.0  # wall time in the phase's steps
         self._watch_parts()
         self._gc_started = 0.0
 
@@ -117,6 +138,9 @@ class StepTimer:
                 if profiler is not None:
                     profiler.disable()
                 self.steps += 1
+                self.step_s += wall
+                for name, spent in self.parts.items():
+                    self.total_parts[name] = self.total_parts.get(name, 0.0) + spent
                 if wall > self.longest:
                     self.longest, self.longest_cpu = wall, cpu
                     self.longest_parts = self.parts
@@ -163,8 +187,21 @@ class StepTimer:
     def reset(self) -> None:
         """A new phase: its longest step, profiled into ``FILE-burst`` (the take-over's stays)."""
         self.longest, self.steps, self.what = 0.0, 0, ""
+        self.total_parts, self.step_s = {}, 0.0
         if self.profile is not None:
             self.profile = self.profile.with_name(f"{self.profile.stem}-burst{self.profile.suffix}")
+
+    def split(self, wall_s: float) -> str:
+        """The phase's time by stage: every step's parts summed, against ``wall_s``."""
+        parts = ", ".join(
+            f"{name} {t:.1f}" for name, t in sorted(self.total_parts.items(), key=lambda kv: -kv[1])
+        )
+        return (
+            f"time by stage: {self.step_s:.1f} s of {wall_s:.1f} s in {self.steps:,} control "
+            f"steps (seconds, nested: plan holds solve: {parts}); the other "
+            f"{max(0.0, wall_s - self.step_s):.1f} s: intake (deliveries, store, acks) and the "
+            "event loop's other work"
+        )
 
     def report(self, phase: str) -> str:
         parts = ", ".join(
@@ -190,14 +227,47 @@ def make_requests(count: int, tag: str) -> list[Any]:
     ][:count]
 
 
-async def publish(queue: GlobalQueue, requests: Sequence[Any], run: str) -> float:
+async def publish(queue: GlobalQueue, store: Store, requests: Sequence[Any], run: str) -> float:
+    """Record ``requests`` in the store, then publish them, as the API does (in batches)."""
     now = time.time()
     t0 = time.perf_counter()
-    for start in range(0, len(requests), 500):
-        await asyncio.gather(
-            *(queue.publish(to_message(r, now, run)) for r in requests[start : start + 500])
-        )
+    for start in range(0, len(requests), 1000):
+        messages = [to_message(r, now, run) for r in requests[start : start + 1000]]
+        store.add_requests([new_request(m) for m in messages])
+        for errors in await asyncio.gather(
+            *(queue.publish_many(messages[i : i + 250]) for i in range(0, len(messages), 250))
+        ):
+            failed = [e for e in errors if e is not None]
+            if failed:
+                raise failed[0]
     return time.perf_counter() - t0
+
+
+def publish_process(
+    broker: str, options: dict[str, Any], shards: int, database: str, count: int, tag: str, run: str
+) -> float:
+    """``publish`` from a process of its own (``publish_elsewhere``): the requests never live in
+    the controller's process."""
+
+    async def main() -> float:
+        queue = open_global_queue(broker, shards=shards, **options)
+        try:
+            with Store.open(database) as store:
+                return await publish(queue, store, make_requests(count, tag), run)
+        finally:
+            await queue.close()
+
+    return asyncio.run(main())
+
+
+async def publish_elsewhere(
+    args: argparse.Namespace, options: dict[str, Any], database: str, count: int, tag: str, run: str
+) -> float:
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
+        return await asyncio.get_running_loop().run_in_executor(
+            pool, publish_process, args.broker, options, args.shards, database, count, tag, run
+        )
 
 
 @dataclasses.dataclass
@@ -293,7 +363,6 @@ def report(
 
 
 async def main(args: argparse.Namespace) -> None:
-    requests = make_requests(args.requests, "")
     names = {}
     if args.broker:
         prefix = f"qlm.bench.{uuid.uuid4().hex[:8]}"
@@ -302,21 +371,40 @@ async def main(args: argparse.Namespace) -> None:
             "dead_letter_exchange": f"{prefix}.dlx",
             "dead_letter_queue": f"{prefix}.dead",
         }
-    options: dict[str, Any] = dict(names)
-    if args.broker:
-        # The burst is published from this process, whose event loop runs the controller's
-        # steps too: the broker's confirms can wait behind them longer than the API's 10 s
-        # (an API replica publishes from a process of its own).
-        options["confirm_timeout_s"] = 120.0
-    queue: GlobalQueue = open_global_queue(args.broker, shards=args.shards, **options)
-    run = uuid.uuid4().hex[:6]
-    publish_s = await publish(queue, requests, run)
-    print(f"published {len(requests):,} requests in {publish_s:.1f} s", flush=True)
-    base_rss = rss_mb()
+    with contextlib.ExitStack() as stack:
+        if args.database:
+            database = stack.enter_context(scratch_schema(args.database, "qlm_backlog"))
+        else:
+            database = f"sqlite:///{Path(tempfile.mkdtemp()) / 'backlog.db'}"
+        try:
+            await run_backlog(args, names, database)
+        finally:
+            if args.broker:
+                await delete_queues(args.broker, names, args.shards)
 
-    db = Path(tempfile.mkdtemp()) / "backlog.db"
-    store = Store.open(f"sqlite:///{db}")
+
+async def run_backlog(args: argparse.Namespace, names: dict[str, str], database: str) -> None:
+    options: dict[str, Any] = dict(names)
+    queue: GlobalQueue = open_global_queue(args.broker, shards=args.shards, **options)
+    store = Store.open(database)
+    run = uuid.uuid4().hex[:6]
+    if args.broker:
+        publish_s = await publish_elsewhere(args, options, database, args.requests, "", run)
+    else:  # the in-process queue: the messages live in this process
+        publish_s = await publish(queue, store, make_requests(args.requests, ""), run)
+    print(f"recorded and published {args.requests:,} requests in {publish_s:.1f} s", flush=True)
     configs = default_instances(args.instances)
+    servers = SimServers()
+    if not args.in_process_engines:
+        t0 = time.perf_counter()
+        configs = await servers.start(configs)
+        print(
+            f"{len(configs)} qlm sim-engine serve processes ready in "
+            f"{time.perf_counter() - t0:.1f} s",
+            flush=True,
+        )
+    gc.collect()
+    base_rss = rss_mb()
     policy = create_policy("qlm")
     assert isinstance(policy, QlmPolicy)
     controller = Controller(policy, [c.spec for c in configs])
@@ -324,14 +412,14 @@ async def main(args: argparse.Namespace) -> None:
     runtime = AgentRuntime(controller, build_engines(configs), clock=EpochClock())
     service = ControllerService(queue, store, runtime, name="bench")
     capacity = args.shards * MAX_PREFETCH
-    expect = len(requests) if not args.broker else min(len(requests), capacity)
+    expect = args.requests if not args.broker else min(args.requests, capacity)
     await service.start()
     peak = base_rss
     try:
         taken = await take(service, policy, timer.plans, expect, args)
         peak = rss_mb()
         print(
-            f"controller: held {service.received:,} of {len(requests):,} "
+            f"controller: held {service.received:,} of {args.requests:,} "
             + (
                 f"(RabbitMQ, {args.shards} shard(s): holds at most {capacity:,})"
                 if args.broker
@@ -339,22 +427,28 @@ async def main(args: argparse.Namespace) -> None:
             )
         )
         report(taken, policy, timer.plans, args)
-        print(timer.report(f"take-over of {len(requests):,} queued requests"), flush=True)
+        print(timer.split(taken.planned_s if taken.planned_s is not None else args.timeout))
+        print(timer.report(f"take-over of {args.requests:,} queued requests"), flush=True)
         if args.redeliver and taken.planned_s is not None:
             # The broker hands the leader a burst at once (as after a broker restart, when every
             # un-acked message is delivered again): the controller holds a plan already.
-            burst = make_requests(args.redeliver, "again-")
             timer.reset()
             instances = [c.spec.name for c in configs]
-            expect = service.received + len(burst)
+            expect = service.received + args.redeliver
             if args.drained:  # no instance to put them on yet: every group waits for the planner
                 for name in instances:
                     runtime.set_draining(name, True)
-            publish_s = await publish(queue, burst, run)
+            if args.broker:
+                publish_s = await publish_elsewhere(
+                    args, options, database, args.redeliver, "again-", run
+                )
+            else:
+                burst = make_requests(args.redeliver, "again-")
+                publish_s = await publish(queue, store, burst, run)
             print(
-                f"delivered {len(burst):,} more requests at once (published in {publish_s:.1f} s) "
-                f"to the controller holding {policy.grouper.num_requests:,} requests and a plan"
-                + (", every instance drained" if args.drained else ""),
+                f"delivered {args.redeliver:,} more requests at once (published in "
+                f"{publish_s:.1f} s) to the controller holding {policy.grouper.num_requests:,} "
+                "requests and a plan" + (", every instance drained" if args.drained else ""),
                 flush=True,
             )
             if args.drained:
@@ -370,18 +464,22 @@ async def main(args: argparse.Namespace) -> None:
                 )
             taken = await take(service, policy, timer.plans, expect, args)
             report(taken, policy, timer.plans, args)
-            print(timer.report(f"{len(burst):,} requests delivered at once"), flush=True)
+            print(timer.report(f"{args.redeliver:,} requests delivered at once"), flush=True)
             peak = rss_mb()
-        print(f"peak RSS {peak:,.0f} MB (after publishing: {base_rss:,.0f} MB)")
+        where = "in process" if args.in_process_engines else "in their own processes"
+        print(
+            f"peak RSS of the controller's process {peak:,.0f} MB (before the controller "
+            f"started: {base_rss:,.0f} MB; engines {where})"
+        )
         print("reproduce: .venv/bin/python " + " ".join(sys.argv))
     except BaseException:
         traceback.print_exc()  # now: stopping what runs may take a while
         raise
     finally:
         await service.stop()
+        servers.stop()
         store.close()
-        if args.broker:
-            await delete_queues(args.broker, names, args.shards)
+        await queue.close()
 
 
 async def delete_queues(url: str, names: dict[str, str], shards: int) -> None:
@@ -401,6 +499,17 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--requests", type=int, default=100_000)
     parser.add_argument("--broker", default=None, help="amqp:// URL (default: in-process)")
+    parser.add_argument(
+        "--database",
+        default=None,
+        help="a postgresql:// URL: the store in a schema of the run's own (default: SQLite file)",
+    )
+    parser.add_argument(
+        "--in-process-engines",
+        action="store_true",
+        help="simulate the instances in the controller's process instead of qlm sim-engine "
+        "serve processes",
+    )
     parser.add_argument("--shards", type=int, default=1, help="global-queue shards (RabbitMQ)")
     parser.add_argument("--instances", default="16xA100:llama-3-8b")
     parser.add_argument("--timeout", type=float, default=300.0)

@@ -1,26 +1,37 @@
-"""API ingest: broker-confirmed submissions per second and their latency, through the whole
-accept path — HTTP, auth, limits, the store (PostgreSQL, group commit) and RabbitMQ (publisher
-confirms) — at a given concurrency. Prints figures; asserts nothing.
+"""API ingest: broker-confirmed submissions per second, their latency and the API's CPU per
+accepted submission, through the whole accept path — HTTP, auth, limits, the store (PostgreSQL,
+group commit) and RabbitMQ (publisher confirms) — at a given concurrency, against a bare FastAPI
+app taking the same POST in the same run. Prints figures; asserts nothing.
 
 The server is ``qlm api`` in its own process (uvloop and httptools, dependencies of QLM), or with
 ``--workers N`` that many processes behind one port (``uvicorn --factory
-qlm.api.app:app_factory --workers N``). The load comes from a second process on 127.0.0.1:
-``wrk`` (Debian's package: ``apt-get install wrk``) with a Lua script posting ``POST
-/v1/requests``, or, without wrk, an async httpx generator in a subprocess; that one saturates
-its own core at ~200 requests/s on the development machine (it measures itself, not the API),
-so use wrk for figures. Only 202s count as submissions: each one was committed to the store and
-confirmed by the broker before it was answered, and the run counts the messages that landed in
-the queue. No controller runs, so the queue only grows; the run's queue and PostgreSQL schema
-are deleted afterwards. On Linux it also prints the CPU each party used during the measured load
-(from ``/proc``).
+qlm.api.app:app_factory --workers N``). The reference is a FastAPI app with one route, ``POST
+/v1/requests`` taking the JSON body as a ``dict`` and answering 202 with a small JSON document
+(no auth, no store, no broker), on the same uvicorn, uvloop and httptools, one process
+(``--no-bare``: skip it). The load comes from a second process on 127.0.0.1: ``wrk`` (Debian's
+package: ``apt-get install wrk``) with a Lua script posting ``POST /v1/requests``, or, without
+wrk, an async httpx generator in a subprocess; that one saturates its own core at ~200
+requests/s on the development machine (it measures itself, not the API), so use wrk for
+figures. Only 202s count as submissions: each one was committed to the store and confirmed by
+the broker before it was answered, and the run counts the messages that landed in the queue. No
+controller runs, so the queue only grows; the run's queue and PostgreSQL schema are deleted
+afterwards.
 
-Target: >= 2,000 submissions/s with p99 <= 100 ms at concurrency 32 on the 2-core
-development machine, broker and database on the same host. Results: docs/api.md, "Ingest
-throughput".
+CPU (Linux, from ``/proc``): the CPU of the processes this run started — the server and its
+children (uvicorn's workers) — during the measured load, divided by the 202s; for context, the
+share of RabbitMQ, PostgreSQL, the load generator and everything else on the host. The server is
+ready when ``/readyz`` says the broker and the store are (no controller runs);
+``--startup-timeout`` bounds the wait, and a server that exits or is not ready by then stops the
+run with its log. ``--py-spy FILE`` records the API processes with py-spy during the measured
+load (collapsed stacks, ``--format raw``; ``pip install py-spy``).
+
+Targets (docs/api.md, "Ingest throughput"): the API's CPU per accepted submission <= 1.5x the
+bare app's, and, with the workers docs/api.md recommends, confirmed submissions/s at concurrency
+32 >= 0.7x the bare app's rate with p99 <= 50 ms; broker and database on the same host.
 
 Reproduce: .venv/bin/python benchmarks/ingest.py [--duration 15] [--concurrency 32]
 [--workers 1] [--database postgresql+psycopg://postgres@127.0.0.1:5432/test | sqlite]
-[--client wrk|httpx]
+[--client wrk|httpx] [--no-bare] [--py-spy FILE]
 """
 
 from __future__ import annotations
@@ -28,6 +39,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import os
 import platform
@@ -40,6 +52,7 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import aio_pika
@@ -90,18 +103,30 @@ def qlm() -> str:
     return str(exe) if exe.exists() else "qlm"
 
 
-def wait_ready(url: str, proc: subprocess.Popen[bytes], log: Path) -> None:
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
+def wait_ready(url: str, proc: subprocess.Popen[bytes], log: Path, timeout_s: float) -> float:
+    """Seconds until ``/readyz`` says the broker and the store are ready (the controller check
+    fails: none runs), or ``/healthz`` answers for the bare app; exits with the server's log when
+    it stopped or is not ready within ``timeout_s``."""
+    t0 = time.monotonic()
+    last = "no answer"
+    while time.monotonic() - t0 < timeout_s:
         if proc.poll() is not None:
-            sys.exit(f"qlm api exited: {log.read_text()[-2000:]}")
+            sys.exit(f"the server exited with code {proc.returncode}:\n{log.read_text()[-2000:]}")
         try:
-            if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
+            answer = httpx.get(f"{url}/readyz", timeout=1)
+            if answer.status_code == 404:  # the bare app has no readiness probe
+                return time.monotonic() - t0
+            checks = answer.json().get("checks", {})
+            if all(checks.get(name, {}).get("ok") for name in ("broker", "store")):
+                return time.monotonic() - t0
+            last = f"/readyz {answer.status_code}: {answer.text[:300]}"
+        except (httpx.HTTPError, ValueError) as exc:
+            last = repr(exc)
         time.sleep(0.1)
-    sys.exit("qlm api did not start")
+    sys.exit(
+        f"the server at {url} was not ready within {timeout_s:g} s (--startup-timeout); "
+        f"last: {last}\nits log:\n{log.read_text()[-2000:]}"
+    )
 
 
 WRK_MISSING = (
@@ -177,24 +202,54 @@ def run_httpx(url: str, key: str, concurrency: int, duration: int) -> dict[str, 
     return result
 
 
-def cpu_seconds() -> dict[str, float] | None:
-    """CPU seconds used so far per party (the API, RabbitMQ, PostgreSQL, the load generator,
-    the rest) and the machine's idle seconds, from ``/proc``; None off Linux."""
+def process_tree(root: int) -> list[int]:
+    """``root`` and its descendants (uvicorn's workers), from ``/proc``; [] off Linux."""
+    out, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        tasks = Path(f"/proc/{pid}/task")
+        if not tasks.exists():
+            continue
+        out.append(pid)
+        for task in tasks.iterdir():
+            with contextlib.suppress(OSError):
+                todo += [int(child) for child in (task / "children").read_text().split()]
+    return out
+
+
+def _cpu_of(pid: int | str) -> float:
+    """CPU seconds (user + system) process ``pid`` used so far; 0 when it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return 0.0
+    fields = stat[stat.rindex(")") + 2 :].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def server_cpu(root: int) -> float | None:
+    """CPU seconds the server and its children used so far; None off Linux."""
     if not Path("/proc/stat").exists():
         return None
-    ticks = os.sysconf("SC_CLK_TCK")
-    used: dict[str, float] = {}
+    return sum(_cpu_of(pid) for pid in process_tree(root))
+
+
+def host_cpu(server: int) -> dict[int, tuple[str, float]] | None:
+    """Per process, its party — the server this run started and its children ("API"),
+    RabbitMQ, PostgreSQL, the load generator, the rest — and the CPU seconds it used so far;
+    the machine's idle seconds as pid 0; None off Linux."""
+    if not Path("/proc/stat").exists():
+        return None
+    ours = set(process_tree(server))
+    used: dict[int, tuple[str, float]] = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
-            stat = (entry / "stat").read_text()
             command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
         except OSError:
             continue
-        fields = stat[stat.rindex(")") + 2 :].split()
-        seconds = (int(fields[11]) + int(fields[12])) / ticks
-        if "qlm api" in command or "app_factory" in command or "multiprocessing" in command:
+        if int(entry.name) in ours:
             party = "API"
         elif "beam.smp" in command:
             party = "RabbitMQ"
@@ -204,31 +259,39 @@ def cpu_seconds() -> dict[str, float] | None:
             party = "load"
         else:
             party = "other"
-        used[party] = used.get(party, 0.0) + seconds
+        used[int(entry.name)] = (party, _cpu_of(entry.name))
     cpu = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
-    used["idle"] = int(cpu[3]) / ticks
+    used[0] = ("idle", int(cpu[3]) / os.sysconf("SC_CLK_TCK"))
     return used
 
 
-def sample_cpu(out: list[tuple[float, dict[str, float] | None]], duration: int) -> None:
-    """``cpu_seconds`` one second into the load and one second before its end."""
+Samples = list[tuple[float, dict[int, tuple[str, float]] | None]]
+
+
+def sample_cpu(out: Samples, server: int, duration: int) -> None:
+    """``host_cpu`` one second into the load and one second before its end (the load
+    generator's CPU counts only while it runs)."""
     time.sleep(min(1.0, duration / 4))
-    out.append((time.monotonic(), cpu_seconds()))
+    out.append((time.monotonic(), host_cpu(server)))
     time.sleep(max(0.5, duration - 2 * min(1.0, duration / 4)))
-    out.append((time.monotonic(), cpu_seconds()))
+    out.append((time.monotonic(), host_cpu(server)))
 
 
-def cpu_line(samples: list[tuple[float, dict[str, float] | None]]) -> str:
+def cpu_line(samples: Samples) -> str:
+    """Each party's share of a core between the two samples (a process that ended in between
+    is left out: its CPU is not known any more)."""
     if len(samples) < 2 or samples[0][1] is None or samples[1][1] is None:
-        return "cpu: not measured (no /proc)"
+        return "not measured (no /proc)"
     (t0, before), (t1, after) = samples[0], samples[1]
-    assert before is not None and after is not None
-    share = {k: 100 * (v - before.get(k, 0.0)) / (t1 - t0) for k, v in after.items()}
+    share: dict[str, float] = {}
+    for pid, (party, seconds) in after.items():
+        used = seconds - before.get(pid, (party, 0.0))[1]
+        share[party] = share.get(party, 0.0) + 100 * used / (t1 - t0)
     cores = os.cpu_count() or 1
     parts = [
         f"{k} {share.get(k, 0):.0f}%" for k in ("API", "RabbitMQ", "PostgreSQL", "load", "other")
     ]
-    return f"cpu (% of one core): {', '.join(parts)}; idle {share['idle']:.0f}% of {100 * cores}%"
+    return f"{', '.join(parts)}; idle {share['idle']:.0f}% of {100 * cores}% (% of one core)"
 
 
 async def queue_depth(queue: str) -> int:
@@ -252,6 +315,104 @@ async def delete_queue(names: list[str], exchange: str) -> None:
         await channel.exchange_delete(exchange)
 
 
+BARE_APP = """
+import sys, uvicorn
+from typing import Any
+from fastapi import Body, FastAPI
+app = FastAPI()
+@app.post("/v1/requests", status_code=202)
+async def submit(body: dict[str, Any] = Body(...)) -> dict[str, Any]:
+    return {"id": "req_0", "object": "request", "status": "queued", "model": body.get("model")}
+uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[1]), loop="uvloop", http="httptools",
+            log_level="warning", access_log=False)
+"""
+
+
+@dataclasses.dataclass
+class Run:
+    """One server under load: what the load generator saw, and the server's CPU."""
+
+    load: dict[str, float]
+    cpu_s: float | None  # the server's processes, over the measured load
+    samples: Samples
+    ready_s: float
+
+    @property
+    def rate(self) -> float:
+        return self.load["accepted"] / self.load["seconds"]
+
+    @property
+    def cpu_ms(self) -> float | None:
+        """The server's CPU per accepted submission, in ms."""
+        if self.cpu_s is None or not self.load["accepted"]:
+            return None
+        return 1000 * self.cpu_s / self.load["accepted"]
+
+
+def run_server(
+    command: list[str],
+    env: dict[str, str],
+    port: int,
+    log: Path,
+    load: Callable[[str, str, int, int], dict[str, float]],
+    key: str,
+    args: argparse.Namespace,
+    *,
+    between: Callable[[], None] = lambda: None,
+    profile: Path | None = None,
+) -> Run:
+    """Start ``command``, wait until it is ready, warm it up, load it for ``args.duration`` s
+    (``between``: after the warm-up), stop it."""
+    with log.open("wb") as sink:
+        server = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        ready_s = wait_ready(url, server, log, args.startup_timeout)
+        if args.warmup:
+            load(url, key, args.concurrency, args.warmup)
+        between()
+        samples: Samples = []
+        sampler = threading.Thread(
+            target=sample_cpu, args=(samples, server.pid, args.duration), daemon=True
+        )
+        spies = py_spy(api_processes(server.pid), args.duration, profile) if profile else []
+        cpu0 = server_cpu(server.pid)
+        sampler.start()  # while the load runs: the load generator is gone afterwards
+        result = load(url, key, args.concurrency, args.duration)
+        cpu1 = server_cpu(server.pid)
+        sampler.join()
+        for spy in spies:
+            spy.wait(timeout=60)
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+    cpu = cpu1 - cpu0 if cpu0 is not None and cpu1 is not None else None
+    return Run(result, cpu, samples, ready_s)
+
+
+PY_SPY = shutil.which("py-spy") or shutil.which("py-spy", path=str(Path(sys.executable).parent))
+
+
+def py_spy(pids: list[int], duration: int, out: Path) -> list[subprocess.Popen[bytes]]:
+    """py-spy recording each of ``pids`` for ``duration`` s into ``out`` (``out.1``, ...):
+    collapsed stacks, sampled without pausing the process."""
+    spies = []
+    for n, pid in enumerate(pids):
+        target = out.with_name(f"{out.name}.{n}") if n else out
+        command = [PY_SPY or "py-spy", "record", "--rate", "200", "--format", "raw", "--nonblocking",
+                   "--pid", str(pid), "--duration", str(duration), "--output", str(target)]  # fmt: skip
+        spies.append(
+            subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        )
+    return spies
+
+
+def api_processes(root: int) -> list[int]:
+    """The processes that serve requests: uvicorn's workers, or the server itself."""
+    tree = process_tree(root)
+    return tree[1:] or tree
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--duration", type=int, default=20, help="seconds of measured load")
@@ -268,9 +429,24 @@ def main() -> None:
         help="the command that runs the API instead of 'qlm api' (experiments); it gets the "
         "settings in the environment, the port in QLM_API__PORT",
     )
+    parser.add_argument(
+        "--no-bare", action="store_true", help="skip the bare FastAPI app (the reference)"
+    )
+    parser.add_argument(
+        "--startup-timeout", type=float, default=20.0, help="seconds a server has to be ready"
+    )
+    parser.add_argument(
+        "--py-spy",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="record the API processes with py-spy during the measured load (FILE, FILE.1, ...)",
+    )
     args = parser.parse_args()
     if args.client == "wrk" and not shutil.which("wrk"):
         sys.exit(WRK_MISSING)
+    if args.py_spy is not None and PY_SPY is None:
+        sys.exit("py-spy is not installed: pip install py-spy")
     client = args.client or ("wrk" if shutil.which("wrk") else "httpx")
     if client == "httpx" and args.client is None:
         print(f"note: {WRK_MISSING}; using the httpx generator", file=sys.stderr)
@@ -311,49 +487,67 @@ def main() -> None:
         ]  # fmt: skip
     else:
         command = [qlm(), "api"]
-    log = workdir / "api.log"
-    with log.open("wb") as sink:
-        server = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, env=env)
-    url = f"http://127.0.0.1:{port}"
+    depth: list[int] = []
     try:
-        wait_ready(url, server, log)
-        if args.warmup:
-            load(url, key, args.concurrency, args.warmup)
-        before = asyncio.run(queue_depth(base))
-        cpu: list[tuple[float, dict[str, float] | None]] = []
-        sampler = threading.Thread(target=sample_cpu, args=(cpu, args.duration), daemon=True)
-        sampler.start()  # while the load runs: the load generator is gone afterwards
-        result = load(url, key, args.concurrency, args.duration)
-        sampler.join()
-        confirmed = asyncio.run(queue_depth(base)) - before
+        if not args.no_bare:
+            bare_port = free_port()
+            bare = run_server(
+                [sys.executable, "-c", BARE_APP, str(bare_port)], dict(os.environ), bare_port,
+                workdir / "bare.log", load, key, args,
+            )  # fmt: skip
+        api = run_server(
+            command, env, port, workdir / "api.log", load, key, args,
+            between=lambda: depth.append(asyncio.run(queue_depth(base))),
+            profile=args.py_spy,
+        )  # fmt: skip
+        confirmed = asyncio.run(queue_depth(base)) - depth[0]
     finally:
-        server.terminate()
-        server.wait(timeout=30)
         asyncio.run(delete_queue([base, f"{base}.dead"], f"{base}.dlx"))
         schema.close()
-    rate = result["accepted"] / result["seconds"]
+    result = api.load
     print(
-        f"ingest: {rate:,.0f} broker-confirmed submissions/s at concurrency {args.concurrency} "
-        f"({result['accepted']:,.0f} accepted in {result['seconds']:.1f} s, "
+        f"ingest: {api.rate:,.0f} broker-confirmed submissions/s at concurrency "
+        f"{args.concurrency} ({result['accepted']:,.0f} accepted in {result['seconds']:.1f} s, "
         f"{result['errors']:,.0f} errors; {confirmed:,} messages landed in the queue)"
     )
     print(
         f"latency: p50 {result['p50_ms']:.1f} ms, p90 {result['p90_ms']:.1f} ms, "
         f"p99 {result['p99_ms']:.1f} ms, max {result['max_ms']:.1f} ms"
     )
-    print(cpu_line(cpu))
+    print(f"API CPU per accepted submission: {_ms(api.cpu_ms)}; cpu: {cpu_line(api.samples)}")
+    if not args.no_bare:
+        print(
+            f"bare FastAPI app, same run: {bare.rate:,.0f}/s, p99 {bare.load['p99_ms']:.1f} ms, "
+            f"CPU per answer {_ms(bare.cpu_ms)}; cpu: {cpu_line(bare.samples)}"
+        )
+        ratio = (
+            f"{api.cpu_ms / bare.cpu_ms:.2f}x the bare app's (target <= 1.5x)"
+            if api.cpu_ms is not None and bare.cpu_ms
+            else "not measured"
+        )
+        print(
+            f"ratios: API CPU per accepted submission {ratio}; confirmed submissions/s "
+            f"{api.rate / bare.rate:.2f}x the bare app's rate (target >= 0.7x, p99 <= 50 ms)"
+        )
     store_kind = "SQLite" if args.database == "sqlite" else "PostgreSQL"
     server_kind = args.server or (
         "qlm api" if args.workers == 1 else f"{args.workers} API processes (uvicorn)"
     )
     print(
-        f"setup: {server_kind} ({store_kind} store, RabbitMQ), load from {client} in a second "
-        f"process; {os.cpu_count()} cores, Python {platform.python_version()}"
+        f"setup: {server_kind} ({store_kind} store, RabbitMQ; ready in {api.ready_s:.1f} s), "
+        f"load from {client} in a second process; {os.cpu_count()} cores, "
+        f"Python {platform.python_version()}"
+        + (f"; py-spy profile in {args.py_spy}" if args.py_spy else "")
     )
     print(f"reproduce: .venv/bin/python benchmarks/ingest.py --duration {args.duration} "
           f"--concurrency {args.concurrency} --client {client}"
           + (f" --workers {args.workers}" if args.workers > 1 else "")
-          + (" --database sqlite" if args.database == "sqlite" else ""))  # fmt: skip
+          + (" --database sqlite" if args.database == "sqlite" else "")
+          + (" --no-bare" if args.no_bare else ""))  # fmt: skip
+
+
+def _ms(value: float | None) -> str:
+    return "not measured (no /proc)" if value is None else f"{value:.3f} ms"
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@ a third of the API process (docs/api.md, "Ingest throughput"). This ASGI middlew
 well-formed submission itself, doing exactly what the route does with the same code
 (``qlm.api.routes.requests.submit``): ``json.loads`` the body and validate it with ``SubmitIn``
 (what FastAPI does), read the bearer key as ``HTTPBearer`` does, check ``Idempotency-Key`` as
-the route's header declares it, then answer from the same function.
+the route's header declares it, then answer from the same function, its 202 sent as the two
+ASGI messages Starlette's ``Response`` would send (same headers), without building one.
 
 Anything it does not recognise as a well-formed call — another path or method, a content type
 other than ``application/json``, a body that does not parse or validate, a malformed or repeated
@@ -62,13 +63,21 @@ class SubmitFastPath:
         submission, key = parsed
         try:
             principal = await ctx.auth.authenticate(_bearer(authorization))
-            response = await submit(ctx, principal, submission, key)
+            answer = await submit(ctx, principal, submission, key)
         except Exception as exc:
-            answer = errors.response_for(exc)
-            if answer is None:
+            response = errors.response_for(exc)
+            if response is None:
                 raise  # ServerErrorMiddleware: 500, as for the route
-            response = answer
-        await response(scope, replay, send)
+            await response(scope, replay, send)
+            return
+        # The headers Starlette's Response would send, without building one.
+        headers = [
+            *answer.headers,
+            (b"content-length", str(len(answer.body)).encode()),
+            (b"content-type", b"application/json"),
+        ]
+        await send({"type": "http.response.start", "status": 202, "headers": headers})
+        await send({"type": "http.response.body", "body": answer.body})
 
 
 def _route_path(scope: Scope) -> str:

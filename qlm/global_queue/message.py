@@ -119,7 +119,7 @@ class QueuedRequest:
 
     def encode(self) -> bytes:
         """Compact UTF-8 JSON with every field, ``schema`` included."""
-        body = {f.name: getattr(self, f.name) for f in fields(self)}
+        body = {name: getattr(self, name) for name in _FIELD_NAMES}
         return json.dumps(body, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
 
     @classmethod
@@ -171,7 +171,8 @@ class QueuedRequest:
 
 
 _TIERS = sorted(int(t) for t in Tier)
-_FIELDS = frozenset(f.name for f in fields(QueuedRequest))
+_FIELD_NAMES = tuple(f.name for f in fields(QueuedRequest))
+_FIELDS = frozenset(_FIELD_NAMES)
 
 
 def _shown(value: object) -> str:

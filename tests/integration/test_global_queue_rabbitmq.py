@@ -777,6 +777,43 @@ def test_publish_many_confirms_each_message_and_reports_each_failure(
 
 
 @pytest.mark.rabbitmq
+def test_each_message_of_a_batch_is_answered_by_its_own_confirm(
+    amqp_url: str, names: Names
+) -> None:
+    """A batch goes out as one write; a message no queue takes (its shard was deleted) fails
+    alone, and every other message of the batch is confirmed."""
+
+    async def scenario() -> None:
+        queue = open_queue(amqp_url, names, shards=2)
+        await queue.publish(make_message(0))  # declares both shards
+        connection = await aio_pika.connect(amqp_url)
+        async with connection:
+            channel = await connection.channel()
+            await channel.queue_delete(shard_names(names["queue"], 2)[1])
+        batch = [make_message(i) for i in range(1, 41)]
+        lost = {m.id for m in batch if shard_of(m.id, 2) == 1}
+        assert lost and len(lost) < len(batch)
+        results = await queue.publish_many(batch)
+        failed = {m.id for m, error in zip(batch, results, strict=True) if error is not None}
+        assert failed == lost
+        assert all(isinstance(e, QueueUnavailable) for e in results if e is not None)
+        # The channel was retired: the next batch declares the shard again and all get in.
+        again = [make_message(i) for i in range(41, 61)]
+        assert await queue.publish_many(again) == [None] * len(again)
+        inbox = Inbox()
+        await queue.consume(inbox)
+        kept = {"r0"} if shard_of("r0", 2) == 0 else set()  # the other went with its shard
+        expected = kept | {m.id for m in batch if m.id not in lost} | {m.id for m in again}
+        await inbox.wait_for(len(expected))
+        assert set(inbox.ids()) == expected
+        for delivery in inbox.deliveries:
+            await queue.ack(delivery)
+        await queue.close()
+
+    run(scenario)
+
+
+@pytest.mark.rabbitmq
 def test_a_lock_queue_nobody_owns_is_removed_and_the_consumer_leads(
     amqp_url: str, names: Names
 ) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Annotated
 
 from fastapi import APIRouter, Header, Query, Response
@@ -80,12 +81,27 @@ async def submit_request(
 ) -> Response:
     """Queue a completion (``prompt``) or a chat (``messages``) with its SLO. Answers 202 only
     once the store recorded it and the broker confirmed it; any error means nothing was kept."""
-    return await submit(ctx, principal, body, idempotency_key)
+    answer = await submit(ctx, principal, body, idempotency_key)
+    return Response(
+        answer.body,
+        status_code=202,
+        media_type="application/json",
+        headers={k.decode("latin-1"): v.decode("latin-1") for k, v in answer.headers},
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Submitted:
+    """The 202 answer to a submission: its JSON body and its headers other than the content's
+    type and length."""
+
+    body: bytes
+    headers: list[tuple[bytes, bytes]]
 
 
 async def submit(
     ctx: ApiContext, principal: Principal, body: SubmitIn, idempotency_key: str | None
-) -> Response:
+) -> Submitted:
     """What ``POST /v1/requests`` does once its inputs are valid, for the route above and for
     the fast path that serves the same call without FastAPI's machinery (``qlm.api.hotpath``).
     Raises ``ApiError``, ``StoreError`` or ``QueueUnavailable``."""
@@ -119,15 +135,10 @@ async def submit(
         "at_risk": row.at_risk or not admitted.verdict.feasible,
         "replayed": admitted.accepted.replayed,
     }
-    headers = {"Location": f"/v1/requests/{row.id}"}
+    headers = [(b"location", f"/v1/requests/{row.id}".encode("latin-1"))]
     if admitted.accepted.replayed:
-        headers["Idempotent-Replayed"] = "true"
-    return Response(
-        json.dumps(out, separators=(",", ":")),
-        status_code=202,
-        media_type="application/json",
-        headers=headers,
-    )
+        headers.append((b"idempotent-replayed", b"true"))
+    return Submitted(json.dumps(out, separators=(",", ":")).encode(), headers)
 
 
 @router.get(
