@@ -261,6 +261,10 @@ class Settings(BaseSettings):
     line (time, level, logger, message and the record's own fields) for a log pipeline to
     parse without patterns. Every service process (``qlm api``, ``controller``, ``serve``,
     ``sim-engine serve``) logs so, the HTTP server's lines too."""
+    tracing: Annotated[Literal["off", "otel"], BeforeValidator(_lower)] = "off"
+    """``QLM_TRACING``: ``otel`` traces each request's path with OpenTelemetry (the ``otel``
+    extra; exporter and resource from the standard ``OTEL_*`` variables: docs/operations.md,
+    "Tracing"); ``off``, the default, imports nothing of it."""
     broker_url: str | None = None
     """``QLM_BROKER_URL``: ``amqp://user:password@host:5672/vhost``; unset: the in-process queue."""
     broker: BrokerSettings = BrokerSettings()

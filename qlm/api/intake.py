@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from qlm import tracing
 from qlm.api.auth import Principal
 from qlm.api.context import ApiContext
 from qlm.api.control import Verdict, assess
@@ -190,6 +191,17 @@ async def admit(
             labels=tuple(sorted(labels.items())),
             idempotency_key=idempotency_key,
         )
+        accept = tracing.start(
+            "qlm.api.accept",
+            kind="producer",
+            attributes={
+                "qlm.request.id": request_id,
+                "qlm.tenant": tenant,
+                "qlm.model": sub.model,
+                "qlm.tier": int(tier),
+                "qlm.slo_seconds": slo_s,
+            },
+        )
         message = QueuedRequest(
             id=request_id,
             model=sub.model,
@@ -204,10 +216,14 @@ async def admit(
             sampling=sampling,
             tier=int(tier),
             labels=labels,
+            trace=tracing.inject(accept),
         )
         try:
             accepted = await ctx.submitter.submit(new, message)
-        except IdempotencyConflict as exc:
+        except BaseException as exc:  # not accepted: the span says why
+            tracing.end(accept, error=f"{type(exc).__name__}: {exc}")
+            if not isinstance(exc, IdempotencyConflict):
+                raise
             raise ApiError(
                 409,
                 f"Idempotency-Key {idempotency_key!r} was used for a different request "
@@ -216,6 +232,7 @@ async def admit(
                 param="Idempotency-Key",
                 code="idempotency_key_reused",
             ) from None
+        tracing.end(accept, {"qlm.replayed": accepted.replayed})
     except BaseException:
         ctx.queued.release(tenant)
         raise

@@ -1196,6 +1196,27 @@ class ControllersOut(BaseModel):
     data: list[ControllerOut]
 
 
+class SloBucketOut(BaseModel):
+    start: float = Field(description="Submitted at or after (unix seconds).")
+    end: float = Field(description="Submitted before (unix seconds).")
+    requests: int
+    finished: int
+    failed: int
+    cancelled: int
+    pending: int = Field(description="Not final yet: queued or running.")
+    slo_met: int
+    attainment: float | None = Field(
+        description="slo_met / (finished + failed): failures count as misses, cancelled and "
+        "pending requests are left out; null when none is decided."
+    )
+
+
+class AttainmentOut(BaseModel):
+    object: Literal["list"] = "list"
+    step: float = Field(description="Seconds per bucket (the last may be shorter).")
+    data: list[SloBucketOut] = Field(description="Every bucket, oldest first, empty ones too.")
+
+
 class CheckOut(BaseModel):
     ok: bool
     detail: str

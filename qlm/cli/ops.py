@@ -26,8 +26,6 @@ import typer
 from rich.console import Console, RenderableType
 from rich.table import Table
 
-from qlm.reports import REPORT_COLUMNS, markdown, slo_report
-
 ops_app = typer.Typer(
     help="Inspect and steer a running QLM through its admin endpoints (docs/operations.md).",
     no_args_is_help=True,
@@ -622,6 +620,9 @@ def _pages(target: Target, params: Mapping[str, Any]) -> Iterator[Mapping[str, A
             return
 
 
+_SUFFIX_FORMATS = {".html": "html", ".htm": "html", ".json": "json", ".md": "md"}
+
+
 @ops_app.command("report")
 def report_cmd(
     ctx: typer.Context,
@@ -633,13 +634,35 @@ def report_cmd(
     ] = None,
     tenant: Annotated[str | None, typer.Option(help="Only this tenant's requests.")] = None,
     out: Annotated[
-        Path | None, typer.Option(help="Also write the report as Markdown to this file.")
+        Path | None,
+        typer.Option(help="Write the report to this file (its format from its suffix)."),
     ] = None,
+    fmt: Annotated[
+        str | None,
+        typer.Option(
+            "--format",
+            help="text (tables), md, html (with charts) or json; default: --out's suffix "
+            "(.html, .json, else md), else text.",
+        ),
+    ] = None,
+    target: Annotated[
+        float, typer.Option(help="The attainment target the charts and tables compare with.")
+    ] = 0.9,
+    days: Annotated[
+        int,
+        typer.Option(
+            min=0, max=365, help="Days of attainment before --until for the trend (0: none)."
+        ),
+    ] = 14,
     as_json: JsonOption = False,
 ) -> None:
-    """SLO attainment of the requests submitted in a span, overall and by tier, tenant and
-    model (what a nightly job runs: `qlm ops report --since 24h --out slo-$(date +%F).md`)."""
-    target = _target(ctx, as_json)
+    """SLO attainment of the requests submitted in a span: overall and by tier, SLO class,
+    tenant and model, over the span and across days against a target, latency percentiles,
+    the worst-served tenants and why requests missed (what a nightly job runs:
+    `qlm ops report --out slo-$(date +%F).html`)."""
+    from qlm.reports import FORMATS, build, markdown, page, tables
+
+    target_ = _target(ctx, as_json)
     try:
         span = parse_span(since)
     except ValueError as exc:
@@ -647,27 +670,54 @@ def report_cmd(
     end = time.time() if until is None else until
     if not math.isfinite(end) or end <= 0:
         _fail(f"--until must be a positive unix time, got {until}")
-    params: dict[str, Any] = {"since": max(end - span, 0.0), "until": end}
+    if not 0 < target <= 1:
+        _fail(f"--target must be a fraction in (0, 1], like 0.95, got {target}")
+    kind = fmt or ("json" if target_.raw else None)
+    if kind is None:
+        kind = _SUFFIX_FORMATS.get(out.suffix.lower(), "md") if out is not None else "text"
+    if kind not in FORMATS:
+        _fail(f"--format must be one of {', '.join(FORMATS)}, got {kind!r}")
+    start = max(end - span, 0.0)
+    params: dict[str, Any] = {"since": start, "until": end}
     if tenant:
         params["tenant"] = tenant
-    sections = slo_report(list(_pages(target, params)))
+    requests = list(_pages(target_, params))
+    trend: list[Mapping[str, Any]] = []
+    whole = min(days, int(end // 86400))  # days that start at or after the epoch
+    if whole:
+        daily = {"since": end - whole * 86400.0, "until": end, "step": 86400.0}
+        trend = _call(target_, "GET", "/v1/admin/attainment", daily | (
+            {"tenant": tenant} if tenant else {}))["data"]  # fmt: skip
     window = (
-        f"{time.strftime('%Y-%m-%d %H:%M', time.localtime(end - span))} – "
+        f"{time.strftime('%Y-%m-%d %H:%M', time.localtime(start))} – "
         f"{time.strftime('%Y-%m-%d %H:%M', time.localtime(end))}"
     )
     title = f"SLO attainment, {window}" + (f", tenant {tenant}" if tenant else "")
-    if target.raw:
-        _print_json({"title": title, "columns": list(REPORT_COLUMNS), "sections": sections})
-    else:
+    report = build(
+        requests, since=start, until=end, target=target, title=title, tenant=tenant, days=trend
+    )
+    if kind == "text":
+        if out is not None:
+            _fail("--format text is for the terminal: give --out a .md, .html or .json file")
         console.print(title)
-        for name, rows in sections.items():
-            table = Table(title="overall" if name == "all" else f"by {name}", title_justify="left")
-            for col in REPORT_COLUMNS:
-                table.add_column(col or name, justify="left" if not col else "right")
-            for row in rows:
+        for t in tables(report):
+            table = Table(title=t.title, title_justify="left")
+            for i, col in enumerate(t.columns):
+                table.add_column(
+                    col, justify="left" if i == 0 or col == "what it means" else "right"
+                )
+            for row in t.rows:
                 table.add_row(*row)
             console.print(table)
-    if out is not None:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(markdown(title, sections), encoding="utf-8")
-        console.print(f"wrote {out}")
+        return
+    doc = {
+        "md": lambda: markdown(report),
+        "html": lambda: page(report),
+        "json": lambda: json.dumps(report.as_dict(), indent=2, sort_keys=True) + "\n",
+    }[kind]()
+    if out is None:
+        console.file.write(doc)
+        return
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(doc, encoding="utf-8")
+    err_console.print(f"wrote {out}", markup=False)

@@ -3,12 +3,25 @@ and ``qlm api`` (``qlm.service``, ``qlm.api.server``)."""
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from qlm.cli.common import console, guard
 from qlm.cli.logs import configure_logging
+
+if TYPE_CHECKING:
+    from qlm.settings import Settings
+
+
+def traced(settings: Settings) -> Settings:
+    """Start tracing when ``QLM_TRACING=otel`` (``qlm.tracing``); a missing package or exporter
+    stops the command with one line, before it does anything else."""
+    if settings.tracing == "otel":
+        from qlm import tracing
+
+        guard(tracing.enable)
+    return settings
 
 
 def controller_cmd() -> None:
@@ -22,7 +35,8 @@ def controller_cmd() -> None:
     from qlm.settings import get_settings
 
     configure_logging()
-    guard(lambda: asyncio.run(run_controller(get_settings())))
+    settings = traced(get_settings())
+    guard(lambda: asyncio.run(run_controller(settings)))
 
 
 def serve_cmd(
@@ -49,7 +63,7 @@ def serve_cmd(
     from qlm.settings import get_settings
 
     configure_logging()
-    settings = get_settings()
+    settings = traced(get_settings())
     if sim_http:
         controller = settings.controller.model_copy(update={"sim_over_http": True})
         settings = settings.model_copy(update={"controller": controller})
@@ -73,4 +87,5 @@ def api_cmd() -> None:
     from qlm.settings import get_settings
 
     configure_logging()
-    guard(lambda: run(run_api(get_settings())))
+    settings = traced(get_settings())
+    guard(lambda: run(run_api(settings)))

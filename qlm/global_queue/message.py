@@ -71,6 +71,9 @@ class QueuedRequest:
     partial_tokens: int = 0
     replay_output_tokens: int | None = None
     messages: list[dict[str, Any]] | None = None
+    trace: dict[str, str] = field(default_factory=dict)
+    """The W3C trace context of the API's span (``traceparent``, ``tracestate``) when the API
+    traces (``qlm.tracing``); written only when not empty."""
     schema: int = SCHEMA_VERSION
 
     REQUIRED: ClassVar[tuple[str, ...]] = (
@@ -111,6 +114,9 @@ class QueuedRequest:
         _check("labels", isinstance(self.labels, dict), "an object")
         for key, value in self.labels.items():
             _check(f"labels.{key}", isinstance(key, str) and isinstance(value, str), "a string")
+        _check("trace", isinstance(self.trace, dict), "an object")
+        for key, value in self.trace.items():
+            _check(f"trace.{key}", isinstance(key, str) and isinstance(value, str), "a string")
         if self.messages is not None:
             _check("messages", isinstance(self.messages, list), "a list or null")
             for i, item in enumerate(self.messages):
@@ -118,8 +124,10 @@ class QueuedRequest:
                 _check(f"messages[{i}]", ok, "an object")
 
     def encode(self) -> bytes:
-        """Compact UTF-8 JSON with every field, ``schema`` included."""
+        """Compact UTF-8 JSON with every field, ``schema`` included (``trace`` only when set)."""
         body = {name: getattr(self, name) for name in _FIELD_NAMES}
+        if not self.trace:
+            del body["trace"]  # the body of an untraced request is as it always was
         return json.dumps(body, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
 
     @classmethod

@@ -36,6 +36,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from qlm import tracing
 from qlm.domain import PlanRecord, RequestRecord, RequestStatus
 from qlm.engines.base import TokenChunk, ToolCall
 from qlm.errors import check_setting
@@ -56,6 +57,15 @@ STEP_HOLDS_INTAKE_S = 0.5
 """A control step still running after this (the planner's default step budget: grouping and
 pulls stay within it; a plan or a recluster of a large backlog may not) holds the global queue's
 intake until it ends (``GlobalQueue.hold_intake``)."""
+
+
+def _span_attributes(msg: QueuedRequest) -> dict[str, Any]:
+    return {
+        "qlm.tenant": msg.tenant,
+        "qlm.model": msg.model,
+        "qlm.tier": msg.tier,
+        "qlm.attempt": msg.attempt,
+    }
 
 
 def default_controller_name() -> str:
@@ -147,6 +157,8 @@ class ControllerService(RuntimeListener):
         self.received = 0
         self.settled = 0
         self.redelivered = 0  # deliveries of requests it held already (after a reconnect)
+        # The spans of the requests it holds (qlm.tracing), when the process traces.
+        self._spans = tracing.RequestSpans() if tracing.enabled() else None
 
     # --- life cycle -------------------------------------------------------------------------------
 
@@ -298,6 +310,8 @@ class ControllerService(RuntimeListener):
         self.backlog_gc.settled(0)
         for rid in ids:
             self._predictions.forget(rid)
+            if self._spans is not None:
+                self._spans.forget(rid)
         log.warning(
             "controller %s: another controller leads the global queue now; stopping the %d "
             "requests it took over",
@@ -405,6 +419,8 @@ class ControllerService(RuntimeListener):
                 self._held[msg.id] = _Held(d, msg, list(extra))
                 continue
             self._held[msg.id] = _Held(d, msg, list(extra))
+            if self._spans is not None:
+                self._spans.held(msg.id, msg.trace, _span_attributes(msg))
             self._submit(msg, row)
 
     async def _learn_history(self) -> None:
@@ -476,6 +492,8 @@ class ControllerService(RuntimeListener):
     # --- what the runtime reports (the event loop; never blocks) ----------------------------------
 
     def dispatched(self, request_id: str, instance: str, at: float) -> None:
+        if self._spans is not None:
+            self._spans.dispatched(request_id, instance)
         self._writes.op(self.store.mark_dispatched, request_id, instance=instance, at=at)
 
     def first_token(self, request_id: str, at: float) -> None:
@@ -490,6 +508,8 @@ class ControllerService(RuntimeListener):
     ) -> None:
         if partial_tokens == 0 and self.hub.watched(request_id):
             self.hub.publish(ResultEvent(request_id, "", 0, restarted=True))
+        if self._spans is not None:
+            self._spans.returned(request_id, evicted=evicted)
         if evicted:
             self._writes.op(
                 self.store.record_eviction,
@@ -511,6 +531,9 @@ class ControllerService(RuntimeListener):
     ) -> None:
         rid = record.request.id
         ttft = record.request.slo.ttft_s
+        if self._spans is not None:
+            attrs = {"qlm.slo_met": record.slo_met, "qlm.output_tokens": record.output_tokens}
+            self._spans.outcome(rid, "finished", attrs)
         self._writes.op(
             self.store.record_outcome_row,
             rid,
@@ -525,6 +548,8 @@ class ControllerService(RuntimeListener):
         self._writes.settle_after(rid, "ack", RequestStatus.FINISHED)
 
     def failed(self, request_id: str, error: str) -> None:
+        if self._spans is not None:
+            self._spans.outcome(request_id, "failed", {}, error)
         self._writes.op(
             self.store.record_outcome_row,
             request_id,
@@ -536,6 +561,8 @@ class ControllerService(RuntimeListener):
 
     def rejected(self, request_id: str, reason: str) -> None:
         """Poison: recorded failed with the reason, and its delivery dead-lettered with it."""
+        if self._spans is not None:
+            self._spans.outcome(request_id, "failed", {}, reason)
         self._writes.op(
             self.store.record_outcome_row,
             request_id,
@@ -546,6 +573,8 @@ class ControllerService(RuntimeListener):
         self._writes.settle_after(request_id, reason, RequestStatus.FAILED)
 
     def cancelled(self, request_id: str, partial_text: str, tokens: int) -> None:
+        if self._spans is not None:
+            self._spans.outcome(request_id, "cancelled", {"qlm.output_tokens": tokens})
         self._writes.op(
             self.store.record_outcome_row,
             request_id,
@@ -583,6 +612,8 @@ class ControllerService(RuntimeListener):
             self.hub.publish(ResultEvent(rid, "", 0, done=True, status=status))
             self._predictions.forget(rid)
             self.runtime.controller.forget(rid)  # recorded: the store answers for it now
+            if self._spans is not None:
+                self._spans.committed(rid)
             held = self._held.pop(rid, None)
             if held is None:
                 continue

@@ -32,8 +32,15 @@ class ReplayResult:
         return self.slo_met / self.requests if self.requests else 0.0
 
 
+REPLAY_TENANT = "replay"
+"""The tenant a replay's requests are recorded under: the workload's per-class tenants are the
+simulator's device for attainment per class, not clients of this service. The class goes into
+the ``class`` label, which the SLO report breaks attainment down by."""
+
+
 def to_message(request: Request, submitted_at: float, run: str) -> QueuedRequest:
-    """A trace request as a client would submit it (its id made unique to this run)."""
+    """A trace request as a client would submit it (its id made unique to this run), under
+    the ``replay`` tenant, labelled with its run and its SLO class."""
     return QueuedRequest(
         id=f"{run}-{request.id}",
         model=request.model,
@@ -42,9 +49,9 @@ def to_message(request: Request, submitted_at: float, run: str) -> QueuedRequest
         slo_e2e_s=request.slo.e2e_s,
         slo_ttft_s=request.slo.ttft_s,
         submitted_at=submitted_at,
-        tenant=request.tenant,
+        tenant=REPLAY_TENANT,
         tier=int(request.tier),
-        labels={"replay": run, **dict(request.labels)},
+        labels={"replay": run, "class": request.slo_class, **dict(request.labels)},
         replay_output_tokens=request.replay_output_tokens,
     )
 

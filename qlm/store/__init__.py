@@ -19,6 +19,7 @@ from qlm.store.rows import (
     OutcomeRow,
     PlanRow,
     RequestRow,
+    SloBucketRow,
     SloSummaryRow,
 )
 from qlm.store.store import Store
@@ -34,6 +35,7 @@ __all__ = [
     "OutcomeRow",
     "PlanRow",
     "RequestRow",
+    "SloBucketRow",
     "SloSummaryRow",
     "Store",
     "StoreError",

@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Literal
 
@@ -33,9 +34,12 @@ from qlm.domain import RequestStatus, Tier
 from qlm.store import latency
 from qlm.store.base import _CHUNK, StoreBase, StoreError, _in, _rowcount
 from qlm.store.models import ACTIVE_STATUSES, FINAL_STATUSES, Base, RequestLabelModel, RequestModel
-from qlm.store.rows import LatencyBucketRow, OutcomeRow, RequestRow, SloSummaryRow
+from qlm.store.rows import LatencyBucketRow, OutcomeRow, RequestRow, SloBucketRow, SloSummaryRow
 
 SummaryKey = Literal["tenant", "model", "tier"]
+
+MAX_SERIES_BUCKETS = 1000
+"""The most buckets ``slo_series`` returns: its SQL holds one comparison per bucket."""
 
 _R = RequestModel
 _REQUESTS = Base.metadata.tables[RequestModel.__tablename__]
@@ -471,6 +475,56 @@ class Requests(StoreBase):
                 slo_met=int(met),
             )
             for group, n, finished, failed, cancelled, pending, met in result
+        ]
+
+    def slo_series(
+        self, *, since: float, until: float, step: float, tenant: str | None = None
+    ) -> list[SloBucketRow]:
+        """SLO attainment of the requests submitted in ``[since, until)`` (of ``tenant``, or all),
+        in consecutive buckets of ``step`` seconds from ``since`` (the last one ends at
+        ``until``): every bucket, empty ones too, oldest first. One scan: the bucket of a row
+        is a ``CASE`` over the bounds, the same SQL on SQLite and PostgreSQL (whose casts of a
+        float to an integer round where SQLite's truncate)."""
+        if not until > since:
+            raise ValueError(f"until ({until}) must be after since ({since})")
+        if not step > 0:
+            raise ValueError(f"step must be > 0, got {step}")
+        count = math.ceil((until - since) / step)
+        if count > MAX_SERIES_BUCKETS:
+            raise ValueError(
+                f"{count} buckets of {step:g} s in [{since:g}, {until:g}): at most "
+                f"{MAX_SERIES_BUCKETS}, take a longer step"
+            )
+        starts = [since + i * step for i in range(count)]
+        whens = [(_R.submitted_at < start + step, i) for i, start in enumerate(starts[:-1])]
+        rows = select(
+            (case(*whens, else_=count - 1) if whens else literal(count - 1)).label("bucket"),
+            _R.status.label("status"),
+            _R.slo_met.label("slo_met"),
+        ).where(_R.submitted_at >= since, _R.submitted_at < until)
+        if tenant is not None:
+            rows = rows.where(_R.tenant == tenant)
+        # Grouped outside: PostgreSQL cannot tell that a CASE with bound parameters in the
+        # select list and the same CASE in GROUP BY are one expression.
+        inner = rows.subquery()
+
+        def count_if(condition: ColumnElement[bool]) -> ColumnElement[int]:
+            return func.sum(case((condition, 1), else_=0))
+
+        query = select(
+            inner.c.bucket,
+            func.count(),
+            count_if(inner.c.status == _name(RequestStatus.FINISHED)),
+            count_if(inner.c.status == _name(RequestStatus.FAILED)),
+            count_if(inner.c.status == _name(RequestStatus.CANCELLED)),
+            count_if(inner.c.status.in_(ACTIVE_STATUSES)),
+            count_if(inner.c.slo_met.is_(True)),
+        ).group_by(inner.c.bucket)
+        with self._tx("summarise SLO attainment over time") as session:
+            found = {int(row[0]): [int(v) for v in row[1:]] for row in session.execute(query)}
+        return [
+            SloBucketRow(start, min(start + step, until), *found.get(i, [0] * 6))
+            for i, start in enumerate(starts)
         ]
 
     def unsettled_before(

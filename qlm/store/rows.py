@@ -302,3 +302,23 @@ class SloSummaryRow:
     def attainment(self) -> float | None:
         decided = self.finished + self.failed
         return self.slo_met / decided if decided else None
+
+
+@dataclass(frozen=True, slots=True)
+class SloBucketRow:
+    """SLO attainment of the requests submitted in ``[start, end)``, one bucket of a series
+    (``Requests.slo_series``); what counts is as in ``SloSummaryRow``."""
+
+    start: float
+    end: float
+    requests: int
+    finished: int
+    failed: int
+    cancelled: int
+    pending: int
+    slo_met: int
+
+    @property
+    def attainment(self) -> float | None:
+        decided = self.finished + self.failed
+        return self.slo_met / decided if decided else None

@@ -745,6 +745,37 @@ class TestStore:
         pending = {r.group: r for r in store.slo_summary()}["c"]
         assert (pending.pending, pending.attainment) == (1, None)
 
+    def test_slo_series_buckets_requests_by_submission_and_keeps_empty_buckets(
+        self, store: Store
+    ) -> None:
+        # Submitted at 101..107 (new_request(i) is submitted at 100 + i).
+        outcomes = {1: True, 2: False, 3: None, 5: True, 6: True, 7: None}
+        for i in outcomes:
+            store.add_request(new_request(i, tenant="b" if i == 6 else "acme"))
+        for i, met in outcomes.items():
+            if met is not None:
+                record_finished(store, f"r{i:04d}", slo_met=met)
+        store.record_outcome("r0003", status=RequestStatus.FAILED, at=1.0, slo_met=False)
+        series = store.slo_series(since=100.0, until=109.0, step=3.0)
+        assert [(b.start, b.end) for b in series] == [
+            (100.0, 103.0),
+            (103.0, 106.0),
+            (106.0, 109.0),
+        ]
+        first, second, third = series
+        assert (first.requests, first.finished, first.slo_met, first.attainment) == (2, 2, 1, 0.5)
+        assert (second.requests, second.failed, second.attainment) == (2, 1, 0.5)
+        assert (third.requests, third.pending, third.slo_met) == (2, 1, 1)
+        # A span that is no multiple of the step ends its last bucket at ``until``; empty buckets stay.
+        empty = store.slo_series(since=0.0, until=25.0, step=10.0)
+        assert [(b.start, b.end, b.requests, b.attainment) for b in empty] == [
+            (0.0, 10.0, 0, None), (10.0, 20.0, 0, None), (20.0, 25.0, 0, None),
+        ]  # fmt: skip
+        [one] = store.slo_series(since=100.0, until=200.0, step=100.0, tenant="b")
+        assert (one.requests, one.slo_met) == (1, 1)
+        with pytest.raises(ValueError, match="at most"):
+            store.slo_series(since=0.0, until=1e6, step=1.0)
+
     # --- instances, plans ----------------------------------------------------------------
 
     def test_instances_are_upserted_and_keep_their_tiers(

@@ -121,6 +121,8 @@ CROSS_FIELD = {
     "invalid_schema": "a JSON Schema QLM can use (response_format, a tool's parameters)",
     "invalid_cursor": "a cursor the API handed out (it is opaque)",
     "max_prompt_tokens": "chat messages and tools, counted together",
+    "empty_span": "an attainment series' until after its since",
+    "too_many_buckets": "at most so many buckets of step seconds between since and until",
 }
 """The 422s (by code) that a schema-valid call may get: rules across fields, or about values,
 that JSON Schema cannot state. Every other rule is in the schema."""

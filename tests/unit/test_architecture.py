@@ -14,8 +14,9 @@ QLM = Path(__file__).resolve().parents[2] / "qlm"
 LAYERS: tuple[tuple[str, ...], ...] = (
     # plain data, errors, time, what the MILP solvers need of the process: nothing of QLM
     ("errors", "clock", "domain", "structured", "solvers"),
-    # the parts: engines, the estimator, groups, agent decisions, the durable edges, settings
-    ("engines", "rct", "groups", "agents", "store", "global_queue", "settings"),
+    # the parts: engines, the estimator, groups, agent decisions, the durable edges, settings,
+    # tracing
+    ("engines", "rct", "groups", "agents", "store", "global_queue", "settings", "tracing"),
     ("virtual_queues", "fleet"),  # queues of groups; a fleet of the engines' catalog
     ("planner",),
     ("controller",),

@@ -1,6 +1,7 @@
 """Operator endpoints (admin keys only): the controller's virtual queues and groups (one group
 with its requests and tenants), instances with their model tiers and load, the requests each
-instance runs, plans and why they were made, drain/undrain, controllers."""
+instance runs, plans and why they were made, drain/undrain, controllers, SLO attainment over
+time."""
 
 from __future__ import annotations
 
@@ -13,8 +14,10 @@ from fastapi import APIRouter, Query
 from qlm.api.context import ApiContext
 from qlm.api.control import SnapshotDoc
 from qlm.api.deps import AdminDep, ContextDep
-from qlm.api.errors import documented, not_found
+from qlm.api.errors import documented, invalid, not_found
 from qlm.api.schemas import (
+    NO_NUL,
+    AttainmentOut,
     ControllerOut,
     ControllersOut,
     GroupDetailOut,
@@ -30,9 +33,11 @@ from qlm.api.schemas import (
     RequestBriefOut,
     RunningListOut,
     RunningOut,
+    SloBucketOut,
     VirtualQueueOut,
 )
 from qlm.store import InstanceState, PlanRow
+from qlm.store.requests import MAX_SERIES_BUCKETS
 
 router = APIRouter(prefix="/v1/admin", tags=["admin"])
 
@@ -297,4 +302,67 @@ async def controllers(ctx: ContextDep, _admin: AdminDep) -> ControllersOut:
             )
             for r in rows
         ]
+    )
+
+
+@router.get(
+    "/attainment",
+    response_model=AttainmentOut,
+    responses=documented(401, 403, 422, 503),
+    summary="SLO attainment over time",
+)
+async def attainment(
+    ctx: ContextDep,
+    _admin: AdminDep,
+    since: Annotated[float, Query(ge=0, le=1e11, description="Start (unix seconds).")],
+    until: Annotated[float, Query(ge=0, le=1e11, description="End (unix seconds).")],
+    step: Annotated[
+        float,
+        Query(
+            ge=1,
+            le=1e11,
+            description=f"Seconds per bucket; at most {MAX_SERIES_BUCKETS} buckets in the span.",
+        ),
+    ] = 86400.0,
+    tenant: Annotated[
+        str | None,
+        Query(
+            max_length=256, description="Only this tenant's.", json_schema_extra={"pattern": NO_NUL}
+        ),
+    ] = None,
+) -> AttainmentOut:
+    """SLO attainment of the requests submitted in ``[since, until)``, in buckets of ``step``
+    seconds from ``since``: what the nightly report's trend across days reads, from the store
+    (its retention, ``QLM_CONTROLLER__RETAIN_DAYS``, bounds how far back)."""
+    if until <= since:
+        raise invalid(
+            "until", f"until ({until:g}) must be after since ({since:g})", code="empty_span"
+        )
+    if (until - since) / step > MAX_SERIES_BUCKETS:
+        raise invalid(
+            "step",
+            f"{(until - since) / step:,.0f} buckets of {step:g} s: at most {MAX_SERIES_BUCKETS}",
+            code="too_many_buckets",
+        )
+    if tenant is not None and "\x00" in tenant:
+        raise invalid("tenant", "tenant must not contain the NUL character", code="nul_character")
+    rows = await ctx.threads.run(
+        ctx.store.slo_series, since=since, until=until, step=step, tenant=tenant
+    )
+    return AttainmentOut(
+        step=step,
+        data=[
+            SloBucketOut(
+                start=r.start,
+                end=r.end,
+                requests=r.requests,
+                finished=r.finished,
+                failed=r.failed,
+                cancelled=r.cancelled,
+                pending=r.pending,
+                slo_met=r.slo_met,
+                attainment=r.attainment,
+            )
+            for r in rows
+        ],
     )

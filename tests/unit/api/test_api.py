@@ -1043,3 +1043,32 @@ def test_openai_fields_at_their_defaults_are_accepted(extra: dict[str, Any]) -> 
         assert len(published(h.queue)) == 1 and len(h.store.list_requests()[0]) == 1
 
     run(scenario, wait_timeout_s=0.05)
+
+
+def test_attainment_series_counts_each_bucket_for_admins_only() -> None:
+    async def scenario(h: Harness) -> None:
+        for tenant, n, at, met in (("acme", 1, 100.0, True), ("acme", 2, 150.0, False),
+                                   ("globex", 3, 250.0, True)):  # fmt: skip
+            h.store.add_request(
+                NewRequest(f"r{n}", tenant, "m", 10, 10, slo_e2e_s=30.0, submitted_at=at)
+            )
+            h.store.record_outcome(f"r{n}", status=RequestStatus.FINISHED, at=at + 1, slo_met=met)
+        params = {"since": 100, "until": 400, "step": 100}
+        r = await h.client.get("/v1/admin/attainment", params=params, headers=h.auth("admin"))
+        assert r.status_code == 200, r.text
+        got = [(b["start"], b["requests"], b["slo_met"], b["attainment"]) for b in r.json()["data"]]
+        assert got == [(100.0, 2, 1, 0.5), (200.0, 1, 1, 1.0), (300.0, 0, 0, None)]
+        r = await h.client.get(
+            "/v1/admin/attainment", params=params | {"tenant": "globex"}, headers=h.auth("admin")
+        )
+        assert [b["requests"] for b in r.json()["data"]] == [0, 1, 0]
+        r = await h.client.get("/v1/admin/attainment", params=params, headers=h.auth("acme"))
+        assert r.status_code == 403
+        for bad, param in (({"until": 50}, "until"), ({"step": 0.1}, "step"),
+                           ({"until": 1e9}, "step")):  # fmt: skip
+            r = await h.client.get(
+                "/v1/admin/attainment", params=params | bad, headers=h.auth("admin")
+            )
+            assert r.status_code == 422 and error(r)["param"] == param, r.text
+
+    run(scenario)
