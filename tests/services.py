@@ -104,8 +104,13 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
             proc.wait()
 
 
+START_S = 300.0
+"""How long a service process may take to start: seconds on a quiet host, minutes on a saturated
+one (a deadline for a condition, not a wait)."""
+
+
 def wait_healthy(
-    proc: subprocess.Popen[bytes], url: str, what: str, timeout_s: float = 60.0
+    proc: subprocess.Popen[bytes], url: str, what: str, timeout_s: float = START_S
 ) -> None:
     """Wait until ``url`` answers 200; fail (stopping ``proc``) if it exits or never does."""
     deadline = time.monotonic() + timeout_s

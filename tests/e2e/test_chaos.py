@@ -45,6 +45,7 @@ from typing import Any
 import httpx
 import pytest
 from services import (
+    START_S,
     broker_connections,
     broker_names,
     close_connections,
@@ -236,11 +237,11 @@ class Service:
         self.wait(
             lambda: any(s.name == name for s in self.store.controller_states()),
             f"controller {name} publishes its state",
-            60.0,
+            START_S,
         )
         return name
 
-    def leader(self, timeout_s: float = 60.0) -> str:
+    def leader(self, timeout_s: float = START_S) -> str:
         """The controller that leads: alive, and the one (most recently) publishing an active
         state."""
         found: list[str] = []
@@ -758,7 +759,7 @@ def test_faults_chosen_by_a_seed_lose_duplicate_and_change_nothing(
             for started in [pool.submit(service.start_api, i) for i in range(2)]:
                 started.result()
         service.wait(
-            lambda: len(store.instances()) == ENGINES, "the controller knows the engines", 60.0
+            lambda: len(store.instances()) == ENGINES, "the controller knows the engines", START_S
         )
         print(f"service up in {time.monotonic() - began:.0f} s", flush=True)
 
