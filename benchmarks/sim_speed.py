@@ -1,8 +1,9 @@
 """Simulation speed, two figures, each against its target:
 
 1. **FCFS replay**: the full Azure LLM conversation trace (19,366 requests, 58 min) on four
-   simulated A100 instances serving Llama-3-8B under FCFS; the wall time of ``simulate`` (trace
-   and workload loaded beforehand). Target: median ≤ 2 s, and no slower than any checkout given
+   simulated A100 instances serving Llama-3-8B under FCFS; the CPU time of ``simulate`` (trace
+   and workload loaded beforehand; wall time is printed too, but on a machine shared with other
+   work it measures the others as well). Target: median ≤ 2 s, and no slower than any checkout given
    with ``--against`` (an older commit: ``git worktree add /tmp/old <commit>``) measured in the
    same run. Each run is a fresh process; the checkouts take turns, round after round, so that a
    change in the host's load falls on all of them alike.
@@ -147,9 +148,14 @@ def main() -> None:
         for tree in trees:
             run = run_child(tree, args)
             runs[str(tree)].append(run)
-            print(f"round {i + 1}, {tree}: FCFS replay {run['wall_s']:.2f} s wall", flush=True)
+            print(
+                f"round {i + 1}, {tree}: FCFS replay {run['cpu_s']:.2f} CPU-s "
+                f"({run['wall_s']:.2f} s wall)",
+                flush=True,
+            )
     first = runs[str(ROOT)][0]
-    medians = {t: statistics.median(r["wall_s"] for r in rs) for t, rs in runs.items()}
+    medians = {t: statistics.median(r["cpu_s"] for r in rs) for t, rs in runs.items()}
+    walls = {t: statistics.median(r["wall_s"] for r in rs) for t, rs in runs.items()}
     mine = medians[str(ROOT)]
     checks = {"fcfs_target": mine <= FCFS_TARGET_S}
     print(
@@ -161,7 +167,8 @@ def main() -> None:
         m = medians[str(tree)]
         label = "this checkout" if tree == ROOT else str(tree)
         print(
-            f"  {label}: {m:.2f} s wall, {first['requests'] / m:,.0f} simulated requests/s"
+            f"  {label}: {m:.2f} CPU-s ({walls[str(tree)]:.2f} s wall), "
+            f"{first['requests'] / m:,.0f} simulated requests per CPU-second"
             + ("" if tree == ROOT else f"; this checkout takes {mine / m:.2f}× its time")
         )
         if tree != ROOT:
@@ -186,7 +193,8 @@ def main() -> None:
         "python": platform.python_version(),
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         "fcfs": {"instances": args.instances, "trace": args.trace, "runs": runs},
-        "fcfs_median_s": medians,
+        "fcfs_median_cpu_s": medians,
+        "fcfs_median_wall_s": walls,
         "qlm": qlm,
         "checks": checks,
     }
