@@ -117,6 +117,9 @@ class Controller:
         self._outstanding_tokens = dict.fromkeys(names, 0)
         self._on: dict[str, str] = {}  # request -> instance it was sent to, while there
         self._prompts: dict[str, tuple[float, float]] = {}  # model -> (counted, estimated)
+        # instance -> (reading, the load built of it and the counts): ``_load``; dropped when
+        # the counts change
+        self._loads: dict[str, tuple[EngineReading, InstanceLoad]] = {}
         self.finished = 0
 
     # --- input ------------------------------------------------------------------------------------
@@ -128,6 +131,7 @@ class Controller:
         self.specs[spec.name] = spec
         self._served.update(spec.models)
         self._outstanding[spec.name] = 0
+        self._loads.pop(spec.name, None)
         self._outstanding_tokens[spec.name] = 0
 
     def learn_outputs(self, history: Iterable[tuple[Request, int]]) -> int:
@@ -379,6 +383,7 @@ class Controller:
     ) -> list[Decision]:
         """The policy's decisions on this news (it groups, estimates, plans and acts), checked,
         and recorded: their pulls counted against their instances."""
+        tracks = self._tracks
         ctx = DispatchContext(
             now=now,
             arrived=tuple(arrived),
@@ -386,17 +391,18 @@ class Controller:
             started=tuple(started),
             cancelled=tuple(cancelled),
             generated=tuple(
-                (r.id, self._tracks[r.id].output_tokens)
-                for r in arrived
-                if self._tracks[r.id].output_tokens
+                (r.id, tokens) for r in arrived if (tokens := tracks[r.id].output_tokens)
             ),
-            instances=tuple(self._load(r) for r in readings),
+            instances=tuple([self._load(r) for r in readings]),
         )
         decisions = self.policy.decide(ctx)
+        if not decisions:
+            return decisions
+        specs, pending = self.specs, self._pending
         for d in decisions:
-            if isinstance(d, Reject) or d.instance not in self.specs:
+            if isinstance(d, Reject) or d.instance not in specs:
                 raise ConfigError(f"policy {self.policy.name} named unknown instance {d!r}")
-            if isinstance(d, Pull) and d.request_id not in self._pending:
+            if isinstance(d, Pull) and d.request_id not in pending:
                 raise ConfigError(f"policy {self.policy.name} pulled {d.request_id!r} twice")
         for d in decisions:
             if isinstance(d, Pull):
@@ -540,17 +546,24 @@ class Controller:
         if track.dispatch_s is None:
             track.dispatch_s = now
         self._on[req.id] = pull.instance
+        self._loads.pop(pull.instance, None)
         self._outstanding[pull.instance] += 1
         self._outstanding_tokens[pull.instance] += req.input_tokens + track.output_tokens
 
     def _release(self, track: RequestRecord) -> None:
         name = self._on.pop(track.request.id)
+        self._loads.pop(name, None)
         self._outstanding[name] -= 1
         self._outstanding_tokens[name] -= track.request.input_tokens + track.output_tokens
 
     def _load(self, reading: EngineReading) -> InstanceLoad:
+        """What the policy knows of the instance: the same object as at the last step while its
+        reading and counts are unchanged (a step changes one or two instances at most)."""
         spec = reading.spec
-        return InstanceLoad(
+        cached = self._loads.get(spec.name)
+        if cached is not None and cached[0] is reading:
+            return cached[1]
+        load = InstanceLoad(
             name=spec.name,
             models=spec.models,
             outstanding_requests=self._outstanding[spec.name],
@@ -568,3 +581,5 @@ class Controller:
             up=reading.up,
             preemptions_total=reading.preemptions_total,
         )
+        self._loads[spec.name] = (reading, load)
+        return load

@@ -194,6 +194,7 @@ class SimEngine:
         self._wake_at: float | None = None
         self.preemptions_total = 0
         self.steps_total = 0
+        self._fractions: dict[tuple[str, int], float] = {}  # ``_memory_fraction``
         self.model_switches = 0
 
     def swap_free_gb(self) -> float:
@@ -399,6 +400,10 @@ class SimEngine:
 
     def gpu_memory_used_fraction(self, now: float | None = None) -> float:
         """Weights of the active model plus the KV blocks in use, over the GPUs' memory."""
+        if now is None and self.active_model is not None:  # as of the last iteration boundary
+            return self._memory_fraction(
+                self._capacity_blocks[self.active_model] - self._free_blocks
+            )
         return self._memory_fraction(self._used_blocks(now))
 
     def _fused_done(self, now: float | None) -> tuple[int, set[int]]:
@@ -443,12 +448,19 @@ class SimEngine:
     def _memory_fraction(self, used_blocks: int) -> float:
         if self.active_model is None:
             return 0.0
-        pm = self.perf_models[self.active_model]
-        total = pm.gpu.memory_gb * pm.gpu_count
-        kv_gb = used_blocks * self.config.block_size * pm.model.kv_bytes_per_token / GB
-        return min(1.0, (pm.model.weights_gb + kv_gb) / total)
+        # The simulator reads it at every event: remembered per (model, blocks in use).
+        key = (self.active_model, used_blocks)
+        fraction = self._fractions.get(key)
+        if fraction is None:
+            pm = self.perf_models[self.active_model]
+            total = pm.gpu.memory_gb * pm.gpu_count
+            kv_gb = used_blocks * self.config.block_size * pm.model.kv_bytes_per_token / GB
+            fraction = self._fractions[key] = min(1.0, (pm.model.weights_gb + kv_gb) / total)
+        return fraction
 
     def _swap_free_gb(self) -> float:
+        if not self.swapped and not self._swap_out_pending:
+            return self.config.swap_space_gb - 0 / GB
         used = sum(
             s.computed * self.perf_models[s.model].model.kv_bytes_per_token
             for s in (*self.swapped.values(), *self._swap_out_pending)
@@ -549,9 +561,16 @@ class SimEngine:
         if step.macro_k:
             k = step.macro_k
             self.steps_total += k
+            bs, emit = self.config.block_size, self.config.emit_token_events
             for seq, _ in step.work:
-                self._advance_fused(seq, k)
-                if self.config.emit_token_events:
+                # ``_advance_fused``, inline: this runs for every request of every fused run
+                seq.computed += k
+                seq.generated += k
+                need = -(-seq.computed // bs) - seq.blocks
+                if need > 0:
+                    self._free_blocks -= need
+                    seq.blocks += need
+                if emit:
                     events.append(EngineEvent(EventKind.TOKENS, t, seq.rid, seq.generated))
                 if seq.generated >= seq.target:
                     self._complete(seq, t, events)
@@ -654,16 +673,17 @@ class SimEngine:
                 return
 
         budget = cfg.max_num_batched_tokens
+        bs = cfg.block_size
         work: list[tuple[_Seq, int]] = []
         preempted = False
         i = 0
         while i < len(self.running):
             seq = self.running[i]
-            n = min(seq.num_tokens - seq.computed, budget)
+            n = min(seq.prompt + seq.generated - seq.computed, budget)
             if n <= 0:
                 i += 1
                 continue
-            need = max(0, self._blocks_for(seq.computed + n) - seq.blocks)
+            need = max(0, -(-(seq.computed + n) // bs) - seq.blocks)
             while need > self._free_blocks:
                 victim = self.running.pop()
                 self._preempt(victim, now, events)
@@ -748,7 +768,7 @@ class SimEngine:
         if len(self.running) > self.config.max_num_batched_tokens:
             return False
         for seq in self.running:
-            if seq.num_tokens - seq.computed != 1 or seq.computed < seq.prompt:
+            if seq.prompt + seq.generated - seq.computed != 1 or seq.computed < seq.prompt:
                 return False
         head = self._admission_head()
         if head is not None and len(self.running) < self.config.max_num_seqs:
@@ -762,17 +782,16 @@ class SimEngine:
         """How many decode iterations can run unchanged: until a request finishes, the KV cache
         runs out, or the configured cap."""
         k = min(seq.target - seq.generated for seq in self.running)
-        k = min(k, self._steps_until_kv_full())
         if self.config.max_macro_steps is not None:
             k = min(k, self.config.max_macro_steps)
-        return k
+        return self._steps_until_kv_full(k)
 
     def _start_macro(self, now: float, extra_s: float, k: int) -> None:
         running = self.running
         B = len(running)
         pm = self.perf_models[self.active_model or ""]
         # Iteration i (from 0) feeds each sequence's newest token; it attends to computed + 1 + i.
-        ctx0 = sum(seq.computed + 1 for seq in running)
+        ctx0 = sum([seq.computed for seq in running]) + B
         d0 = pm.step.step_ms(n_scheduled=B, n_tokens=B, decode_ctx=ctx0, prefill_pairs=0.0) / 1000
         # The blocks of the k iterations are allocated as they end (``_finish_step``, ``abort``):
         # nothing else can allocate during the run, and ``_fuse_length`` checked they are free.
@@ -781,21 +800,23 @@ class SimEngine:
         step.end = step.start + step.macro_elapsed(k)
         self._step = step
 
-    def _steps_until_kv_full(self) -> int:
-        """Largest k such that every running sequence can get blocks for k more tokens."""
+    def _steps_until_kv_full(self, cap: int) -> int:
+        """Largest k <= ``cap`` such that every running sequence can get blocks for k more
+        tokens (0 if none)."""
         bs = self.config.block_size
         free = self._free_blocks
-        # Blocks needed for k more tokens grow by about B/bs per step; bound, then binary search.
-        lo, hi = 0, 1
         running = self.running
 
         def need(k: int) -> int:
             return sum(max(0, -(-(s.computed + k) // bs) - s.blocks) for s in running)
 
-        cap = max(seq.target - seq.generated for seq in running)
+        if need(cap) <= free:  # the usual case: the cache is not the limit
+            return cap
+        # Blocks needed for k more tokens grow by about B/bs per step; bound, then binary search.
+        lo, hi = 0, 1
         while hi <= cap and need(hi) <= free:
             lo, hi = hi, hi * 2
-        hi = min(hi, cap + 1)
+        hi = min(hi, cap)  # need(cap) > free
         while hi - lo > 1:
             mid = (lo + hi) // 2
             if need(mid) <= free:

@@ -76,6 +76,36 @@ def group_key(request: Request, deadline_window: float = 0.0) -> GroupKey:
     return (request.model, request.tier, request.slo_class, window)
 
 
+def group_keys(
+    requests: Sequence[Request], deadline_window: float = 0.0
+) -> tuple[list[GroupKey], IntArray]:
+    """``group_key`` of many requests at once: the distinct keys, sorted, and the index of each
+    request's key among them. The windows are computed with the same floating-point operations
+    as ``group_key``'s, on arrays."""
+    n = len(requests)
+    base_of: dict[tuple[str, Tier, str], int] = {}
+    base = np.fromiter(
+        (base_of.setdefault((r.model, r.tier, r.slo_class), len(base_of)) for r in requests),
+        np.int64,
+        n,
+    )
+    if deadline_window > 0:
+        arrival = np.fromiter((r.arrival_s for r in requests), np.float64, n)
+        e2e = np.fromiter((r.slo.e2e_s for r in requests), np.float64, n)
+        window = np.floor((arrival + e2e) / (deadline_window * e2e)).astype(np.int64)
+    else:
+        window = np.zeros(n, dtype=np.int64)
+    low = int(window.min()) if n else 0
+    span = (int(window.max()) - low + 1) if n else 1
+    combos, codes = np.unique(base * span + (window - low), return_inverse=True)
+    bases = list(base_of)
+    found = [(*bases[int(c) // span], int(c) % span + low) for c in combos]
+    keys = sorted(found)
+    rank = {key: i for i, key in enumerate(keys)}
+    remap = np.array([rank[key] for key in found], dtype=np.int64)
+    return keys, remap[codes.reshape(-1)]
+
+
 def raw_features(request: Request, predict_output: PredictOutput) -> FloatArray:
     """The unscaled feature vector of one request (natural-log units)."""
     slo = request.slo

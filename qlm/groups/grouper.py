@@ -29,6 +29,7 @@ from qlm.groups.features import (
     default_predict_output,
     fit_multipliers,
     group_key,
+    group_keys,
     predicted_output,
     raw_feature_matrix,
     raw_features,
@@ -375,24 +376,36 @@ class Grouper:
         centroids = sums / new_sizes[:, None] * mult
         baseline = float(np.linalg.norm(points - centroids[new_code], axis=1).mean())
 
-        by_row = np.empty(n, dtype=object)
-        by_row[:] = requests
+        # Each group's rows, one after the other: the bounds of their features in one pass.
+        all_rows = np.concatenate(new_rows)
+        starts = np.zeros(len(new_rows), dtype=np.int64)
+        np.cumsum(new_sizes[:-1], out=starts[1:])
+        bounded = raw[all_rows, :BOUNDED_FEATURES]
+        lo = np.minimum.reduceat(bounded, starts, axis=0)
+        hi = np.maximum.reduceat(bounded, starts, axis=0)
+        row_list = all_rows.tolist()
         groups: dict[str, _Group] = {}
-        parts: dict[GroupKey, _Partition] = {}
+        placed: dict[GroupKey, tuple[_Partition, list[int]]] = {}
         for j in sorted(range(len(new_rows)), key=lambda j: int(ids[j][1:])):
             key = new_keys[j]
-            part = parts.get(key)
-            if part is None:
-                part = parts[key] = _Partition()
+            entry = placed.get(key)
+            if entry is None:
+                entry = placed[key] = (_Partition(), [])
+            part, members = entry
             group = _Group(ids[j], key, part, sums[j])
-            rows = new_rows[j]
-            group.requests = by_row[rows].tolist()
-            part.centroids[group.row] = centroids[j]
-            part.sizes[group.row] = len(rows)
-            slo = raw[rows, :BOUNDED_FEATURES]
-            part.lo[group.row] = slo.min(axis=0)
-            part.hi[group.row] = slo.max(axis=0)
+            start = int(starts[j])
+            group.requests = [requests[i] for i in row_list[start : start + int(new_sizes[j])]]
+            members.append(j)  # the group's row in its partition: ``group.row``
             groups[group.id] = group
+        parts: dict[GroupKey, _Partition] = {}
+        for key, (part, members) in placed.items():
+            sel = np.array(members, dtype=np.int64)
+            k = len(members)
+            part.centroids[:k] = centroids[sel]
+            part.sizes[:k] = new_sizes[sel]
+            part.lo[:k] = lo[sel]
+            part.hi[:k] = hi[sel]
+            parts[key] = part
         request_ids = [r.id for r in requests]
         group_of = dict(
             zip(request_ids, np.array(ids, dtype=object)[new_code].tolist(), strict=True)
@@ -504,17 +517,7 @@ class Grouper:
         points = raw * mult
         cfg = self._config
         n = len(requests)
-        code_of: dict[GroupKey, int] = {}
-        codes = np.fromiter(
-            (code_of.setdefault(group_key(r, cfg.deadline_window), len(code_of)) for r in requests),
-            np.int64,
-            n,
-        )
-        keys = sorted(code_of)
-        rank = np.empty(len(keys), dtype=np.int64)
-        for i, key in enumerate(keys):
-            rank[code_of[key]] = i
-        part_rank = rank[codes]
+        keys, part_rank = group_keys(requests, cfg.deadline_window)
         arrival = np.fromiter((r.arrival_s for r in requests), np.float64, n)
         ids = np.array([r.id for r in requests])
         order = np.lexsort((ids, arrival, part_rank))

@@ -146,6 +146,12 @@ class ClusterSimulation:
         self._weights = [
             tuple((m, pm.model.weights_gb) for m, pm in e.perf_models.items()) for e in self.engines
         ]
+        # per engine: its last reading and the state it was made of; ``_touched``: an engine
+        # operation or event since (set wherever the simulation calls an engine)
+        self._readings: list[tuple[tuple[object, ...], EngineReading] | None] = [None] * len(
+            self.engines
+        )
+        self._touched = [True] * len(self.engines)
 
     def run(
         self,
@@ -237,6 +243,7 @@ class ClusterSimulation:
         """An instance fails (every request on it goes back to the policy with the output it had
         streamed, as an agent holding the broken streams would) or comes back empty."""
         engine = self.engines[idx]
+        self._touched[idx] = True
         if not up:
             for rid, _, _ in engine.queue_view(now):
                 self.controller.returned(rid, engine.abort(rid, now), evicted=False)
@@ -253,7 +260,7 @@ class ClusterSimulation:
 
     def _on_engine(self, idx: int, now: float) -> None:
         engine = self.engines[idx]
-        self.memory.observe(idx, now, engine.gpu_memory_used_fraction())
+        self._touched[idx] = True
         events = engine.advance(now)
         finished_any = False
         for ev in events:
@@ -261,6 +268,7 @@ class ClusterSimulation:
             if finished and self.observer is not None:
                 self.observer.on_finish(self.controller.track(ev.request_id).copy())
             finished_any |= finished
+        # The utilisation from ``now`` on (the one observed last held until ``now``).
         self.memory.observe(idx, now, engine.gpu_memory_used_fraction())
         self._wake(idx)
         # A model became active with KV caches swapped out to CPU memory: they may come back
@@ -269,23 +277,42 @@ class ClusterSimulation:
         if self.controller.has_arrivals or finished_any or ready:
             self._control(now)
 
+    def _reading(self, i: int) -> EngineReading:
+        """What the controller reads off engine ``i``: the same object while nothing in it
+        changed (an engine untouched since the last step is not read again)."""
+        cached = self._readings[i]
+        if cached is not None and not self._touched[i]:
+            return cached[1]
+        self._touched[i] = False
+        engine = self.engines[i]
+        state = (
+            engine.active_model,
+            self._up[i],
+            engine.swap_free_gb(),
+            engine.preemptions_total,
+            tuple(engine.tiers.items()),
+        )
+        if cached is not None and cached[0] == state:
+            return cached[1]
+        active_model, up, swap_free_gb, preemptions_total, model_tiers = state
+        reading = EngineReading(
+            spec=self.specs[i],
+            max_running=engine.config.max_num_seqs,
+            token_capacity=engine.token_capacity(),
+            active_model=active_model,
+            up=up,
+            host_link_gbs=self._host_link_gbs[i],
+            swap_free_gb=swap_free_gb,
+            model_tiers=model_tiers,
+            model_weights_gb=self._weights[i],
+            cpu_cache_gb=engine.config.cpu_model_cache_gb,
+            preemptions_total=preemptions_total,
+        )
+        self._readings[i] = (state, reading)
+        return reading
+
     def _control(self, now: float) -> None:
-        views = [
-            EngineReading(
-                spec=spec,
-                max_running=engine.config.max_num_seqs,
-                token_capacity=engine.token_capacity(),
-                active_model=engine.active_model,
-                up=self._up[i],
-                host_link_gbs=self._host_link_gbs[i],
-                swap_free_gb=engine.swap_free_gb(),
-                model_tiers=tuple(engine.tiers.items()),
-                model_weights_gb=self._weights[i],
-                cpu_cache_gb=engine.config.cpu_model_cache_gb,
-                preemptions_total=engine.preemptions_total,
-            )
-            for i, (spec, engine) in enumerate(zip(self.specs, self.engines, strict=True))
-        ]
+        views = [self._reading(i) for i in range(len(self.engines))]
         output = self.controller.step(now, views)
         self.plans += output.plans
         for decision in output.decisions:
@@ -308,6 +335,7 @@ class ClusterSimulation:
             raise ConfigError(
                 f"policy {self.policy.name} acted on {decision.instance}, which is down"
             )
+        self._touched[idx] = True
         op = execution.next()
         while op is not None:
             if isinstance(op, Fail):  # the engine refused the request, unchanged

@@ -13,6 +13,7 @@ from qlm.domain import SLO, Request, Tier
 from qlm.errors import ConfigError, GroupError
 from qlm.groups import Grouper, GroupingConfig, clustering, default_predict_output
 from qlm.groups.clustering import split_half
+from qlm.groups.features import group_key, group_keys
 
 SMALL = GroupingConfig(delta=2.0, avg_batch_size=8, deadline_window=0)
 NO_WINDOW = GroupingConfig(
@@ -432,3 +433,54 @@ def test_the_thread_pools_are_found_when_the_grouper_is_made_not_in_its_first_re
     clustering._controller.cache_clear()
     Grouper()
     assert clustering._controller.cache_info().currsize == 1
+
+
+def _split_spread_reference(
+    rows: np.ndarray, bounded: np.ndarray, limits: tuple[float, ...]
+) -> list[np.ndarray]:
+    """The cut ``split_spread`` promises, with numpy on every part whatever its size."""
+    done, todo = [], [rows]
+    while todo:
+        part = todo.pop()
+        for j, limit in enumerate(limits):
+            values = bounded[part, j]
+            if values.max() - values.min() > limit + 1e-9:
+                order = np.argsort(values, kind="stable")
+                cut = int(np.diff(values[order]).argmax()) + 1
+                todo.append(np.sort(part[order[cut:]]))
+                todo.append(np.sort(part[order[:cut]]))
+                break
+        else:
+            done.append(part)
+    return done
+
+
+@pytest.mark.parametrize("n", [1, 7, clustering.SMALL_PART, 300])
+def test_split_spread_cuts_small_and_large_parts_alike(n: int) -> None:
+    rng = np.random.default_rng(n)
+    # Rounded values: ties and equal gaps, where stable order and the first widest gap matter.
+    bounded = np.round(rng.normal(size=(n + 5, 3)) * 2, 1)
+    rows = np.sort(rng.choice(n + 5, size=n, replace=False)).astype(np.int64)
+    limits = (0.7, 1.1, 0.9)
+    got = clustering.split_spread(rows, bounded, limits)
+    want = _split_spread_reference(rows, bounded, limits)
+    assert [g.tolist() for g in got] == [w.tolist() for w in want]
+    assert all(g.dtype == np.int64 for g in got)
+
+
+def test_group_keys_match_group_key_request_by_request() -> None:
+    rng = random.Random(3)
+    requests = [
+        make_request(
+            id=f"r{i}",
+            model=rng.choice(["a", "b"]),
+            tier=rng.choice(list(Tier)),
+            slo=SLO(e2e_s=rng.choice([20.0, 60.0, 300.0])),
+            arrival_s=rng.uniform(0, 5000),
+        )
+        for i in range(500)
+    ]
+    for window in (0.0, 0.25):
+        keys, codes = group_keys(requests, window)
+        assert keys == sorted(keys)
+        assert [keys[c] for c in codes] == [group_key(r, window) for r in requests]
