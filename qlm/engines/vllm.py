@@ -221,6 +221,13 @@ REJECTED = frozenset({400, 404, 413, 422})
 """Answers that say the request is bad (too long, unknown model, bad parameter), not the server."""
 
 
+KEEPALIVE_S = 2.0
+"""How long an idle connection to a server is kept for reuse: well below the server's own
+keep-alive (vLLM's ``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``, uvicorn's ``timeout_keep_alive``: 5 s). At
+equal times a request sent on a connection the server is closing fails with a ``ReadError``
+before any answer, which a loaded host makes likely."""
+
+
 class VllmEngine:
     """One ``vllm serve`` instance at ``base_url`` serving ``models`` (its served model names)."""
 
@@ -248,7 +255,9 @@ class VllmEngine:
         self._client = httpx.AsyncClient(
             base_url=self.base_url,
             timeout=httpx.Timeout(timeout_s),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
+            limits=httpx.Limits(
+                max_connections=None, max_keepalive_connections=64, keepalive_expiry=KEEPALIVE_S
+            ),
             transport=transport,
         )
         self._flights: dict[str, _Flight] = {}
