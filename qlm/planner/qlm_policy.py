@@ -534,6 +534,11 @@ class QlmPolicy:
             gids = self._deferred_in(inst.name, [family.groups[i].id for i in order])
             late = hopeless(full, g, now)
             gids -= in_time(full, g, order, now, late, family.groups)
+            gids -= {  # (a first-token deadline still ahead is never deferred, as in _place)
+                family.groups[i].id
+                for i in order
+                if now < family.groups[i].ttft_deadline_s < math.inf and not late[i]
+            }
             if inst.name in self.admission.fluids:
                 gids |= {family.groups[i].id for i in order if late[i]}
             self.admission.deferred |= gids
@@ -657,7 +662,8 @@ class QlmPolicy:
         entry[1] += group.size
         entry[2] += 1
         self.admission.deferred.discard(gid)
-        if self._deferred_in(target.name, [gid]):
+        # A first-token deadline is never deferred: held back behind the queue, it is missed.
+        if group.earliest_ttft_deadline_s is None and self._deferred_in(target.name, [gid]):
             self.admission.deferred.add(gid)
             self.queues.assign(gid, target.name, length)
             return

@@ -318,6 +318,40 @@ def test_under_overload_cost_aware_admission_defers_the_costliest_groups() -> No
     assert all(inputs.get(d.request_id, 200) == 200 for d in pulled)
 
 
+def test_a_group_with_a_first_token_deadline_is_never_deferred() -> None:
+    """Under the overload above, a new costly request is deferred behind the queue; the same
+    request with a first-token deadline is placed at its deadline slot instead, by the placement
+    between plans and by the next plan (deferred, its first token would be late)."""
+    qlm = policy(defer_expensive=True, rate_window_s=20.0)
+    busy = load(max_running=8, outstanding_requests=8, outstanding_tokens=8000)
+    i = 0
+    for t in range(20):
+        burst = []
+        for size in (200, 200, 60_000):
+            burst.append(make_request(i, arrival_s=float(t), input_tokens=size, slo=SLO(60.0)))
+            i += 1
+        qlm.decide(DispatchContext(float(t), tuple(burst), (busy,)))
+    qlm.plan(20.0, "test")
+    plain = make_request(900, arrival_s=20.0, input_tokens=60_000, slo=SLO(60.0), model="m")
+    urgent = make_request(901, arrival_s=20.0, input_tokens=60_000, slo=SLO(60.0, ttft_s=2.0))
+    qlm.decide(DispatchContext(20.0, (plain, urgent), (busy,)))
+
+    def deferred(rid: str) -> bool:
+        gid = qlm.grouper.group_of(rid)
+        assert gid is not None
+        return gid in qlm.admission.deferred
+
+    def position(rid: str) -> int:
+        return qlm.queues.queue("i0").index(qlm.grouper.group_of(rid))
+
+    assert deferred(plain.id) and not deferred(urgent.id)
+    assert position(urgent.id) < position(plain.id)
+    qlm.plan(20.5, "test")
+    held = [g for g in qlm.queues.queue("i0") if g in qlm.admission.deferred]
+    assert held and not deferred(urgent.id)
+    assert all(position(urgent.id) < qlm.queues.queue("i0").index(g) for g in held)
+
+
 def test_deferred_work_is_paced_by_the_spare_capacity_or_an_idle_instance() -> None:
     qlm = policy(defer_expensive=True, rate_window_s=20.0)
     busy = load(max_running=8, outstanding_requests=8, outstanding_tokens=8000)
