@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
@@ -51,6 +52,7 @@ from qlm.planner.concurrency import (
     CLASS_SAMPLE,
     FLUID_SHARE,
     FluidModels,
+    PromptRows,
     choose_limits,
 )
 from qlm.planner.config import PlannerConfig
@@ -143,8 +145,11 @@ class QlmPolicy:
         self._slots: dict[str, list[Any]] = {}  # per step: queue deadlines and load, for _place
         self._family_cache: tuple[tuple[float, int], tuple[ProblemFamily, list[list[int]]]] | None
         self._family_cache = None  # per step: the plan problem built for the violation check
-        self._inbox: dict[str, tuple[Request, int]] = {}  # handed, not grouped yet (output so far)
+        # Handed, not grouped yet (output so far), oldest first: an OrderedDict pops its first
+        # entry in constant time, where a dict's first entry is found past every one removed.
+        self._inbox: OrderedDict[str, tuple[Request, int]] = OrderedDict()
         self._fluid_models = FluidModels(self.estimator, self.config)  # the concurrency choice
+        self._prompts = PromptRows()  # per group, its prompt lengths (admission's densities)
         self.agents = Agents(  # the act stage (``qlm.planner.act``)
             self.books,
             self.admission,
@@ -255,7 +260,7 @@ class QlmPolicy:
         taken = 0
         while self._inbox and not (taken and self._clock() >= until):
             taken += 1
-            req, generated = self._inbox.pop(next(iter(self._inbox)))
+            _, (req, generated) = self._inbox.popitem(last=False)
             try:
                 self._take(now, req, generated)
             except Exception as exc:
@@ -389,6 +394,7 @@ class QlmPolicy:
         # What the estimator keeps of a group's requests goes when the group ends, not while no
         # instance is up to plan it on.
         self.estimator.keep_group_loads(self.grouper.group_ids())
+        self._prompts.keep(self.grouper.group_ids())
         rng = np.random.default_rng((self.config.seed, self._plans_made))
         pinned = None
         if self._round_robin:
@@ -430,13 +436,14 @@ class QlmPolicy:
         fluid = self.admission.fluids.get(name)
         if fluid is None or not fluid.admission.threshold:
             return set()
-        out: set[str] = set()
-        for gid in gids:
-            reqs = self.grouper.group(gid).requests
-            density = fluid.density(reqs, self.estimator.expected_output(reqs[0]))
-            if density is not None and fluid.admission.defers(density):
-                out.add(gid)
-        return out
+        groups = [(gid, self.grouper.group(gid).requests) for gid in gids]
+        outputs = [self.estimator.expected_output(reqs[0]) for _, reqs in groups]
+        densities = fluid.densities(groups, outputs, self._prompts)
+        return {
+            gid
+            for (gid, _), density in zip(groups, densities, strict=True)
+            if density is not None and fluid.admission.defers(density)
+        }
 
     def _predicts_violation(self, now: float) -> bool:
         """Some admitted group is predicted to miss its chance constraint where it is (a
