@@ -14,7 +14,7 @@ import numpy.typing as npt
 from qlm.domain import Request, Tier
 from qlm.planner.config import PlannerConfig
 from qlm.planner.policy import InstanceLoad
-from qlm.planner.program import FloatArray, PlanGroup, PlanInstance, PlanProblem
+from qlm.planner.program import FloatArray, PlanGroup, PlanInstance, PlanProblem, padded_empty
 from qlm.rct.estimator import RCTEstimator
 from qlm.rct.profile import HardwareProfile
 
@@ -85,8 +85,8 @@ class ProblemFamily:
         """The problem with instance ``g`` limited to ``choice[g]`` running requests."""
         n, q = len(self.groups), len(self.instances)
         s_count = self.scenarios.count
-        proc = np.empty((n, q, s_count))
-        floor = np.empty((n, q, s_count))
+        proc = padded_empty(n, q, s_count)
+        floor = padded_empty(n, q, s_count)
         for g, b in enumerate(choice):
             proc[:, g], floor[:, g] = self.terms(g, b)
         if self.pinned:  # a pinned group is eligible on its instance only

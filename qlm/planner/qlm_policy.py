@@ -504,6 +504,9 @@ class QlmPolicy:
         instance's concurrency limit and admission (``qlm.planner.concurrency``), then order and assignment of the
         admitted groups by the solver; deferred groups wait behind them, earliest deadline first."""
         started = self._clock()
+        # One deadline for the whole plan, from here: the concurrency choice has the first
+        # FLUID_SHARE of it, the solver stops at SEARCH_SHARE, the capacity signal has the rest.
+        deadline = self.config.budget.start(self._clock)
         family, current = self._family(now)
         self._plans_made += 1
         choice = self._choice(family)
@@ -514,7 +517,7 @@ class QlmPolicy:
             self._instances,
             self._arrivals,
             self._plans_made,
-            self.config.budget.start(self._clock).part(FLUID_SHARE),
+            deadline.part(FLUID_SHARE),
         )
         best = (
             choose_limits(
@@ -552,9 +555,6 @@ class QlmPolicy:
         problem = full if len(keep) == len(family.groups) else subset(full, keep)
         position = {i: k for k, i in enumerate(keep)}
         previous = [[position[i] for i in order if i in position] for order in current]
-        # The search's deadline: the solver stops at SEARCH_SHARE of it, the capacity signal
-        # has the rest.
-        deadline = self.config.budget.start(self._clock)
         solution = solve(
             problem, deadline.part(SEARCH_SHARE), previous=previous, solver=self.config.solver
         )
