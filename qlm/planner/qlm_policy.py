@@ -16,8 +16,9 @@ order gives some group ``P(meet) < Δ`` — checked when groups changed, at most
 period ``period_s`` otherwise. Never more often than ``min_interval_s`` nor, on the wall clock, than
 ``keep_up`` × the last plan's compute time (problem, solve, concurrency choice, capacity).
 
-Bounds (production, where the budget is wall time, on the clock the policy is given): a plan's
-solver and capacity signal share its ``budget`` (``qlm.planner.budget``); a step groups arrivals
+Bounds (production, where the budget is wall time, on the clock the policy is given): a whole
+plan — the problem, the concurrency choice, admission, the solver and the capacity signal —
+shares its ``budget`` (``qlm.planner.budget``), from its start; a step groups arrivals
 and pulls within ``step_budget_s`` and leaves the rest, a recluster or a plan that did not fit,
 to the next step. A simulated run, whose budget is counted in scored orders, does everything at
 every step, so that it is the same on any machine.
