@@ -17,9 +17,11 @@ the Azure LLM conversation trace. Per size and seed:
   solved, up to ``--max-milp-build`` constraints) — and, where CBC is skipped or finds nothing
   better, ``local-<T>s``, the same local search given the reference time.
 
-Targets on the development machine: median solve ≤ 100 ms at 8×64 and ≤ 500 ms at 16×128; the
-planner's objective never worse than EDF's, and no worse than the references' (within a relative
-1e-6). 32×256 is reported as it is. Nothing is asserted: the table says "ok" or "MISSED".
+The budget is a parameter; what the table reports is what the solver did with it: *used*, the
+wall time it took (the call around it included), and the *gap*, its objective above the best
+reference's. Targets: every solve within its budget + 20 %; the objective never worse than EDF's
+and at most 1 % above the reference at every size. Nothing is asserted: the table says "ok" or
+"MISSED".
 
 Writes ``benchmarks/results/planner.json`` (every seed's numbers and the command).
 
@@ -46,8 +48,10 @@ from qlm.sim.traces import load_trace
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SIZES = "2x8,4x32,8x64,16x128,32x256"
-TIME_TARGET_MS = {(8, 64): 100.0, (16, 128): 500.0}
-"""Median solve time targets, by (queues, groups)."""
+OVER = 1.2
+"""A solve may take its budget + 20 % (wall time, the call around it included)."""
+GAP_TARGET = 0.01
+"""The planner's objective at most 1 % above the long reference's."""
 REL_TOL = 1e-6
 
 Size = tuple[int, int]
@@ -213,18 +217,21 @@ def summarise(
     size: Size, budget_s: float, runs: list[dict[str, Any]], args: argparse.Namespace
 ) -> dict[str, Any]:
     solve_ms = [1e3 * r["wall_s"] for r in runs]
-    target = TIME_TARGET_MS.get(size)
     median_ms = float(np.median(solve_ms))
     refs = [r for r in runs if "reference" in r]
-    ref_ok = None
-    if refs:
-        ref_ok = True
-        for r in refs:
-            ref = r["reference"]
-            values = [ref["cbc"].get("objective"), ref.get("local", {}).get("objective")]
-            values = [v for v in values if v is not None]
-            r["reference"]["no_worse"] = all(no_worse(r["objective"], v) for v in values)
-            ref_ok &= r["reference"]["no_worse"]
+    gap_ok = None
+    gaps: list[float] = []
+    for r in refs:
+        ref = r["reference"]
+        values = [ref["cbc"].get("objective"), ref.get("local", {}).get("objective")]
+        values = [v for v in values if v is not None]
+        best = min(values, default=None)
+        gap = None if best is None else (r["objective"] - best) / max(abs(best), 1e-9)
+        ref["best"], ref["gap"] = best, gap
+        if gap is not None:
+            gaps.append(gap)
+    if gaps:
+        gap_ok = max(gaps) <= GAP_TARGET
     return {
         "size": size_label(size),
         "queues": size[0],
@@ -238,10 +245,10 @@ def summarise(
         "budget_spent": sum(r["wall_s"] >= budget_s for r in runs),
         "objective_median": float(np.median([r["objective"] for r in runs])),
         "edf_objective_median": float(np.median([r["edf_objective"] for r in runs])),
-        "time_target_ms": target,
-        "time_ok": None if target is None else median_ms <= target,
+        "time_ok": max(solve_ms) <= 1e3 * OVER * budget_s,
         "edf_ok": all(no_worse(r["objective"], r["edf_objective"]) for r in runs),
-        "reference_ok": ref_ok,
+        "gap_max": max(gaps) if gaps else None,
+        "reference_ok": gap_ok,
         "runs": runs,
     }
 
@@ -252,27 +259,29 @@ def verdict(ok: bool | None) -> str:
 
 def print_tables(summaries: list[dict[str, Any]], args: argparse.Namespace) -> None:
     print(
-        f"\nmedians over {args.seeds} seeds (solve: median/max ms; cut: seeds whose search the "
-        f"budget ended before it converged); objective = risk_weight × weight of groups at risk + "
+        f"\nmedians over {args.seeds} seeds (used: the wall time the solver took, median/max ms, "
+        f"against its budget + 20 %; cut: seeds whose search the budget ended before it "
+        f"converged; gap: the planner's objective above the best reference's, target <= "
+        f"{100 * GAP_TARGET:g} %); objective = risk_weight × weight of groups at risk + "
         f"expected weighted violation (s)"
     )
     head = (
-        f"{'size':>7} {'gen ms':>7} {'build ms':>8} {'budget':>6} {'solve ms':>11} "
-        f"{'status':>9} {'cut':>4} {'objective':>11} {'EDF':>11} {'≤EDF':>6} {'time':>14} "
-        f"{'≤ref':>6}"
+        f"{'size':>7} {'gen ms':>7} {'build ms':>8} {'budget':>6} {'used ms':>11} "
+        f"{'≤budget':>7} {'status':>9} {'cut':>4} {'objective':>11} {'EDF':>11} {'≤EDF':>6} "
+        f"{'gap':>8} {'≤1%':>6}"
     )
     print(head)
     print("-" * len(head))
     for s in summaries:
-        target = s["time_target_ms"]
-        time_col = "—" if target is None else f"≤{target:.0f}ms {verdict(s['time_ok'])}"
+        gap = "—" if s["gap_max"] is None else f"{100 * s['gap_max']:+.2f}%"
         print(
             f"{s['size']:>7} {s['generate_ms_median']:>7.1f} {s['build_ms_median']:>8.2f} "
             f"{s['budget_s']:>5g}s {s['solve_ms_median']:>5.0f}/{s['solve_ms_max']:<5.0f} "
+            f"{verdict(s['time_ok']):>7} "
             f"{'/'.join(s['statuses']):>9} {s['budget_spent']:>2}/{len(s['runs']):<1} "
             f"{fmt_obj(s['objective_median']):>11} "
             f"{fmt_obj(s['edf_objective_median']):>11} {verdict(s['edf_ok']):>6} "
-            f"{time_col:>14} {verdict(s['reference_ok']):>6}"
+            f"{gap:>8} {verdict(s['reference_ok']):>6}"
         )
     refs = [(s, r) for s in summaries for r in s["runs"] if "reference" in r]
     if not refs:
@@ -282,7 +291,7 @@ def print_tables(summaries: list[dict[str, Any]], args: argparse.Namespace) -> N
     print(f"\nreferences ({t_ref:g} s each; CBC warm-started from the planner's plan)")
     head = (
         f"{'size':>7} {'seed':>4} {'planner':>11} {'MILP rows':>10} {'MILP build':>10} "
-        f"{f'cbc-{t_ref:g}s':>20} {f'local-{t_ref:g}s':>20} {'≤ref':>6}"
+        f"{f'cbc-{t_ref:g}s':>20} {f'local-{t_ref:g}s':>20} {'gap':>8}"
     )
     print(head)
     print("-" * len(head))
@@ -294,6 +303,7 @@ def print_tables(summaries: list[dict[str, Any]], args: argparse.Namespace) -> N
             cbc_col = f"{fmt_obj(cbc['objective'])} {cbc['status'][:4]}"
         else:
             cbc_col = "skipped"
+        gap_col = "—" if ref["gap"] is None else f"{100 * ref['gap']:+.2f}%"
         local = ref.get("local")
         local_col = (
             "—" if local is None else f"{fmt_obj(local['objective'])} ({local['wall_s']:.1f}s)"
@@ -301,7 +311,7 @@ def print_tables(summaries: list[dict[str, Any]], args: argparse.Namespace) -> N
         print(
             f"{s['size']:>7} {r['seed']:>4} {fmt_obj(r['objective']):>11} "
             f"{cbc['constraints']:>10,} {build:>10} {cbc_col:>20} {local_col:>20} "
-            f"{verdict(ref['no_worse']):>6}"
+            f"{gap_col:>8}"
         )
 
 

@@ -6,7 +6,7 @@ that limit (``Fluid``: what the cost-aware admission defers)."""
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -18,6 +18,7 @@ from qlm.planner.budget import Deadline
 from qlm.planner.config import PlannerConfig
 from qlm.planner.family import ProblemFamily
 from qlm.planner.policy import InstanceLoad
+from qlm.planner.program import FloatArray
 from qlm.rct.estimator import RCTEstimator, prompt_bin
 
 
@@ -47,6 +48,81 @@ class Fluid:
             return None
         cost = sum(self.cost(r, output) for r in requests) / len(requests)
         return value / max(cost, 1e-12)
+
+    def densities(
+        self,
+        groups: Sequence[tuple[str, Sequence[Request]]],
+        outputs: Sequence[float],
+        prompts: PromptRows,
+    ) -> list[float | None]:
+        """``density`` of each of ``groups`` (id, requests; ``outputs``: each one's expected
+        output), in one
+        numpy pass over their requests: the same numbers as ``density``, to the last bit (each
+        request's cost in the same operations, summed in order)."""
+        out: list[float | None] = [None] * len(groups)
+        todo: list[int] = []
+        rows: list[FloatArray] = []
+        per_in: list[float] = []
+        per_out: list[float] = []
+        output: list[float] = []
+        values: list[float] = []
+        for k, (gid, requests) in enumerate(groups):
+            key = class_of(requests[0])
+            value = self.class_value.get(key)
+            if value is None:
+                continue
+            inputs, uniform = prompts.row(gid, requests)
+            if not uniform:  # (requests of several classes: each its own class's output)
+                out[k] = self.density(requests, outputs[k])
+                continue
+            model = requests[0].model
+            todo.append(k)
+            rows.append(inputs)
+            per_in.append(self.per_input_s.get(model, 0.0))
+            per_out.append(self.per_output_s.get(model, 0.0))
+            output.append(self.class_output.get(key, outputs[k]))
+            values.append(value)
+        if not todo:
+            return out
+        lengths = np.array([len(r) for r in rows], np.int64)
+        matrix = np.zeros((len(rows), int(lengths.max())))
+        col = np.arange(matrix.shape[1])
+        present = col[None, :] < lengths[:, None]
+        matrix[present] = np.concatenate(rows)
+        costs = matrix * np.array(per_in)[:, None] + (np.array(output) * np.array(per_out))[:, None]
+        costs[~present] = 0.0
+        # (a running total along each row, as ``sum`` adds: trailing zeros change nothing)
+        mean = np.cumsum(costs, axis=1)[:, -1] / lengths
+        density = np.array(values) / np.maximum(mean, 1e-12)
+        for k, d in zip(todo, density.tolist(), strict=True):
+            out[k] = d
+        return out
+
+
+class PromptRows:
+    """Per request group, its requests' prompt lengths (and whether they are all of one class),
+    kept while the group is unchanged (the grouper hands out the same tuple until it changes) and
+    forgotten with the groups ``keep`` is not given."""
+
+    def __init__(self) -> None:
+        self._rows: dict[str, tuple[Sequence[Request], FloatArray, bool]] = {}
+
+    def row(self, gid: str, requests: Sequence[Request]) -> tuple[FloatArray, bool]:
+        hit = self._rows.get(gid)
+        if hit is not None and hit[0] is requests:
+            return hit[1], hit[2]
+        inputs = np.array([r.input_tokens for r in requests], np.float64)
+        key = class_of(requests[0])
+        uniform = all(class_of(r) == key for r in requests)
+        if isinstance(requests, tuple):  # (a list may change in place: not kept)
+            self._rows[gid] = (requests, inputs, uniform)
+        return inputs, uniform
+
+    def keep(self, group_ids: Iterable[str]) -> None:
+        """Forget the rows of groups not in ``group_ids`` (those that ended)."""
+        keep = set(group_ids)
+        for gid in [g for g in self._rows if g not in keep]:
+            del self._rows[gid]
 
 
 CLASS_SAMPLE = 256

@@ -14,7 +14,7 @@ import numpy.typing as npt
 from qlm.domain import Request, Tier
 from qlm.planner.config import PlannerConfig
 from qlm.planner.policy import InstanceLoad
-from qlm.planner.program import FloatArray, PlanGroup, PlanInstance, PlanProblem
+from qlm.planner.program import FloatArray, PlanGroup, PlanInstance, PlanProblem, padded_empty
 from qlm.rct.estimator import RCTEstimator
 from qlm.rct.profile import HardwareProfile
 
@@ -85,8 +85,8 @@ class ProblemFamily:
         """The problem with instance ``g`` limited to ``choice[g]`` running requests."""
         n, q = len(self.groups), len(self.instances)
         s_count = self.scenarios.count
-        proc = np.empty((n, q, s_count))
-        floor = np.empty((n, q, s_count))
+        proc = padded_empty(n, q, s_count)
+        floor = padded_empty(n, q, s_count)
         for g, b in enumerate(choice):
             proc[:, g], floor[:, g] = self.terms(g, b)
         if self.pinned:  # a pinned group is eligible on its instance only
@@ -191,28 +191,33 @@ def build_family(
     n, s_count = len(groups), config.scenarios
     z_total = rng.standard_normal((n, s_count))
     z_last = rng.standard_normal((n, s_count))
-    loads = [estimator.group_load(gid, requests) for gid, requests, _ in groups]
+    loads = estimator.group_loads([(gid, requests) for gid, requests, _ in groups])
+    weights = [config.tier_weights[tier] for _, _, tier in groups]
     plan_groups = tuple(
-        PlanGroup(
-            gid,
-            ld.model,
-            ld.earliest_deadline_s,
-            config.tier_weights[tier] * ld.size,
-            ld.earliest_ttft_deadline_s,
+        PlanGroup(gid, model, deadline, weight * size, ttft)
+        for (gid, _, _), model, deadline, weight, size, ttft in zip(
+            groups,
+            loads.models,
+            loads.earliest_deadline_s.tolist(),
+            weights,
+            loads.size.tolist(),
+            loads.earliest_ttft_deadline_s.tolist(),
+            strict=True,
         )
-        for (gid, _, tier), ld in zip(groups, loads, strict=True)
     )
-    out = np.array([[ld.output_mean, math.sqrt(ld.output_var)] for ld in loads]).reshape(n, 2)
-    last = np.array([[ld.last_output_mean, math.sqrt(ld.last_output_var)] for ld in loads])
-    out_s = np.maximum(out[:, :1] + out[:, 1:] * z_total, 0.0)  # (n, S)
-    last_s = np.maximum(last.reshape(n, 2)[:, :1] + last.reshape(n, 2)[:, 1:] * z_last, 1.0)
-    models = np.array([ld.model for ld in loads])
-    inputs = np.array([ld.input_tokens for ld in loads], np.float64)
-    last_inputs = np.array([ld.last_input_tokens for ld in loads], np.float64)
-    first_inputs = np.array([ld.first_input_tokens for ld in loads], np.float64)
-    sizes = np.array([ld.size for ld in loads], np.float64)
+    out_s = np.maximum(
+        loads.output_mean[:, None] + np.sqrt(loads.output_var)[:, None] * z_total, 0.0
+    )  # (n, S)
+    last_s = np.maximum(
+        loads.last_output_mean[:, None] + np.sqrt(loads.last_output_var)[:, None] * z_last, 1.0
+    )
+    models = np.array(loads.models)
+    inputs = loads.input_tokens
+    last_inputs = loads.last_input_tokens
+    first_inputs = loads.first_input_tokens
+    sizes = loads.size.astype(np.float64)
     scenarios = _Scenarios(
-        models, inputs, last_inputs, out[:, 0], out_s, last_s, first_inputs, sizes
+        models, inputs, last_inputs, loads.output_mean, out_s, last_s, first_inputs, sizes
     )
     batches: list[tuple[int, ...]] = []
     speeds: list[_Speed] = []

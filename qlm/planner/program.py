@@ -144,8 +144,8 @@ class PlanProblem:
         s_count = self.scenarios
         zeros = np.zeros((1, q, s_count))
         object.__setattr__(self, "pad", n)
-        object.__setattr__(self, "proc_pad", np.concatenate([self.proc, zeros]))
-        object.__setattr__(self, "floor_pad", np.concatenate([self.floor, zeros]))
+        object.__setattr__(self, "proc_pad", _padded(self.proc, zeros))
+        object.__setattr__(self, "floor_pad", _padded(self.floor, zeros))
         object.__setattr__(self, "model_pad", np.append(self.model_idx, len(models)))
         object.__setattr__(self, "switch_pad", np.concatenate([switch, np.zeros((q, 1))], axis=1))
         object.__setattr__(self, "deadline_pad", np.append(self.deadline, np.inf))
@@ -209,6 +209,31 @@ class PlanProblem:
     def size(self) -> tuple[int, int]:
         """(queues, groups)."""
         return len(self.instances), len(self.groups)
+
+
+def padded_empty(n: int, q: int, s_count: int) -> FloatArray:
+    """An ``(n, q, S)`` array to fill, whose ``PlanProblem`` pads it without a copy: it is the
+    first ``n`` rows of an array with a zero row after them."""
+    base = np.empty((n + 1, q, s_count))
+    base[n] = 0.0
+    return base[:n]
+
+
+def _padded(values: FloatArray, zeros: FloatArray) -> FloatArray:
+    """``values`` with ``zeros`` appended as its last row: the array ``values`` is the head of
+    when it has one (``padded_empty``; at 20,000 groups a copy is ~40 MB), else a copy."""
+    base = values.base
+    n = len(values)
+    if (
+        isinstance(base, np.ndarray)
+        and base.shape == (n + 1, *values.shape[1:])
+        and base.flags.c_contiguous
+        and values.flags.c_contiguous
+        and values.ctypes.data == base.ctypes.data
+        and not base[n].any()
+    ):
+        return base
+    return np.concatenate([values, zeros])
 
 
 Plan = tuple[tuple[int, ...], ...]
@@ -309,26 +334,33 @@ def check_plan(problem: PlanProblem, plan: Plan) -> None:
     """Raise ``ValueError`` unless ``plan`` places every group exactly once, where it is served."""
     if len(plan) != len(problem.instances):
         raise ValueError(f"plan has {len(plan)} queues, problem {len(problem.instances)}")
-    seen = sorted(i for order in plan for i in order)
-    if seen != list(range(len(problem.groups))):
+    lengths = [len(order) for order in plan]
+    placed = np.fromiter((i for order in plan for i in order), np.int64, sum(lengths))
+    if not np.array_equal(np.sort(placed), np.arange(len(problem.groups))):
         raise ValueError("plan must place every group exactly once")
-    for g, order in enumerate(plan):
-        for i in order:
-            if not problem.eligible[i, g]:
-                raise ValueError(
-                    f"group {problem.groups[i].id} ({problem.groups[i].model}) placed on "
-                    f"{problem.instances[g].name}, which does not serve it"
-                )
+    queue = np.repeat(np.arange(len(plan)), lengths)
+    wrong = np.flatnonzero(~problem.eligible[placed, queue])
+    if len(wrong):
+        i, g = int(placed[wrong[0]]), int(queue[wrong[0]])
+        raise ValueError(
+            f"group {problem.groups[i].id} ({problem.groups[i].model}) placed on "
+            f"{problem.instances[g].name}, which does not serve it"
+        )
 
 
 def subset(problem: PlanProblem, rows: Sequence[int]) -> PlanProblem:
     """The same problem over the groups at ``rows`` only."""
     idx = np.asarray(rows, dtype=np.int64)
+    q, s_count = problem.proc.shape[1:]
+    proc = padded_empty(len(idx), q, s_count)
+    floor = padded_empty(len(idx), q, s_count)
+    np.take(problem.proc, idx, axis=0, out=proc, mode="clip")  # (clip: not buffered)
+    np.take(problem.floor, idx, axis=0, out=floor, mode="clip")
     return PlanProblem(
         tuple(problem.groups[i] for i in rows),
         problem.instances,
-        problem.proc[idx],
-        problem.floor[idx],
+        proc,
+        floor,
         delta=problem.delta,
         risk_weight=problem.risk_weight,
         flow_weight=problem.flow_weight,

@@ -16,8 +16,9 @@ order gives some group ``P(meet) < Δ`` — checked when groups changed, at most
 period ``period_s`` otherwise. Never more often than ``min_interval_s`` nor, on the wall clock, than
 ``keep_up`` × the last plan's compute time (problem, solve, concurrency choice, capacity).
 
-Bounds (production, where the budget is wall time, on the clock the policy is given): a plan's
-solver and capacity signal share its ``budget`` (``qlm.planner.budget``); a step groups arrivals
+Bounds (production, where the budget is wall time, on the clock the policy is given): a whole
+plan — the problem, the concurrency choice, admission, the solver and the capacity signal —
+shares its ``budget`` (``qlm.planner.budget``), from its start; a step groups arrivals
 and pulls within ``step_budget_s`` and leaves the rest, a recluster or a plan that did not fit,
 to the next step. A simulated run, whose budget is counted in scored orders, does everything at
 every step, so that it is the same on any machine.
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
@@ -51,6 +53,7 @@ from qlm.planner.concurrency import (
     CLASS_SAMPLE,
     FLUID_SHARE,
     FluidModels,
+    PromptRows,
     choose_limits,
 )
 from qlm.planner.config import PlannerConfig
@@ -143,8 +146,11 @@ class QlmPolicy:
         self._slots: dict[str, list[Any]] = {}  # per step: queue deadlines and load, for _place
         self._family_cache: tuple[tuple[float, int], tuple[ProblemFamily, list[list[int]]]] | None
         self._family_cache = None  # per step: the plan problem built for the violation check
-        self._inbox: dict[str, tuple[Request, int]] = {}  # handed, not grouped yet (output so far)
+        # Handed, not grouped yet (output so far), oldest first: an OrderedDict pops its first
+        # entry in constant time, where a dict's first entry is found past every one removed.
+        self._inbox: OrderedDict[str, tuple[Request, int]] = OrderedDict()
         self._fluid_models = FluidModels(self.estimator, self.config)  # the concurrency choice
+        self._prompts = PromptRows()  # per group, its prompt lengths (admission's densities)
         self.agents = Agents(  # the act stage (``qlm.planner.act``)
             self.books,
             self.admission,
@@ -255,7 +261,7 @@ class QlmPolicy:
         taken = 0
         while self._inbox and not (taken and self._clock() >= until):
             taken += 1
-            req, generated = self._inbox.pop(next(iter(self._inbox)))
+            _, (req, generated) = self._inbox.popitem(last=False)
             try:
                 self._take(now, req, generated)
             except Exception as exc:
@@ -389,6 +395,7 @@ class QlmPolicy:
         # What the estimator keeps of a group's requests goes when the group ends, not while no
         # instance is up to plan it on.
         self.estimator.keep_group_loads(self.grouper.group_ids())
+        self._prompts.keep(self.grouper.group_ids())
         rng = np.random.default_rng((self.config.seed, self._plans_made))
         pinned = None
         if self._round_robin:
@@ -430,13 +437,14 @@ class QlmPolicy:
         fluid = self.admission.fluids.get(name)
         if fluid is None or not fluid.admission.threshold:
             return set()
-        out: set[str] = set()
-        for gid in gids:
-            reqs = self.grouper.group(gid).requests
-            density = fluid.density(reqs, self.estimator.expected_output(reqs[0]))
-            if density is not None and fluid.admission.defers(density):
-                out.add(gid)
-        return out
+        groups = [(gid, self.grouper.group(gid).requests) for gid in gids]
+        outputs = [self.estimator.expected_output(reqs[0]) for _, reqs in groups]
+        densities = fluid.densities(groups, outputs, self._prompts)
+        return {
+            gid
+            for (gid, _), density in zip(groups, densities, strict=True)
+            if density is not None and fluid.admission.defers(density)
+        }
 
     def _predicts_violation(self, now: float) -> bool:
         """Some admitted group is predicted to miss its chance constraint where it is (a
@@ -497,6 +505,9 @@ class QlmPolicy:
         instance's concurrency limit and admission (``qlm.planner.concurrency``), then order and assignment of the
         admitted groups by the solver; deferred groups wait behind them, earliest deadline first."""
         started = self._clock()
+        # One deadline for the whole plan, from here: the concurrency choice has the first
+        # FLUID_SHARE of it, the solver stops at SEARCH_SHARE, the capacity signal has the rest.
+        deadline = self.config.budget.start(self._clock)
         family, current = self._family(now)
         self._plans_made += 1
         choice = self._choice(family)
@@ -507,7 +518,7 @@ class QlmPolicy:
             self._instances,
             self._arrivals,
             self._plans_made,
-            self.config.budget.start(self._clock).part(FLUID_SHARE),
+            deadline.part(FLUID_SHARE),
         )
         best = (
             choose_limits(
@@ -550,9 +561,6 @@ class QlmPolicy:
         problem = full if len(keep) == len(family.groups) else subset(full, keep)
         position = {i: k for k, i in enumerate(keep)}
         previous = [[position[i] for i in order if i in position] for order in current]
-        # The search's deadline: the solver stops at SEARCH_SHARE of it, the capacity signal
-        # has the rest.
-        deadline = self.config.budget.start(self._clock)
         solution = solve(
             problem, deadline.part(SEARCH_SHARE), previous=previous, solver=self.config.solver
         )

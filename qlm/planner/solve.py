@@ -25,7 +25,7 @@ from __future__ import annotations
 import itertools
 import logging
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Literal
 
@@ -38,6 +38,7 @@ from qlm.planner.program import (
     IntArray,
     Plan,
     PlanProblem,
+    QueueScore,
     check_plan,
     score_many,
     score_orders,
@@ -81,8 +82,16 @@ def _score_many(
 
 def edf_plan(problem: PlanProblem) -> Plan:
     """Groups by deadline; each to the eligible queue where it would finish first (mean times)."""
+    plan = _edf_until(problem, None)
+    assert plan is not None  # (without ``stop`` every group is placed)
+    return plan
+
+
+def _edf_until(problem: PlanProblem, stop: Callable[[], bool] | None) -> Plan | None:
+    """``edf_plan``, or None when ``stop`` says so before every group is placed."""
     queues: list[list[int]] = [[] for _ in problem.instances]
-    append_edf(problem, queues, _by_deadline(problem, range(len(problem.groups))))
+    if not append_edf(problem, queues, _by_deadline(problem, range(len(problem.groups))), stop):
+        return None
     return tuple(tuple(o) for o in queues)
 
 
@@ -92,10 +101,22 @@ def _by_deadline(problem: PlanProblem, groups: Iterable[int]) -> list[int]:
     return sorted(groups, key=lambda i: (due[i], i))
 
 
-def append_edf(problem: PlanProblem, queues: list[list[int]], groups: Sequence[int]) -> None:
+EDF_CHECK = 512
+"""Groups placed by ``append_edf`` between two looks at the clock, when it is given one."""
+
+
+def append_edf(
+    problem: PlanProblem,
+    queues: list[list[int]],
+    groups: Sequence[int],
+    stop: Callable[[], bool] | None = None,
+) -> bool:
     """Append ``groups``, in the order given, at the tails of ``queues``: each to the eligible
     queue where it would finish first behind what that queue holds (mean times, model switches
-    included). Linear in groups × queues, with no search: the plan of last resort."""
+    included). Linear in groups × queues, with no search: the plan of last resort.
+
+    ``stop`` is asked every ``EDF_CHECK`` groups; when it says so the rest are left out and the
+    answer is False (True: every group placed)."""
     p_mean = problem.proc.mean(axis=2)
     p_done = np.maximum(p_mean, problem.floor.mean(axis=2))
     load = problem.ready.copy()
@@ -108,18 +129,35 @@ def append_edf(problem: PlanProblem, queues: list[list[int]], groups: Sequence[i
             sw = np.where(models != prev, problem.switch[g, models], 0.0)
             load[g] += float((sw + p_mean[idx, g]).sum())
             last[g] = models[-1]
-    switch = problem.switch
-    for i in groups:
-        m = problem.model_idx[i]
-        sw = np.where(last != m, switch[:, m], 0.0)
-        best = int(np.argmin(load + sw + p_done[i]))
+    # In Python floats, one group after the other: the same sums, comparisons and first-lowest
+    # choice as numpy's ``argmin(load + switch + done)`` per group, at a fraction of its calls.
+    rows = np.asarray(groups, np.int64)
+    done_rows = p_done[rows].tolist()
+    mean_rows = p_mean[rows].tolist()
+    model_of = problem.model_idx[rows].tolist()
+    switch_to = problem.switch.T.tolist()  # per model, its switch time on each queue
+    loads = load.tolist()
+    lasts = last.tolist()
+    span = range(len(loads))
+    for k, i in enumerate(groups):
+        if stop is not None and k % EDF_CHECK == 0 and k and stop():
+            return False
+        m = model_of[k]
+        done = done_rows[k]
+        sw_m = switch_to[m]
+        best, best_v = 0, math.inf
+        for g in span:
+            v = loads[g] + (sw_m[g] if lasts[g] != m else 0.0) + done[g]
+            if v < best_v:
+                best, best_v = g, v
         if not problem.eligible[i, best]:
             raise ValueError(
                 f"group {problem.groups[i].id} has no instance serving {problem.models[m]}"
             )
-        load[best] += sw[best] + p_mean[i, best]
-        last[best] = m
+        loads[best] += (sw_m[best] if lasts[best] != m else 0.0) + mean_rows[k][best]
+        lasts[best] = m
         queues[best].append(i)
+    return True
 
 
 def _insertion_positions(length: int, limit: int, hint: int) -> np.ndarray:
@@ -371,25 +409,26 @@ def solve(
     units of work and stops when it is spent; the EDF plan is always built and is the floor."""
     meter = budget if isinstance(budget, Deadline) else (budget or Budget()).start()
     began_s = meter.elapsed_s()  # (a deadline may have started before the solver)
+    scores = _Scores(problem)
     parts = _Parts(meter)
     limits = meter.budget
     n = len(problem.groups)
     edf = edf_plan(problem)
-    edf_cost = _total(problem, edf)
+    edf_cost = scores.total(edf)
     parts.done("edf")
     if n == 0:
-        return _solution(problem, edf, "optimal", "empty", edf_cost, meter, began_s)
+        return _solution(scores, edf, "optimal", "empty", edf_cost, meter, began_s)
     best, best_cost, method = edf, edf_cost, "edf"
     if previous is not None:
         warm = warm_plan(problem, previous, meter)
-        warm_cost = _total(problem, warm)
+        warm_cost = scores.total(warm)
         parts.done("warm")
         if warm_cost < best_cost:
             best, best_cost, method = warm, warm_cost, "warm"
     if meter.spent():
-        return parts.check(_solution(problem, best, "fallback", method, edf_cost, meter, began_s))
+        return parts.check(_solution(scores, best, "fallback", method, edf_cost, meter, began_s))
     searched = local_search(problem, best, meter)
-    searched_cost = _total(problem, searched)
+    searched_cost = scores.total(searched)
     parts.done("local")
     if searched_cost < best_cost - 1e-9:
         best, best_cost, method = searched, searched_cost, method + "+local"
@@ -403,12 +442,12 @@ def solve(
         parts.done("milp")
         if result is not None:
             plan, milp_status, gap = result
-            cost = _total(problem, plan)
+            cost = scores.total(plan)
             if cost <= best_cost + 1e-6 * max(1.0, abs(best_cost)):
                 best, best_cost = plan, min(cost, best_cost)
                 method += "+milp"
                 status = milp_status
-    return parts.check(_solution(problem, best, status, method, edf_cost, meter, began_s, gap))
+    return parts.check(_solution(scores, best, status, method, edf_cost, meter, began_s, gap))
 
 
 OVERRUN = 2.0
@@ -443,12 +482,26 @@ class _Parts:
         return solution
 
 
-def _total(problem: PlanProblem, plan: Plan) -> float:
-    return sum(score_queue(problem, g, o).cost for g, o in enumerate(plan))
+class _Scores:
+    """The queues one ``solve`` scored whole, so that a queue no stage changed is scored once
+    (most of them, in a large plan)."""
+
+    def __init__(self, problem: PlanProblem) -> None:
+        self.problem = problem
+        self._seen: dict[tuple[int, tuple[int, ...]], QueueScore] = {}
+
+    def queue(self, g: int, order: tuple[int, ...]) -> QueueScore:
+        score = self._seen.get((g, order))
+        if score is None:
+            score = self._seen[(g, order)] = score_queue(self.problem, g, order)
+        return score
+
+    def total(self, plan: Plan) -> float:
+        return sum(self.queue(g, o).cost for g, o in enumerate(plan))
 
 
 def _solution(
-    problem: PlanProblem,
+    scores: _Scores,
     plan: Plan,
     status: Status,
     method: str,
@@ -457,14 +510,14 @@ def _solution(
     began_s: float,
     gap: float | None = None,
 ) -> Solution:
-    check_plan(problem, plan)
+    check_plan(scores.problem, plan)
     at_risk: list[int] = []
     for g, order in enumerate(plan):
-        details = score_queue(problem, g, order)
-        at_risk.extend(i for i, miss in zip(order, details.missed, strict=True) if miss)
+        details = scores.queue(g, order)
+        at_risk.extend(np.asarray(order, np.int64)[details.missed].tolist())
     return Solution(
         plan=plan,
-        objective=_total(problem, plan),
+        objective=scores.total(plan),
         status=status,
         method=method,
         edf_objective=edf_cost,
@@ -556,12 +609,18 @@ def _capacity_search(
     deadline: Deadline | None,
     enough: list[float],
 ) -> float | None:
-    ok = (problem.ready[None, :, None] + problem.floor <= problem.deadline[:, None, None]).sum(
-        axis=2
-    )
-    # (and whose first token, were it pulled now, is in time)
-    first_ok = problem.ttft_now_pad[: len(problem.groups)] <= 0.0
-    helpable = ((ok >= problem.required_ok) & first_ok).any(axis=1)
+    helpable: list[np.ndarray] = []  # (computed when first needed: a whole pass over floor)
+
+    def can_help() -> np.ndarray:
+        if not helpable:
+            ok = problem.ready[None, :, None] + problem.floor <= problem.deadline[:, None, None]
+            # (and whose first token, were it pulled now, is in time)
+            first_ok = problem.ttft_now_pad[: len(problem.groups)] <= 0.0
+            helpable.append(((ok.sum(axis=2) >= problem.required_ok) & first_ok).any(axis=1))
+        return helpable[0]
+
+    def late() -> bool:  # (the time budget only: the count was charged for the whole plan)
+        return deadline is not None and deadline.left_s() <= 0
 
     def meets(alpha: float) -> bool:
         if deadline is not None:
@@ -569,10 +628,14 @@ def _capacity_search(
                 raise _Spent
             deadline.charge(len(problem.instances))
         scaled = replace(problem, proc=problem.proc / alpha)
-        plan = edf_plan(scaled)
+        plan = _edf_until(scaled, late)
+        if plan is None:
+            raise _Spent
         for g, order in enumerate(plan):
-            details = score_queue(scaled, g, order)
-            if any(miss and helpable[i] for i, miss in zip(order, details.missed, strict=True)):
+            if late():
+                raise _Spent
+            missed = score_queue(scaled, g, order).missed
+            if missed.any() and can_help()[np.asarray(order, np.int64)[missed]].any():
                 return False
         enough.append(alpha)
         return True

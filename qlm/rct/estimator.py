@@ -219,6 +219,37 @@ def _group_sums(requests: Sequence[Request], key: Callable[[Request], Hashable])
     return _GroupSums(inputs, earliest, tuple((r, n) for r, n in counts.values()), earliest_ttft)
 
 
+@dataclass(frozen=True, slots=True)
+class GroupLoads:
+    """``GroupLoad`` of many groups as arrays, one entry per group in the order asked
+    (``RCTEstimator.group_loads``)."""
+
+    models: tuple[str, ...]
+    size: npt.NDArray[np.int64]
+    earliest_deadline_s: npt.NDArray[np.float64]
+    input_tokens: npt.NDArray[np.float64]
+    output_mean: npt.NDArray[np.float64]
+    output_var: npt.NDArray[np.float64]
+    last_output_mean: npt.NDArray[np.float64]
+    last_output_var: npt.NDArray[np.float64]
+    last_input_tokens: npt.NDArray[np.float64]
+    earliest_ttft_deadline_s: npt.NDArray[np.float64]
+    first_input_tokens: npt.NDArray[np.float64]
+
+
+@dataclass(frozen=True, slots=True)
+class _GroupRow:
+    """A group's ``_GroupSums`` ready for arrays: its belief lookups as ids into the
+    estimator's registry (``RCTEstimator._lookup_ids``) with their counts, and the id of its last
+    request's lookup."""
+
+    model: str
+    lookups: npt.NDArray[np.int64]
+    counts: npt.NDArray[np.float64]
+    last: int
+    values: tuple[float, ...]  # size, earliest, inputs, last input, earliest TTFT, first input
+
+
 @dataclass(slots=True)
 class _Scan:
     """Per-request terms of a queue scanned in order (``RCTEstimator._scan``), kept per
@@ -293,6 +324,13 @@ class RCTEstimator:
     _group_sums: dict[str, tuple[Sequence[Request], _GroupSums]] = field(
         default_factory=dict, init=False
     )
+    # The same for ``group_loads``: per group its ``_GroupRow``, and the belief lookups' ids
+    # (with a request of each to look its moments up with).
+    _group_rows: dict[str, tuple[Sequence[Request], _GroupRow]] = field(
+        default_factory=dict, init=False
+    )
+    _lookup_ids: dict[Hashable, int] = field(default_factory=dict, init=False)
+    _lookup_requests: list[Request] = field(default_factory=list, init=False)
 
     # --- output lengths --------------------------------------------------------------------------
 
@@ -720,12 +758,94 @@ class RCTEstimator:
     def _lookup_key(self, r: Request) -> Hashable:
         return (r.model, r.slo_class, self._bin(r), r.max_tokens)
 
+    def group_loads(self, groups: Sequence[tuple[str, Sequence[Request]]]) -> GroupLoads:
+        """``group_load`` of each of ``groups`` (id, requests in FCFS order), as arrays: the
+        same numbers to the last bit (each group's moments summed in the same order), with the
+        work per request done once while its group is unchanged and the moments looked up once
+        per belief."""
+        if len(self._lookup_requests) > GROUP_SUMS_MAX:  # (rows hold ids into the registry)
+            self._group_rows.clear()
+            self._lookup_ids.clear()
+            self._lookup_requests.clear()
+        rows = [self._group_row(gid, requests) for gid, requests in groups]
+        n = len(rows)
+        lengths = np.array([len(r.lookups) for r in rows], np.int64)
+        width = int(lengths.max(initial=1))
+        present = np.arange(width)[None, :] < lengths[:, None]
+        ids = np.zeros((n, width), np.int64)
+        counts = np.zeros((n, width))
+        if n:
+            ids[present] = np.concatenate([r.lookups for r in rows])
+            counts[present] = np.concatenate([r.counts for r in rows])
+        last = np.array([r.last for r in rows], np.int64)
+        used = np.unique(np.concatenate([ids[present], last]))
+        mean = np.zeros(len(self._lookup_requests))
+        var = np.zeros(len(self._lookup_requests))
+        for k in used.tolist():
+            mean[k], var[k] = self.output_moments(self._lookup_requests[k])
+        # (running totals along each row, as group_load adds: padding adds 0 × a moment)
+        o_mean = np.cumsum(counts * mean[ids], axis=1)[:, -1]
+        o_var = np.cumsum(counts * var[ids], axis=1)[:, -1]
+        values = np.array([r.values for r in rows], np.float64).reshape(n, 6)
+        return GroupLoads(
+            models=tuple(r.model for r in rows),
+            size=values[:, 0].astype(np.int64),
+            earliest_deadline_s=values[:, 1],
+            input_tokens=values[:, 2],
+            output_mean=o_mean,
+            output_var=o_var,
+            last_output_mean=mean[last],
+            last_output_var=var[last],
+            last_input_tokens=values[:, 3],
+            earliest_ttft_deadline_s=values[:, 4],
+            first_input_tokens=values[:, 5],
+        )
+
+    def _group_row(self, gid: str, requests: Sequence[Request]) -> _GroupRow:
+        hit = self._group_rows.get(gid)
+        if hit is not None and hit[0] is requests:
+            return hit[1]
+        if not requests:
+            raise ValueError(f"group {gid} is empty")
+        sums = _group_sums(requests, self._lookup_key)
+        last = requests[-1]
+        row = _GroupRow(
+            requests[0].model,
+            np.array([self._lookup_id(r) for r, _ in sums.lookups], np.int64),
+            np.array([float(count) for _, count in sums.lookups]),
+            self._lookup_id(last),
+            (
+                len(requests),
+                sums.earliest,
+                sums.inputs,
+                last.input_tokens,
+                sums.earliest_ttft,
+                requests[0].input_tokens,
+            ),
+        )
+        if isinstance(requests, tuple):  # (a list may change in place: not kept)
+            if len(self._group_rows) >= GROUP_SUMS_MAX:  # nobody called keep_group_loads
+                self._group_rows.clear()
+            self._group_rows[gid] = (requests, row)
+        return row
+
+    def _lookup_id(self, r: Request) -> int:
+        """The id of ``r``'s belief lookup (its moments with nothing generated yet)."""
+        key = self._lookup_key(r)
+        k = self._lookup_ids.get(key)
+        if k is None:
+            k = self._lookup_ids[key] = len(self._lookup_requests)
+            self._lookup_requests.append(r)
+        return k
+
     def keep_group_loads(self, group_ids: Iterable[str]) -> None:
         """Forget the sums of groups not in ``group_ids`` (those that ended): a planner calls
         it with the groups it plans, so that what ``group_load`` keeps stays that size."""
         keep = set(group_ids)
         for gid in [g for g in self._group_sums if g not in keep]:
             del self._group_sums[gid]
+        for gid in [g for g in self._group_rows if g not in keep]:
+            del self._group_rows[gid]
 
     def estimate_queue(
         self,

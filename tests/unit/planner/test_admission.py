@@ -102,3 +102,42 @@ def test_merging_alike_requests_into_one_weighted_row_changes_nothing(seed: int)
     assert merged.value == pytest.approx(each.value)
     assert merged.threshold == pytest.approx(each.threshold)
     assert merged.spare == pytest.approx(each.spare)
+
+
+def test_densities_of_many_groups_are_each_groups_density_to_the_last_bit() -> None:
+    from qlm.domain import SLO
+    from qlm.planner.arrivals import class_of
+    from qlm.planner.concurrency import Fluid, PromptRows
+    from tests.builders import make_request
+
+    rng = np.random.default_rng(3)
+    groups = []
+    for g in range(30):
+        e2e = (30.0, 60.0)[g % 2]
+        requests = tuple(
+            make_request(
+                100 * g + j,
+                input_tokens=int(rng.integers(1, 5000)),
+                # (a group of two classes now and then: each request its own class's output)
+                slo=SLO(e2e_s=60.0 if g % 7 == 0 and j == 1 else e2e),
+            )
+            for j in range(int(rng.integers(1, 33)))
+        )
+        groups.append((f"g{g}", requests))
+    key = class_of(groups[0][1][0])
+    other = class_of(groups[1][1][0])
+    fluid = Fluid(
+        Admission(1.0, 2.0, 0.1),
+        {key: 1.5, other: 0.7},
+        {key: 321.7},  # (the other class has no recent output: the group's own is used)
+        {"m": 3.3e-4},
+        {"m": 7.1e-5},
+    )
+    outputs = [float(rng.uniform(10, 900)) for _ in groups]
+    prompts = PromptRows()
+    for _ in range(2):  # computed, then from the rows kept
+        densities = fluid.densities(groups, outputs, prompts)
+        assert densities == [
+            fluid.density(requests, out) for (_, requests), out in zip(groups, outputs, strict=True)
+        ]
+    assert fluid.densities([], [], prompts) == []

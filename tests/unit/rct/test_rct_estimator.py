@@ -1149,3 +1149,42 @@ def test_the_censored_belief_built_when_read_is_the_one_built_at_each_completion
         assert lazy.estimate_requests(instance(), queue, NOW) == eager.estimate_requests(
             instance(), queue, NOW
         ), f"step {step}"
+
+
+@pytest.mark.parametrize("by_prompt", [False, True])
+def test_group_loads_are_group_load_of_each_group_to_the_last_bit(by_prompt: bool) -> None:
+    est = RCTEstimator(estimator().profile, by_prompt=by_prompt)
+    rng = np.random.default_rng(7)
+    for k in range(40):  # beliefs learnt from completions, so that the moments differ by class
+        done = make_request(
+            k, slo_class=("a", "b")[k % 2], input_tokens=int(rng.integers(10, 4000))
+        )
+        est.observe(done, output_tokens=int(rng.integers(1, 900)))
+    groups = []
+    for g in range(12):
+        size = int(rng.integers(1, 9))
+        requests = tuple(
+            make_request(
+                100 * g + j,
+                slo_class=("a", "b")[g % 2],
+                input_tokens=int(rng.integers(10, 4000)),
+                max_tokens=int(rng.choice([300, 1000])),
+                arrival_s=float(rng.uniform(0, 50)),
+                slo=SLO(e2e_s=30.0, ttft_s=None if j % 3 else 2.0),
+            )
+            for j in range(size)
+        )
+        groups.append((f"g{g}", requests))
+    for _ in range(2):  # computed, then from what is kept
+        loads = est.group_loads(groups)
+        for k, (gid, requests) in enumerate(groups):
+            one = est.group_load(gid, requests)
+            assert loads.models[k] == one.model
+            assert loads.size[k] == one.size
+            for name in (
+                "earliest_deadline_s", "input_tokens", "output_mean", "output_var",
+                "last_output_mean", "last_output_var", "last_input_tokens",
+                "earliest_ttft_deadline_s", "first_input_tokens",
+            ):  # fmt: skip
+                assert float(getattr(loads, name)[k]) == float(getattr(one, name)), name
+    assert len(est.group_loads([]).size) == 0
