@@ -155,7 +155,7 @@ def test_a_synthetic_prompt_fits_a_small_vocabulary(vllm_url: str) -> None:
 def test_priority_lets_an_urgent_request_pass_those_waiting(vllm_url: str) -> None:
     """More requests than the KV cache holds: the rest wait. An urgent one (lower ``priority``)
     sent after them starts before those still waiting when it came (FCFS: after all)."""
-    prompt, output, n = 1000, 500, 64  # 64 x 8 blocks of prompt: twice the 256 there are
+    prompt, output, batch, most = 1000, 500, 16, 256  # 32 such prompts fill the KV cache
 
     async def scenario() -> None:
         # Those waiting get no chunk until vLLM admits them: on a loaded host that can take
@@ -167,21 +167,33 @@ def test_priority_lets_an_urgent_request_pass_those_waiting(vllm_url: str) -> No
             first.setdefault(chunk.request_id, time.monotonic())
 
         try:
-            low = [
-                EngineRequest(f"low-{i}", MODEL, prompt, max_tokens=output, output_tokens=output, priority=10)
-                for i in range(n)
-            ]  # fmt: skip
-            tasks = [asyncio.create_task(e.submit(r, on_chunk)) for r in low]
+            low: list[EngineRequest] = []
+            tasks: list[asyncio.Task[EngineOutput]] = []
 
             async def full() -> bool:
-                if all(t.done() for t in tasks):
+                # More are sent until some wait: a loaded host sends them slower than vLLM
+                # serves them, and a fixed number might all run without any waiting. A batch
+                # more only once vLLM counts every one sent so far (its gauges lag).
+                stats = await e.stats()
+                if stats.waiting >= 4:
+                    return True
+                if all(t.done() for t in tasks) and len(tasks) >= most:
                     errors = {repr(t.exception()) for t in tasks if t.exception() is not None}
                     pytest.fail(f"every request ended before any was seen waiting: {errors}")
-                return (await e.stats()).waiting >= 4
+                seen = stats.running + stats.waiting + sum(t.done() for t in tasks)
+                more = batch if len(low) < most and seen >= len(low) else 0
+                for _ in range(more):
+                    r = EngineRequest(
+                        f"low-{len(low)}", MODEL, prompt, max_tokens=output,
+                        output_tokens=output, priority=10,
+                    )  # fmt: skip
+                    low.append(r)
+                    tasks.append(asyncio.create_task(e.submit(r, on_chunk)))
+                return False
 
             await eventually(full, "the KV cache is full and requests wait")
             waiting = (await e.stats()).waiting  # vLLM's gauge: not admitted yet
-            # sent and timed from a thread of its own: this event loop, parsing 64 streams, may
+            # sent and timed from a thread of its own: this event loop, parsing many streams, may
             # fall behind on a loaded host (it sent the urgent request late, after vLLM had
             # admitted those waiting); its lag can only make the others' first tokens later
             urgent = EngineRequest(
