@@ -108,6 +108,9 @@ class PlannerSettings(BaseModel):
     defer_expensive: bool = True
     """Cost-aware admission: under overload the work of least value per GPU-second waits
     behind the rest (nothing is dropped)."""
+    throughput_floor: float = Field(default=0.0, ge=0, le=1)
+    """The concurrency choice keeps each instance serving at least this share of the requests
+    per second its best limit serves: 0 chooses by SLOs met alone (docs/planner.md)."""
     max_utilisation: float = Field(default=0.95, gt=0, le=1)
     rate_window_s: float = Field(default=60.0, gt=0)
     choose_concurrency: bool = True

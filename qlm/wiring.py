@@ -28,6 +28,7 @@ def planner_config(settings: PlannerSettings) -> PlannerConfig:
         period_s=settings.period_s,
         min_interval_s=settings.min_interval_s,
         defer_expensive=settings.defer_expensive,
+        throughput_floor=settings.throughput_floor,
         max_utilisation=settings.max_utilisation,
         rate_window_s=settings.rate_window_s,
         choose_concurrency=settings.choose_concurrency,

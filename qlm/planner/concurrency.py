@@ -32,6 +32,7 @@ class Fluid:
     class_output: dict[ClassKey, float]  # mean output of the class's recent arrivals
     per_output_s: dict[str, float]  # GPU-seconds per output token, per model
     per_input_s: dict[str, float]  # GPU-seconds per prompt token, per model
+    rate: float = math.inf  # requests per second served with the instance busy, at this mix
 
     def cost(self, req: Request, output: float) -> float:
         key = class_of(req)
@@ -158,6 +159,7 @@ def choose_limits(
     choice: Sequence[int],
     current: Mapping[str, int],
     hysteresis: float,
+    throughput_floor: float = 0.0,
 ) -> list[int]:
     """Each instance's concurrency limit: the one whose admitted work meets the most
     expected weighted SLOs per second (``FluidModels.evaluate``; ``choice`` where it has no
@@ -168,13 +170,17 @@ def choose_limits(
     waits for running requests to drain, a higher one admits a burst of prompts whose prefills
     slow every running request), which the steady-state model does not see; without it the
     choice flips with the noise of the arrival window (measured on W_B at 1.8×: 74.2 % of
-    SLOs met without hysteresis, 76.5 % with 5 %, 75.1 % with 15 %)."""
+    SLOs met without hysteresis, 76.5 % with 5 %, 75.1 % with 15 %). ``throughput_floor``: only
+    limits that serve at least that share of the most requests per second any limit serves (at
+    the arriving mix, the instance busy) are chosen from."""
     out: list[int] = []
     for inst, fluids, limit in zip(family.instances, fluid, choice, strict=True):
         if fluids is None:
             out.append(limit)
             continue
-        values = {b: f.admission.value for b, f in fluids.items()}
+        top = max(f.rate for f in fluids.values())
+        allowed = {b: f for b, f in fluids.items() if f.rate >= throughput_floor * top}
+        values = {b: f.admission.value for b, f in allowed.items()}
         out.append(pick_limit(values, current.get(inst.name), hysteresis))
     return out
 
@@ -312,8 +318,14 @@ class FluidModels:
                     refill_b = float(np.sum((inputs * w_in * weights)[kept])) / max(
                         float(np.sum((outputs[row] * weights)[kept])), 1e-9
                     )
+                mean_cost = float(np.sum(costs * weights)) / max(float(np.sum(weights)), 1e-12)
                 fluids[b] = Fluid(
-                    admission, class_value, {k: means[k][1] for k in keys}, per_output, per_input
+                    admission,
+                    class_value,
+                    {k: means[k][1] for k in keys},
+                    per_output,
+                    per_input,
+                    1.0 / max(mean_cost, 1e-12),
                 )
             out[g] = alike.setdefault(same, fluids)
             self._last[inst.name] = (plan, fluids)

@@ -44,6 +44,11 @@ class PlannerConfig:
     max_utilisation: float = 0.95
     concurrency_hysteresis: float = 0.05
     defer_expensive: bool = True
+    throughput_floor: float = 0.0
+    """The concurrency choice keeps each instance serving at least this share of the requests per
+    second its best limit serves (at the arriving mix): 0 chooses by SLOs met alone; 0.95 keeps
+    within 5 % of a full batch's throughput under overload, at the cost of the SLOs a smaller
+    batch meets (experiments/README.md, "Throughput and the concurrency limit")."""
     seed: int = 0
     step_budget_s: float = 0.5
     """With a wall-time ``budget`` (production): what a control step spends on work that can wait
@@ -86,6 +91,8 @@ class PlannerConfig:
         ):
             value = getattr(self, name)
             check_setting(value > 0, f"planner.{name}", "> 0", value)
+        ok = 0 <= self.throughput_floor <= 1
+        check_setting(ok, "planner.throughput_floor", "in [0, 1]", self.throughput_floor)
         ok = 0 < self.max_utilisation <= 1
         check_setting(ok, "planner.max_utilisation", "in (0, 1]", self.max_utilisation)
         ok = 0 <= self.concurrency_hysteresis < 1

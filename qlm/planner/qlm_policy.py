@@ -522,7 +522,12 @@ class QlmPolicy:
         )
         best = (
             choose_limits(
-                family, fluid, choice, self.admission.limits, self.config.concurrency_hysteresis
+                family,
+                fluid,
+                choice,
+                self.admission.limits,
+                self.config.concurrency_hysteresis,
+                self.config.throughput_floor,
             )
             if choose
             else choice

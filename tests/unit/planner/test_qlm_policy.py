@@ -486,3 +486,27 @@ def test_the_violation_trigger_is_the_risk_the_policy_reports() -> None:
         assert qlm._predicts_violation(now) == expected, (now, risks)
     # Not vacuous: some group was neither surely met nor surely missed.
     assert any(0.05 < p < qlm.config.delta for p in seen), seen
+
+
+def test_a_throughput_floor_rules_out_the_limits_that_serve_too_few_requests() -> None:
+    """Limit 64 meets the most SLOs and serves 80 % of the requests per second that 256 does: it
+    wins unless the floor asks for more than 80 %, when the best of those left wins."""
+    from types import SimpleNamespace
+
+    from qlm.planner.admission import Admission
+    from qlm.planner.concurrency import Fluid, choose_limits
+
+    def fluid(value: float, rate: float) -> Fluid:
+        return Fluid(Admission(value, 0.0, 0.0), {}, {}, {}, {}, rate)
+
+    fluids = {64: fluid(3.0, 8.0), 128: fluid(2.5, 9.5), 256: fluid(2.0, 10.0)}
+    family = SimpleNamespace(instances=(SimpleNamespace(name="i0"),))
+
+    def chosen(floor: float) -> int:
+        [limit] = choose_limits(family, [fluids], [64], {}, 0.05, floor)  # type: ignore[arg-type]
+        return limit
+
+    assert chosen(0.0) == 64 and chosen(0.8) == 64
+    assert chosen(0.9) == 128 and chosen(0.99) == 256
+    with pytest.raises(ConfigError, match=r"planner\.throughput_floor"):
+        PlannerConfig(throughput_floor=1.5)
