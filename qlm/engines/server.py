@@ -62,6 +62,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from qlm.engines.base import EngineOutput, EngineRequest, TokenChunk
 from qlm.engines.perf_model import HardwareCatalog
+from qlm.engines.vllm_launch import SERVER_KEEPALIVE_S
 from qlm.engines.wallclock import (
     LATENCY_BUCKETS,
     VOCAB_SIZE,
@@ -936,4 +937,11 @@ def serve(
         stream_interval=stream_interval,
     )
     # Its lines go to the process's handler, in QLM's format (qlm.cli.logs).
-    uvicorn.run(app, host=host, port=port, log_level="warning", log_config=None)
+    uvicorn.run(
+        app,
+        host=host,
+        port=port,
+        log_level="warning",
+        log_config=None,
+        timeout_keep_alive=SERVER_KEEPALIVE_S,  # as QLM starts vLLM (qlm.engines.vllm_launch)
+    )

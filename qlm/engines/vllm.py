@@ -223,9 +223,10 @@ REJECTED = frozenset({400, 404, 413, 422})
 
 KEEPALIVE_S = 2.0
 """How long an idle connection to a server is kept for reuse: well below the server's own
-keep-alive (vLLM's ``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``, uvicorn's ``timeout_keep_alive``: 5 s). At
-equal times a request sent on a connection the server is closing fails with a ``ReadError``
-before any answer, which a loaded host makes likely."""
+keep-alive (vLLM's ``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``: 5 s by default, 60 s as ``qlm instance
+launch`` starts it). A request written on a connection the server has just closed fails with a
+``ReadError`` before any answer; a busy host, slow to write what it took from its pool, makes
+that likely when the two times are close."""
 
 
 class VllmEngine:

@@ -58,7 +58,10 @@ def vllm_serve_command(
     if served_model_name:
         argv += ["--served-model-name", served_model_name]
     argv += ["--scheduling-policy", "priority", "--enable-request-id-headers"]
-    env: list[tuple[str, str]] = []
+    # An idle connection is kept 60 s (vLLM: 5 s): an agent on a busy host may take seconds
+    # to write a request on a connection it took from its pool; one the server closed meanwhile
+    # fails the request with no answer (the client keeps idle connections for 2 s only).
+    env: list[tuple[str, str]] = [("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", str(SERVER_KEEPALIVE_S))]
     if sleep_mode and not dev_mode:
         raise EngineError(
             "--sleep-mode needs the dev-mode endpoints (/sleep, /wake_up): drop --no-dev-mode"
@@ -85,6 +88,9 @@ def vllm_serve_command(
 
 
 VLLM_MODULE = "vllm.entrypoints.openai.api_server"
+
+SERVER_KEEPALIVE_S = 60
+"""How long the servers QLM starts keep an idle connection (``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``)."""
 """The module that serves vLLM's OpenAI API (``python -m``): what ``vllm serve`` runs."""
 
 

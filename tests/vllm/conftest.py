@@ -23,7 +23,7 @@ import httpx
 import pytest
 from services import free_port, in_ci
 
-from qlm.engines.vllm_launch import vllm_serve_command
+from qlm.engines.vllm_launch import VllmCommand, vllm_serve_command
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL = "tiny"  # the served model name
@@ -79,7 +79,10 @@ class VllmServer:
         return f"http://127.0.0.1:{self.port}"
 
     def command(self) -> list[str]:
-        cmd = vllm_serve_command(
+        return list(self.serve_command().argv)
+
+    def serve_command(self) -> VllmCommand:
+        return vllm_serve_command(
             self.env.model,
             port=self.port,
             host="127.0.0.1",
@@ -87,13 +90,13 @@ class VllmServer:
             python=self.env.python,
             extra=self.extra,
         )
-        return list(cmd.argv)
 
     def start(self) -> None:
         """Start it and wait until ``/health`` answers 200 (failing with its log if it exits
         or never does)."""
         env = {
             **os.environ,
+            **dict(self.serve_command().env),  # as qlm instance launch starts it
             "VLLM_SERVER_DEV_MODE": "1",  # /sleep, /server_info, /abort_requests, ...
             "HF_HUB_OFFLINE": "1",
             "TRANSFORMERS_OFFLINE": "1",

@@ -264,11 +264,12 @@ def test_the_launch_command_has_the_flags_qlm_needs() -> None:
         "--stream-interval 8",
     ):
         assert flag in argv
-    assert dict(cmd.env) == {"VLLM_SERVER_DEV_MODE": "1"}
+    keep = {"VLLM_HTTP_TIMEOUT_KEEP_ALIVE": "60"}  # above the client's 2 s (KEEPALIVE_S)
+    assert dict(cmd.env) == {"VLLM_SERVER_DEV_MODE": "1", **keep}
     plain = vllm_serve_command("m")
     assert "--enable-sleep-mode" not in plain.argv and "--enable-auto-tool-choice" not in plain.argv
-    assert dict(plain.env) == {"VLLM_SERVER_DEV_MODE": "1"}  # /abort_requests, /server_info
-    assert vllm_serve_command("m", dev_mode=False).env == ()
+    assert dict(plain.env) == {"VLLM_SERVER_DEV_MODE": "1", **keep}  # /abort_requests, ...
+    assert dict(vllm_serve_command("m", dev_mode=False).env) == keep
     with pytest.raises(EngineError, match="--sleep-mode needs the dev-mode endpoints"):
         vllm_serve_command("m", sleep_mode=True, dev_mode=False)
     with pytest.raises(EngineError, match="--stream-interval must be >= 1"):
@@ -290,7 +291,8 @@ def test_without_a_working_vllm_command_the_server_module_is_started_with_vllms_
     )
     assert result.exit_code == 0
     assert result.stdout.startswith(
-        "VLLM_SERVER_DEV_MODE=1 /v/bin/python -m vllm.entrypoints.openai.api_server --model m"
+        "VLLM_HTTP_TIMEOUT_KEEP_ALIVE=60 VLLM_SERVER_DEV_MODE=1 /v/bin/python -m "
+        "vllm.entrypoints.openai.api_server --model m"
     )
 
 
@@ -309,7 +311,9 @@ def test_instance_launch_prints_the_command_or_says_vllm_is_missing(
         app, ["instance", "launch", "--model", "m", "--print-only", "--sleep-mode"]
     )
     assert result.exit_code == 0
-    assert result.stdout.startswith("VLLM_SERVER_DEV_MODE=1 vllm serve m ")
+    assert result.stdout.startswith(
+        "VLLM_HTTP_TIMEOUT_KEEP_ALIVE=60 VLLM_SERVER_DEV_MODE=1 vllm serve m "
+    )
     monkeypatch.setattr("qlm.engines.vllm_launch.vllm_launcher", lambda python=None: None)
     result = runner.invoke(app, ["instance", "launch", "--model", "m"])
     assert result.exit_code == 1
