@@ -282,6 +282,13 @@ class LatencyBucketRow:
     sum: float
 
 
+def attainment(slo_met: int, finished: int, failed: int) -> float | None:
+    """The share of the decided requests (finished or failed) that met their SLO; None when
+    none was decided."""
+    decided = finished + failed
+    return slo_met / decided if decided else None
+
+
 @dataclass(frozen=True, slots=True)
 class SloSummaryRow:
     """SLO attainment of the requests of one group (a tenant, model or tier) submitted in a window.
@@ -300,8 +307,7 @@ class SloSummaryRow:
 
     @property
     def attainment(self) -> float | None:
-        decided = self.finished + self.failed
-        return self.slo_met / decided if decided else None
+        return attainment(self.slo_met, self.finished, self.failed)
 
 
 @dataclass(frozen=True, slots=True)
@@ -320,5 +326,4 @@ class SloBucketRow:
 
     @property
     def attainment(self) -> float | None:
-        decided = self.finished + self.failed
-        return self.slo_met / decided if decided else None
+        return attainment(self.slo_met, self.finished, self.failed)
