@@ -12,7 +12,17 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-RESULTS = ("validate_sim", "rct_accuracy", "policies", "ablation", "heterogeneity")
+RESULTS = {  # result name: the script that writes it
+    "validate_sim": "validate_sim",
+    "rct_accuracy": "rct_accuracy",
+    "policies": "policies",
+    "ablation": "ablation",
+    "heterogeneity": "heterogeneity",
+    "sweep_wc_rate": "sweep",
+    "sweep_wb_backlog": "sweep",
+    "group_size": "group_size",
+    "overhead": "overhead",
+}
 
 
 def test_every_experiment_runs_quickly_and_names_its_commit_and_command(tmp_path: Path) -> None:
@@ -31,9 +41,9 @@ def test_every_experiment_runs_quickly_and_names_its_commit_and_command(tmp_path
     head = subprocess.run(
         ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=False
     ).stdout.strip()
-    for name in RESULTS:
+    for name, script in RESULTS.items():
         result = json.loads((tmp_path / f"{name}.json").read_text())
-        assert result["command"].startswith(f"python experiments/{name}.py"), result["command"]
+        assert result["command"].startswith(f"python experiments/{script}.py"), result["command"]
         assert re.fullmatch(r"[0-9a-f]{40}", result["commit"]) or not head, result["commit"]
         assert result["commit"] == head
         assert isinstance(result["dirty"], bool)
