@@ -134,19 +134,16 @@ FLUID_SHARE = 0.25
 recently evaluated first; the others keep their last evaluation), before the search."""
 
 
-NEAR = 0.02
-"""Concurrency limits whose fluid values are within this share of the best are worth the same."""
-
-
 def pick_limit(values: Mapping[int, float], current: int | None, hysteresis: float) -> int:
-    """The concurrency limit worth the most — of those within ``NEAR`` of the best, the largest:
-    it serves more requests per second for about the same SLOs met — unless ``current`` is
+    """The concurrency limit worth the most (the smallest of equals), unless ``current`` is
     within ``hysteresis`` (a fraction) of it: a change costs a transient the values do not see."""
     if not values:
         raise ValueError("no concurrency limit to choose from")
     limits = sorted(values)
-    top = max(values.values())
-    best = max(b for b in limits if values[b] >= top * (1.0 - NEAR))
+    best = limits[0]
+    for b in limits[1:]:
+        if values[b] > values[best] * (1 + 1e-9):
+            best = b
     threshold = values[best] * (1.0 - hysteresis)
     if current is not None and values.get(current, -math.inf) >= threshold:
         return current

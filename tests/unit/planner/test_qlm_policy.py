@@ -13,7 +13,7 @@ from qlm.domain import SLO, InstanceSpec, Pull, Request, RequestStatus, Tier
 from qlm.errors import ConfigError
 from qlm.planner import PlannerConfig, QlmPolicy, create_policy
 from qlm.planner.admission import hopeless, in_time
-from qlm.planner.concurrency import NEAR, pick_limit
+from qlm.planner.concurrency import pick_limit
 from qlm.planner.policy import Completion, DispatchContext, InstanceLoad
 from qlm.planner.program import PlanGroup, PlanInstance, PlanProblem
 from qlm.rct.estimator import RCTEstimator
@@ -243,13 +243,11 @@ def test_plans_are_spaced_by_their_compute_only_when_the_budget_is_wall_time(
 
 def test_the_concurrency_limit_worth_the_most_wins_unless_the_current_one_is_close() -> None:
     values = {16: 1.0, 64: 2.0, 128: 2.08, 256: 2.08}
-    assert pick_limit(values, None, 0.05) == 256  # the largest of equals: it serves more
+    assert pick_limit(values, None, 0.05) == 128  # the smallest of equals
     assert pick_limit(values, 64, 0.05) == 64  # 2.0 is within 5 % of 2.08: no change
-    assert pick_limit(values, 64, 0.0) == 256
-    assert pick_limit(values, 16, 0.05) == 256  # 1.0 is far below
-    assert pick_limit(values, 32, 0.05) == 256  # no longer a choice (fewer slots now)
-    near = {64: 2.0, 96: 2.0 * (1 - NEAR / 2), 128: 2.0 * (1 - 2 * NEAR)}
-    assert pick_limit(near, None, 0.0) == 96  # within NEAR of the best: worth the same
+    assert pick_limit(values, 64, 0.0) == 128
+    assert pick_limit(values, 16, 0.05) == 128  # 1.0 is far below
+    assert pick_limit(values, 32, 0.05) == 128  # no longer a choice (fewer slots now)
     with pytest.raises(ValueError):
         pick_limit({}, None, 0.05)
 
