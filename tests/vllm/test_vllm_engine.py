@@ -160,7 +160,8 @@ def test_a_synthetic_prompt_fits_a_small_vocabulary(vllm_url: str) -> None:
 def test_priority_lets_an_urgent_request_pass_those_waiting(vllm_url: str) -> None:
     """More requests than the KV cache holds: the rest wait. An urgent one (lower ``priority``)
     sent after them starts before those still waiting when it came (FCFS: after all)."""
-    prompt, output, batch, most = 1000, 500, 16, 256  # 32 such prompts fill the KV cache
+    # 32 such prompts fill the KV cache; long answers keep those waiting waiting for a while
+    prompt, output, batch, most = 1000, 1000, 16, 256
 
     async def scenario() -> None:
         # Those waiting get no chunk until vLLM admits them: on a loaded host that can take
@@ -175,6 +176,7 @@ def test_priority_lets_an_urgent_request_pass_those_waiting(vllm_url: str) -> No
             low: list[EngineRequest] = []
             tasks: list[asyncio.Task[EngineOutput]] = []
             sent_at = [-math.inf]
+            seen_waiting = [0]
 
             async def full() -> bool:
                 # More are sent until some wait: a loaded host sends them slower than vLLM
@@ -182,16 +184,19 @@ def test_priority_lets_an_urgent_request_pass_those_waiting(vllm_url: str) -> No
                 # more only once vLLM counts every one sent so far (its gauges lag).
                 stats = await e.stats()
                 if stats.waiting >= 4:
+                    seen_waiting[0] = stats.waiting
                     return True
                 if all(t.done() for t in tasks) and len(tasks) >= most:
                     errors = {repr(t.exception()) for t in tasks if t.exception() is not None}
                     pytest.fail(f"every request ended before any was seen waiting: {errors}")
                 # (or after a while: a starved API server may hold them before its engine)
                 seen = stats.running + stats.waiting + sum(t.done() for t in tasks)
-                stalled = time.monotonic() - sent_at[0] > STALL_S
-                more = batch if len(low) < most and (seen >= len(low) or stalled) else 0
+                stalled = time.monotonic() - sent_at[-1] > STALL_S
+                # each batch twice the last: a server that keeps up with one soon cannot
+                more = min(batch << len(sent_at) - 1, most - len(low))
+                more = more if seen >= len(low) or stalled else 0
                 if more:
-                    sent_at[0] = time.monotonic()
+                    sent_at.append(time.monotonic())
                 for _ in range(more):
                     r = EngineRequest(
                         f"low-{len(low)}", MODEL, prompt, max_tokens=output,
@@ -202,7 +207,7 @@ def test_priority_lets_an_urgent_request_pass_those_waiting(vllm_url: str) -> No
                 return False
 
             await eventually(full, "the KV cache is full and requests wait", LOADED_S)
-            waiting = (await e.stats()).waiting  # vLLM's gauge: not admitted yet
+            waiting = seen_waiting[0]  # vLLM's gauge: not admitted yet
             # sent and timed from a thread of its own: this event loop, parsing many streams, may
             # fall behind on a loaded host (it sent the urgent request late, after vLLM had
             # admitted those waiting); its lag can only make the others' first tokens later
@@ -215,7 +220,7 @@ def test_priority_lets_an_urgent_request_pass_those_waiting(vllm_url: str) -> No
             passed = [r.request_id for r in low if first[r.request_id] > answered]
             # FCFS starts it after every one sent before it: none passed. (Not all of those
             # the gauge counted: it lags, and a request in chunked prefill may finish first.)
-            assert waiting >= 4 and len(passed) >= 2, (passed, waiting)
+            assert len(passed) >= 2, (passed, waiting)
         finally:
             await e.close()
 
