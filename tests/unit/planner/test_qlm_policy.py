@@ -287,9 +287,9 @@ def test_a_hysteresis_outside_zero_to_one_is_refused() -> None:
         PlannerConfig(concurrency_hysteresis=1.0)
 
 
-def test_under_overload_cost_aware_admission_defers_the_costliest_groups() -> None:
-    """Cheap prompts (200 tokens) and very long ones (60,000) arrive faster than the instance
-    serves them: the long ones wait behind every cheap one, paced by the spare capacity."""
+def overloaded() -> tuple[QlmPolicy, InstanceLoad]:
+    """A policy that saw 20 s of cheap prompts (200 tokens) and very long ones (60,000) arrive
+    faster than its busy instance serves them, and that instance."""
     qlm = policy(defer_expensive=True, rate_window_s=20.0)
     busy = load(max_running=8, outstanding_requests=8, outstanding_tokens=8000)
     i = 0
@@ -299,6 +299,13 @@ def test_under_overload_cost_aware_admission_defers_the_costliest_groups() -> No
             burst.append(make_request(i, arrival_s=float(t), input_tokens=size, slo=SLO(60.0)))
             i += 1
         qlm.decide(DispatchContext(float(t), tuple(burst), (busy,)))
+    return qlm, busy
+
+
+def test_under_overload_cost_aware_admission_defers_the_costliest_groups() -> None:
+    """Cheap prompts (200 tokens) and very long ones (60,000) arrive faster than the instance
+    serves them: the long ones wait behind every cheap one, paced by the spare capacity."""
+    qlm, _ = overloaded()
     record = qlm.plan(20.0, "test")
     assert record.deferred > 0
     order = qlm.queues.queue("i0")
@@ -320,15 +327,7 @@ def test_a_group_with_a_first_token_deadline_is_never_deferred() -> None:
     """Under the overload above, a new costly request is deferred behind the queue; the same
     request with a first-token deadline is placed at its deadline slot instead, by the placement
     between plans and by the next plan (deferred, its first token would be late)."""
-    qlm = policy(defer_expensive=True, rate_window_s=20.0)
-    busy = load(max_running=8, outstanding_requests=8, outstanding_tokens=8000)
-    i = 0
-    for t in range(20):
-        burst = []
-        for size in (200, 200, 60_000):
-            burst.append(make_request(i, arrival_s=float(t), input_tokens=size, slo=SLO(60.0)))
-            i += 1
-        qlm.decide(DispatchContext(float(t), tuple(burst), (busy,)))
+    qlm, busy = overloaded()
     qlm.plan(20.0, "test")
     plain = make_request(900, arrival_s=20.0, input_tokens=60_000, slo=SLO(60.0), model="m")
     urgent = make_request(901, arrival_s=20.0, input_tokens=60_000, slo=SLO(60.0, ttft_s=2.0))
