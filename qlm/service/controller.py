@@ -408,9 +408,9 @@ class ControllerService(RuntimeListener):
                 continue
             if msg.model not in served:
                 reason = f"no instance serves model {msg.model!r}"
-                self._writes.op(
-                    self.store.record_outcome_row,
+                self._writes.row(
                     msg.id,
+                    self.store.record_outcome_row,
                     status=RequestStatus.FAILED,
                     at=self.runtime.clock.now(),
                     error=reason,
@@ -469,9 +469,9 @@ class ControllerService(RuntimeListener):
         at = self.runtime.clock.now()
         ttft, first = row.slo_ttft_s, row.first_token_at
         ttft_met = None if ttft is None else first is not None and first - row.submitted_at <= ttft
-        self._writes.op(
-            self.store.record_outcome_row,
+        self._writes.row(
             msg.id,
+            self.store.record_outcome_row,
             status=RequestStatus.FINISHED,
             at=at,
             output_text=text,
@@ -494,10 +494,10 @@ class ControllerService(RuntimeListener):
     def dispatched(self, request_id: str, instance: str, at: float) -> None:
         if self._spans is not None:
             self._spans.dispatched(request_id, instance)
-        self._writes.op(self.store.mark_dispatched, request_id, instance=instance, at=at)
+        self._writes.row(request_id, self.store.mark_dispatched, instance=instance, at=at)
 
     def first_token(self, request_id: str, at: float) -> None:
-        self._writes.op(self.store.mark_first_token, request_id, at=at)
+        self._writes.row(request_id, self.store.mark_first_token, at=at)
 
     def chunk(self, request_id: str, chunk: TokenChunk) -> None:
         if chunk.text and self.hub.watched(request_id):
@@ -511,15 +511,15 @@ class ControllerService(RuntimeListener):
         if self._spans is not None:
             self._spans.returned(request_id, evicted=evicted)
         if evicted:
-            self._writes.op(
-                self.store.record_eviction,
+            self._writes.row(
                 request_id,
+                self.store.record_eviction,
                 partial_text=partial_text,
                 partial_tokens=partial_tokens,
             )
         else:
-            self._writes.op(
-                self.store.record_partial, request_id, text=partial_text, tokens=partial_tokens
+            self._writes.row(
+                request_id, self.store.record_partial, text=partial_text, tokens=partial_tokens
             )
 
     def finished(
@@ -534,9 +534,9 @@ class ControllerService(RuntimeListener):
         if self._spans is not None:
             attrs = {"qlm.slo_met": record.slo_met, "qlm.output_tokens": record.output_tokens}
             self._spans.outcome(rid, "finished", attrs)
-        self._writes.op(
-            self.store.record_outcome_row,
+        self._writes.row(
             rid,
+            self.store.record_outcome_row,
             status=RequestStatus.FINISHED,
             at=record.finish_s if record.finish_s is not None else self.runtime.clock.now(),
             output_text=text,
@@ -550,9 +550,9 @@ class ControllerService(RuntimeListener):
     def failed(self, request_id: str, error: str) -> None:
         if self._spans is not None:
             self._spans.outcome(request_id, "failed", {}, error)
-        self._writes.op(
-            self.store.record_outcome_row,
+        self._writes.row(
             request_id,
+            self.store.record_outcome_row,
             status=RequestStatus.FAILED,
             at=self.runtime.clock.now(),
             error=error,
@@ -563,9 +563,9 @@ class ControllerService(RuntimeListener):
         """Poison: recorded failed with the reason, and its delivery dead-lettered with it."""
         if self._spans is not None:
             self._spans.outcome(request_id, "failed", {}, reason)
-        self._writes.op(
-            self.store.record_outcome_row,
+        self._writes.row(
             request_id,
+            self.store.record_outcome_row,
             status=RequestStatus.FAILED,
             at=self.runtime.clock.now(),
             error=reason,
@@ -575,9 +575,9 @@ class ControllerService(RuntimeListener):
     def cancelled(self, request_id: str, partial_text: str, tokens: int) -> None:
         if self._spans is not None:
             self._spans.outcome(request_id, "cancelled", {"qlm.output_tokens": tokens})
-        self._writes.op(
-            self.store.record_outcome_row,
+        self._writes.row(
             request_id,
+            self.store.record_outcome_row,
             status=RequestStatus.CANCELLED,
             at=self.runtime.clock.now(),
             output_text=partial_text or None,

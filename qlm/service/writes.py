@@ -1,6 +1,8 @@
 """The controller service's store writer: what the event loop reports (dispatches, first tokens,
 partial outputs, outcomes, plans, predictions) is queued as store operations and applied in
-order, one transaction per flush; the outcomes a flush committed are then logged
+one transaction per flush: those on one request in order, the requests in id order (two
+controllers' flushes over the same rows, as when one takes over what the other still runs, take
+their row locks in one order and cannot deadlock), then the rest in order; the outcomes a flush committed are then logged
 (``qlm.service.outcomes``) and their deliveries settled with the broker — acked, or
 dead-lettered with their reason — and never before."""
 
@@ -27,6 +29,7 @@ Settle = tuple[str, str, RequestStatus]
 class _Writes:
     """Store operations queued by the runtime's callbacks, applied in order by the writer."""
 
+    rows: list[tuple[str, Callable[[], Any]]] = field(default_factory=list)  # by request id
     ops: list[Callable[[], Any]] = field(default_factory=list)
     settle: list[Settle] = field(default_factory=list)
 
@@ -40,8 +43,12 @@ class StoreWriter:
         self._unsettled = 0  # deliveries they are settling
 
     def op(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
-        """Queue ``fn(*args, **kwargs)`` for the next flush."""
+        """Queue ``fn(*args, **kwargs)`` for the next flush, after its operations on requests."""
         self._writes.ops.append(lambda: fn(*args, **kwargs))
+
+    def row(self, request_id: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+        """Queue ``fn(request_id, *args, **kwargs)``, an operation on that request's row."""
+        self._writes.rows.append((request_id, lambda: fn(request_id, *args, **kwargs)))
 
     def settle_after(self, request_id: str, how: str, status: RequestStatus) -> None:
         """Settle the request's deliveries (``how``: "ack" or the reason to dead-letter them)
@@ -51,7 +58,8 @@ class StoreWriter:
     @property
     def pending(self) -> bool:
         """Operations or settlements not done yet."""
-        return bool(self._writes.ops or self._writes.settle or self._unsettled)
+        writes = self._writes
+        return bool(writes.rows or writes.ops or writes.settle or self._unsettled)
 
     async def flush(
         self,
@@ -64,11 +72,12 @@ class StoreWriter:
         they committed (``committed`` names them). A failed write is retried at the next flush
         (nothing is acked before), after ``retry_s``."""
         writes, self._writes = self._writes, _Writes()
-        if writes.ops:
+        if writes.rows or writes.ops:
             try:
-                outcomes = await asyncio.to_thread(_run_all, store, writes.ops)
+                outcomes = await asyncio.to_thread(_run_all, store, writes.rows, writes.ops)
             except Exception:
                 log.exception("store write failed; retrying")
+                self._writes.rows[:0] = writes.rows
                 self._writes.ops[:0] = writes.ops
                 self._writes.settle[:0] = writes.settle
                 await asyncio.sleep(retry_s)  # the store may be down: do not spin
@@ -114,9 +123,13 @@ class StoreWriter:
                     task.cancel()
 
 
-def _run_all(store: Store, ops: list[Callable[[], Any]]) -> list[OutcomeRow]:
-    """In order, in one transaction (one commit for a whole flush); returns the outcomes it
-    recorded (``Store.record_outcome_row``'s answers)."""
+def _run_all(
+    store: Store, rows: list[tuple[str, Callable[[], Any]]], ops: list[Callable[[], Any]]
+) -> list[OutcomeRow]:
+    """In one transaction (one commit for a whole flush): the operations on requests in id
+    order (a stable sort: each request's in the order queued), then the others in order;
+    returns the outcomes it recorded (``Store.record_outcome_row``'s answers)."""
+    by_id = sorted(rows, key=lambda row: row[0])
     with store.batch():
-        results = [op() for op in ops]
+        results = [op() for _, op in by_id] + [op() for op in ops]
     return [r for r in results if isinstance(r, OutcomeRow)]

@@ -513,7 +513,11 @@ def test_a_controller_cut_off_from_the_broker_stops_what_the_standby_took_over(
 
     async def scenario() -> None:
         store = Store.open("sqlite://")
-        first = make_service(store, MemoryBroker(), name="c0", queue=open_queue(amqp_url, names))
+        # The first's engines are slow (6,000 tokens take it ~30 s) so that what it runs is still
+        # running when it learns that the standby leads, however loaded the machine is.
+        first = make_service(
+            store, MemoryBroker(), name="c0", queue=open_queue(amqp_url, names), step_ms=250.0
+        )
         standby_queue = open_queue(amqp_url, names, leader_retry_s=0.002)  # quick to take over
         second = make_service(store, MemoryBroker(), name="c1", queue=standby_queue)
         first.publish_s = second.publish_s = 0.05

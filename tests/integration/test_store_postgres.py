@@ -10,13 +10,17 @@ Each test starts from empty tables.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import threading
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from services import postgres_schema
 from sqlalchemy import create_engine, text
 
 from qlm.domain import RequestStatus
+from qlm.service.writes import StoreWriter
 from qlm.store import Store
 from qlm.store.models import Base
 from tests.contract.test_store import FakeClock, new_request, run_together
@@ -72,6 +76,41 @@ class TestPostgresStore:
             row = store.get(f"r{i:04d}")
             assert row is not None and row.output_text is not None
             assert int(row.output_text) % 4 == i
+
+    def test_two_controllers_flushes_over_the_same_requests_do_not_deadlock(
+        self, store: Store, schema_url: str, clock: FakeClock
+    ) -> None:
+        # One controller takes over requests another still runs: both write to the same rows,
+        # each in one transaction per flush, having queued them in opposite orders. Taken in
+        # queue order, each would hold one row and wait for the other's (PostgreSQL's
+        # "deadlock detected": one flush fails and is retried).
+        for i in (1, 2):
+            store.add_request(new_request(i))
+        meet = threading.Barrier(2)
+
+        def then_meet(on: Store) -> Any:
+            def op(request_id: str, *, at: float) -> None:
+                on.mark_first_token(request_id, at=at)
+                with contextlib.suppress(threading.BrokenBarrierError):
+                    meet.wait(timeout=2.0)  # the other holds its first row lock here too
+
+            return op
+
+        with Store(schema_url, clock=clock) as other:
+            flushes = []
+            for on, (a, b) in ((store, ("r0001", "r0002")), (other, ("r0002", "r0001"))):
+                writer = StoreWriter()
+                writer.row(a, then_meet(on), at=1.0)
+                writer.row(b, on.mark_first_token, at=2.0)
+                flushes.append((writer, on))
+
+            async def both() -> None:
+                await asyncio.gather(
+                    *(w.flush(on, None, 0.0, lambda _settle: []) for w, on in flushes)  # type: ignore[arg-type]
+                )
+
+            asyncio.run(both())
+            assert not any(writer.pending for writer, _ in flushes)  # both committed at once
 
     def test_add_requests_async_sends_again_once_when_its_connection_broke(
         self, store: Store, schema_url: str

@@ -7,25 +7,25 @@ CPU build. Waits poll with deadlines; no assertion is about how long anything to
 from __future__ import annotations
 
 import asyncio
-import math
+import contextlib
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import httpx
 import pytest
+from services import free_port
 
 from qlm.engines.base import EngineOutput, EngineRequest, TokenChunk
 from qlm.engines.vllm import VllmEngine, context_room
 from qlm.errors import RequestRejected, UnknownRequest
 
-from .conftest import KV_CACHE_BYTES, MODEL
+from .conftest import KV_CACHE_BYTES, MODEL, SERVER_FLAGS, VllmEnv, VllmServer
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]
 
 DEADLINE_S = 120.0
 LOADED_S = 600.0  # a deadline for what a CPU-starved vLLM server does slowly
-STALL_S = 10.0  # the priority test sends more when vLLM has not counted what it sent by then
 LONG = 1800  # output tokens of a request meant to be interrupted: ~2 s alone on the tiny model
 CONTEXT = 2048  # the tiny model's max_model_len
 VOCAB = 4096  # its vocabulary (scripts/vllm_tiny_model.py)
@@ -157,89 +157,89 @@ def test_a_synthetic_prompt_fits_a_small_vocabulary(vllm_url: str) -> None:
     run(scenario)
 
 
-def test_priority_lets_an_urgent_request_pass_those_waiting(vllm_url: str) -> None:
-    """More requests than the KV cache holds: the rest wait. An urgent one (lower ``priority``)
-    sent after them starts before those still waiting when it came (FCFS: after all)."""
-    # 32 such prompts fill the KV cache; long answers keep those waiting waiting for a while
-    prompt, output, batch, most = 1000, 1000, 16, 256
+@pytest.fixture(scope="module")
+def one_at_a_time(
+    vllm_env: VllmEnv, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[VllmServer]:
+    """A server of its own that runs one request at a time (``--max-num-seqs 1``): which of
+    those waiting it starts next is its scheduling policy's choice. It logs each request it
+    hands to its engine ("Added request") and says how much of a prompt its prefix cache held
+    (``usage.prompt_tokens_details.cached_tokens``)."""
+    log = tmp_path_factory.mktemp("vllm-one") / "vllm.log"
+    flags = (
+        *SERVER_FLAGS,
+        "--max-num-seqs", "1", "--enable-log-requests", "--enable-prompt-tokens-details",
+    )  # fmt: skip
+    server = VllmServer(vllm_env, free_port(), log, extra=flags)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def test_priority_lets_an_urgent_request_pass_those_waiting(one_at_a_time: VllmServer) -> None:
+    """Four requests wait, then an urgent one (lower ``priority``) comes, all with the same
+    prompt: vLLM, running one at a time, starts the urgent one first (FCFS: after all four).
+
+    Seen in vLLM's engine, not by when answers arrive (on a 2-core host vLLM's API server can
+    hold a tiny model's output for seconds and hand it over in one burst, in which no order can
+    be seen): the first one it starts computes the prompt, and every later one finds it in the
+    prefix cache. The scheduler is held (dev mode's ``/pause?mode=keep``) while they are
+    handed to the engine one after the other (its log says when), then let go. Each is sent
+    with the body QLM's client sends (``VllmEngine._body``), its whole answer at once."""
+    server, waiting = one_at_a_time, 4
+    prompt = " ".join(["QLM orders the queue by deadline."] * 80)  # a few hundred tokens
 
     async def scenario() -> None:
-        # Those waiting get no chunk until vLLM admits them: on a loaded host that can take
-        # longer than the usual read timeout, which would end them early, failed.
-        e = VllmEngine("cpu-0", vllm_url, MODEL, timeout_s=DEADLINE_S)
-        first: dict[str, float] = {}
+        e = VllmEngine("cpu-0", server.url, MODEL, timeout_s=LOADED_S)
+        http = httpx.AsyncClient(base_url=server.url, timeout=LOADED_S)
+        added_before = server.tail(10**9).count("Added request")
 
-        def on_chunk(chunk: TokenChunk) -> None:
-            first.setdefault(chunk.request_id, time.monotonic())
+        def added(n: int) -> Callable[[], Awaitable[bool]]:
+            async def check() -> bool:  # handed to vLLM's engine, in the order sent
+                return server.tail(10**9).count("Added request") - added_before >= n
 
+            return check
+
+        async def send(request: EngineRequest) -> dict[str, Any]:
+            body = e._body(request) | {"stream": False}
+            del body["stream_options"]
+            resp = await http.post("/v1/completions", json=body)
+            assert resp.status_code == 200, resp.text
+            return dict(resp.json())
+
+        async def scheduler(path: str) -> None:
+            assert (await http.post(path)).status_code == 200, path
+
+        requests = [
+            EngineRequest(f"low-{i}", MODEL, 0, max_tokens=64, prompt=prompt, priority=10)
+            for i in range(waiting)
+        ]
+        requests.append(EngineRequest("urgent", MODEL, 0, max_tokens=1, prompt=prompt, priority=0))
+        tasks: list[asyncio.Task[dict[str, Any]]] = []
         try:
-            low: list[EngineRequest] = []
-            tasks: list[asyncio.Task[EngineOutput]] = []
-            sent_at = [-math.inf]
-            seen_waiting = [0]
-
-            async def full() -> bool:
-                # More are sent until some wait: a loaded host sends them slower than vLLM
-                # serves them, and a fixed number might all run without any waiting. A batch
-                # more only once vLLM counts every one sent so far (its gauges lag).
-                stats = await e.stats()
-                if stats.waiting >= 4:
-                    seen_waiting[0] = stats.waiting
-                    return True
-                if all(t.done() for t in tasks) and len(tasks) >= most:
-                    errors = {repr(t.exception()) for t in tasks if t.exception() is not None}
-                    pytest.fail(f"every request ended before any was seen waiting: {errors}")
-                # (or after a while: a starved API server may hold them before its engine)
-                seen = stats.running + stats.waiting + sum(t.done() for t in tasks)
-                stalled = time.monotonic() - sent_at[-1] > STALL_S
-                # each batch twice the last: a server that keeps up with one soon cannot
-                more = min(batch << len(sent_at) - 1, most - len(low))
-                more = more if seen >= len(low) or stalled else 0
-                if more:
-                    sent_at.append(time.monotonic())
-                for _ in range(more):
-                    r = EngineRequest(
-                        f"low-{len(low)}", MODEL, prompt, max_tokens=output,
-                        output_tokens=output, priority=10,
-                    )  # fmt: skip
-                    low.append(r)
-                    tasks.append(asyncio.create_task(e.submit(r, on_chunk)))
-                return False
-
-            await eventually(full, "the KV cache is full and requests wait", LOADED_S)
-            waiting = seen_waiting[0]  # vLLM's gauge: not admitted yet
-            # sent and timed from a thread of its own: this event loop, parsing many streams, may
-            # fall behind on a loaded host (it sent the urgent request late, after vLLM had
-            # admitted those waiting); its lag can only make the others' first tokens later
-            urgent = EngineRequest(
-                "urgent", MODEL, prompt, max_tokens=1, output_tokens=1, priority=0
-            )
-            answered = await asyncio.to_thread(_answer_at, vllm_url, urgent)
-            outs = await asyncio.gather(*tasks)
-            assert all(o.tokens == output for o in outs)
-            passed = [r.request_id for r in low if first[r.request_id] > answered]
-            # FCFS starts it after every one sent before it: none passed. (Not all of those
-            # the gauge counted: it lags, and a request in chunked prefill may finish first.)
-            assert len(passed) >= 2, (passed, waiting)
+            await scheduler("/pause?mode=keep")
+            for r in requests:
+                tasks.append(asyncio.create_task(send(r)))
+                await eventually(added(len(tasks)), f"{r.request_id} in the engine", LOADED_S)
+            await scheduler("/resume")
+            answers = await asyncio.gather(*tasks)
+            cached = {
+                r.request_id: a["usage"]["prompt_tokens_details"]["cached_tokens"]
+                for r, a in zip(requests, answers, strict=True)
+            }
+            first = [rid for rid, n in cached.items() if n == 0]
+            assert first == ["urgent"], cached  # FCFS: ["low-0"]
         finally:
+            with contextlib.suppress(httpx.HTTPError):
+                await http.post("/resume")
+            for t in tasks:
+                t.cancel()
+            await http.aclose()
             await e.close()
 
     run(scenario)
-
-
-def _answer_at(url: str, request: EngineRequest) -> float:
-    """When a one-token request, sent at once in this thread's own loop, was answered."""
-
-    async def send() -> float:
-        e = engine(url)
-        try:
-            out = await e.complete(request)
-            assert out.tokens == 1
-            return time.monotonic()
-        finally:
-            await e.close()
-
-    return float(asyncio.run(send()))
 
 
 async def interrupted(
