@@ -173,36 +173,62 @@ class Agents:
         - *Starvation guard* (``PlannerConfig.max_wait_s``): a request that has waited its
           tier's maximum since its arrival is pulled first, oldest first, within the
           concurrency limit (``Pull.overdue`` when the plan would not have pulled it next).
-        - *First tokens*: a request at the head of the queue whose TTFT deadline would pass while
-          it waits for a slot under the concurrency limit, and can still be met, is pulled
-          beyond the limit (within the engine's ``max_num_seqs`` and KV cache): a slot frees at
-          the pace the running requests complete (``_slot_waits``). The line behind the head
-          counts: the head is pulled ahead while some request among the first ``MAX_LINE``
-          with a TTFT deadline would miss it waiting for its slot."""
+        - *First tokens*: a request among the first ``MAX_LINE`` of the queue whose TTFT
+          deadline would pass while it waits for its turn — the requests ahead of it in plan
+          order take the slots under the concurrency limit first, and a slot frees at the pace
+          the running requests complete (``_slot_waits``) — and can still be met, is pulled now,
+          beyond the limit (within the engine's ``max_num_seqs`` and KV cache). The rest keep
+          their order. On an instance serving several models only the active model's are."""
         count = tokens = 0
         if self.config.max_wait_s:
             count, tokens = self._pull_overdue(now, load, inst, acted)
         engine = replace(inst, max_running=max(inst.max_running, load.max_running))
-        waits: list[float] | None = None
-        while True:
-            req = self.queues.next_request(inst.name)
-            if req is None or self._first_token(now, load, req) is None:
-                break
+        late = self._late_first_tokens(now, load, inst, count)
+        for req in late:
             need = prompt_tokens(req)
-            if has_room(inst, count, tokens, need) or not has_room(engine, count, tokens, need):
-                break  # the plan's pull takes it now, or the engine has no room either
-            if waits is None:
-                waits = self._slot_waits(now, load)
-            over = max(0, inst.outstanding_requests + count - inst.max_running)
-            if not self._first_tokens_late(now, load, inst.name, waits[over:]):
+            if not has_room(engine, count, tokens, need):
                 break
-            self.queues.pop_next(inst.name)
+            self.queues.remove_request(req.id)
             self._remember(now, load, req)
             count += 1
             tokens += need
             self.books.inflight[inst.name][req.id] = Inflight(req, now, 0)
             acted.decisions.append(Pull(req.id, inst.name))
         return count, tokens
+
+    def _late_first_tokens(
+        self, now: float, load: InstanceLoad, inst: InstanceLoad, count: int
+    ) -> list[Request]:
+        """The requests among the first ``MAX_LINE`` of ``inst``'s queue that would miss their
+        TTFT deadline waiting for their turn (``_pull_ahead``), in queue order. ``count``: the
+        requests pulled ahead already at this step."""
+        late: list[Request] = []
+        waits: list[float] | None = None
+        ahead = 0  # requests ahead in the queue that stay there
+        several = len(load.models) > 1
+        for gid in self.queues.queue(inst.name):
+            for req in self.grouper.group(gid).requests:
+                if ahead + len(late) >= MAX_LINE:
+                    return late
+                latest = self._first_token(now, load, req)
+                if latest is None or (several and req.model != load.active_model):
+                    ahead += 1
+                    continue
+                # its turn: after the free slots and those ahead of it, as slots free
+                free = inst.max_running - inst.outstanding_requests - count - len(late)
+                turn = ahead - free
+                if turn < 0:
+                    ahead += 1  # it gets a free slot at once (the plan's pull)
+                    continue
+                if waits is None:
+                    waits = self._slot_waits(now, load)
+                    if not waits:
+                        return late  # nothing known of the pace: nothing to jump the line for
+                if turn < len(waits) and now + waits[turn] <= latest:
+                    ahead += 1
+                    continue
+                late.append(req)
+        return late
 
     def _first_token(self, now: float, load: InstanceLoad, req: Request) -> float | None:
         """The latest time ``req`` may be pulled for its first token to meet its TTFT deadline
@@ -217,25 +243,6 @@ class Agents:
         latest = req.arrival_s + req.slo.ttft_s - hw.prefill_s(req.input_tokens)
         latest -= hw.decode_s(running) * hw.inefficiency
         return latest if latest >= now else None
-
-    def _first_tokens_late(
-        self, now: float, load: InstanceLoad, name: str, waits: Sequence[float]
-    ) -> bool:
-        """Whether some request in the line at the head of ``name``'s queue (requests with a TTFT
-        deadline it can still meet, in queue order) would miss it waiting for its slot: the
-        ``j``-th in line gets the slot ``waits[j]`` from now (none when its pace is unknown)."""
-        if not waits:
-            return False
-        j = 0
-        for gid in self.queues.queue(name):
-            for req in self.grouper.group(gid).requests:
-                latest = self._first_token(now, load, req)
-                if latest is None or j >= MAX_LINE:
-                    return False
-                if j >= len(waits) or now + waits[j] > latest:
-                    return True
-                j += 1
-        return False
 
     def _pull_overdue(
         self, now: float, load: InstanceLoad, inst: InstanceLoad, acted: Acted

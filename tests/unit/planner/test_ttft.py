@@ -12,6 +12,7 @@ from builders import make_profile, make_request
 
 from qlm.domain import SLO, Pull, Tier
 from qlm.planner import PlannerConfig, QlmPolicy
+from qlm.planner.act import Acted
 from qlm.planner.family import build_family
 from qlm.planner.policy import Completion, DispatchContext, InstanceLoad
 from qlm.planner.program import (
@@ -230,6 +231,27 @@ def test_a_first_token_that_would_miss_waiting_for_a_slot_is_pulled_beyond_the_l
     chat = make_request(1, arrival_s=8.5, slo=SLO(20.0, 1.0), tier=Tier.INTERACTIVE)
     out = qlm.decide(DispatchContext(8.5, (chat,), (busy,)))
     assert Pull("r0001", "i0") in out  # a slot frees every 2 s: too late for a 1 s TTFT
+
+
+def test_a_first_token_behind_others_in_plan_order_is_pulled_ahead_of_them_alone() -> None:
+    # Batch work is ahead of a chat request in plan order: the chat's turn comes after theirs,
+    # as slots free (every 2 s). At 10.5 s that is too late for its 7 s TTFT: it alone is
+    # pulled beyond the limit; those ahead keep their place and wait for their slots.
+    qlm, busy = full_policy()
+    ahead = [make_request(i, arrival_s=8.5, slo=SLO(300.0), tier=Tier.BATCH) for i in (1, 2)]
+    chat = make_request(3, arrival_s=8.5, slo=SLO(20.0, 7.0), tier=Tier.INTERACTIVE)
+    assert qlm.decide(DispatchContext(8.5, (*ahead, chat), (busy,))) == []  # in time, waiting
+    gid = qlm.grouper.group_of("r0003")
+    qlm.queues.set_order("i0", [g for g in qlm.queues.queue("i0") if g != gid] + [gid])
+
+    def waiting() -> list[str]:
+        return [r.id for g in qlm.queues.queue("i0") for r in qlm.grouper.group(g).requests]
+
+    assert waiting() == ["r0001", "r0002", "r0003"]
+    acted = Acted()
+    qlm.agents.act(10.5, (busy,), acted)
+    assert acted.decisions == [Pull("r0003", "i0")]
+    assert waiting() == ["r0001", "r0002"]
 
 
 def test_a_first_token_that_meets_its_deadline_waiting_waits_for_its_slot() -> None:
