@@ -449,8 +449,7 @@ class VllmEngine:
         if request.prompt is None and request.messages is None and self.token_ids is None:
             await self.load_token_ids()
         while True:
-            body = self._body(request) | {"stream": False}
-            body.pop("stream_options")
+            body = self.request_body(request, stream=False)
             try:
                 resp = await self._call(
                     "POST",
@@ -624,8 +623,9 @@ class VllmEngine:
 
     # --- internals -----------------------------------------------------------------------------------
 
-    def _body(self, request: EngineRequest) -> dict[str, Any]:
-        """The JSON of a streaming request to ``_path(request)``. A chat sends ``max_tokens``:
+    def request_body(self, request: EngineRequest, *, stream: bool = True) -> dict[str, Any]:
+        """The JSON this client sends vLLM for ``request`` (to ``/v1/completions`` or
+        ``/v1/chat/completions``), streamed or not. A chat sends ``max_tokens``:
         vLLM's chat endpoint reads it whenever ``max_completion_tokens`` (its newer name, which
         older servers ignore) is absent, so it is dropped from the sampling parameters."""
         body: dict[str, Any] = dict(request.sampling)
@@ -633,12 +633,13 @@ class VllmEngine:
             "model": request.model,
             "max_tokens": request.max_tokens,
             "priority": request.priority if self._priority else 0,
-            "stream": True,
-            "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+            "stream": stream,
             # the prompt's and each chunk's token ids (vLLM 0.10.2 on; older servers ignore
             # it): an interrupted request resumes from exactly its tokens
             "return_token_ids": True,
         }
+        if stream:
+            body["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
         if request.messages is not None:
             body.pop("max_completion_tokens", None)
             body["messages"] = [dict(m) for m in request.messages]
@@ -719,7 +720,7 @@ class VllmEngine:
             async with self._client.stream(
                 "POST",
                 path,
-                json=self._body(flight.request),
+                json=self.request_body(flight.request),
                 headers={"X-Request-Id": flight.wire_id},
                 timeout=timeout,
             ) as resp:

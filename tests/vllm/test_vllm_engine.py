@@ -187,7 +187,7 @@ def test_priority_lets_an_urgent_request_pass_those_waiting(one_at_a_time: VllmS
     be seen): the first one it starts computes the prompt, and every later one finds it in the
     prefix cache. The scheduler is held (dev mode's ``/pause?mode=keep``) while they are
     handed to the engine one after the other (its log says when), then let go. Each is sent
-    with the body QLM's client sends (``VllmEngine._body``), its whole answer at once."""
+    with the body QLM's client sends (``VllmEngine.request_body``), its whole answer at once."""
     server, waiting = one_at_a_time, 4
     prompt = " ".join(["QLM orders the queue by deadline."] * 80)  # a few hundred tokens
 
@@ -203,8 +203,7 @@ def test_priority_lets_an_urgent_request_pass_those_waiting(one_at_a_time: VllmS
             return check
 
         async def send(request: EngineRequest) -> dict[str, Any]:
-            body = e._body(request) | {"stream": False}
-            del body["stream_options"]
+            body = e.request_body(request, stream=False)
             resp = await http.post("/v1/completions", json=body)
             assert resp.status_code == 200, resp.text
             return dict(resp.json())
