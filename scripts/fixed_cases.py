@@ -28,6 +28,9 @@ WORKLOADS = {
     "wb": ["--workload", "wb", "--trace", "azure-code", "--instances", "1xA100:llama-3-8b",
            "--rate-scale", "1.8"],
     "wc": ["--workload", "wc", "--trace", "azure-conv", "--instances", FLEET_A],
+    # first-token deadlines: the agents' pull-ahead and the planner's TTFT terms
+    "wbt": ["--workload", "wb", "--trace", "azure-conv", "--instances", "1xA100:llama-3-8b",
+            "--rate-scale", "1.8", "--ttft-slo", "interactive=1.5"],
 }  # fmt: skip
 COMMON = ["--seed", "0", "--duration", "120", "--json"]
 HOST_FIELDS = ("solve_s_total",)  # wall time of the host: not behaviour
