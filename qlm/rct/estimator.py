@@ -99,9 +99,18 @@ import numpy.typing as npt
 from qlm.domain import Request
 from qlm.rct.calibration import Calibration, Prediction, shrunk
 from qlm.rct.distribution import CompletionDistribution, GroupEstimate
-from qlm.rct.output_model import HIST_BINS, LengthHistogram, OutputBelief, length_bin
+from qlm.rct.output_model import (
+    HIST_BINS,
+    LengthHistogram,
+    OutputBelief,
+    cap_moments,
+    length_bin,
+)
 from qlm.rct.profile import HardwareProfile, RctProfile
 from qlm.rct.tuning import FILL_SHARE, GROUP_SUMS_MAX, POOL_STRENGTH, PROMPT_BIN_WIDTH
+
+_MomentsKey = tuple[str, str, int, int, int, int]
+"""``output_moments``' cache key: model, SLO class, prompt bin, belief version, cap, generated."""
 
 
 def prompt_bin(input_tokens: int) -> int:
@@ -395,14 +404,7 @@ class RCTEstimator:
 
     def output_moments(self, request: Request, generated: int = 0) -> tuple[float, float]:
         """Mean and variance of the output tokens ``request`` still has to generate."""
-        key = (
-            request.model,
-            request.slo_class,
-            self._bin(request),
-            self._versions.get((request.model, request.slo_class), 0),
-            request.max_tokens,
-            generated,
-        )
+        key = self._moments_key(request, generated)
         hit = self._moments.get(key)
         if hit is None:
             if len(self._moments) > 100_000:
@@ -781,8 +783,7 @@ class RCTEstimator:
         used = np.unique(np.concatenate([ids[present], last]))
         mean = np.zeros(len(self._lookup_requests))
         var = np.zeros(len(self._lookup_requests))
-        for k in used.tolist():
-            mean[k], var[k] = self.output_moments(self._lookup_requests[k])
+        self._fill_moments(used.tolist(), mean, var)
         # (running totals along each row, as group_load adds: padding adds 0 × a moment)
         o_mean = np.cumsum(counts * mean[ids], axis=1)[:, -1]
         o_var = np.cumsum(counts * var[ids], axis=1)[:, -1]
@@ -799,6 +800,49 @@ class RCTEstimator:
             last_input_tokens=values[:, 3],
             earliest_ttft_deadline_s=values[:, 4],
             first_input_tokens=values[:, 5],
+        )
+
+    def _fill_moments(
+        self, ids: list[int], mean: npt.NDArray[np.float64], var: npt.NDArray[np.float64]
+    ) -> None:
+        """``mean[k], var[k] = output_moments(_lookup_requests[k])`` for each of ``ids``: from
+        the cache, and the misses (all of them after a completion moved a belief) priced per
+        belief, every cap at once (``cap_moments``, the same numbers)."""
+        misses: dict[tuple[str, str, int, int], list[int]] = {}
+        beliefs: dict[tuple[str, str, int, int], LengthHistogram] = {}
+        for k in ids:
+            req = self._lookup_requests[k]
+            key = self._moments_key(req)
+            hit = self._moments.get(key)
+            if hit is not None:
+                mean[k], var[k] = hit
+                continue
+            post = self.posterior(req)
+            if not isinstance(post, LengthHistogram):
+                mean[k], var[k] = self.output_moments(req)
+                continue
+            belief = key[:4]  # (model, class, prompt bin, version): one posterior
+            misses.setdefault(belief, []).append(k)
+            beliefs[belief] = post
+        if len(self._moments) > 100_000:
+            self._moments.clear()
+        for belief, ks in misses.items():
+            reqs = [self._lookup_requests[k] for k in ks]
+            caps = np.array([r.max_tokens for r in reqs], np.float64)
+            means, variances = cap_moments(beliefs[belief].outputs, caps)
+            for k, r, m, v in zip(ks, reqs, means.tolist(), variances.tolist(), strict=True):
+                mean[k], var[k] = m, v
+                self._moments[self._moments_key(r)] = (m, v)
+
+    def _moments_key(self, request: Request, generated: int = 0) -> _MomentsKey:
+        """``output_moments``' cache key."""
+        return (
+            request.model,
+            request.slo_class,
+            self._bin(request),
+            self._versions.get((request.model, request.slo_class), 0),
+            request.max_tokens,
+            generated,
         )
 
     def _group_row(self, gid: str, requests: Sequence[Request]) -> _GroupRow:

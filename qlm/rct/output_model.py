@@ -399,5 +399,41 @@ def _sample_moments(
     return np.where(done, 0.0, mean), np.where(done, 0.0, var)
 
 
+def cap_moments(
+    outputs: npt.NDArray[np.float64], caps: npt.NDArray[np.float64]
+) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.float64]]:
+    """``_sample_moments(outputs, cap, [0])`` for each of ``caps`` at once: the moments of a
+    request that has generated nothing, for every cap of one belief. The same numbers to the
+    last bit (each row's suffix sums add in the same order as the one-cap version's); after a
+    completion moves a belief, the waiting requests' many caps are priced together."""
+    caps = np.asarray(caps, np.float64)
+    n = len(outputs)
+    if n == 0 or len(caps) == 0:
+        empty = np.zeros(len(caps))
+        return (
+            np.where(caps <= 0, 0.0, np.minimum(np.maximum(caps, 0.0), 1.0)),
+            empty,
+        )
+    first = int(np.searchsorted(outputs, 0.0, side="left"))  # the first output ≥ 0
+    capped = np.minimum(outputs[None, :], caps[:, None])
+    # suffix sums from the end, as ``_sample_moments`` takes them; only the one at ``first``
+    s1 = np.cumsum(capped[:, ::-1], axis=1)[:, n - 1 - first] if first < n else np.zeros(len(caps))
+    s2 = (
+        np.cumsum((capped * capped)[:, ::-1], axis=1)[:, n - 1 - first]
+        if first < n
+        else np.zeros(len(caps))
+    )
+    count = n - first
+    safe = max(count, 1)
+    m1 = s1 / safe
+    mean = m1 - 0.0
+    var = np.maximum(s2 / safe - m1 * m1, 0.0)
+    if count == 0:
+        mean = np.minimum(np.maximum(caps - 0.0, 0.0), 1.0)
+        var = np.zeros(len(caps))
+    done = caps <= 0.0
+    return np.where(done, 0.0, mean), np.where(done, 0.0, var)
+
+
 OutputBelief = NIG | LengthHistogram
 """What the estimator believes about a (model, SLO class)'s output lengths."""

@@ -16,6 +16,7 @@ from qlm.rct.output_model import (
     NIG,
     LengthHistogram,
     _sample_moments,
+    cap_moments,
     lognormal_capped_moments,
     lognormal_capped_moments_np,
 )
@@ -388,3 +389,14 @@ def test_a_subset_belief_follows_the_whole_until_its_own_outputs_outweigh_it() -
     counts[bin_of(900)] = 90.0  # 90 outputs of ~900 tokens against a prior worth 10
     own = whole.conditioned(counts, strength=10.0)
     assert own.p_remaining_within(800, cap=10_000) == pytest.approx(0.1, abs=0.02)
+
+
+@pytest.mark.parametrize("n", [0, 1, 7, 256])
+def test_cap_moments_are_the_one_cap_moments_to_the_last_bit(n: int) -> None:
+    rng = np.random.default_rng(n)
+    outputs = np.sort(rng.lognormal(5.0, 1.0, n).round())
+    caps = np.array([0, 1, 16, 100, 333, 2048, 10**6], np.float64)
+    means, variances = cap_moments(outputs, caps)
+    for cap, m, v in zip(caps, means, variances, strict=True):
+        one_m, one_v = _sample_moments(outputs, int(cap), np.array([0.0]))
+        assert (float(m), float(v)) == (float(one_m[0]), float(one_v[0])), cap
