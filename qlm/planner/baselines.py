@@ -725,19 +725,23 @@ class ShepherdPolicy(_Learns, QueuedPolicy):
         """SHEPHERD's rule for the batch size, at each round: the size (a power of two from
         ``AUTO_BATCH_SIZES``, within what the free instances run at once) whose batch of the
         earliest-deadline requests makes the most deadlines per second of its deterministic
-        execution time (goodput rate: batches run one at a time on an instance)."""
+        execution time (goodput rate: batches run one at a time on an instance); between sizes
+        of equal goodput, the one serving the most requests per second — when every waiting
+        request is late already (a backlog), the largest, which drains it fastest, not the
+        smallest."""
         cap = min((f.max_running or AUTO_BATCH_SIZES[-1]) for f in free)
         sizes = [b for b in AUTO_BATCH_SIZES if b <= cap] or [AUTO_BATCH_SIZES[0]]
         head = self.peek_many(queue, sizes[-1])
-        best, best_rate = sizes[0], -1.0
+        best, best_rate = sizes[0], (-1.0, -1.0)
         for b in sizes:
             batch = head[:b]
             if len(batch) < b and b > sizes[0]:
                 break  # no more waiting requests than a smaller batch holds
             exec_s = max(self._exec_s(batch, free[0]), 1e-9)
             met = sum(r.deadline_s >= now + exec_s for r in batch)
-            if met / exec_s > best_rate:
-                best, best_rate = b, met / exec_s
+            rate = (met / exec_s, len(batch) / exec_s)
+            if rate > best_rate:
+                best, best_rate = b, rate
         return best
 
     def _exec_s(self, batch: Sequence[Request], load: InstanceLoad) -> float:

@@ -222,6 +222,9 @@ def test_shepherd_chooses_the_batch_size_that_makes_the_most_deadlines_per_secon
     assert rate(policy, tight[:small]) == max(rate(policy, tight[:b]) for b in AUTO_BATCH_SIZES)
     # Never more than the instance runs at once.
     assert queued(loose)._batch_size(model_queue("m"), [load(max_running=16)], 0.0) <= 16
+    # A backlog already late: no size makes a deadline, and the largest drains it fastest.
+    late = [make_request(i, arrival_s=0.0, slo=SLO(e2e_s=1.0)) for i in range(300)]
+    assert queued(late)._batch_size(model_queue("m"), [idle], now=100.0) == AUTO_BATCH_SIZES[-1]
 
 
 def test_every_baseline_parameter_is_a_setting(monkeypatch: pytest.MonkeyPatch) -> None:
