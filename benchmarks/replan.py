@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import json
 import multiprocessing
 import os
@@ -50,7 +49,7 @@ from qlm.planner.config import PlannerConfig
 from qlm.planner.policy import Completion, DispatchContext, InstanceLoad
 from qlm.planner.qlm_policy import QlmPolicy
 from qlm.sim.traces import load_trace
-from qlm.sim.workload import create_workload
+from qlm.sim.workload import create_workload, repeated
 
 SIZES = "10000,100000,400000"
 TARGET_S = {400_000: 0.5}
@@ -70,15 +69,9 @@ def rss_mb() -> float:
 def make_requests(count: int, now: float, tag: str = "") -> list[Request]:
     """``count`` requests of W_B on Azure-conversation lengths (the trace repeated with fresh ids),
     arrived uniformly over the minute before ``now``."""
-    base = create_workload("wb", load_trace("azure-conv", seed=0), seed=0)
-    return [
-        dataclasses.replace(
-            base[k % len(base)],
-            id=f"{tag}{k // len(base)}-{base[k % len(base)].id}",
-            arrival_s=now - 60.0 + 60.0 * k / count,
-        )
-        for k in range(count)
-    ]
+    return repeated(
+        create_workload("wb", load_trace("azure-conv", seed=0), seed=0), count, now, tag
+    )
 
 
 def instances(count: int, policy: QlmPolicy | None = None) -> tuple[InstanceLoad, ...]:

@@ -26,7 +26,6 @@ Reproduce: .venv/bin/python experiments/overhead.py
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import multiprocessing
 import resource
 import statistics
@@ -39,7 +38,7 @@ from typing import Any
 
 from stamp import write_result
 
-from qlm.domain import ModelTier, Request
+from qlm.domain import ModelTier
 from qlm.engines.sim import SimEngine, SimEngineConfig
 from qlm.planner.budget import Budget
 from qlm.planner.config import PlannerConfig
@@ -47,7 +46,7 @@ from qlm.planner.policy import Completion, DispatchContext, InstanceLoad
 from qlm.planner.qlm_policy import QlmPolicy
 from qlm.rct.profile import default_profile
 from qlm.sim.traces import load_trace
-from qlm.sim.workload import create_workload
+from qlm.sim.workload import create_workload, repeated
 
 MODEL = "llama-3-8b"
 GPU = "A100"
@@ -89,18 +88,6 @@ def token_capacity() -> int:
     return engine.token_capacity()
 
 
-def make_requests(base: list[Request], count: int, now: float, tag: str) -> list[Request]:
-    """``count`` requests of ``base`` (repeated with fresh ids), arrived over the last minute."""
-    return [
-        dataclasses.replace(
-            base[k % len(base)],
-            id=f"{tag}{k // len(base)}-{base[k % len(base)].id}",
-            arrival_s=now - 60.0 + 60.0 * k / count,
-        )
-        for k in range(count)
-    ]
-
-
 def loads(count: int, capacity: int, policy: QlmPolicy) -> tuple[InstanceLoad, ...]:
     out = []
     for k in range(count):
@@ -130,7 +117,7 @@ def measure(count: int, instances: int, budget_s: float, plans: int) -> dict[str
     policy.plan = clocks.wrap("plan", policy.plan)  # type: ignore[method-assign]
     policy.grouper.recluster = clocks.wrap("recluster", policy.grouper.recluster)  # type: ignore[method-assign]
     now = 1_000.0
-    requests = make_requests(base, count, now, "q")
+    requests = repeated(base, count, now, "q")
     step = clocks.wrap("step", policy.decide)
     step(DispatchContext(now, tuple(requests), loads(instances, capacity, policy)))
     del requests
@@ -155,7 +142,7 @@ def measure(count: int, instances: int, budget_s: float, plans: int) -> dict[str
                 finished.append(
                     Completion(item.request, name, output, item.pulled_s, item.pulled_s + 0.5, now)
                 )
-        fresh = make_requests(base, 100, now, f"p{k}-")
+        fresh = repeated(base, 100, now, f"p{k}-")
         ctx = DispatchContext(
             now, tuple(fresh), loads(instances, capacity, policy), finished=tuple(finished)
         )

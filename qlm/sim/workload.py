@@ -431,3 +431,17 @@ def create_workload(
         fleet_models=fleet_models,
     )
     return build_requests(trace, spec, seed=seed)
+
+
+def repeated(base: Sequence[Request], count: int, now: float, tag: str = "") -> list[Request]:
+    """``count`` requests of ``base`` in turn (repeated with fresh ids: ``tag``, the round, the
+    original id), arrived uniformly over the minute before ``now``: a backlog of a workload's
+    requests as a controller would find it (the overhead experiment and benchmark)."""
+    return [
+        replace(
+            base[k % len(base)],
+            id=f"{tag}{k // len(base)}-{base[k % len(base)].id}",
+            arrival_s=now - 60.0 + 60.0 * k / count,
+        )
+        for k in range(count)
+    ]

@@ -21,6 +21,7 @@ from qlm.sim.workload import (
     model_context,
     parse_ttft_slo,
     preset_spec,
+    repeated,
 )
 
 
@@ -351,3 +352,14 @@ def test_a_single_model_preset_serves_the_fleets_models_when_it_lacks_its_own() 
         ("llama-2-70b", 0.5, 4096),
         ("llama-2-7b", 0.5, 4096),
     ]
+
+
+def test_a_repeated_backlog_has_fresh_ids_and_arrived_over_the_last_minute() -> None:
+    base = create_workload("wb", make_trace(3), seed=0)
+    backlog = repeated(base, 7, now=100.0, tag="q")
+    assert [r.id for r in backlog[:4]] == [f"q0-{base[0].id}", f"q0-{base[1].id}",
+                                           f"q0-{base[2].id}", f"q1-{base[0].id}"]  # fmt: skip
+    assert len({r.id for r in backlog}) == 7
+    assert [r.input_tokens for r in backlog] == [base[k % 3].input_tokens for k in range(7)]
+    assert all(40.0 <= r.arrival_s < 100.0 for r in backlog)
+    assert backlog[0].arrival_s == 40.0
