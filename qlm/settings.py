@@ -108,15 +108,19 @@ class PlannerSettings(BaseModel):
     defer_expensive: bool = True
     """Cost-aware admission: under overload the work of least value per GPU-second waits
     behind the rest (nothing is dropped)."""
-    throughput_floor: float = Field(default=0.0, ge=0, le=1)
+    throughput_floor: float = Field(default=0.95, ge=0, le=1)
     """The concurrency choice keeps each instance serving at least this share of the requests
-    per second its best limit serves: 0 chooses by SLOs met alone (docs/planner.md)."""
+    arriving per second (or of the most any limit serves, when none keeps up): 0 chooses by SLOs
+    met alone (docs/planner.md)."""
     max_utilisation: float = Field(default=0.95, gt=0, le=1)
     rate_window_s: float = Field(default=60.0, gt=0)
     choose_concurrency: bool = True
     warm_start: bool = True
     evict: bool = True
     swap: bool = True
+    prefill_queue_tokens: int = Field(default=4096, ge=0)
+    """The most prompt tokens the agents keep pulled onto an instance and not yet started (0:
+    no bound); the rest waits in the virtual queue, in the plan's order."""
     solver: Literal["auto", "cbc", "highs"] = "auto"
     """The MILP's solver (small problems only, docs/planner.md): HiGHS when installed, else CBC."""
     group_delta: float = Field(default=4.0, gt=0, allow_inf_nan=False)

@@ -32,7 +32,12 @@ def planner_config(settings: PlannerSettings) -> PlannerConfig:
         max_utilisation=settings.max_utilisation,
         rate_window_s=settings.rate_window_s,
         choose_concurrency=settings.choose_concurrency,
-        agent=AgentConfig(evict=settings.evict, swap=settings.swap, warm_start=settings.warm_start),
+        agent=AgentConfig(
+            evict=settings.evict,
+            swap=settings.swap,
+            warm_start=settings.warm_start,
+            prefill_queue_tokens=settings.prefill_queue_tokens,
+        ),
         solver=settings.solver,
         grouping=dataclasses.replace(
             DEFAULT_GROUPING,

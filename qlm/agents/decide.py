@@ -51,7 +51,9 @@ class AgentConfig:
     ``evict`` and ``swap`` (on): preempt running requests when it pays (``make_room``).
     ``resume_delay_s``: how long a preempted request is expected to wait before it runs again;
     ``min_victim_slack_s``: the slack it must keep after that to count as still meeting its
-    deadline."""
+    deadline. ``prefill_queue_tokens``: while requests with TTFT deadlines wait for an instance, the
+    most prompt tokens the agent keeps pulled onto it and not yet started (0: no bound); the rest
+    waits in the virtual queue, where a first token due soon can still pass it."""
 
     evict: bool = True
     swap: bool = True
@@ -59,6 +61,7 @@ class AgentConfig:
     max_preemptions: int = 1
     min_victim_slack_s: float = 10.0
     resume_delay_s: float = 10.0
+    prefill_queue_tokens: int = 4096
 
 
 @dataclass(frozen=True, slots=True)

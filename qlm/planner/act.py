@@ -86,6 +86,8 @@ class Agents:
         self.config = config
         self._clock = clock
         self._buckets: dict[str, TokenBucket] = {}  # per instance, paces deferred work
+        # Per instance, when a request with a TTFT deadline last waited in its queue.
+        self._first_tokens_s: dict[str, float] = {}
 
     def act(
         self,
@@ -121,6 +123,8 @@ class Agents:
                 outstanding_tokens=load.outstanding_tokens - parked,
             )
             count, tokens = self._pull_ahead(now, load, inst, acted)
+            queued = self._unstarted_tokens(load.name)
+            bound = self._prefill_bound(now, load.name)
             while not (count and bounded and self._clock() >= until):
                 req = self.queues.next_request(inst.name)
                 back = min(  # (one of another model waits for its model: ``_tiers``)
@@ -141,7 +145,7 @@ class Agents:
                 if req is None:
                     break
                 need = prompt_tokens(req, self.books.generated.get(req.id, 0))
-                if not has_room(inst, count, tokens, need):
+                if not has_room(inst, count, tokens, need) or (queued and queued + need > bound):
                     break
                 verdict = self._may_pull(
                     inst.name, req, idle=inst.outstanding_requests + count == 0
@@ -155,6 +159,7 @@ class Agents:
                 self._remember(now, load, req)
                 count += 1
                 tokens += need
+                queued += need
                 self.books.inflight[inst.name][req.id] = Inflight(
                     req, now, self.books.generated.get(req.id, 0)
                 )
@@ -163,6 +168,31 @@ class Agents:
             decisions.extend(self._make_room(now, load, free))
             if self.config.agent.warm_start and len(load.models) > 1:
                 decisions.extend(self._tiers(load))
+
+    def _prefill_bound(self, now: float, name: str) -> float:
+        """The most prompt tokens to keep pulled onto instance ``name`` and not started
+        (``AgentConfig.prefill_queue_tokens``): bounded while first tokens are at stake — a
+        request with a TTFT deadline waited in its queue within the last rate window — so that
+        one pulled ahead is not stuck behind a burst of prompts inside the engine; unbounded
+        otherwise (the engine's queue then costs no deadline, and a full queue keeps every
+        slot busy)."""
+        bound = self.config.agent.prefill_queue_tokens
+        seen = self._first_tokens_s.get(name)
+        if not bound or seen is None or now - seen > self.config.rate_window_s:
+            return math.inf
+        return float(bound)
+
+    def _unstarted_tokens(self, name: str) -> int:
+        """The prompt tokens pulled onto instance ``name`` that it has not started yet: they
+        wait inside the engine, in its order, not the plan's (``AgentConfig.prefill_queue_tokens``
+        bounds them)."""
+        inflight = self.books.inflight.get(name, {})
+        started = self.books.started
+        return sum(
+            prompt_tokens(x.request, x.generated)
+            for rid, x in inflight.items()
+            if rid not in started
+        )
 
     def _pull_ahead(
         self, now: float, load: InstanceLoad, inst: InstanceLoad, acted: Acted
@@ -210,6 +240,8 @@ class Agents:
             for req in self.grouper.group(gid).requests:
                 if ahead + len(late) >= MAX_LINE:
                     return late
+                if req.slo.ttft_s is not None:
+                    self._first_tokens_s[inst.name] = now
                 latest = self._first_token(now, load, req)
                 if latest is None or (several and req.model != load.active_model):
                     ahead += 1

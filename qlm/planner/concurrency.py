@@ -33,6 +33,7 @@ class Fluid:
     per_output_s: dict[str, float]  # GPU-seconds per output token, per model
     per_input_s: dict[str, float]  # GPU-seconds per prompt token, per model
     rate: float = math.inf  # requests per second served with the instance busy, at this mix
+    arriving: float = math.inf  # requests per second arriving for the instance, at this mix
 
     def cost(self, req: Request, output: float) -> float:
         key = class_of(req)
@@ -157,26 +158,41 @@ def choose_limits(
     current: Mapping[str, int],
     hysteresis: float,
     throughput_floor: float = 0.0,
+    backlog: Mapping[str, float] | None = None,
 ) -> list[int]:
     """Each instance's concurrency limit: the one whose admitted work meets the most
     expected weighted SLOs per second (``FluidModels.evaluate``; ``choice`` where it has no
-    fluid model). A plan judged only on today's queue
+    fluid model), among the limits that keep up. A plan judged only on today's queue
     would pick a small batch that looks fast and then drown in what keeps arriving; this
     judges the stream instead. The ``current`` limit is kept unless another is worth
     more than ``hysteresis`` more: every change costs a transient (a lower limit
     waits for running requests to drain, a higher one admits a burst of prompts whose prefills
     slow every running request), which the steady-state model does not see; without it the
     choice flips with the noise of the arrival window (measured on W_B at 1.8×: 74.2 % of
-    SLOs met without hysteresis, 76.5 % with 5 %, 75.1 % with 15 %). ``throughput_floor``: only
-    limits that serve at least that share of the most requests per second any limit serves (at
-    the arriving mix, the instance busy) are chosen from."""
+    SLOs met without hysteresis, 76.5 % with 5 %, 75.1 % with 15 %).
+
+    ``throughput_floor`` keeps up: only limits that serve at least that share of the requests
+    arriving per second plus ``backlog`` (per instance, the rate that clears its queue within a
+    rate window) — or, when no limit serves that many, of the most any limit serves (at the
+    arriving mix, the instance busy) — are chosen from; the limit in use needs
+    ``1 − hysteresis`` of it. A smaller batch meets more SLOs of what it serves and serves fewer
+    requests; below the arrival rate the rest waits, and the backlog grows. 0 chooses by SLOs
+    met alone."""
     out: list[int] = []
     for inst, fluids, limit in zip(family.instances, fluid, choice, strict=True):
         if fluids is None:
             out.append(limit)
             continue
         top = max(f.rate for f in fluids.values())
-        allowed = {b: f for b, f in fluids.items() if f.rate >= throughput_floor * top}
+        arriving = min(f.arriving for f in fluids.values())
+        arriving += (backlog or {}).get(inst.name, 0.0)
+        need = throughput_floor * min(arriving, top)
+        now = current.get(inst.name)
+        allowed = {
+            b: f
+            for b, f in fluids.items()
+            if f.rate >= need * (1.0 - hysteresis if b == now else 1.0)
+        }
         values = {b: f.admission.value for b, f in allowed.items()}
         out.append(pick_limit(values, current.get(inst.name), hysteresis))
     return out
@@ -323,6 +339,7 @@ class FluidModels:
                     per_output,
                     per_input,
                     1.0 / max(mean_cost, 1e-12),
+                    float(np.sum(weights)),
                 )
             out[g] = alike.setdefault(same, fluids)
             self._last[inst.name] = (plan, fluids)

@@ -44,7 +44,7 @@ class PlannerConfig:
     max_utilisation: float = 0.95
     concurrency_hysteresis: float = 0.05
     defer_expensive: bool = True
-    throughput_floor: float = 0.0
+    throughput_floor: float = 0.95
     """The concurrency choice keeps each instance serving at least this share of the requests per
     second its best limit serves (at the arriving mix): 0 chooses by SLOs met alone; 0.95 keeps
     within 5 % of a full batch's throughput under overload, at the cost of the SLOs a smaller

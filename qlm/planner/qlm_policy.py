@@ -432,6 +432,18 @@ class QlmPolicy:
             for inst, limits in zip(family.instances, family.batches, strict=True)
         ]
 
+    def _clearing_rates(self, family: ProblemFamily) -> dict[str, float]:
+        """Per instance, the requests per second that clear its virtual queue within a rate
+        window: what the throughput floor adds to the arrivals (``choose_limits``)."""
+        window = self.config.rate_window_s
+        return {
+            inst.name: sum(
+                len(self.grouper.group(g).requests) for g in self.queues.queue(inst.name)
+            )
+            / window
+            for inst in family.instances
+        }
+
     def _deferred_in(self, name: str, gids: Sequence[str]) -> set[str]:
         """The groups of ``gids`` that ``name``'s admission defers (``defer_expensive``)."""
         fluid = self.admission.fluids.get(name)
@@ -528,6 +540,7 @@ class QlmPolicy:
                 self.admission.limits,
                 self.config.concurrency_hysteresis,
                 self.config.throughput_floor,
+                self._clearing_rates(family),
             )
             if choose
             else choice
