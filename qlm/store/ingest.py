@@ -17,6 +17,7 @@ from typing import Any
 
 from sqlalchemy import delete, insert, select
 from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.orm import Session
 
 from qlm.domain import RequestStatus
 from qlm.store.base import _CHUNK, StoreBase, StoreError, _in, _pg_reason, _pieces, _rowcount
@@ -62,35 +63,41 @@ class RequestIngest(StoreBase):
     def ensure_requests(self, news: Sequence[NewRequest]) -> dict[str, RequestRow]:
         """Record every request not recorded yet, in one transaction, and return the row of each
         id (existing rows unchanged): what a controller does with a batch of deliveries, most of
-        them already stored by the API, some published directly (replays) or redelivered."""
+        them already stored by the API, some published directly (replays) or redelivered.
+
+        The rows already there are read first and only the others are inserted: sending every
+        request's values again, to be dropped by ``ON CONFLICT``, cost most of a take-over's
+        store time (psycopg parses each multi-row statement anew)."""
         now = self._clock()
         rows: dict[str, RequestRow] = {}
         with self._tx(f"record {len(news)} requests", write=True) as session:
             for start in range(0, len(news), _CHUNK):
                 chunk = news[start : start + _CHUNK]
+                rows.update(_read_rows(session, [n.id for n in chunk]))
+                missing = [n for n in chunk if n.id not in rows]
+                if not missing:
+                    continue
                 # executemany with RETURNING: SQLAlchemy sends a multi-row VALUES statement per
                 # run ("insertmanyvalues"), so runs of a few lengths only (``_pieces``).
                 stmt = self._insert(RequestModel).on_conflict_do_nothing().returning(_R.id)
                 connection = session.connection()
                 created: set[str] = set()
-                for piece in _pieces(chunk):
+                for piece in _pieces(missing):
                     params = [_request_values(n, now) for n in piece]
                     created.update(connection.execute(stmt, params).scalars())
                 labels = [
                     {"request_id": n.id, "key": k, "value": v}
-                    for n in chunk
+                    for n in missing
                     if n.id in created
                     for k, v in n.labels
                 ]
                 if labels:
                     session.execute(insert(RequestLabelModel), labels)
-                for n in chunk:
+                for n in missing:
                     if n.id in created:
                         rows[n.id] = n.queued_row(now)
-                ids = [n.id for n in chunk if n.id not in created]
-                if ids:
-                    for model in session.scalars(select(RequestModel).where(_in(_R.id, ids))):
-                        rows[model.id] = _request_row(model)
+                # recorded meanwhile by another writer, or kept out by an idempotency key
+                rows.update(_read_rows(session, [n.id for n in missing if n.id not in created]))
         return rows
 
     def add_requests(self, news: Sequence[NewRequest]) -> set[str]:
@@ -243,6 +250,14 @@ class RequestIngest(StoreBase):
                 result = session.execute(delete(RequestModel).where(_R.id.in_(doomed)))
                 removed += _rowcount(result)
         return removed
+
+
+def _read_rows(session: Session, ids: Sequence[str]) -> dict[str, RequestRow]:
+    """The rows of those of ``ids`` that are recorded, by id."""
+    if not ids:
+        return {}
+    models = session.scalars(select(RequestModel).where(_in(_R.id, ids)))
+    return {model.id: _request_row(model) for model in models}
 
 
 def _request_values(new: NewRequest, now: float) -> dict[str, Any]:
