@@ -145,8 +145,11 @@ class Agents:
                 if req is None:
                     break
                 need = prompt_tokens(req, self.books.generated.get(req.id, 0))
-                if not has_room(inst, count, tokens, need) or (queued and queued + need > bound):
+                if not has_room(inst, count, tokens, need):
                     break
+                first = req.slo.ttft_s is not None and req.id not in self.books.generated
+                if queued and queued + need > bound and not first:
+                    break  # (a first token due is what the bound keeps the engine's queue for)
                 verdict = self._may_pull(
                     inst.name, req, idle=inst.outstanding_requests + count == 0
                 )

@@ -539,7 +539,10 @@ class QlmPolicy:
                 choice,
                 self.admission.limits,
                 self.config.concurrency_hysteresis,
-                self.config.throughput_floor,
+                # (a rate to keep up with once a whole rate window has arrived)
+                self.config.throughput_floor
+                if now - self._arrivals.first_s >= self.config.rate_window_s
+                else 0.0,
                 self._clearing_rates(family),
             )
             if choose
