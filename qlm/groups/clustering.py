@@ -62,37 +62,77 @@ def _controller() -> Any:
 def form_groups(
     points: FloatArray,
     bounded: FloatArray,
+    bounds: IntArray,
     *,
     max_group_size: int,
-    k_cap: int,
+    k_caps: Sequence[int],
     max_log_spread: Sequence[float],
     sample: int,
     max_iter: int,
     seed: int,
     sample_key: npt.NDArray[np.uint64] | None = None,
     anchors: IntArray | None = None,
-    init: FloatArray | None = None,
-) -> tuple[list[IntArray], FloatArray | None]:
-    """Row indices of each group, every list ascending (FCFS), groups ordered by their oldest row;
-    and the k-means centres (largest cluster first; None when k = 1) to warm-start the next call.
+    inits: Sequence[FloatArray | None] | None = None,
+) -> tuple[IntArray, list[FloatArray | None]]:
+    """Algorithm 1 over every partition at once: rows ``bounds[p]:bounds[p + 1]`` are partition
+    ``p``, in FCFS order, with ``k_caps[p]`` and previous centres ``inits[p]``.
 
-    ``sample_key``, ``anchors`` and ``init`` make re-clustering stable: rows with the smallest
-    ``sample_key`` form the k-means sample, ``init`` (previous centres) starts k-means, and a split
+    Returns the group of every row, groups numbered by their oldest row (so partition by
+    partition); and each partition's k-means centres (largest cluster first; None when k = 1) to
+    warm-start the next call.
+
+    ``sample_key``, ``anchors`` and ``inits`` make re-clustering stable: rows with the smallest
+    ``sample_key`` form the k-means sample, ``inits`` (previous centres) start k-means, and a split
     prefers to cut where ``anchors`` (the rows' previous groups) change.
     """
     n = len(points)
-    if n == 0:
-        return [], None
-    k = max(1, min(math.ceil(n / max_group_size), k_cap))
-    labels, centres = kmeans_labels(
-        points, k, sample=sample, max_iter=max_iter, seed=seed, sample_key=sample_key, init=init
-    )
-    groups: list[IntArray] = []
-    for cluster in _clusters(labels):
-        for part in split_spread(cluster, bounded, max_log_spread):
-            groups.extend(split_half(part, max_group_size, anchors))
-    groups.sort(key=lambda g: int(g[0]))
-    return groups, centres
+    labels = np.zeros(n, dtype=np.int64)  # cluster of every row, numbered across partitions
+    centres: list[FloatArray | None] = []
+    clusters = 0
+    for p, (lo, hi) in enumerate(pairwise(bounds.tolist())):
+        k = max(1, min(math.ceil((hi - lo) / max_group_size), k_caps[p]))
+        fitted = None
+        if k > 1:  # most partitions of a re-clustering fit in one group's size: no k-means
+            local, fitted = kmeans_labels(
+                points[lo:hi],
+                k,
+                sample=sample,
+                max_iter=max_iter,
+                seed=seed,
+                sample_key=None if sample_key is None else sample_key[lo:hi],
+                init=None if inits is None else inits[p],
+            )
+            labels[lo:hi] = clusters + local
+        else:
+            labels[lo:hi] = clusters
+        clusters += k
+        centres.append(fitted)
+    rows = np.argsort(labels, kind="stable")  # stable: rows stay FCFS within a cluster
+    counts = np.bincount(labels, minlength=clusters)
+    rows, starts = split_spread(rows, _starts(counts[counts > 0]), bounded, max_log_spread)
+    sizes = np.diff(starts, append=len(rows))
+    runs: list[int] = []  # the sizes of the groups, one part after the other
+    for start, size in zip(starts.tolist(), sizes.tolist(), strict=True):
+        if size <= max_group_size:
+            runs.append(size)
+        else:
+            runs.extend(
+                len(run) for run in split_half(rows[start : start + size], max_group_size, anchors)
+            )
+    run_sizes = np.array(runs, dtype=np.int64)
+    oldest = rows[_starts(run_sizes)]
+    rank = np.empty(len(runs), dtype=np.int64)
+    rank[np.argsort(oldest)] = np.arange(len(runs))
+    group = np.empty(n, dtype=np.int64)
+    group[rows] = np.repeat(rank, run_sizes)
+    return group, centres
+
+
+def _starts(sizes: IntArray) -> IntArray:
+    """Where each of consecutive runs of these sizes starts."""
+    starts = np.zeros(len(sizes), dtype=np.int64)
+    np.cumsum(sizes[:-1], out=starts[1:])
+    return starts
 
 
 def kmeans_labels(
@@ -161,69 +201,72 @@ def nearest(points: FloatArray, centres: FloatArray) -> IntArray:
     return np.asarray(d2.argmin(axis=1), dtype=np.int64)
 
 
-def _clusters(labels: IntArray) -> list[IntArray]:
-    order = np.argsort(labels, kind="stable")  # stable: rows stay FCFS within a label
-    counts = np.bincount(labels)
-    return [c for c in np.split(order, np.cumsum(counts)[:-1]) if len(c)]
-
-
 def split_spread(
-    rows: IntArray, bounded: FloatArray, max_log_spread: Sequence[float]
-) -> list[IntArray]:
-    """Cut ``rows`` at the widest gap of any bounded feature (column ``j`` of ``bounded``) that
-    spreads beyond ``max_log_spread[j]``: the first such feature, sorted stably, cut after the
-    first of its widest gaps; each side again until none spreads too far.
+    rows: IntArray, starts: IntArray, bounded: FloatArray, max_log_spread: Sequence[float]
+) -> tuple[IntArray, IntArray]:
+    """Cut every cluster — ``rows[starts[c]:starts[c + 1]]``, ascending — at the widest gap of any
+    bounded feature (column ``j`` of ``bounded``) that spreads beyond ``max_log_spread[j]``: the
+    first such feature, sorted, cut after the first of its widest gaps; each side again until none
+    spreads too far. Returns the rows of every part, each part ascending, and where each starts.
 
-    A part of at most ``SMALL_PART`` rows is cut in plain Python (``_split_small``): the same
-    comparisons and subtractions of the same floats, without numpy's cost per call, which
-    dominates on the thousands of small parts a re-clustering cuts."""
-    limits = [limit + _EPS for limit in max_log_spread]
-    done: list[IntArray] = []
-    todo = [rows]
-    while todo:
-        part = todo.pop()
-        if len(part) <= SMALL_PART:
-            done.extend(part[local] for local in _split_small(bounded[part].tolist(), limits))
+    A side of a cut spreads no more than the part it came from, so every cut on feature ``j``
+    comes before any on ``j + 1``: the features are taken one at a time, and all parts together.
+    A part sorted by the feature is cut into runs of its sorted rows: level by level, each run
+    that spreads too far is cut after the first of its widest gaps.
+    """
+    limits = (np.asarray(max_log_spread, dtype=np.float64) + _EPS).tolist()
+    m = len(rows)
+    part = np.repeat(np.arange(len(starts)), np.diff(starts, append=m))  # of every row
+    parts = len(starts)
+    for j, limit in enumerate(limits):
+        value = bounded[rows, j]
+        lo = np.full(parts, np.inf)
+        hi = np.full(parts, -np.inf)
+        np.minimum.at(lo, part, value)
+        np.maximum.at(hi, part, value)
+        wide = np.flatnonzero((hi - lo > limit)[part])  # the rows of the parts to cut
+        if not len(wide):
             continue
-        values_all = bounded[part]
-        spread = (values_all.max(axis=0) - values_all.min(axis=0)).tolist()
-        for j, limit in enumerate(limits):
-            if spread[j] > limit:
-                values = values_all[:, j]
-                order = np.argsort(values, kind="stable")
-                cut = int(np.diff(values[order]).argmax()) + 1
-                todo.append(np.sort(part[order[cut:]]))
-                todo.append(np.sort(part[order[:cut]]))
-                break
-        else:
-            done.append(part)
-    return done
+        order = wide[_sort_within(part[wide], value[wide])]
+        ordered, ordered_part = value[order], part[order]
+        gaps = np.append(np.diff(ordered), -np.inf)  # gaps[i]: after the i-th; one for the end
+        new = np.diff(ordered_part, prepend=-1) != 0
+        first = np.flatnonzero(new)  # each part's first and last (sorted) row
+        last = np.append(first[1:], len(order)) - 1
+        cut = np.zeros(len(order), dtype=np.bool_)  # a cut after the i-th
+        while len(first):
+            at = _first_widest(gaps, first, last)
+            cut[at] = True
+            first = np.concatenate([first, at + 1])
+            last = np.concatenate([at, last])
+            wider = ordered[last] - ordered[first] > limit
+            first, last = first[wider], last[wider]
+        run = np.cumsum(new | np.roll(cut, 1)) - 1
+        part[order] = parts + run
+        parts += int(run[-1]) + 1
+    order = np.argsort(part, kind="stable")  # stable: rows stay ascending in each part
+    sizes = np.bincount(part)
+    return rows[order], _starts(sizes[sizes > 0])
 
 
-SMALL_PART = 48
-"""Parts up to this many rows are cut by ``_split_small``."""
+def _sort_within(part: IntArray, value: FloatArray) -> IntArray:
+    """Order of rows by ``part``, then ``value`` (ties in any order): one sort of integers."""
+    rank = np.empty(len(value), dtype=np.int64)
+    rank[np.argsort(value)] = np.arange(len(value))
+    return np.argsort(part * len(value) + rank)
 
 
-def _split_small(values: list[list[float]], limits: list[float]) -> list[list[int]]:
-    """``split_spread`` on the rows ``values`` (each a row's bounded features) in plain Python:
-    positions of each part, ascending, in the order ``split_spread`` finds them."""
-    done: list[list[int]] = []
-    todo = [list(range(len(values)))]
-    while todo:
-        part = todo.pop()
-        for j, limit in enumerate(limits):
-            column = [values[i][j] for i in part]
-            if max(column) - min(column) > limit:
-                order = sorted(range(len(part)), key=column.__getitem__)  # stable, as argsort
-                ordered = [column[o] for o in order]
-                gaps = [b - a for a, b in pairwise(ordered)]
-                cut = gaps.index(max(gaps)) + 1  # the first widest gap, as argmax
-                todo.append(sorted(part[o] for o in order[cut:]))
-                todo.append(sorted(part[o] for o in order[:cut]))
-                break
-        else:
-            done.append(part)
-    return done
+def _first_widest(gaps: FloatArray, first: IntArray, last: IntArray) -> IntArray:
+    """For each run ``first[r]..last[r]`` (two rows or more), the first of its widest gaps."""
+    lengths = last - first
+    starts = _starts(lengths)
+    at = np.arange(int(lengths.sum())) + np.repeat(first - starts, lengths)
+    inside = gaps[at]
+    widest = np.maximum.reduceat(inside, starts)
+    hit = np.flatnonzero(inside == np.repeat(widest, lengths))
+    run = np.repeat(np.arange(len(first)), lengths)[hit]
+    result: IntArray = at[hit[np.diff(run, prepend=-1) != 0]]
+    return result
 
 
 def split_half(

@@ -353,17 +353,14 @@ class Grouper:
         raw = raw_feature_matrix(requests, self._predict)
         mult = fit_multipliers(raw)
         points = raw * mult
-        new_rows, new_keys = self._cluster(requests, raw, mult, old_code)
-
-        new_sizes = np.array([len(rows) for rows in new_rows], dtype=np.int64)
-        new_code = np.empty(n, dtype=np.int64)
-        for j, rows in enumerate(new_rows):
-            new_code[rows] = j
+        new_code, all_rows, new_keys = self._cluster(requests, raw, mult, old_code)
+        groups_n = len(new_keys)
+        new_sizes = np.bincount(new_code, minlength=groups_n)
         match = _match(old_code, old_sizes, new_code, new_sizes, cfg.keep_id_overlap)
 
         ids: list[str] = []
         created: list[str] = []
-        for j in range(len(new_rows)):
+        for j in range(groups_n):
             if j in match:
                 ids.append(old_ids[match[j]])
             else:
@@ -371,14 +368,13 @@ class Grouper:
                 created.append(ids[-1])
         kept_set = {old_ids[i] for i in match.values()}
 
-        sums = np.zeros((len(new_rows), len(FEATURES)))
+        sums = np.zeros((groups_n, len(FEATURES)))
         np.add.at(sums, new_code, raw)
         centroids = sums / new_sizes[:, None] * mult
         baseline = float(np.linalg.norm(points - centroids[new_code], axis=1).mean())
 
         # Each group's rows, one after the other: the bounds of their features in one pass.
-        all_rows = np.concatenate(new_rows)
-        starts = np.zeros(len(new_rows), dtype=np.int64)
+        starts = np.zeros(groups_n, dtype=np.int64)
         np.cumsum(new_sizes[:-1], out=starts[1:])
         bounded = raw[all_rows, :BOUNDED_FEATURES]
         lo = np.minimum.reduceat(bounded, starts, axis=0)
@@ -386,7 +382,7 @@ class Grouper:
         row_list = all_rows.tolist()
         groups: dict[str, _Group] = {}
         placed: dict[GroupKey, tuple[_Partition, list[int]]] = {}
-        for j in sorted(range(len(new_rows)), key=lambda j: int(ids[j][1:])):
+        for j in sorted(range(groups_n), key=lambda j: int(ids[j][1:])):
             key = new_keys[j]
             entry = placed.get(key)
             if entry is None:
@@ -508,8 +504,10 @@ class Grouper:
 
     def _cluster(
         self, requests: list[Request], raw: FloatArray, mult: FloatArray, old_code: IntArray
-    ) -> tuple[list[IntArray], list[GroupKey]]:
-        """Algorithm 1 per partition; rows of each new group in FCFS order, partitions sorted.
+    ) -> tuple[IntArray, IntArray, list[GroupKey]]:
+        """Algorithm 1 per partition: the new group of every request, groups numbered partition
+        by partition (partitions sorted) and by their oldest request; the requests of every group
+        in FCFS order, one group after the other; and each group's partition.
 
         For stable ids, k-means starts from the partition's previous centres, samples the requests
         with the smallest hash of their id, and splits prefer the boundaries of the old groups.
@@ -520,39 +518,42 @@ class Grouper:
         keys, part_rank = group_keys(requests, cfg.deadline_window)
         arrival = np.fromiter((r.arrival_s for r in requests), np.float64, n)
         ids = np.array([r.id for r in requests])
-        order = np.lexsort((ids, arrival, part_rank))
+        order = np.lexsort((ids, arrival, part_rank))  # FCFS within each partition
         bounds = np.searchsorted(part_rank[order], np.arange(len(keys) + 1))
+        sizes = np.diff(bounds).tolist()
         per_model: dict[str, int] = {}
-        for i, key in enumerate(keys):
-            per_model[key[0]] = per_model.get(key[0], 0) + int(bounds[i + 1] - bounds[i])
-        sample_key = stable_hash(ids)
-        new_rows: list[IntArray] = []
-        new_keys: list[GroupKey] = []
-        centres: dict[GroupKey, FloatArray] = {}
-        for i, key in enumerate(keys):
-            rows = order[bounds[i] : bounds[i + 1]]
-            share = len(rows) / per_model[key[0]]
-            previous = self._centres.get(key)
-            local_groups, fitted = form_groups(
-                points[rows],
-                raw[rows, :BOUNDED_FEATURES],
-                max_group_size=cfg.max_group_size,
-                k_cap=max(1, round(cfg.max_clusters_per_model * share)),
-                max_log_spread=self._config.max_log_spread,
-                sample=cfg.kmeans_sample,
-                max_iter=cfg.kmeans_max_iter,
-                seed=cfg.seed,
-                sample_key=sample_key[rows],
-                anchors=old_code[rows],
-                init=None if previous is None else previous * mult,
-            )
-            if fitted is not None:
-                centres[key] = fitted / mult  # raw units: the next fit may scale differently
-            for local in local_groups:
-                new_rows.append(rows[local])
-                new_keys.append(key)
-        self._centres = centres
-        return new_rows, new_keys
+        for key, size in zip(keys, sizes, strict=True):
+            per_model[key[0]] = per_model.get(key[0], 0) + size
+        inits = [self._centres.get(key) for key in keys]
+        group, fitted = form_groups(
+            points[order],
+            raw[order, :BOUNDED_FEATURES],
+            bounds,
+            max_group_size=cfg.max_group_size,
+            k_caps=[
+                max(1, round(cfg.max_clusters_per_model * size / per_model[key[0]]))
+                for key, size in zip(keys, sizes, strict=True)
+            ],
+            max_log_spread=cfg.max_log_spread,
+            sample=cfg.kmeans_sample,
+            max_iter=cfg.kmeans_max_iter,
+            seed=cfg.seed,
+            sample_key=stable_hash(ids[order]),
+            anchors=old_code[order],
+            inits=[None if init is None else init * mult for init in inits],
+        )
+        # raw units: the next fit may scale differently
+        self._centres = {
+            key: centres / mult
+            for key, centres in zip(keys, fitted, strict=True)
+            if centres is not None
+        }
+        new_code = np.empty(n, dtype=np.int64)
+        new_code[order] = group
+        group_part = np.empty(int(group.max()) + 1, dtype=np.int64)
+        group_part[group] = np.repeat(np.arange(len(keys)), sizes)
+        members = order[np.argsort(group, kind="stable")]
+        return new_code, members, [keys[p] for p in group_part.tolist()]
 
     def _reset(
         self,

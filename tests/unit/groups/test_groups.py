@@ -438,7 +438,7 @@ def test_the_thread_pools_are_found_when_the_grouper_is_made_not_in_its_first_re
 def _split_spread_reference(
     rows: np.ndarray, bounded: np.ndarray, limits: tuple[float, ...]
 ) -> list[np.ndarray]:
-    """The cut ``split_spread`` promises, with numpy on every part whatever its size."""
+    """The cut ``split_spread`` promises, one part at a time."""
     done, todo = [], [rows]
     while todo:
         part = todo.pop()
@@ -455,17 +455,24 @@ def _split_spread_reference(
     return done
 
 
-@pytest.mark.parametrize("n", [1, 7, clustering.SMALL_PART, 300])
-def test_split_spread_cuts_small_and_large_parts_alike(n: int) -> None:
-    rng = np.random.default_rng(n)
+@pytest.mark.parametrize("seed", range(40))
+def test_split_spread_cuts_every_cluster_as_cutting_one_part_at_a_time_would(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(1, 300))
     # Rounded values: ties and equal gaps, where stable order and the first widest gap matter.
-    bounded = np.round(rng.normal(size=(n + 5, 3)) * 2, 1)
+    bounded = np.round(rng.normal(size=(n + 5, 3)) * rng.uniform(0.5, 4), int(rng.integers(0, 3)))
     rows = np.sort(rng.choice(n + 5, size=n, replace=False)).astype(np.int64)
-    limits = (0.7, 1.1, 0.9)
-    got = clustering.split_spread(rows, bounded, limits)
-    want = _split_spread_reference(rows, bounded, limits)
-    assert [g.tolist() for g in got] == [w.tolist() for w in want]
-    assert all(g.dtype == np.int64 for g in got)
+    labels = rng.integers(0, int(rng.integers(1, 8)), size=n)
+    clusters = [rows[labels == c] for c in np.unique(labels)]
+    starts = np.cumsum([0] + [len(c) for c in clusters[:-1]]).astype(np.int64)
+    limits = tuple(rng.uniform(0.1, 2.0, size=3).tolist())
+    got_rows, got_starts = clustering.split_spread(
+        np.concatenate(clusters), starts, bounded, limits
+    )
+    got = np.split(got_rows, got_starts[1:])
+    want = [part for c in clusters for part in _split_spread_reference(c, bounded, limits)]
+    assert sorted(g.tolist() for g in got) == sorted(w.tolist() for w in want)
+    assert got_rows.dtype == np.int64
 
 
 def test_group_keys_match_group_key_request_by_request() -> None:
