@@ -77,28 +77,24 @@ def group_key(request: Request, deadline_window: float = 0.0) -> GroupKey:
 
 
 def group_keys(
-    requests: Sequence[Request], deadline_window: float = 0.0
+    bases: Sequence[tuple[str, Tier, str]],
+    base: IntArray,
+    arrival: FloatArray,
+    e2e: FloatArray,
+    deadline_window: float = 0.0,
 ) -> tuple[list[GroupKey], IntArray]:
-    """``group_key`` of many requests at once: the distinct keys, sorted, and the index of each
-    request's key among them. The windows are computed with the same floating-point operations
-    as ``group_key``'s, on arrays."""
-    n = len(requests)
-    base_of: dict[tuple[str, Tier, str], int] = {}
-    base = np.fromiter(
-        (base_of.setdefault((r.model, r.tier, r.slo_class), len(base_of)) for r in requests),
-        np.int64,
-        n,
-    )
+    """``group_key`` of many requests at once, given as arrays: request ``i`` has ``(model, tier,
+    slo_class)`` ``bases[base[i]]``, ``arrival_s`` ``arrival[i]`` and end-to-end SLO ``e2e[i]``.
+    Returns the distinct keys, sorted, and the index of each request's key among them. The
+    windows are computed with the same floating-point operations as ``group_key``'s."""
+    n = len(base)
     if deadline_window > 0:
-        arrival = np.fromiter((r.arrival_s for r in requests), np.float64, n)
-        e2e = np.fromiter((r.slo.e2e_s for r in requests), np.float64, n)
         window = np.floor((arrival + e2e) / (deadline_window * e2e)).astype(np.int64)
     else:
         window = np.zeros(n, dtype=np.int64)
     low = int(window.min()) if n else 0
     span = (int(window.max()) - low + 1) if n else 1
     combos, codes = np.unique(base * span + (window - low), return_inverse=True)
-    bases = list(base_of)
     found = [(*bases[int(c) // span], int(c) % span + low) for c in combos]
     keys = sorted(found)
     rank = {key: i for i, key in enumerate(keys)}
@@ -116,16 +112,12 @@ def raw_features(request: Request, predict_output: PredictOutput) -> FloatArray:
     )
 
 
-def raw_feature_matrix(requests: Sequence[Request], predict_output: PredictOutput) -> FloatArray:
-    """``raw_features`` of many requests at once, one row each."""
-    n = len(requests)
-    e2e = np.fromiter((r.slo.e2e_s for r in requests), np.float64, n)
-    ttft = np.fromiter(
-        (r.slo.e2e_s if r.slo.ttft_s is None else r.slo.ttft_s for r in requests), np.float64, n
-    )
-    inputs = np.fromiter((r.input_tokens for r in requests), np.float64, n)
-    caps = np.fromiter((r.max_tokens for r in requests), np.float64, n)
-    predicted = np.fromiter((predict_output(r) for r in requests), np.float64, n)
+def raw_feature_matrix(
+    e2e: FloatArray, ttft: FloatArray, inputs: FloatArray, caps: FloatArray, predicted: FloatArray
+) -> FloatArray:
+    """``raw_features`` of many requests at once, one row each, from arrays of their end-to-end
+    and TTFT SLOs (the end-to-end one when they have none), prompt tokens, ``max_tokens`` and
+    predicted output tokens."""
     output = np.minimum(np.maximum(predicted, 1.0), caps)
     return np.column_stack([np.log(e2e), np.log(ttft), np.log1p(inputs), np.log1p(output)])
 
@@ -144,12 +136,29 @@ def predicted_output(raw: FloatArray) -> FloatArray:
     return result
 
 
-def stable_hash(ids: npt.NDArray[np.str_]) -> npt.NDArray[np.uint64]:
-    """FNV-1a over the characters of each id: the same id hashes the same in every process."""
-    width = ids.dtype.itemsize // 4
-    chars = np.ascontiguousarray(ids).view(np.uint32).reshape(len(ids), width).astype(np.uint64)
-    h = np.full(len(ids), 0xCBF29CE484222325, dtype=np.uint64)
-    prime = np.uint64(0x100000001B3)
+def fnv1a(ids: Sequence[str]) -> tuple[npt.NDArray[np.uint64], IntArray]:
+    """FNV-1a over the characters of each id, and the number of characters (as numpy counts
+    them: trailing NULs dropped)."""
+    chars_of = np.array(ids, dtype=np.str_)
+    width = chars_of.dtype.itemsize // 4
+    chars = np.ascontiguousarray(chars_of).view(np.uint32).reshape(len(ids), width)
+    lengths = np.char.str_len(chars_of).astype(np.int64)
+    h = np.full(len(ids), _FNV_OFFSET, dtype=np.uint64)
     for j in range(width):
-        h = (h ^ chars[:, j]) * prime
-    return h
+        on = j < lengths
+        h[on] = (h[on] ^ chars[on, j].astype(np.uint64)) * _FNV_PRIME
+    return h, lengths
+
+
+def stable_hash(hashes: npt.NDArray[np.uint64], lengths: IntArray) -> npt.NDArray[np.uint64]:
+    """FNV-1a over the characters of each id padded with NULs to the longest id's length, from
+    ``fnv1a`` of the ids: the same ids hash the same in every process."""
+    width = max(int(lengths.max()) if len(lengths) else 0, 1)
+    powers = np.ones(width + 1, dtype=np.uint64)
+    np.cumprod(np.full(width, _FNV_PRIME, dtype=np.uint64), out=powers[1:])  # modulo 2**64
+    result: npt.NDArray[np.uint64] = hashes * powers[width - lengths]  # a NUL only multiplies
+    return result
+
+
+_FNV_OFFSET = np.uint64(0xCBF29CE484222325)
+_FNV_PRIME = np.uint64(0x100000001B3)

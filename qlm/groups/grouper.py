@@ -10,6 +10,7 @@ from __future__ import annotations
 import bisect
 import math
 from dataclasses import dataclass
+from itertools import chain
 
 import numpy as np
 
@@ -29,12 +30,10 @@ from qlm.groups.features import (
     default_predict_output,
     fit_multipliers,
     group_key,
-    group_keys,
     predicted_output,
-    raw_feature_matrix,
     raw_features,
-    stable_hash,
 )
+from qlm.groups.waiting import WaitingRequests
 
 MIN_DRIFT_SAMPLES = 32
 """Online classifications needed before their distance to the centroid can signal drift."""
@@ -132,14 +131,14 @@ class _Partition:
 
 
 class _Group:
-    __slots__ = ("feature_sum", "id", "key", "part", "requests", "row", "view")
+    __slots__ = ("feature_sum", "id", "key", "part", "row", "slots", "view")
 
     def __init__(self, gid: str, key: GroupKey, part: _Partition, feature_sum: FloatArray) -> None:
         self.id = gid
         self.key = key
         self.part = part
         self.row = part.append(gid)
-        self.requests: list[Request] = []
+        self.slots: list[int] = []  # of its requests (``WaitingRequests``), in FCFS order
         self.feature_sum = feature_sum
         self.view: RequestGroup | None = None
 
@@ -177,8 +176,7 @@ class Grouper:
         self._predict = predict_output
         prepare_threadpools()  # here, not in the first recluster: it reads the file system
         self._groups: dict[str, _Group] = {}
-        self._group_of: dict[str, str] = {}
-        self._features: dict[str, FloatArray] = {}
+        self._waiting = WaitingRequests()
         self._parts: dict[GroupKey, _Partition] = {}
         self._centres: dict[GroupKey, FloatArray] = {}  # last k-means centres, raw units
         self._mult: FloatArray = WEIGHTS / DEFAULT_SCALE
@@ -213,7 +211,7 @@ class Grouper:
 
     @property
     def num_requests(self) -> int:
-        return len(self._group_of)
+        return len(self._waiting)
 
     def has_group(self, gid: str) -> bool:
         return gid in self._groups
@@ -230,11 +228,12 @@ class Grouper:
         return self._view(self._get(gid))
 
     def group_of(self, request_id: str) -> str | None:
-        return self._group_of.get(request_id)
+        slot = self._waiting.slot_of.get(request_id)
+        return None if slot is None else self._group_at(slot).id
 
     def peek(self, gid: str) -> Request:
         """The request the group serves next (its oldest)."""
-        return self._get(gid).requests[0]
+        return self._waiting.at(self._get(gid).slots[0])
 
     # --- changing ------------------------------------------------------------------------------
 
@@ -246,9 +245,9 @@ class Grouper:
         its prompts; when none does, it founds a new group. ``GroupError`` if a request with that
         id is already waiting.
         """
-        if request.id in self._group_of:
+        if request.id in self._waiting.slot_of:
             raise GroupError(
-                f"request {request.id!r} is already in group {self._group_of[request.id]}"
+                f"request {request.id!r} is already in group {self.group_of(request.id)}"
             )
         raw = raw_features(request, self._predict)
         x = raw * self._mult
@@ -285,23 +284,20 @@ class Grouper:
 
         A group left empty disappears.
         """
-        gid = self._group_of.pop(request_id, None)
-        if gid is None:
+        slot = self._waiting.slot_of.get(request_id)
+        if slot is None:
             return None
-        group = self._groups[gid]
-        for i, r in enumerate(group.requests):
-            if r.id == request_id:
-                del group.requests[i]
-                break
-        self._detach(group, request_id)
-        return gid
+        group = self._group_at(slot)
+        group.slots.remove(slot)
+        self._detach(group, slot)
+        return group.id
 
     def pop(self, gid: str) -> Request:
         """Take the group's next request (FCFS) out and return it; an emptied group disappears."""
         group = self._get(gid)
-        request = group.requests.pop(0)
-        del self._group_of[request.id]
-        self._detach(group, request.id)
+        slot = group.slots.pop(0)
+        request = self._waiting.at(slot)
+        self._detach(group, slot)
         return request
 
     def needs_recluster(self, now: float) -> bool:
@@ -313,7 +309,7 @@ class Grouper:
         - requests classified online since (at least ``MIN_DRIFT_SAMPLES``) lie on average more than
           ``drift_factor`` times farther from their group's centroid than members did right after it.
         """
-        if not self._group_of or self._changes == 0:
+        if not self._waiting or self._changes == 0:
             return False
         cfg = self._config
         since = (
@@ -341,19 +337,20 @@ class Grouper:
         """
         cfg = self._config
         old = list(self._groups.values())
-        requests = [r for g in old for r in g.requests]
-        n = len(requests)
+        n = len(self._waiting)
+        # Every waiting request, group after group, each group's in FCFS order: rows below.
+        slots = np.fromiter(chain.from_iterable(g.slots for g in old), np.int64, n)
         old_ids = [g.id for g in old]
-        old_sizes = np.array([len(g.requests) for g in old], dtype=np.int64)
+        old_sizes = np.fromiter((len(g.slots) for g in old), np.int64, len(old))
         old_code = np.repeat(np.arange(len(old), dtype=np.int64), old_sizes)
         if n == 0:
-            self._reset(now, groups={}, parts={}, features={}, group_of={}, baseline=None)
+            self._reset(now, groups={}, parts={}, baseline=None)
             return ReclusterResult((), (), tuple(old_ids), 0, now)
 
-        raw = raw_feature_matrix(requests, self._predict)
+        raw = self._waiting.features(slots, self._predict)
         mult = fit_multipliers(raw)
         points = raw * mult
-        new_code, all_rows, new_keys = self._cluster(requests, raw, mult, old_code)
+        new_code, all_rows, new_keys = self._cluster(slots, raw, mult, old_code)
         groups_n = len(new_keys)
         new_sizes = np.bincount(new_code, minlength=groups_n)
         match = _match(old_code, old_sizes, new_code, new_sizes, cfg.keep_id_overlap)
@@ -379,8 +376,10 @@ class Grouper:
         bounded = raw[all_rows, :BOUNDED_FEATURES]
         lo = np.minimum.reduceat(bounded, starts, axis=0)
         hi = np.maximum.reduceat(bounded, starts, axis=0)
-        row_list = all_rows.tolist()
+        slot_list = slots[all_rows].tolist()
+        ends = (starts + new_sizes).tolist()
         groups: dict[str, _Group] = {}
+        by_index = np.empty(groups_n, dtype=object)
         placed: dict[GroupKey, tuple[_Partition, list[int]]] = {}
         for j in sorted(range(groups_n), key=lambda j: int(ids[j][1:])):
             key = new_keys[j]
@@ -389,10 +388,10 @@ class Grouper:
                 entry = placed[key] = (_Partition(), [])
             part, members = entry
             group = _Group(ids[j], key, part, sums[j])
-            start = int(starts[j])
-            group.requests = [requests[i] for i in row_list[start : start + int(new_sizes[j])]]
+            group.slots = slot_list[starts[j] : ends[j]]
             members.append(j)  # the group's row in its partition: ``group.row``
             groups[group.id] = group
+            by_index[j] = group
         parts: dict[GroupKey, _Partition] = {}
         for key, (part, members) in placed.items():
             sel = np.array(members, dtype=np.int64)
@@ -402,15 +401,10 @@ class Grouper:
             part.lo[:k] = lo[sel]
             part.hi[:k] = hi[sel]
             parts[key] = part
-        request_ids = [r.id for r in requests]
-        group_of = dict(
-            zip(request_ids, np.array(ids, dtype=object)[new_code].tolist(), strict=True)
-        )
-        features = dict(zip(request_ids, raw, strict=True))
+        self._waiting.group[slots] = by_index[new_code]
+        self._waiting.raw[slots] = raw
         self._mult = mult
-        self._reset(
-            now, groups=groups, parts=parts, features=features, group_of=group_of, baseline=baseline
-        )
+        self._reset(now, groups=groups, parts=parts, baseline=baseline)
         return ReclusterResult(
             kept=tuple(gid for gid in ids if gid in kept_set),
             created=tuple(created),
@@ -437,14 +431,18 @@ class Grouper:
         self._groups[group.id] = group
         return group
 
+    def _group_at(self, slot: int) -> _Group:
+        group: _Group = self._waiting.group[slot]
+        return group
+
     def _insert(self, group: _Group, request: Request, raw: FloatArray) -> None:
-        members = group.requests
-        if not members or _fcfs(request) >= _fcfs(members[-1]):
-            members.append(request)
+        waiting = self._waiting
+        slot = waiting.add(request, raw, group)
+        members = group.slots
+        if not members or _fcfs(request) >= _fcfs(waiting.at(members[-1])):
+            members.append(slot)
         else:  # a late or redelivered request: keep FCFS order
-            bisect.insort(members, request, key=_fcfs)
-        self._group_of[request.id] = group.id
-        self._features[request.id] = raw
+            bisect.insort(members, slot, key=lambda s: _fcfs(waiting.at(s)))
         group.feature_sum = group.feature_sum + raw
         part, row = group.part, group.row
         part.centroids[row] = group.feature_sum / len(members) * self._mult
@@ -458,12 +456,13 @@ class Grouper:
             np.maximum(part.hi[row], slo, out=part.hi[row])
         group.view = None
 
-    def _detach(self, group: _Group, request_id: str) -> None:
-        """Bookkeeping after ``request_id`` left ``group.requests``."""
-        raw = self._features.pop(request_id)
+    def _detach(self, group: _Group, slot: int) -> None:
+        """Bookkeeping after the request in ``slot`` left ``group.slots``: its slot is freed."""
+        raw = self._waiting.raw[slot].copy()
+        self._waiting.release(slot)
         self._changes += 1
         part, row = group.part, group.row
-        if not group.requests:
+        if not group.slots:
             del self._groups[group.id]
             moved = part.delete(row)
             if moved is not None:
@@ -472,17 +471,17 @@ class Grouper:
                 del self._parts[group.key]
             return
         group.feature_sum = group.feature_sum - raw
-        part.centroids[row] = group.feature_sum / len(group.requests) * self._mult
-        part.sizes[row] = len(group.requests)
-        slo = np.array([self._features[r.id][:BOUNDED_FEATURES] for r in group.requests])
+        part.centroids[row] = group.feature_sum / len(group.slots) * self._mult
+        part.sizes[row] = len(group.slots)
+        slo = self._waiting.raw[group.slots, :BOUNDED_FEATURES]
         part.lo[row] = slo.min(axis=0)
         part.hi[row] = slo.max(axis=0)
         group.view = None
 
     def _view(self, group: _Group) -> RequestGroup:
         if group.view is None:
-            members = tuple(group.requests)
-            raw = np.array([self._features[r.id] for r in members])
+            members = tuple(self._waiting.request[group.slots])
+            raw = self._waiting.raw[group.slots]
             ttfts = [r.slo.ttft_s for r in members if r.slo.ttft_s is not None]
             ttft_due = [r.arrival_s + r.slo.ttft_s for r in members if r.slo.ttft_s is not None]
             model, tier, slo_class, _ = group.key
@@ -503,7 +502,7 @@ class Grouper:
         return group.view
 
     def _cluster(
-        self, requests: list[Request], raw: FloatArray, mult: FloatArray, old_code: IntArray
+        self, slots: IntArray, raw: FloatArray, mult: FloatArray, old_code: IntArray
     ) -> tuple[IntArray, IntArray, list[GroupKey]]:
         """Algorithm 1 per partition: the new group of every request, groups numbered partition
         by partition (partitions sorted) and by their oldest request; the requests of every group
@@ -514,11 +513,9 @@ class Grouper:
         """
         points = raw * mult
         cfg = self._config
-        n = len(requests)
-        keys, part_rank = group_keys(requests, cfg.deadline_window)
-        arrival = np.fromiter((r.arrival_s for r in requests), np.float64, n)
-        ids = np.array([r.id for r in requests])
-        order = np.lexsort((ids, arrival, part_rank))  # FCFS within each partition
+        n = len(slots)
+        keys, part_rank = self._waiting.partitions(slots, cfg.deadline_window)
+        order = self._waiting.fcfs_order(slots, part_rank)
         bounds = np.searchsorted(part_rank[order], np.arange(len(keys) + 1))
         sizes = np.diff(bounds).tolist()
         per_model: dict[str, int] = {}
@@ -531,14 +528,14 @@ class Grouper:
             bounds,
             max_group_size=cfg.max_group_size,
             k_caps=[
-                max(1, round(cfg.max_clusters_per_model * size / per_model[key[0]]))
+                max(1, round(cfg.max_clusters_per_model * (size / per_model[key[0]])))
                 for key, size in zip(keys, sizes, strict=True)
             ],
             max_log_spread=cfg.max_log_spread,
             sample=cfg.kmeans_sample,
             max_iter=cfg.kmeans_max_iter,
             seed=cfg.seed,
-            sample_key=stable_hash(ids[order]),
+            sample_key=self._waiting.id_hashes(slots)[order],
             anchors=old_code[order],
             inits=[None if init is None else init * mult for init in inits],
         )
@@ -561,14 +558,10 @@ class Grouper:
         *,
         groups: dict[str, _Group],
         parts: dict[GroupKey, _Partition],
-        features: dict[str, FloatArray],
-        group_of: dict[str, str],
         baseline: float | None,
     ) -> None:
         self._groups = groups
         self._parts = parts
-        self._features = features
-        self._group_of = group_of
         self._baseline_distance = baseline
         self._last_recluster_s = now
         self._first_change_s = None

@@ -13,7 +13,9 @@ from qlm.domain import SLO, Request, Tier
 from qlm.errors import ConfigError, GroupError
 from qlm.groups import Grouper, GroupingConfig, clustering, default_predict_output
 from qlm.groups.clustering import split_half
-from qlm.groups.features import group_key, group_keys
+from qlm.groups.features import group_key, raw_features
+from qlm.groups.grouper import _fcfs
+from qlm.groups.waiting import WaitingRequests
 
 SMALL = GroupingConfig(delta=2.0, avg_batch_size=8, deadline_window=0)
 NO_WINDOW = GroupingConfig(
@@ -475,7 +477,7 @@ def test_split_spread_cuts_every_cluster_as_cutting_one_part_at_a_time_would(see
     assert got_rows.dtype == np.int64
 
 
-def test_group_keys_match_group_key_request_by_request() -> None:
+def test_partitions_match_group_key_request_by_request() -> None:
     rng = random.Random(3)
     requests = [
         make_request(
@@ -487,7 +489,60 @@ def test_group_keys_match_group_key_request_by_request() -> None:
         )
         for i in range(500)
     ]
+    waiting, slots = _waiting(requests)
     for window in (0.0, 0.25):
-        keys, codes = group_keys(requests, window)
+        keys, codes = waiting.partitions(slots, window)
         assert keys == sorted(keys)
         assert [keys[c] for c in codes] == [group_key(r, window) for r in requests]
+
+
+def _waiting(requests: list[Request]) -> tuple[WaitingRequests, np.ndarray]:
+    """The requests in slots, some of them freed and reused on the way, and their slots."""
+    waiting = WaitingRequests(capacity=4)
+    for r in requests[:50]:
+        waiting.add(dataclasses.replace(r, id=f"gone-{r.id}"), np.zeros(4), None)
+    for slot in range(0, 50, 3):
+        waiting.release(slot)
+    slots = np.array([waiting.add(r, np.zeros(4), None) for r in requests], dtype=np.int64)
+    return waiting, slots
+
+
+def test_fcfs_order_is_by_partition_then_arrival_then_id() -> None:
+    rng = random.Random(5)
+    requests = [
+        make_request(
+            id=f"{rng.choice('abc')}{rng.randint(0, 10**6)}-{i}", arrival_s=rng.randint(0, 30)
+        )
+        for i in range(400)
+    ]
+    waiting, slots = _waiting(requests)
+    partition = np.array([rng.randint(0, 3) for _ in requests], dtype=np.int64)
+    order = waiting.fcfs_order(slots, partition)
+    want = sorted(range(len(requests)), key=lambda i: (partition[i], *_fcfs(requests[i])))
+    assert order.tolist() == want
+
+
+def test_id_hashes_are_fnv1a_over_the_ids_padded_to_the_longest() -> None:
+    rng = random.Random(7)
+    requests = [
+        make_request(id="".join(rng.choice("ab€9-") for _ in range(rng.randint(0, 24))) + str(i))
+        for i in range(300)
+    ]
+    waiting, slots = _waiting(requests)
+    waiting.id_hashes(slots[:100])  # hashed in two batches of different widths
+    ids = np.array([r.id for r in requests])
+    width = ids.dtype.itemsize // 4
+    chars = ids.view(np.uint32).reshape(len(ids), width).astype(np.uint64)
+    want = np.full(len(ids), 0xCBF29CE484222325, dtype=np.uint64)
+    for j in range(width):
+        want = (want ^ chars[:, j]) * np.uint64(0x100000001B3)
+    assert waiting.id_hashes(slots).tolist() == want.tolist()
+
+
+def test_features_of_many_requests_are_those_of_each_request() -> None:
+    requests = mixed_requests(300, seed=4)
+    requests[0] = dataclasses.replace(requests[0], slo=SLO(e2e_s=20.0, ttft_s=2.0))
+    waiting, slots = _waiting(requests)
+    many = waiting.features(slots, default_predict_output)
+    each = np.array([raw_features(r, default_predict_output) for r in requests])
+    np.testing.assert_allclose(many, each, rtol=1e-15)
