@@ -30,7 +30,7 @@ groups by their earliest deadline.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -62,6 +62,17 @@ conversation trace (211 tokens) and ShareGPT (439)."""
 def default_predict_output(request: Request) -> float:
     """``min(max_tokens, DEFAULT_OUTPUT_TOKENS)``: all a policy may know without a fitted model."""
     return float(min(request.max_tokens, DEFAULT_OUTPUT_TOKENS))
+
+
+def predict_outputs(
+    predict_output: PredictOutput, requests: Iterable[Request], caps: FloatArray
+) -> FloatArray:
+    """``predict_output`` of many requests (``caps``: their ``max_tokens``), called in their
+    order; ``default_predict_output``'s from ``caps`` at once, the same numbers."""
+    if predict_output is default_predict_output:
+        result: FloatArray = np.minimum(caps, float(DEFAULT_OUTPUT_TOKENS))
+        return result
+    return np.fromiter(map(predict_output, requests), np.float64, len(caps))
 
 
 def group_key(request: Request, deadline_window: float = 0.0) -> GroupKey:

@@ -377,7 +377,7 @@ class Grouper:
         lo = np.minimum.reduceat(bounded, starts, axis=0)
         hi = np.maximum.reduceat(bounded, starts, axis=0)
         slot_list = slots[all_rows].tolist()
-        ends = (starts + new_sizes).tolist()
+        begins, ends = starts.tolist(), (starts + new_sizes).tolist()
         groups: dict[str, _Group] = {}
         by_index = np.empty(groups_n, dtype=object)
         placed: dict[GroupKey, tuple[_Partition, list[int]]] = {}
@@ -388,7 +388,7 @@ class Grouper:
                 entry = placed[key] = (_Partition(), [])
             part, members = entry
             group = _Group(ids[j], key, part, sums[j])
-            group.slots = slot_list[starts[j] : ends[j]]
+            group.slots = slot_list[begins[j] : ends[j]]
             members.append(j)  # the group's row in its partition: ``group.row``
             groups[group.id] = group
             by_index[j] = group

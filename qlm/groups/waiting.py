@@ -21,6 +21,7 @@ from qlm.groups.features import (
     PredictOutput,
     fnv1a,
     group_keys,
+    predict_outputs,
     raw_feature_matrix,
     stable_hash,
 )
@@ -96,11 +97,12 @@ class WaitingRequests:
         return request
 
     def features(self, slots: IntArray, predict_output: PredictOutput) -> FloatArray:
-        """The raw features of these requests, recomputed with ``predict_output`` (called once per
-        request, in the order of ``slots``)."""
-        predicted = np.fromiter(map(predict_output, self.request[slots]), np.float64, len(slots))
+        """The raw features of these requests, recomputed with ``predict_output`` (``predict_outputs``:
+        called once per request, in the order of ``slots``)."""
+        caps = self._caps[slots]
+        predicted = predict_outputs(predict_output, self.request[slots], caps)
         return raw_feature_matrix(
-            self._e2e[slots], self._ttft[slots], self._inputs[slots], self._caps[slots], predicted
+            self._e2e[slots], self._ttft[slots], self._inputs[slots], caps, predicted
         )
 
     def partitions(

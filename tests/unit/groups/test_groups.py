@@ -13,7 +13,7 @@ from qlm.domain import SLO, Request, Tier
 from qlm.errors import ConfigError, GroupError
 from qlm.groups import Grouper, GroupingConfig, clustering, default_predict_output
 from qlm.groups.clustering import split_half
-from qlm.groups.features import group_key, raw_features
+from qlm.groups.features import group_key, predict_outputs, raw_features
 from qlm.groups.grouper import _fcfs
 from qlm.groups.waiting import WaitingRequests
 
@@ -546,3 +546,12 @@ def test_features_of_many_requests_are_those_of_each_request() -> None:
     many = waiting.features(slots, default_predict_output)
     each = np.array([raw_features(r, default_predict_output) for r in requests])
     np.testing.assert_allclose(many, each, rtol=1e-15)
+
+
+def test_default_predictions_of_many_requests_are_those_of_each_request() -> None:
+    requests = mixed_requests(300, seed=6)
+    caps = np.array([float(r.max_tokens) for r in requests])
+    want = [default_predict_output(r) for r in requests]
+    assert predict_outputs(default_predict_output, requests, caps).tolist() == want
+    half = predict_outputs(lambda r: r.max_tokens / 2, requests, caps)
+    assert half.tolist() == [r.max_tokens / 2 for r in requests]
