@@ -135,10 +135,14 @@ class _Group:
 
     def __init__(self, gid: str, key: GroupKey, part: _Partition, feature_sum: FloatArray) -> None:
         self.id = gid
+        self.slots: list[int] = []  # of its requests (``WaitingRequests``), in FCFS order
+        self.place(key, part, feature_sum)
+
+    def place(self, key: GroupKey, part: _Partition, feature_sum: FloatArray) -> None:
+        """Put the group in the next row of ``part`` (anew, after a re-clustering kept its id)."""
         self.key = key
         self.part = part
-        self.row = part.append(gid)
-        self.slots: list[int] = []  # of its requests (``WaitingRequests``), in FCFS order
+        self.row = part.append(self.id)
         self.feature_sum = feature_sum
         self.view: RequestGroup | None = None
 
@@ -387,7 +391,12 @@ class Grouper:
             if entry is None:
                 entry = placed[key] = (_Partition(), [])
             part, members = entry
-            group = _Group(ids[j], key, part, sums[j])
+            # A group that keeps its id keeps its object: fewer new objects for the collector.
+            if j in match:
+                group = old[match[j]]
+                group.place(key, part, sums[j])
+            else:
+                group = _Group(ids[j], key, part, sums[j])
             group.slots = slot_list[begins[j] : ends[j]]
             members.append(j)  # the group's row in its partition: ``group.row``
             groups[group.id] = group
