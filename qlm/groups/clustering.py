@@ -1,7 +1,9 @@
-"""Algorithm 1 of the paper over one partition (one model, tier and SLO class): k-means, then split.
+"""Algorithm 1 of the paper over each partition (one model, tier, SLO class and deadline window):
+k-means, then split; every partition of a re-clustering in one call, numpy over all of them.
 
-Requests are given as rows in FCFS order (arrival, then id), so a row's index is its FCFS rank and
-every group returned lists its rows in ascending order, which is FCFS order.
+Requests are given as rows in FCFS order (arrival, then id) within each partition, partitions one
+after the other, so within a partition a row's index is its FCFS rank and every group lists its
+rows in ascending order, which is FCFS order.
 
 1. ``k = min(ceil(n / max_group_size), k_cap)``, at least 1 and at most the number of distinct
    points. k-means (scikit-learn ``KMeans``, Lloyd, one initialisation, run to strict convergence or
@@ -14,7 +16,7 @@ every group returned lists its rows in ascending order, which is FCFS order.
    and those again, until every group respects the bound (``split_half``).
 
 For stable group ids across re-clusterings the caller may pass ``sample_key`` (a hash of the request
-id: the same requests form the sample each time), ``init`` (the previous centres: k-means starts where
+id: the same requests form the sample each time), ``inits`` (the previous centres: k-means starts where
 it ended) and ``anchors`` (each row's previous group: cuts prefer its boundaries). With all three, an
 unchanged partition gives exactly the same groups again.
 """

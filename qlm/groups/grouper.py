@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import bisect
 import math
+from collections import Counter
 from dataclasses import dataclass
 from itertools import chain
 
@@ -385,11 +386,12 @@ class Grouper:
         groups: dict[str, _Group] = {}
         by_index = np.empty(groups_n, dtype=object)
         placed: dict[GroupKey, tuple[_Partition, list[int]]] = {}
+        per_key = Counter(new_keys)
         for j in sorted(range(groups_n), key=lambda j: int(ids[j][1:])):
             key = new_keys[j]
             entry = placed.get(key)
             if entry is None:
-                entry = placed[key] = (_Partition(), [])
+                entry = placed[key] = (_Partition(per_key[key]), [])
             part, members = entry
             # A group that keeps its id keeps its object: fewer new objects for the collector.
             if j in match:
