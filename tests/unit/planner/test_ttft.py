@@ -277,14 +277,12 @@ def test_a_request_back_with_output_has_had_its_first_token() -> None:
     assert gid is not None and qlm.grouper.group(gid).earliest_ttft_deadline_s is None
 
 
-@pytest.mark.parametrize(("bound", "ttft"), [(2500, 10.0), (0, 10.0), (2500, None)])
-def test_the_agents_keep_few_prompts_waiting_inside_the_engine(
-    bound: int, ttft: float | None
-) -> None:
-    """Six prompts of 1,000 tokens with a TTFT deadline wait and there are slots for all: with
-    at most 2,500 prompt tokens pulled and not yet started the agent pulls two, and two more once
-    the engine has started those; without a bound, or with no first token at stake, it pulls all
-    six at once."""
+@pytest.mark.parametrize(("bound", "chat"), [(2500, True), (0, True), (2500, False)])
+def test_the_agents_keep_few_prompts_waiting_inside_the_engine(bound: int, chat: bool) -> None:
+    """A chat request with a TTFT deadline and six batch prompts of 1,000 tokens wait and there
+    are slots for all: with at most 2,500 prompt tokens pulled and not yet started the agent
+    pulls the chat request and two batch prompts, and two more once the engine has started
+    those; without a bound, or with no first token at stake, it pulls every one at once."""
     from qlm.agents.decide import AgentConfig
 
     agent = AgentConfig(prefill_queue_tokens=bound)
@@ -292,14 +290,19 @@ def test_the_agents_keep_few_prompts_waiting_inside_the_engine(
         PROFILE, config=PlannerConfig.for_simulation(2000, agent=agent), measure_solve_time=False
     )
     inst = InstanceLoad("i0", ("m",), gpu="G", max_running=64)
-    slo = SLO(30.0, ttft)
-    reqs = tuple(make_request(i, arrival_s=0.0, input_tokens=1000, slo=slo) for i in range(6))
+    batch = tuple(
+        make_request(i, arrival_s=0.0, input_tokens=1000, slo=SLO(300.0), tier=Tier.BATCH)
+        for i in range(6)
+    )
+    talk = make_request(9, arrival_s=0.0, input_tokens=200, slo=SLO(20.0, 10.0))
+    reqs = (talk, *batch) if chat else batch
     first = [d.request_id for d in qlm.decide(DispatchContext(0.0, reqs, (inst,)))]
-    if not bound or ttft is None:
-        assert len(first) == 6
+    held = [rid for rid in first if rid != talk.id]
+    if not bound or not chat:
+        assert len(held) == 6
         return
-    assert len(first) == 2
-    busy = dataclasses.replace(inst, outstanding_requests=2, outstanding_tokens=2000)
+    assert talk.id in first and len(held) == 2
+    busy = dataclasses.replace(inst, outstanding_requests=3, outstanding_tokens=2200)
     assert qlm.decide(DispatchContext(0.1, (), (busy,))) == []  # not started yet: no more
     more = qlm.decide(DispatchContext(0.2, (), (busy,), started=tuple(first)))
     assert len(more) == 2 and not {d.request_id for d in more} & set(first)
