@@ -43,6 +43,9 @@ DRIFT_FLOOR = 0.1
 0, and any new request would otherwise look like drift."""
 MIN_NEW_GROUPS = 4
 """Groups created online before their number can signal drift."""
+SCALAR_ROWS = 16
+"""Up to this many groups below the size bound in a request's partition, ``add`` compares them in
+Python floats (cheaper than numpy's per-call cost over so few)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,7 +135,7 @@ class _Partition:
 
 
 class _Group:
-    __slots__ = ("feature_sum", "id", "key", "part", "row", "slots", "view")
+    __slots__ = ("deadlines", "feature_sum", "id", "key", "part", "row", "slots", "view")
 
     def __init__(self, gid: str, key: GroupKey, part: _Partition, feature_sum: FloatArray) -> None:
         self.id = gid
@@ -146,6 +149,8 @@ class _Group:
         self.row = part.append(self.id)
         self.feature_sum = feature_sum
         self.view: RequestGroup | None = None
+        # (earliest end-to-end deadline, earliest first-token deadline or None), while known
+        self.deadlines: tuple[float, float | None] | None = None
 
 
 def _fcfs(request: Request) -> tuple[float, str]:
@@ -186,6 +191,7 @@ class Grouper:
         self._centres: dict[GroupKey, FloatArray] = {}  # last k-means centres, raw units
         self._mult: FloatArray = WEIGHTS / DEFAULT_SCALE
         self._max_log_spread = np.array(self._config.max_log_spread)
+        self._spread_limits = _spread_limits(self._max_log_spread)
         self._next_id = 1
         self._last_recluster_s: float | None = None
         self._first_change_s: float | None = None
@@ -209,6 +215,7 @@ class Grouper:
         """
         self._config = config
         self._max_log_spread = np.array(config.max_log_spread)
+        self._spread_limits = _spread_limits(self._max_log_spread)
 
     def __len__(self) -> int:
         """Number of groups."""
@@ -236,6 +243,30 @@ class Grouper:
         slot = self._waiting.slot_of.get(request_id)
         return None if slot is None else self._group_at(slot).id
 
+    def size(self, gid: str) -> int:
+        """``group(gid).size``, without building the snapshot."""
+        return len(self._get(gid).slots)
+
+    def due(self, gid: str) -> tuple[float, bool]:
+        """``group(gid).due_s``, and whether some member has a first-token deadline, without
+        building the snapshot (kept up to date as requests join)."""
+        group = self._get(gid)
+        if group.deadlines is None:
+            if group.view is not None:
+                view = group.view
+                group.deadlines = (view.earliest_deadline_s, view.earliest_ttft_deadline_s)
+            else:
+                members = self._waiting.request[group.slots]
+                group.deadlines = (
+                    min(r.deadline_s for r in members),
+                    min(
+                        (r.arrival_s + r.slo.ttft_s for r in members if r.slo.ttft_s is not None),
+                        default=None,
+                    ),
+                )
+        e2e, ttft = group.deadlines
+        return (e2e, False) if ttft is None else (min(e2e, ttft), True)
+
     def peek(self, gid: str) -> Request:
         """The request the group serves next (its oldest)."""
         return self._waiting.at(self._get(gid).slots[0])
@@ -261,20 +292,12 @@ class Grouper:
         if part is None:
             part = self._parts[key] = _Partition()
         group: _Group | None = None
-        n = len(part.gids)
-        if n:
-            slo = raw[:BOUNDED_FEATURES]
-            spread = np.maximum(part.hi[:n], slo) - np.minimum(part.lo[:n], slo)
-            ok = (part.sizes[:n] < self._config.max_group_size) & (
-                spread <= self._max_log_spread + 1e-9
-            ).all(axis=1)
-            if ok.any():
-                diff = part.centroids[:n] - x
-                d2 = np.where(ok, (diff * diff).sum(axis=1), np.inf)
-                row = int(d2.argmin())
-                group = self._groups[part.gids[row]]
-                self._online_distance_sum += math.sqrt(float(d2[row]))
-                self._online_distance_n += 1
+        nearest = self._nearest(part, raw, x)
+        if nearest is not None:
+            row, d2 = nearest
+            group = self._groups[part.gids[row]]
+            self._online_distance_sum += math.sqrt(d2)
+            self._online_distance_n += 1
         if group is None:
             group = self._new_group(key, part, np.zeros(len(FEATURES)))
             self._created_online += 1
@@ -426,6 +449,55 @@ class Grouper:
 
     # --- internals -----------------------------------------------------------------------------
 
+    def _nearest(
+        self, part: _Partition, raw: FloatArray, x: FloatArray
+    ) -> tuple[int, float] | None:
+        """The row in ``part`` of the group a request joins (``add``: the nearest of those below
+        ``max_group_size`` within the spread bounds; features ``raw``, scaled ``x``) and its
+        squared distance, or None.
+
+        Up to ``SCALAR_ROWS`` groups below the size bound — a backlog's partitions hold mostly
+        full groups — are compared one by one in Python floats, more in one numpy pass over the
+        partition. Both make the same float operations (the squared distance summed left to
+        right, as numpy sums a row) and take the lowest row among equals: the same choice."""
+        n = len(part.gids)
+        if not n:
+            return None
+        open_rows = (part.sizes[:n] < self._config.max_group_size).nonzero()[0]
+        if len(open_rows) > SCALAR_ROWS:
+            slo = raw[:BOUNDED_FEATURES]
+            spread = np.maximum(part.hi[:n], slo) - np.minimum(part.lo[:n], slo)
+            ok = (part.sizes[:n] < self._config.max_group_size) & (
+                spread <= self._max_log_spread + 1e-9
+            ).all(axis=1)
+            if not ok.any():
+                return None
+            diff = part.centroids[:n] - x
+            d2 = np.where(ok, (diff * diff).sum(axis=1), np.inf)
+            row = int(d2.argmin())
+            return row, float(d2[row])
+        e, t, p, _ = raw.tolist()
+        e_max, t_max, p_max = self._spread_limits
+        x0, x1, x2, x3 = x.tolist()
+        best: tuple[int, float] | None = None
+        for row, (e_hi, t_hi, p_hi), (e_lo, t_lo, p_lo), (c0, c1, c2, c3) in zip(
+            open_rows.tolist(),
+            part.hi[open_rows].tolist(),
+            part.lo[open_rows].tolist(),
+            part.centroids[open_rows].tolist(),
+            strict=True,
+        ):
+            if (
+                max(e_hi, e) - min(e_lo, e) <= e_max
+                and max(t_hi, t) - min(t_lo, t) <= t_max
+                and max(p_hi, p) - min(p_lo, p) <= p_max
+            ):
+                d0, d1, d2, d3 = c0 - x0, c1 - x1, c2 - x2, c3 - x3
+                dist = d0 * d0 + d1 * d1 + d2 * d2 + d3 * d3
+                if best is None or dist < best[1]:
+                    best = (row, dist)
+        return best
+
     def _get(self, gid: str) -> _Group:
         group = self._groups.get(gid)
         if group is None:
@@ -466,6 +538,12 @@ class Grouper:
             np.minimum(part.lo[row], slo, out=part.lo[row])
             np.maximum(part.hi[row], slo, out=part.hi[row])
         group.view = None
+        if group.deadlines is not None:
+            e2e, ttft = group.deadlines
+            if request.slo.ttft_s is not None:
+                due = request.arrival_s + request.slo.ttft_s
+                ttft = due if ttft is None else min(ttft, due)
+            group.deadlines = (min(e2e, request.deadline_s), ttft)
 
     def _detach(self, group: _Group, slot: int) -> None:
         """Bookkeeping after the request in ``slot`` left ``group.slots``: its slot is freed."""
@@ -488,6 +566,7 @@ class Grouper:
         part.lo[row] = slo.min(axis=0)
         part.hi[row] = slo.max(axis=0)
         group.view = None
+        group.deadlines = None
 
     def _view(self, group: _Group) -> RequestGroup:
         if group.view is None:
@@ -581,6 +660,12 @@ class Grouper:
         self._groups_after_recluster = len(groups)
         self._online_distance_sum = 0.0
         self._online_distance_n = 0
+
+
+def _spread_limits(max_log_spread: FloatArray) -> tuple[float, float, float]:
+    """The spread bounds as ``add``'s numpy pass compares them (with its 1e-9 of slack)."""
+    e, t, p = (max_log_spread + 1e-9).tolist()
+    return e, t, p
 
 
 def _match(

@@ -671,11 +671,10 @@ class QlmPolicy:
             entry = self._slots.get(name)
             if entry is None:
                 gids = self.queues.queue(name)
-                admitted = [self.grouper.group(g) for g in gids if g not in self.admission.deferred]
+                deferred = self.admission.deferred
                 entry = self._slots[name] = [
-                    [g.due_s for g in admitted],
-                    sum(self.grouper.group(g).size for g in gids)
-                    + len(self.books.inflight.get(name, {})),
+                    [self.grouper.due(g)[0] for g in gids if g not in deferred],
+                    sum(map(self.grouper.size, gids)) + len(self.books.inflight.get(name, {})),
                     len(gids),
                 ]
             return entry
@@ -687,16 +686,15 @@ class QlmPolicy:
         else:
             target = min(able, key=lambda i: (slots(i.name)[1], i.name))
         deadlines, _, length = entry = slots(target.name)
-        group = self.grouper.group(gid)
-        entry[1] += group.size
+        entry[1] += self.grouper.size(gid)
         entry[2] += 1
         self.admission.deferred.discard(gid)
+        deadline, first_token = self.grouper.due(gid)
         # A first-token deadline is never deferred: held back behind the queue, it is missed.
-        if group.earliest_ttft_deadline_s is None and self._deferred_in(target.name, [gid]):
+        if not first_token and self._deferred_in(target.name, [gid]):
             self.admission.deferred.add(gid)
             self.queues.assign(gid, target.name, length)
             return
-        deadline = group.due_s
         pos = 0
         while pos < len(deadlines) and deadlines[pos] <= deadline:
             pos += 1

@@ -12,6 +12,7 @@ from builders import make_request
 from qlm.domain import SLO, Request, Tier
 from qlm.errors import ConfigError, GroupError
 from qlm.groups import Grouper, GroupingConfig, clustering, default_predict_output
+from qlm.groups import grouper as grouper_module
 from qlm.groups.clustering import split_half
 from qlm.groups.features import group_key, predict_outputs, raw_features
 from qlm.groups.grouper import _fcfs
@@ -240,6 +241,34 @@ def test_a_new_request_joins_the_nearest_compatible_group() -> None:
     assert short != long
     assert grouper.add(make_request(100, input_tokens=80), now=2) == short
     assert grouper.add(make_request(101, input_tokens=3000), now=2) == long
+
+
+def _classify_all(
+    monkeypatch: pytest.MonkeyPatch, scalar_rows: int, requests: list[Request], seed: int
+) -> tuple[list[str], float]:
+    """Every request's group as ``add`` classifies it (some removed and re-clustered between),
+    comparing at most ``scalar_rows`` groups in Python floats; and the drift's distance sum."""
+    monkeypatch.setattr(grouper_module, "SCALAR_ROWS", scalar_rows)
+    rng = random.Random(seed)
+    grouper = Grouper(GroupingConfig(delta=2.0, avg_batch_size=4, deadline_window=0.25))
+    joined = []
+    for k, request in enumerate(requests):
+        joined.append(grouper.add(request, now=k))
+        if rng.random() < 0.2:
+            grouper.remove(rng.choice(requests[: k + 1]).id)
+        if k % 150 == 149:
+            grouper.recluster(now=k)
+    return joined, grouper._online_distance_sum
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_classification_in_python_floats_chooses_as_the_numpy_pass(
+    monkeypatch: pytest.MonkeyPatch, seed: int
+) -> None:
+    requests = mixed_requests(600, seed)
+    numpy_pass = _classify_all(monkeypatch, 0, requests, seed)
+    python_floats = _classify_all(monkeypatch, 10**9, requests, seed)
+    assert python_floats == numpy_pass
 
 
 # --- FCFS, membership, summaries ---------------------------------------------------------------
