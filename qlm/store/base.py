@@ -23,7 +23,7 @@ from sqlalchemy.exc import OperationalError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
 from qlm.errors import QLMError
-from qlm.store.database import WRITE, display, is_memory, make_engine, parse_url
+from qlm.store.database import CONNECT_S, WRITE, display, is_memory, make_engine, parse_url
 from qlm.store.latency import write_tally
 
 if TYPE_CHECKING:
@@ -155,7 +155,7 @@ class StoreBase:
                 return connection
         cargs, cparams = self._engine.dialect.create_connect_args(self._url)
         cparams.pop("context", None)  # SQLAlchemy's adapters: plain psycopg here
-        cparams.setdefault("connect_timeout", 10)
+        cparams.setdefault("connect_timeout", CONNECT_S)
         try:
             return await psycopg.AsyncConnection.connect(*cargs, autocommit=True, **cparams)
         except psycopg.Error as exc:

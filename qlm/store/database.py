@@ -71,11 +71,18 @@ def is_memory(url: URL) -> bool:
     return url.database in (None, "", ":memory:") or url.query.get("mode") == "memory"
 
 
+CONNECT_S = 10
+"""Seconds a PostgreSQL connection attempt may take (``connect_timeout`` in the URL overrides)."""
+
+
 def make_engine(url: URL) -> Engine:
     """An engine for ``url`` (from ``parse_url``) set up as the module docstring says."""
     try:
         if url.get_backend_name() == "postgresql":
-            return create_engine(url, pool_pre_ping=True)
+            # A server that drops packets fails a connect in seconds, not at the OS's TCP
+            # timeout (the API's own connections use the same bound); the URL may set another.
+            timeout = {} if "connect_timeout" in url.query else {"connect_timeout": CONNECT_S}
+            return create_engine(url, pool_pre_ping=True, connect_args=timeout)
         return _sqlite_engine(url)
     except (NoSuchModuleError, ImportError) as exc:
         raise ConfigError(

@@ -165,3 +165,27 @@ def test_batches_are_split_in_power_of_two_runs_and_in_lists_padded() -> None:
     clause = _in(column, ["a", "b", "c"])
     assert clause.right.value == ["a", "b", "c", "c"]  # padded to 4 with the last id
     assert _in(column, ["a"]).right.value == ["a"]
+
+
+@pytest.mark.parametrize(
+    ("url", "expected"),
+    [
+        ("postgresql+psycopg://qlm@db:5432/qlm", {"connect_timeout": 10}),
+        ("postgresql+psycopg://qlm@db:5432/qlm?connect_timeout=3", {}),
+    ],
+)
+def test_a_postgresql_connect_gives_up_after_a_bound_unless_the_url_sets_one(
+    url: str, expected: dict[str, int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytest.importorskip("psycopg")
+    import qlm.store.database as database
+
+    seen: dict[str, object] = {}
+
+    def fake(target: object, **kwargs: object) -> object:
+        seen.update(kwargs)
+        return object()
+
+    monkeypatch.setattr(database, "create_engine", fake)
+    database.make_engine(parse_url(url))
+    assert seen["connect_args"] == expected and seen["pool_pre_ping"] is True
