@@ -108,7 +108,7 @@ class PlannerSettings(BaseModel):
     defer_expensive: bool = True
     """Cost-aware admission: under overload the work of least value per GPU-second waits
     behind the rest (nothing is dropped)."""
-    throughput_floor: float = Field(default=0.95, ge=0, le=1)
+    throughput_floor: float = Field(default=0.0, ge=0, le=1)
     """The concurrency choice keeps each instance serving at least this share of the requests
     arriving per second (or of the most any limit serves, when none keeps up): 0 chooses by SLOs
     met alone (docs/planner.md)."""

@@ -44,11 +44,11 @@ class PlannerConfig:
     max_utilisation: float = 0.95
     concurrency_hysteresis: float = 0.05
     defer_expensive: bool = True
-    throughput_floor: float = 0.95
-    """The concurrency choice keeps each instance serving at least this share of the requests per
-    second its best limit serves (at the arriving mix): 0 chooses by SLOs met alone; 0.95 keeps
-    within 5 % of a full batch's throughput under overload, at the cost of the SLOs a smaller
-    batch meets (experiments/README.md, "Throughput and the concurrency limit")."""
+    throughput_floor: float = 0.0
+    """The concurrency choice keeps each instance serving at least this share of the requests
+    arriving per second plus what clears its queue within a rate window (or of the most any limit
+    serves, when none keeps up): 0 chooses by SLOs met alone; 0.95 keeps up, at the cost of the
+    SLOs a smaller batch meets (experiments/README.md, "Throughput and the concurrency limit")."""
     seed: int = 0
     step_budget_s: float = 0.5
     """With a wall-time ``budget`` (production): what a control step spends on work that can wait
