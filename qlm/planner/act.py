@@ -123,8 +123,8 @@ class Agents:
                 outstanding_tokens=load.outstanding_tokens - parked,
             )
             count, tokens = self._pull_ahead(now, load, inst, acted)
-            queued = self._unstarted_tokens(load.name)
             bound = self._prefill_bound(now, load.name)
+            queued = self._unstarted_tokens(load.name) if math.isfinite(bound) else 0
             while not (count and bounded and self._clock() >= until):
                 req = self.queues.next_request(inst.name)
                 back = min(  # (one of another model waits for its model: ``_tiers``)

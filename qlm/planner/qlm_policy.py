@@ -435,12 +435,11 @@ class QlmPolicy:
     def _clearing_rates(self, family: ProblemFamily) -> dict[str, float]:
         """Per instance, the requests per second that clear its virtual queue within a rate
         window: what the throughput floor adds to the arrivals (``choose_limits``)."""
+        if not self.config.throughput_floor:
+            return {}  # (nothing reads them)
         window = self.config.rate_window_s
         return {
-            inst.name: sum(
-                len(self.grouper.group(g).requests) for g in self.queues.queue(inst.name)
-            )
-            / window
+            inst.name: sum(map(self.grouper.size, self.queues.queue(inst.name))) / window
             for inst in family.instances
         }
 
