@@ -112,6 +112,8 @@ class PlannerSettings(BaseModel):
     """The concurrency choice keeps each instance serving at least this share of the requests
     arriving per second (or of the most any limit serves, when none keeps up): 0 chooses by SLOs
     met alone (docs/planner.md)."""
+    floor_window_s: float = Field(default=300.0, gt=0)
+    """The arrivals the throughput floor keeps up with: their rate over this many seconds."""
     max_utilisation: float = Field(default=0.95, gt=0, le=1)
     rate_window_s: float = Field(default=60.0, gt=0)
     choose_concurrency: bool = True

@@ -78,3 +78,34 @@ class ArrivalWindow:
     def recent(self, key: ClassKey) -> deque[Request]:
         """The latest arrivals of ``key`` in the window (at most ``sample``), oldest first."""
         return self._recent[key]
+
+
+class ArrivalRate:
+    """Arrivals per model over the last ``horizon`` seconds, as a rate: what the throughput floor
+    keeps up with (``qlm.planner.concurrency.choose_limits``). Longer than the fluid model's
+    window: a minute of a bursty trace swings by half around its mean, and a floor that follows
+    the swings picks large batches for bursts it then serves slower."""
+
+    def __init__(self, horizon_s: float) -> None:
+        self.horizon_s = horizon_s
+        self._items: deque[tuple[float, str]] = deque()
+        self._counts: dict[str, int] = {}
+        self.first_s = float("inf")  # the first arrival ever seen
+
+    def add(self, now: float, model: str) -> None:
+        self.first_s = min(self.first_s, now)
+        self._items.append((now, model))
+        self._counts[model] = self._counts.get(model, 0) + 1
+
+    def rates(self, now: float) -> dict[str, float]:
+        """Requests per second of each model that arrived in the last ``horizon_s`` (over the
+        time since the first arrival while that is shorter, one second at least)."""
+        while self._items and self._items[0][0] < now - self.horizon_s:
+            _, model = self._items.popleft()
+            left = self._counts[model] - 1
+            if left:
+                self._counts[model] = left
+            else:
+                del self._counts[model]
+        span = max(min(self.horizon_s, now - self.first_s), 1.0)
+        return {model: n / span for model, n in self._counts.items()}

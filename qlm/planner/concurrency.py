@@ -33,7 +33,6 @@ class Fluid:
     per_output_s: dict[str, float]  # GPU-seconds per output token, per model
     per_input_s: dict[str, float]  # GPU-seconds per prompt token, per model
     rate: float = math.inf  # requests per second served with the instance busy, at this mix
-    arriving: float = math.inf  # requests per second arriving for the instance, at this mix
 
     def cost(self, req: Request, output: float) -> float:
         key = class_of(req)
@@ -158,7 +157,7 @@ def choose_limits(
     current: Mapping[str, int],
     hysteresis: float,
     throughput_floor: float = 0.0,
-    backlog: Mapping[str, float] | None = None,
+    keep_up: Mapping[str, float] | None = None,
 ) -> list[int]:
     """Each instance's concurrency limit: the one whose admitted work meets the most
     expected weighted SLOs per second (``FluidModels.evaluate``; ``choice`` where it has no
@@ -171,10 +170,10 @@ def choose_limits(
     choice flips with the noise of the arrival window (measured on W_B at 1.8×: 74.2 % of
     SLOs met without hysteresis, 76.5 % with 5 %, 75.1 % with 15 %).
 
-    ``throughput_floor`` keeps up: only limits that serve at least that share of the requests
-    arriving per second plus ``backlog`` (per instance, the rate that clears its queue within a
-    rate window) — or, when no limit serves that many, of the most any limit serves (at the
-    arriving mix, the instance busy) — are chosen from; the limit in use needs
+    ``throughput_floor`` keeps up: only limits that serve at least that share of ``keep_up``
+    (per instance, requests per second: those arriving plus the rate that clears its queue
+    within a rate window) — or, when no limit serves that many, of the most any limit serves
+    (at the arriving mix, the instance busy) — are chosen from; the limit in use needs
     ``1 − hysteresis`` of it. A smaller batch meets more SLOs of what it serves and serves fewer
     requests; below the arrival rate the rest waits, and the backlog grows. 0 chooses by SLOs
     met alone."""
@@ -184,9 +183,7 @@ def choose_limits(
             out.append(limit)
             continue
         top = max(f.rate for f in fluids.values())
-        arriving = min(f.arriving for f in fluids.values())
-        arriving += (backlog or {}).get(inst.name, 0.0)
-        need = throughput_floor * min(arriving, top)
+        need = throughput_floor * min((keep_up or {}).get(inst.name, 0.0), top)
         now = current.get(inst.name)
         allowed = {
             b: f
@@ -339,7 +336,6 @@ class FluidModels:
                     per_output,
                     per_input,
                     1.0 / max(mean_cost, 1e-12),
-                    float(np.sum(weights)),
                 )
             out[g] = alike.setdefault(same, fluids)
             self._last[inst.name] = (plan, fluids)

@@ -49,6 +49,8 @@ class PlannerConfig:
     arriving per second plus what clears its queue within a rate window (or of the most any limit
     serves, when none keeps up): 0 chooses by SLOs met alone; 0.95 keeps up, at the cost of the
     SLOs a smaller batch meets (experiments/README.md, "Throughput and the concurrency limit")."""
+    floor_window_s: float = 300.0
+    """The arrivals the throughput floor keeps up with: their rate over this many seconds."""
     seed: int = 0
     step_budget_s: float = 0.5
     """With a wall-time ``budget`` (production): what a control step spends on work that can wait
@@ -87,6 +89,7 @@ class PlannerConfig:
             "min_interval_s",
             "check_interval_s",
             "rate_window_s",
+            "floor_window_s",
             "step_budget_s",
         ):
             value = getattr(self, name)

@@ -46,7 +46,7 @@ from qlm.errors import RequestFailed, check_setting
 from qlm.groups import Grouper, GroupingConfig, PredictOutput, default_predict_output
 from qlm.planner.act import Acted, Agents, estimator_instance
 from qlm.planner.admission import hopeless, in_time
-from qlm.planner.arrivals import ArrivalWindow
+from qlm.planner.arrivals import ArrivalRate, ArrivalWindow
 from qlm.planner.books import AdmissionState, AgentBooks
 from qlm.planner.budget import Clock
 from qlm.planner.concurrency import (
@@ -143,6 +143,7 @@ class QlmPolicy:
         self.admission = AdmissionState()  # what the last plan chose (``qlm.planner.books``)
         self._fixed: int | None = None  # fix_concurrency
         self._arrivals = ArrivalWindow(CLASS_SAMPLE)  # the last rate_window_s
+        self._arrival_rate = ArrivalRate(self.config.floor_window_s)  # (throughput floor only)
         self._slots: dict[str, list[Any]] = {}  # per step: queue deadlines and load, for _place
         self._family_cache: tuple[tuple[float, int], tuple[ProblemFamily, list[list[int]]]] | None
         self._family_cache = None  # per step: the plan problem built for the violation check
@@ -275,6 +276,8 @@ class QlmPolicy:
         back = self.books.take_back(req.id, generated)
         if not back and not generated:  # new: not one coming back to run again
             self._arrivals.add(now, req)
+            if self.config.throughput_floor:
+                self._arrival_rate.add(now, req.model)
         if generated and req.slo.ttft_s is not None:
             # It has had its first token: only its e2e is due.
             req = replace(req, slo=replace(req.slo, ttft_s=None))
@@ -432,16 +435,24 @@ class QlmPolicy:
             for inst, limits in zip(family.instances, family.batches, strict=True)
         ]
 
-    def _clearing_rates(self, family: ProblemFamily) -> dict[str, float]:
-        """Per instance, the requests per second that clear its virtual queue within a rate
-        window: what the throughput floor adds to the arrivals (``choose_limits``)."""
+    def _keep_up_rates(self, now: float, family: ProblemFamily) -> dict[str, float]:
+        """Per instance, the requests per second the throughput floor keeps up with
+        (``choose_limits``): its share of the arrivals of the last ``floor_window_s`` (each
+        model's shared evenly among the instances serving it) plus the rate that clears its
+        virtual queue within a rate window."""
         if not self.config.throughput_floor:
             return {}  # (nothing reads them)
+        rates = self._arrival_rate.rates(now)
         window = self.config.rate_window_s
-        return {
-            inst.name: sum(map(self.grouper.size, self.queues.queue(inst.name))) / window
-            for inst in family.instances
-        }
+        out: dict[str, float] = {}
+        for inst in family.instances:
+            arriving = sum(
+                rates.get(m, 0.0) / max(1, sum(m in i.models for i in family.instances))
+                for m in inst.models
+            )
+            queued = sum(map(self.grouper.size, self.queues.queue(inst.name)))
+            out[inst.name] = arriving + queued / window
+        return out
 
     def _deferred_in(self, name: str, gids: Sequence[str]) -> set[str]:
         """The groups of ``gids`` that ``name``'s admission defers (``defer_expensive``)."""
@@ -542,7 +553,7 @@ class QlmPolicy:
                 self.config.throughput_floor
                 if now - self._arrivals.first_s >= self.config.rate_window_s
                 else 0.0,
-                self._clearing_rates(family),
+                self._keep_up_rates(now, family),
             )
             if choose
             else choice

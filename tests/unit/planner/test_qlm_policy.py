@@ -488,48 +488,36 @@ def test_the_violation_trigger_is_the_risk_the_policy_reports() -> None:
 
 def test_a_throughput_floor_rules_out_the_limits_that_serve_too_few_requests() -> None:
     """Limit 64 meets the most SLOs and serves 80 % of the requests per second that 256 does:
-    under overload (more arriving than any limit serves) it wins unless the floor asks for more
-    than 80 % of the most served, when the best of those left wins; when the arrivals are fewer,
+    under overload (more to keep up with than any limit serves) it wins unless the floor asks
+    for more than 80 % of the most served, when the best of those left wins; when fewer arrive,
     the floor is a share of them, and the smaller limit keeps up with them."""
     from types import SimpleNamespace
 
     from qlm.planner.admission import Admission
     from qlm.planner.concurrency import Fluid, choose_limits
 
-    def fluids_at(arriving: float) -> dict[int, Fluid]:
-        def fluid(value: float, rate: float) -> Fluid:
-            return Fluid(Admission(value, 0.0, 0.0), {}, {}, {}, {}, rate, arriving)
+    def fluid(value: float, rate: float) -> Fluid:
+        return Fluid(Admission(value, 0.0, 0.0), {}, {}, {}, {}, rate)
 
-        return {64: fluid(3.0, 8.0), 128: fluid(2.5, 9.5), 256: fluid(2.0, 10.0)}
+    fluids = {64: fluid(3.0, 8.0), 128: fluid(2.5, 9.5), 256: fluid(2.0, 10.0)}
+    family: Any = SimpleNamespace(instances=(SimpleNamespace(name="i0"),))
 
-    def family_of(name: str) -> Any:
-        return SimpleNamespace(instances=(SimpleNamespace(name=name),))
-
-    def chosen(floor: float, arriving: float, backlog: float = 0.0) -> int:
-        fluids = fluids_at(arriving)
-        family = family_of("i0")
-        [limit] = choose_limits(
-            family,  # type: ignore[arg-type]
-            [fluids],
-            [64],
-            {},
-            0.05,
-            floor,
-            {"i0": backlog},
-        )
+    def chosen(floor: float, keep_up: float, current: int | None = None) -> int:
+        now = {} if current is None else {"i0": current}
+        [limit] = choose_limits(family, [fluids], [64], now, 0.05, floor, {"i0": keep_up})
         return limit
 
     assert chosen(0.0, 12.0) == 64 and chosen(0.8, 12.0) == 64
     assert chosen(0.9, 12.0) == 128 and chosen(0.99, 12.0) == 256
-    # 7 arriving per second: 64 serves them all; 9: only 128 and 256 serve 95 % of them.
+    # 7 to keep up with per second: 64 serves them all; 9: only 128 and 256 serve 95 % of them.
     assert chosen(0.95, 7.0) == 64
     assert chosen(0.95, 9.0) == 128
     assert chosen(0.0, 9.0) == 64
-    # 7 arriving and a backlog to clear at 2 more per second: 9 in all.
-    assert chosen(0.95, 7.0, backlog=2.0) == 128
-    # 8.6 arriving: 64 serves too few (8.0 < 0.95 × 8.6), unless it is the limit in use, which
-    # stays while it serves within the hysteresis of the floor.
-    assert choose_limits(family_of("i0"), [fluids_at(8.6)], [64], {}, 0.05, 0.95) == [128]
-    assert choose_limits(family_of("i0"), [fluids_at(8.6)], [64], {"i0": 64}, 0.05, 0.95) == [64]
+    # 8.6: 64 serves too few (8.0 < 0.95 × 8.6), unless it is the limit in use, which stays
+    # while it serves within the hysteresis of the floor.
+    assert chosen(0.95, 8.6) == 128
+    assert chosen(0.95, 8.6, current=64) == 64
+    # Nothing to keep up with (no rate known for the instance): SLOs alone.
+    assert choose_limits(family, [fluids], [64], {}, 0.05, 0.95) == [64]
     with pytest.raises(ConfigError, match=r"planner\.throughput_floor"):
         PlannerConfig(throughput_floor=1.5)
