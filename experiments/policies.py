@@ -46,6 +46,7 @@ FIXED = "qlm-b"  # qlm-b64: qlm with its concurrency limit fixed at 64 (--fixed-
 NO_DEFER = "qlm-nodefer"  # qlm with cost-aware admission off (--no-defer)
 RATIO = "qlm-ratio"  # qlm-ratio1e9: qlm with GroupingConfig.input_ratio 1e9, the rule off (--input-ratio)
 WEIGHTS = "qlm-w"  # qlm-w1/1/1: qlm with tier weights interactive/standard/batch (--tier-weights)
+FLOOR = "qlm-f"  # qlm-f0.95: qlm with PlannerConfig.throughput_floor 0.95 (--throughput-floor)
 
 
 class OracleEstimator(RCTEstimator):
@@ -65,7 +66,8 @@ def true_output(request: Request) -> float:
 def make_policy(name: str, planner: PlannerConfig, profile: RctProfile | None = None) -> Policy:
     """A policy by name; ``qlm-oracle``, ``qlm-b<N>`` (qlm with its concurrency limit fixed at
     ``N`` instead of chosen by its fluid model), ``qlm-nodefer`` (qlm without cost-aware
-    admission, ``PlannerConfig.defer_expensive`` off) and ``qlm-w<i>/<s>/<b>`` (qlm with those
+    admission, ``PlannerConfig.defer_expensive`` off), ``qlm-f<x>`` (qlm with throughput floor
+    ``x``) and ``qlm-w<i>/<s>/<b>`` (qlm with those
     tier weights) are variants measured by this experiment only."""
     if name.startswith(FIXED):
         policy = QlmPolicy(profile, config=planner)
@@ -79,6 +81,9 @@ def make_policy(name: str, planner: PlannerConfig, profile: RctProfile | None = 
         values = [float(w) for w in name.removeprefix(WEIGHTS).split("/")]
         weights = dict(zip((Tier.INTERACTIVE, Tier.STANDARD, Tier.BATCH), values, strict=True))
         return QlmPolicy(profile, config=dataclasses.replace(planner, tier_weights=weights))
+    if name.startswith(FLOOR):
+        floor = float(name.removeprefix(FLOOR))
+        return QlmPolicy(profile, config=dataclasses.replace(planner, throughput_floor=floor))
     if name == NO_DEFER:
         return QlmPolicy(profile, config=dataclasses.replace(planner, defer_expensive=False))
     if name == ORACLE:
@@ -154,6 +159,11 @@ def main(argv: list[str] | None = None) -> int:
         help="also run qlm with these tier weights, interactive/standard/batch (e.g. 1/1/1)",
     )
     ap.add_argument(
+        "--throughput-floor",
+        default="",
+        help="also run qlm with PlannerConfig.throughput_floor at each of these (e.g. 0.95)",
+    )
+    ap.add_argument(
         "--fixed-concurrency",
         default="",
         help="also run qlm with its concurrency limit fixed at each of these (e.g. 64,128)",
@@ -164,6 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     policies += [NO_DEFER] if args.no_defer else []
     policies += [f"{RATIO}{r.strip()}" for r in args.input_ratio.split(",") if r.strip()]
     policies += [f"{FIXED}{int(b)}" for b in args.fixed_concurrency.split(",") if b.strip()]
+    policies += [f"{FLOOR}{f.strip()}" for f in args.throughput_floor.split(",") if f.strip()]
     policies += [f"{WEIGHTS}{w.strip()}" for w in args.tier_weights.split(",") if w.strip()]
     rows: list[dict[str, Any]] = []
     extra_left = args.extra

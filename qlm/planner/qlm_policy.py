@@ -144,6 +144,7 @@ class QlmPolicy:
         self._fixed: int | None = None  # fix_concurrency
         self._arrivals = ArrivalWindow(CLASS_SAMPLE)  # the last rate_window_s
         self._arrival_rate = ArrivalRate(self.config.floor_window_s)  # (throughput floor only)
+        self._backlogged_since: dict[str, float] = {}  # per instance: its queue held requests
         self._slots: dict[str, list[Any]] = {}  # per step: queue deadlines and load, for _place
         self._family_cache: tuple[tuple[float, int], tuple[ProblemFamily, list[list[int]]]] | None
         self._family_cache = None  # per step: the plan problem built for the violation check
@@ -436,21 +437,28 @@ class QlmPolicy:
         ]
 
     def _keep_up_rates(self, now: float, family: ProblemFamily) -> dict[str, float]:
-        """Per instance, the requests per second the throughput floor keeps up with
-        (``choose_limits``): its share of the arrivals of the last ``floor_window_s`` (each
-        model's shared evenly among the instances serving it) plus the rate that clears its
-        virtual queue within a rate window."""
+        """Per instance whose virtual queue has held requests at every plan of the last
+        ``floor_window_s`` (a sustained overload: a shorter burst is absorbed by the queue), the
+        requests per second the throughput floor keeps up with (``choose_limits``): its share of
+        the arrivals of that window (each model's shared evenly among the instances serving it)
+        plus the rate that clears its virtual queue within a rate window."""
         if not self.config.throughput_floor:
             return {}  # (nothing reads them)
         rates = self._arrival_rate.rates(now)
         window = self.config.rate_window_s
         out: dict[str, float] = {}
         for inst in family.instances:
+            queued = sum(map(self.grouper.size, self.queues.queue(inst.name)))
+            if not queued:
+                self._backlogged_since.pop(inst.name, None)
+                continue
+            since = self._backlogged_since.setdefault(inst.name, now)
+            if now - since < self.config.floor_window_s:
+                continue
             arriving = sum(
                 rates.get(m, 0.0) / max(1, sum(m in i.models for i in family.instances))
                 for m in inst.models
             )
-            queued = sum(map(self.grouper.size, self.queues.queue(inst.name)))
             out[inst.name] = arriving + queued / window
         return out
 

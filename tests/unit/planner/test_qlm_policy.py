@@ -521,3 +521,38 @@ def test_a_throughput_floor_rules_out_the_limits_that_serve_too_few_requests() -
     assert choose_limits(family, [fluids], [64], {}, 0.05, 0.95) == [64]
     with pytest.raises(ConfigError, match=r"planner\.throughput_floor"):
         PlannerConfig(throughput_floor=1.5)
+
+
+def test_the_throughput_floor_applies_once_an_instance_has_been_backlogged_a_whole_window() -> None:
+    """A queue that has held requests at every plan for ``floor_window_s`` is a sustained
+    overload: the floor then keeps up with the window's arrivals plus the rate that clears the
+    queue within a rate window. A shorter burst is left to the queue, and a queue that empties
+    starts the count again."""
+    qlm = policy(
+        throughput_floor=0.95, floor_window_s=100.0, rate_window_s=60.0, defer_expensive=False
+    )
+    qlm.fix_concurrency(64)  # (what it pulls when free: everything)
+    busy = load(max_running=64, outstanding_requests=64, outstanding_tokens=12_800)
+
+    def keep_up(now: float, arrivals: tuple[Request, ...] = ()) -> dict[str, float]:
+        qlm.decide(DispatchContext(now, arrivals, (busy,)))
+        family, _ = qlm._family(now)
+        return qlm._keep_up_rates(now, family)
+
+    first = tuple(make_request(i, arrival_s=0.0, slo=SLO(3600.0)) for i in range(20))
+    assert keep_up(0.0, first) == {}  # (backlogged from now on)
+    later = tuple(make_request(100 + i, arrival_s=60.0, slo=SLO(3600.0)) for i in range(10))
+    assert keep_up(60.0, later) == {}
+    # At 120 s: backlogged for 120 s; of the last 100 s, 10 arrivals (0.1/s); 30 queued.
+    assert keep_up(120.0) == pytest.approx({"i0": 0.1 + 30 / 60})
+    # The instance frees and pulls every request: the queue empties, and the count restarts.
+    qlm.decide(DispatchContext(121.0, (), (load(max_running=64),)))
+    assert not qlm.queues.queue("i0")
+    assert keep_up(122.0) == {}
+    again = tuple(make_request(200 + i, arrival_s=130.0, slo=SLO(3600.0)) for i in range(5))
+    assert keep_up(130.0, again) == {} and keep_up(200.0) == {}
+    assert keep_up(230.0) == pytest.approx({"i0": 5 / 100 + 5 / 60})
+    # Off (0), nothing is tracked and nothing kept up with.
+    off = policy(throughput_floor=0.0)
+    off.decide(DispatchContext(0.0, first, (busy,)))
+    assert off._keep_up_rates(500.0, off._family(500.0)[0]) == {}
