@@ -108,12 +108,14 @@ class PlannerSettings(BaseModel):
     defer_expensive: bool = True
     """Cost-aware admission: under overload the work of least value per GPU-second waits
     behind the rest (nothing is dropped)."""
-    throughput_floor: float = Field(default=0.0, ge=0, le=1)
-    """The concurrency choice keeps each instance serving at least this share of the requests
-    arriving per second (or of the most any limit serves, when none keeps up): 0 chooses by SLOs
-    met alone (docs/planner.md)."""
+    throughput_floor: float = Field(default=0.95, ge=0, le=1)
+    """Under a sustained overload (an instance's queue never empty for ``floor_window_s``) the
+    concurrency choice keeps each instance serving at least this share of the requests arriving
+    per second plus what clears its queue (or of the most any limit serves, when none keeps up):
+    0 chooses by SLOs met alone (docs/planner.md)."""
     floor_window_s: float = Field(default=300.0, gt=0)
-    """The arrivals the throughput floor keeps up with: their rate over this many seconds."""
+    """How long an overload lasts before the throughput floor applies, and the window its
+    arrival rate is counted over."""
     max_utilisation: float = Field(default=0.95, gt=0, le=1)
     rate_window_s: float = Field(default=60.0, gt=0)
     choose_concurrency: bool = True

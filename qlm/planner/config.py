@@ -44,13 +44,16 @@ class PlannerConfig:
     max_utilisation: float = 0.95
     concurrency_hysteresis: float = 0.05
     defer_expensive: bool = True
-    throughput_floor: float = 0.0
-    """The concurrency choice keeps each instance serving at least this share of the requests
-    arriving per second plus what clears its queue within a rate window (or of the most any limit
-    serves, when none keeps up): 0 chooses by SLOs met alone; 0.95 keeps up, at the cost of the
-    SLOs a smaller batch meets (experiments/README.md, "Throughput and the concurrency limit")."""
+    throughput_floor: float = 0.95
+    """Under a sustained overload (an instance's virtual queue never empty for ``floor_window_s``)
+    the concurrency choice keeps the instance serving at least this share of the requests arriving
+    per second plus what clears its queue within that window (or of the most any limit serves,
+    when none keeps up); a shorter burst, and 0, choose by SLOs met alone. A smaller batch meets
+    more SLOs of what it serves and serves fewer: under a sustained overload the backlog grows
+    (experiments/README.md, "Throughput and the concurrency limit")."""
     floor_window_s: float = 300.0
-    """The arrivals the throughput floor keeps up with: their rate over this many seconds."""
+    """How long an overload lasts before the throughput floor applies, and the window over which
+    the arrivals it keeps up with are counted."""
     seed: int = 0
     step_budget_s: float = 0.5
     """With a wall-time ``budget`` (production): what a control step spends on work that can wait

@@ -441,11 +441,11 @@ class QlmPolicy:
         ``floor_window_s`` (a sustained overload: a shorter burst is absorbed by the queue), the
         requests per second the throughput floor keeps up with (``choose_limits``): its share of
         the arrivals of that window (each model's shared evenly among the instances serving it)
-        plus the rate that clears its virtual queue within a rate window."""
+        plus the rate that clears its virtual queue within that window."""
         if not self.config.throughput_floor:
             return {}  # (nothing reads them)
         rates = self._arrival_rate.rates(now)
-        window = self.config.rate_window_s
+        window = self.config.floor_window_s
         out: dict[str, float] = {}
         for inst in family.instances:
             queued = sum(map(self.grouper.size, self.queues.queue(inst.name)))

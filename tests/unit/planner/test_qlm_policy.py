@@ -543,15 +543,16 @@ def test_the_throughput_floor_applies_once_an_instance_has_been_backlogged_a_who
     assert keep_up(0.0, first) == {}  # (backlogged from now on)
     later = tuple(make_request(100 + i, arrival_s=60.0, slo=SLO(3600.0)) for i in range(10))
     assert keep_up(60.0, later) == {}
-    # At 120 s: backlogged for 120 s; of the last 100 s, 10 arrivals (0.1/s); 30 queued.
-    assert keep_up(120.0) == pytest.approx({"i0": 0.1 + 30 / 60})
+    # At 120 s: backlogged for 120 s; of the last 100 s, 10 arrivals (0.1/s); 30 queued,
+    # cleared within the window.
+    assert keep_up(120.0) == pytest.approx({"i0": 0.1 + 30 / 100})
     # The instance frees and pulls every request: the queue empties, and the count restarts.
     qlm.decide(DispatchContext(121.0, (), (load(max_running=64),)))
     assert not qlm.queues.queue("i0")
     assert keep_up(122.0) == {}
     again = tuple(make_request(200 + i, arrival_s=130.0, slo=SLO(3600.0)) for i in range(5))
     assert keep_up(130.0, again) == {} and keep_up(200.0) == {}
-    assert keep_up(230.0) == pytest.approx({"i0": 5 / 100 + 5 / 60})
+    assert keep_up(230.0) == pytest.approx({"i0": 5 / 100 + 5 / 100})
     # Off (0), nothing is tracked and nothing kept up with.
     off = policy(throughput_floor=0.0)
     off.decide(DispatchContext(0.0, first, (busy,)))
