@@ -108,7 +108,7 @@ class PlannerSettings(BaseModel):
     defer_expensive: bool = True
     """Cost-aware admission: under overload the work of least value per GPU-second waits
     behind the rest (nothing is dropped)."""
-    throughput_floor: float = Field(default=0.95, ge=0, le=1)
+    throughput_floor: float = Field(default=0.0, ge=0, le=1)
     """Under a sustained overload (an instance's queue never empty for ``floor_window_s``) the
     concurrency choice keeps each instance serving at least this share of the requests arriving
     per second plus what clears its queue (or of the most any limit serves, when none keeps up):

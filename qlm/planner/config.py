@@ -44,7 +44,7 @@ class PlannerConfig:
     max_utilisation: float = 0.95
     concurrency_hysteresis: float = 0.05
     defer_expensive: bool = True
-    throughput_floor: float = 0.95
+    throughput_floor: float = 0.0
     """Under a sustained overload (an instance's virtual queue never empty for ``floor_window_s``)
     the concurrency choice keeps the instance serving at least this share of the requests arriving
     per second plus what clears its queue within that window (or of the most any limit serves,
