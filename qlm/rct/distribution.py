@@ -13,6 +13,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
+import numpy.typing as npt
+
 from qlm.rct.output_model import OutputBelief, _phi
 
 Z = {0.5: 0.0, 0.9: 1.2815515655446004, 0.95: 1.6448536269514722, 0.99: 2.3263478740408408}
@@ -141,3 +144,31 @@ class GroupEstimate:
     @property
     def predicted_completion_s(self) -> float:
         return self.completion.mean
+
+
+@dataclass(frozen=True, slots=True)
+class QueueEstimates:
+    """The completion of each group of ``instance``'s virtual queue, in queue order, as arrays
+    (``RCTEstimator.estimate_queues``): mean and variance of its normal completion time, and its
+    earliest deadline."""
+
+    instance: str
+    group_ids: tuple[str, ...]
+    mean: npt.NDArray[np.float64]
+    var: npt.NDArray[np.float64]
+    deadline_s: npt.NDArray[np.float64]
+
+    def groups(self) -> list[GroupEstimate]:
+        """One ``GroupEstimate`` per group, in queue order."""
+        return [
+            GroupEstimate(gid, self.instance, k, CompletionDistribution(mean, var), deadline)
+            for k, (gid, mean, var, deadline) in enumerate(
+                zip(
+                    self.group_ids,
+                    self.mean.tolist(),
+                    self.var.tolist(),
+                    self.deadline_s.tolist(),
+                    strict=True,
+                )
+            )
+        ]

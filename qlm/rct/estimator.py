@@ -98,13 +98,14 @@ import numpy.typing as npt
 
 from qlm.domain import Request
 from qlm.rct.calibration import Calibration, Prediction, shrunk
-from qlm.rct.distribution import CompletionDistribution, GroupEstimate
+from qlm.rct.distribution import CompletionDistribution, GroupEstimate, QueueEstimates
 from qlm.rct.output_model import (
     HIST_BINS,
     LengthHistogram,
     OutputBelief,
     cap_moments,
     length_bin,
+    pair_moments,
 )
 from qlm.rct.profile import HardwareProfile, RctProfile
 from qlm.rct.tuning import FILL_SHARE, GROUP_SUMS_MAX, POOL_STRENGTH, PROMPT_BIN_WIDTH
@@ -244,6 +245,43 @@ class GroupLoads:
     last_input_tokens: npt.NDArray[np.float64]
     earliest_ttft_deadline_s: npt.NDArray[np.float64]
     first_input_tokens: npt.NDArray[np.float64]
+    group_ids: tuple[str, ...] = ()
+
+    def take(self, index: Sequence[int] | npt.NDArray[np.int64]) -> GroupLoads:
+        """The groups at ``index`` (e.g. one virtual queue's, in its order)."""
+        at = np.asarray(index, np.int64)
+        return GroupLoads(
+            models=tuple(self.models[k] for k in at.tolist()),
+            size=self.size[at],
+            earliest_deadline_s=self.earliest_deadline_s[at],
+            input_tokens=self.input_tokens[at],
+            output_mean=self.output_mean[at],
+            output_var=self.output_var[at],
+            last_output_mean=self.last_output_mean[at],
+            last_output_var=self.last_output_var[at],
+            last_input_tokens=self.last_input_tokens[at],
+            earliest_ttft_deadline_s=self.earliest_ttft_deadline_s[at],
+            first_input_tokens=self.first_input_tokens[at],
+            group_ids=tuple(self.group_ids[k] for k in at.tolist()) if self.group_ids else (),
+        )
+
+
+def _as_loads(groups: Sequence[GroupLoad]) -> GroupLoads:
+    """``GroupLoad``s as arrays."""
+    return GroupLoads(
+        models=tuple(g.model for g in groups),
+        size=np.array([g.size for g in groups], np.int64),
+        earliest_deadline_s=np.array([g.earliest_deadline_s for g in groups], np.float64),
+        input_tokens=np.array([g.input_tokens for g in groups], np.float64),
+        output_mean=np.array([g.output_mean for g in groups], np.float64),
+        output_var=np.array([g.output_var for g in groups], np.float64),
+        last_output_mean=np.array([g.last_output_mean for g in groups], np.float64),
+        last_output_var=np.array([g.last_output_var for g in groups], np.float64),
+        last_input_tokens=np.array([g.last_input_tokens for g in groups], np.float64),
+        earliest_ttft_deadline_s=np.array([g.earliest_ttft_deadline_s for g in groups], np.float64),
+        first_input_tokens=np.array([g.first_input_tokens for g in groups], np.float64),
+        group_ids=tuple(g.group_id for g in groups),
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -257,6 +295,121 @@ class _GroupRow:
     counts: npt.NDArray[np.float64]
     last: int
     values: tuple[float, ...]  # size, earliest, inputs, last input, earliest TTFT, first input
+
+
+@dataclass
+class _GroupTable:
+    """What ``RCTEstimator.group_loads`` keeps of each group while it is unchanged, one row
+    (slot) per group: its belief lookups (ids into the estimator's registry, with their counts,
+    padded with count 0), its last request's lookup, its sums that do not depend on the beliefs
+    (``_GroupRow.values``) and its model. A plan gathers the rows of its groups; only a group
+    whose snapshot changed is written again, and an ended group's slot is reused."""
+
+    slot_of: dict[str, int] = field(default_factory=dict)
+    snapshot: list[Sequence[Request] | None] = field(default_factory=list)
+    model: list[str] = field(default_factory=list)
+    free: list[int] = field(default_factory=list)
+    length: npt.NDArray[np.int64] = field(default_factory=lambda: np.zeros(0, np.int64))
+    last: npt.NDArray[np.int64] = field(default_factory=lambda: np.zeros(0, np.int64))
+    ids: npt.NDArray[np.int64] = field(default_factory=lambda: np.zeros((0, 1), np.int64))
+    counts: npt.NDArray[np.float64] = field(default_factory=lambda: np.zeros((0, 1)))
+    values: npt.NDArray[np.float64] = field(default_factory=lambda: np.zeros((0, 6)))
+
+    def hit(self, gid: str, requests: Sequence[Request]) -> int | None:
+        """The slot of ``gid`` if it holds this very snapshot."""
+        slot = self.slot_of.get(gid)
+        if slot is not None and self.snapshot[slot] is requests:
+            return slot
+        return None
+
+    def put(self, gid: str, requests: Sequence[Request], row: _GroupRow) -> int:
+        """Write ``gid``'s row (a list snapshot, which may change in place, is never a hit)."""
+        slot = self.slot_of.get(gid)
+        if slot is None:
+            slot = self.free.pop() if self.free else self._grow()
+            self.slot_of[gid] = slot
+        n = len(row.lookups)
+        if n > self.ids.shape[1]:
+            wider = max(n, 2 * self.ids.shape[1])
+            pad = ((0, 0), (0, wider - self.ids.shape[1]))
+            self.ids = np.pad(self.ids, pad)
+            self.counts = np.pad(self.counts, pad)
+        self.ids[slot, :n] = row.lookups
+        self.ids[slot, n:] = 0
+        self.counts[slot, :n] = row.counts
+        self.counts[slot, n:] = 0.0
+        self.length[slot] = n
+        self.last[slot] = row.last
+        self.values[slot] = row.values
+        self.model[slot] = row.model
+        self.snapshot[slot] = requests if isinstance(requests, tuple) else None
+        return slot
+
+    def _grow(self) -> int:
+        slot = len(self.snapshot)
+        if slot == len(self.length):
+            more = max(64, slot)
+            self.length = np.concatenate((self.length, np.zeros(more, np.int64)))
+            self.last = np.concatenate((self.last, np.zeros(more, np.int64)))
+            self.ids = np.concatenate((self.ids, np.zeros((more, self.ids.shape[1]), np.int64)))
+            self.counts = np.concatenate((self.counts, np.zeros((more, self.counts.shape[1]))))
+            self.values = np.concatenate((self.values, np.zeros((more, 6))))
+        self.snapshot.append(None)
+        self.model.append("")
+        return slot
+
+    def drop(self, gid: str) -> None:
+        slot = self.slot_of.pop(gid, None)
+        if slot is not None:
+            self.snapshot[slot] = None
+            self.free.append(slot)
+
+    def clear(self) -> None:
+        self.slot_of.clear()
+        self.free = list(range(len(self.snapshot)))[::-1]
+        self.snapshot = [None] * len(self.snapshot)
+
+
+@dataclass(slots=True)
+class _QueueScalars:
+    """What ``RCTEstimator.estimate_queues`` needs of one queue besides its groups' arrays: the
+    instance's calibration, the sums over its running requests and groups, and per group the
+    terms of its model (hardware, batch, Θ in the batch this mix fills, model switch)."""
+
+    instance: EstimatorInstance
+    loads: GroupLoads
+    n: int = 0
+    wf: float = 1.0
+    ef: float = 1.0
+    redo: float = 1.0
+    center: float | None = None
+    slope: float = 1.0
+    rel_sd: float = 0.0
+    n_running: int = 0
+    free: int = 0
+    refill: float = 0.0
+    ctx_per: float = 0.0
+    hws: tuple[HardwareProfile, ...] = ()  # by model code
+    slots_of: tuple[int, ...] = ()
+    model_code: npt.NDArray[np.int64] = field(default_factory=lambda: np.zeros(0, np.int64))
+    w_in: npt.NDArray[np.float64] = field(default_factory=lambda: np.zeros(0))
+    theta: npt.NDArray[np.float64] = field(default_factory=lambda: np.zeros(0))
+    theta2: npt.NDArray[np.float64] = field(default_factory=lambda: np.zeros(0))
+    slots: npt.NDArray[np.int64] = field(default_factory=lambda: np.zeros(0, np.int64))
+    full: npt.NDArray[np.int64] = field(default_factory=lambda: np.zeros(0, np.int64))
+    switch: npt.NDArray[np.float64] = field(default_factory=lambda: np.zeros(0))
+    prefill_base: npt.NDArray[np.float64] = field(default_factory=lambda: np.zeros(0))
+    prefill_per_token: npt.NDArray[np.float64] = field(default_factory=lambda: np.zeros(0))
+
+    def per_token(self, code: int, batch: int, refilling: bool) -> float:
+        """Time per output token of a group's last request decoding in ``batch``."""
+        hw = self.hws[code]
+        dec = hw.decode_s(batch, _context(hw, batch, self.slots_of[code], self.ctx_per))
+        return shrunk(
+            (dec + (batch * self.refill if refilling else 0.0)) * hw.inefficiency * self.ef,
+            self.center,
+            self.slope,
+        )
 
 
 @dataclass(slots=True)
@@ -314,6 +467,9 @@ class RCTEstimator:
     )
     # ... and the requests seen running: id -> tokens generated when last seen.
     _inflight: dict[tuple[str, str, int], dict[str, int]] = field(default_factory=dict, init=False)
+    # Bumped whenever ``_inflight`` changes: a queue's running requests noted at the same count
+    # are noted already (``estimate_queue`` skips them).
+    _inflight_changes: int = field(default=0, init=False)
     _calibration: dict[str, Calibration] = field(default_factory=dict, init=False)
     _pending: dict[str, Prediction] = field(default_factory=dict, init=False)
     _moments: dict[tuple[str, str, int, int, int, int], tuple[float, float]] = field(
@@ -335,11 +491,10 @@ class RCTEstimator:
     )
     # The same for ``group_loads``: per group its ``_GroupRow``, and the belief lookups' ids
     # (with a request of each to look its moments up with).
-    _group_rows: dict[str, tuple[Sequence[Request], _GroupRow]] = field(
-        default_factory=dict, init=False
-    )
+    _group_rows: _GroupTable = field(default_factory=_GroupTable, init=False)
     _lookup_ids: dict[Hashable, int] = field(default_factory=dict, init=False)
     _lookup_requests: list[Request] = field(default_factory=list, init=False)
+    _lookup_keys: list[tuple[str, str, int, int]] = field(default_factory=list, init=False)
 
     # --- output lengths --------------------------------------------------------------------------
 
@@ -419,34 +574,53 @@ class RCTEstimator:
         running ones and what they generated (the censored outputs ``observe`` counts): every
         estimate passes through here with the instance's running requests."""
         self._censor_all()
-        misses: dict[tuple[str, str, int, int, int], list[int]] = {}
-        requests: dict[tuple[str, str, int, int, int], Request] = {}
+        # per belief (model, class, prompt bin, version): the (cap, generated) pairs missing
+        misses: dict[tuple[str, str, int, int], dict[tuple[int, int], Request]] = {}
         moments, versions = self._moments, self._versions
+        if len(moments) > 100_000:
+            moments.clear()
         for item in items:
             req = item.request
             ib = self._bin(req)
             if item.running:
-                self._inflight.setdefault((req.model, req.slo_class, ib), {})[req.id] = (
-                    item.generated
-                )
-            group = (
-                req.model,
-                req.slo_class,
-                ib,
-                versions.get((req.model, req.slo_class), 0),
-                req.max_tokens,
-            )
-            if (*group, item.generated) not in moments:
-                misses.setdefault(group, []).append(item.generated)
-                requests[group] = req
-        for group, gens in misses.items():
-            if len(gens) < 8:
-                continue  # not worth a batch; the scalar path fills these
-            post = self.posterior(requests[group])
-            uniq = sorted(set(gens))
-            means, variances = post.moments_many(cap=group[4], generated=np.asarray(uniq, float))
-            for g, m, v in zip(uniq, means, variances, strict=True):
-                self._moments[(*group, g)] = (float(m), float(v))
+                self._note_running(req, ib, item.generated)
+            belief = (req.model, req.slo_class, ib, versions.get((req.model, req.slo_class), 0))
+            if (*belief, req.max_tokens, item.generated) not in moments:
+                misses.setdefault(belief, {})[(req.max_tokens, item.generated)] = req
+        self._price(misses)
+
+    def _price(
+        self, misses: dict[tuple[str, str, int, int], dict[tuple[int, int], Request]]
+    ) -> None:
+        """Fill the moments cache for the (cap, generated) pairs of each belief (model, class,
+        prompt bin, version) that missed it: all of a shape-free belief's at once; a NIG's in
+        batches of one cap (the scalar path fills those with fewer than 8)."""
+        moments = self._moments
+        for belief, pairs in misses.items():
+            post = self.posterior(next(iter(pairs.values())))
+            if isinstance(post, LengthHistogram):  # every pair of the belief at once
+                caps, gens = np.array(list(pairs), np.float64).reshape(-1, 2).T
+                means, variances = pair_moments(post.outputs, caps, gens)
+                for (cap, g), m, v in zip(pairs, means.tolist(), variances.tolist(), strict=True):
+                    moments[(*belief, cap, g)] = (m, v)
+                continue
+            by_cap: dict[int, list[int]] = {}
+            for cap, g in pairs:
+                by_cap.setdefault(cap, []).append(g)
+            for cap, gens_of in by_cap.items():
+                if len(gens_of) < 8:
+                    continue  # not worth a batch; the scalar path fills these
+                uniq = sorted(set(gens_of))
+                means, variances = post.moments_many(cap=cap, generated=np.asarray(uniq, float))
+                for g, m, v in zip(uniq, means, variances, strict=True):
+                    moments[(*belief, cap, g)] = (float(m), float(v))
+
+    def _note_running(self, req: Request, ib: int, generated: int) -> None:
+        """Count ``req`` running with ``generated`` tokens (a censored output for its belief)."""
+        seen = self._inflight.setdefault((req.model, req.slo_class, ib), {})
+        if seen.get(req.id) != generated:
+            seen[req.id] = generated
+            self._inflight_changes += 1
 
     def _scan(self, instance: EstimatorInstance, queue: Sequence[Queued]) -> _Scan:
         """The per-request terms of ``queue`` on ``instance``: reused from the last scan of
@@ -757,39 +931,45 @@ class RCTEstimator:
             first_input_tokens=requests[0].input_tokens,
         )
 
-    def _lookup_key(self, r: Request) -> Hashable:
+    def _lookup_key(self, r: Request) -> tuple[str, str, int, int]:
         return (r.model, r.slo_class, self._bin(r), r.max_tokens)
 
     def group_loads(self, groups: Sequence[tuple[str, Sequence[Request]]]) -> GroupLoads:
         """``group_load`` of each of ``groups`` (id, requests in FCFS order), as arrays: the
-        same numbers to the last bit (each group's moments summed in the same order), with the
-        work per request done once while its group is unchanged and the moments looked up once
-        per belief."""
-        if len(self._lookup_requests) > GROUP_SUMS_MAX:  # (rows hold ids into the registry)
-            self._group_rows.clear()
+        same numbers to the last bit (each group's moments summed in the same order). What a
+        group's requests sum to besides the beliefs is kept while the group is unchanged (rows
+        of ``_GroupTable``: a plan gathers them and writes only the groups that changed), and
+        the moments are looked up once per belief, the misses priced every cap at once."""
+        table = self._group_rows
+        if len(self._lookup_requests) > GROUP_SUMS_MAX or len(table.slot_of) >= GROUP_SUMS_MAX:
+            table.clear()  # (rows hold ids into the registry; nobody called keep_group_loads)
             self._lookup_ids.clear()
             self._lookup_requests.clear()
-        rows = [self._group_row(gid, requests) for gid, requests in groups]
-        n = len(rows)
-        lengths = np.array([len(r.lookups) for r in rows], np.int64)
-        width = int(lengths.max(initial=1))
+            self._lookup_keys.clear()
+        n = len(groups)
+        slots = np.empty(n, np.int64)
+        for i, (gid, requests) in enumerate(groups):
+            slot = table.hit(gid, requests)
+            if slot is None:
+                slot = table.put(gid, requests, self._group_row(gid, requests))
+            slots[i] = slot
+        lengths = table.length[slots]
+        width = max(int(lengths.max(initial=1)), 1)
+        ids = table.ids[slots, :width]
+        counts = table.counts[slots, :width]
         present = np.arange(width)[None, :] < lengths[:, None]
-        ids = np.zeros((n, width), np.int64)
-        counts = np.zeros((n, width))
-        if n:
-            ids[present] = np.concatenate([r.lookups for r in rows])
-            counts[present] = np.concatenate([r.counts for r in rows])
-        last = np.array([r.last for r in rows], np.int64)
+        last = table.last[slots]
         used = np.unique(np.concatenate([ids[present], last]))
         mean = np.zeros(len(self._lookup_requests))
         var = np.zeros(len(self._lookup_requests))
         self._fill_moments(used.tolist(), mean, var)
         # (running totals along each row, as group_load adds: padding adds 0 × a moment)
-        o_mean = np.cumsum(counts * mean[ids], axis=1)[:, -1]
-        o_var = np.cumsum(counts * var[ids], axis=1)[:, -1]
-        values = np.array([r.values for r in rows], np.float64).reshape(n, 6)
+        o_mean = np.cumsum(counts * mean[ids], axis=1)[:, -1] if n else np.zeros(0)
+        o_var = np.cumsum(counts * var[ids], axis=1)[:, -1] if n else np.zeros(0)
+        values = table.values[slots]
+        models = table.model
         return GroupLoads(
-            models=tuple(r.model for r in rows),
+            models=tuple([models[s] for s in slots.tolist()]),
             size=values[:, 0].astype(np.int64),
             earliest_deadline_s=values[:, 1],
             input_tokens=values[:, 2],
@@ -800,6 +980,7 @@ class RCTEstimator:
             last_input_tokens=values[:, 3],
             earliest_ttft_deadline_s=values[:, 4],
             first_input_tokens=values[:, 5],
+            group_ids=tuple(gid for gid, _ in groups),
         )
 
     def _fill_moments(
@@ -808,31 +989,34 @@ class RCTEstimator:
         """``mean[k], var[k] = output_moments(_lookup_requests[k])`` for each of ``ids``: from
         the cache, and the misses (all of them after a completion moved a belief) priced per
         belief, every cap at once (``cap_moments``, the same numbers)."""
-        misses: dict[tuple[str, str, int, int], list[int]] = {}
+        moments, versions, keys = self._moments, self._versions, self._lookup_keys
+        if len(moments) > 100_000:
+            moments.clear()
+        misses: dict[tuple[str, str, int, int], list[tuple[int, _MomentsKey]]] = {}
         beliefs: dict[tuple[str, str, int, int], LengthHistogram] = {}
         for k in ids:
-            req = self._lookup_requests[k]
-            key = self._moments_key(req)
-            hit = self._moments.get(key)
+            model, cls, ib, cap = keys[k]
+            key = (model, cls, ib, versions.get((model, cls), 0), cap, 0)
+            hit = moments.get(key)
             if hit is not None:
                 mean[k], var[k] = hit
                 continue
-            post = self.posterior(req)
-            if not isinstance(post, LengthHistogram):
-                mean[k], var[k] = self.output_moments(req)
-                continue
             belief = key[:4]  # (model, class, prompt bin, version): one posterior
-            misses.setdefault(belief, []).append(k)
-            beliefs[belief] = post
-        if len(self._moments) > 100_000:
-            self._moments.clear()
+            missed = misses.get(belief)
+            if missed is None:
+                post = self.posterior(self._lookup_requests[k])
+                if not isinstance(post, LengthHistogram):
+                    mean[k], var[k] = self.output_moments(self._lookup_requests[k])
+                    continue
+                beliefs[belief] = post
+                missed = misses[belief] = []
+            missed.append((k, key))
         for belief, ks in misses.items():
-            reqs = [self._lookup_requests[k] for k in ks]
-            caps = np.array([r.max_tokens for r in reqs], np.float64)
+            caps = np.array([key[4] for _, key in ks], np.float64)
             means, variances = cap_moments(beliefs[belief].outputs, caps)
-            for k, r, m, v in zip(ks, reqs, means.tolist(), variances.tolist(), strict=True):
+            for (k, key), m, v in zip(ks, means.tolist(), variances.tolist(), strict=True):
                 mean[k], var[k] = m, v
-                self._moments[self._moments_key(r)] = (m, v)
+                moments[key] = (m, v)
 
     def _moments_key(self, request: Request, generated: int = 0) -> _MomentsKey:
         """``output_moments``' cache key."""
@@ -846,14 +1030,11 @@ class RCTEstimator:
         )
 
     def _group_row(self, gid: str, requests: Sequence[Request]) -> _GroupRow:
-        hit = self._group_rows.get(gid)
-        if hit is not None and hit[0] is requests:
-            return hit[1]
         if not requests:
             raise ValueError(f"group {gid} is empty")
         sums = _group_sums(requests, self._lookup_key)
         last = requests[-1]
-        row = _GroupRow(
+        return _GroupRow(
             requests[0].model,
             np.array([self._lookup_id(r) for r, _ in sums.lookups], np.int64),
             np.array([float(count) for _, count in sums.lookups]),
@@ -867,11 +1048,6 @@ class RCTEstimator:
                 requests[0].input_tokens,
             ),
         )
-        if isinstance(requests, tuple):  # (a list may change in place: not kept)
-            if len(self._group_rows) >= GROUP_SUMS_MAX:  # nobody called keep_group_loads
-                self._group_rows.clear()
-            self._group_rows[gid] = (requests, row)
-        return row
 
     def _lookup_id(self, r: Request) -> int:
         """The id of ``r``'s belief lookup (its moments with nothing generated yet)."""
@@ -880,6 +1056,7 @@ class RCTEstimator:
         if k is None:
             k = self._lookup_ids[key] = len(self._lookup_requests)
             self._lookup_requests.append(r)
+            self._lookup_keys.append(key)
         return k
 
     def keep_group_loads(self, group_ids: Iterable[str]) -> None:
@@ -888,13 +1065,13 @@ class RCTEstimator:
         keep = set(group_ids)
         for gid in [g for g in self._group_sums if g not in keep]:
             del self._group_sums[gid]
-        for gid in [g for g in self._group_rows if g not in keep]:
-            del self._group_rows[gid]
+        for gid in [g for g in self._group_rows.slot_of if g not in keep]:
+            self._group_rows.drop(gid)
 
     def estimate_queue(
         self,
         instance: EstimatorInstance,
-        groups: Sequence[GroupLoad],
+        groups: Sequence[GroupLoad] | GroupLoads,
         now: float,
         *,
         running: Sequence[Queued] = (),
@@ -902,112 +1079,264 @@ class RCTEstimator:
         """Completion of each group of a virtual queue, in order, behind the running requests.
 
         The same model as ``estimate_requests`` at group granularity: a group's last request waits
-        for the work of every group ahead and of its own group but itself.
+        for the work of every group ahead and of its own group but itself. ``groups``: their
+        ``GroupLoad``s, or their aggregates as arrays (``group_loads``, ``GroupLoads.take``).
         """
+        return self.estimate_queues([(instance, groups, running)], now)[0].groups()
+
+    def estimate_queues(
+        self,
+        queues: Sequence[
+            tuple[EstimatorInstance, Sequence[GroupLoad] | GroupLoads, Sequence[Queued]]
+        ],
+        now: float,
+    ) -> list[QueueEstimates]:
+        """``estimate_queue`` of each virtual queue (instance, groups in order, running requests),
+        all at once: the groups of every queue are scanned as arrays, one row per queue (running
+        sums along each row), and the numbers are those of a scan group by group, to the last
+        bit."""
+        rows: list[_QueueScalars] = []
+        for instance, groups, running in queues:
+            rows.append(self._queue_scalars(instance, groups, running))
+        out = [
+            QueueEstimates(r.instance.name, (), np.zeros(0), np.zeros(0), np.zeros(0)) for r in rows
+        ]
+        live = [q for q, r in enumerate(rows) if r.n]
+        if not live:
+            return out
+        n_of = np.array([rows[q].n for q in live])
+        width = int(n_of.max())
+        row = np.repeat(np.arange(len(live)), n_of)  # per group, its queue's row
+        col = np.concatenate([np.arange(n) for n in n_of.tolist()])  # and its place in it
+
+        def cat(name: str) -> npt.NDArray[Any]:
+            return np.concatenate([getattr(rows[q].loads, name) for q in live])
+
+        def per_group(name: str) -> npt.NDArray[np.float64]:
+            return np.concatenate([getattr(rows[q], name) for q in live])
+
+        def per_queue(name: str) -> npt.NDArray[Any]:
+            return np.array([getattr(rows[q], name) for q in live])[row]
+
+        def running_sum(x: npt.NDArray[Any], *, inclusive: bool) -> npt.NDArray[Any]:
+            """Along each queue, the sum of ``x`` over the groups before (or up to) each."""
+            grid = np.zeros((len(live), width + 1), x.dtype)
+            grid[row, col + 1] = x
+            at: npt.NDArray[Any] = np.cumsum(grid, axis=1)[row, col + 1 if inclusive else col]
+            return at
+
+        size = cat("size")
+        inputs, out_mean, out_var = cat("input_tokens"), cat("output_mean"), cat("output_var")
+        last_mean, last_var = cat("last_output_mean"), cat("last_output_var")
+        last_in = cat("last_input_tokens")
+        theta, theta2 = per_group("theta"), per_group("theta2")
+        wf, n_running, free = per_queue("wf"), per_queue("n_running"), per_queue("free")
+        switches = running_sum(per_group("switch"), inclusive=True)
+        # Everything of a group but its last request ...
+        own_out = (out_mean - last_mean) / theta
+        w_in = per_group("w_in") * per_queue("redo")
+        own = (inputs - last_in) * w_in + own_out
+        own_var = (out_var - last_var) / theta2
+        ahead = n_running + running_sum(size, inclusive=False)  # requests ahead of each group
+        room = np.maximum(free - 1 - (ahead - n_running), 0)  # exempt places left before it
+        many = size > 1
+        share = np.where(many, np.minimum(room, size - 1) / np.where(many, size - 1, 1), 0.0)
+        before_last = ahead + size - 1  # requests ahead of the group's last request
+        # ... then the last request itself: what each group adds for those behind it.
+        last_out, last_w = last_mean / theta, last_var / theta2
+        whole = room > size - 1
+        waiting = running_sum(own + last_in * w_in + last_out, inclusive=False)
+        waiting_var = running_sum(own_var + last_w, inclusive=False)
+        exempt = running_sum(share * own_out + np.where(whole, last_out, 0.0), inclusive=False)
+        exempt_var = running_sum(share * own_var + np.where(whole, last_w, 0.0), inclusive=False)
+        wait = (waiting + own - exempt - share * own_out) * wf + switches
+        wait_var = (waiting_var + own_var - exempt_var - share * own_var) * wf * wf
+        refilling = before_last - n_running >= 1
+        batch = np.minimum(
+            before_last + 1, np.where(refilling, per_group("full"), per_group("slots"))
+        ).astype(np.int64)
+        # The time per token of a group's last request depends on the batch it decodes in: a
+        # few distinct batches along a queue (it fills, then stays full).
+        key = np.stack([row, per_group("model_code").astype(np.int64), batch, refilling], 1)
+        distinct, which = np.unique(key, axis=0, return_inverse=True)
+        per_token = np.array(
+            [rows[live[r]].per_token(m, b, bool(f)) for r, m, b, f in distinct.tolist()]
+        )
+        d = per_token[which.reshape(-1)]
+        prefill = per_group("prefill_base") + per_group("prefill_per_token") * last_in
+        mean = now + wait + prefill + last_mean * d
+        var = wait_var + (per_queue("rel_sd") * wait) ** 2 + last_var * d * d
+        deadlines = cat("earliest_deadline_s")
+        start = 0
+        for q, n in zip(live, n_of.tolist(), strict=True):
+            at = slice(start, start + n)
+            name, ids = rows[q].instance.name, rows[q].loads.group_ids
+            out[q] = QueueEstimates(name, ids, mean[at], var[at], deadlines[at])
+            start += n
+        return out
+
+    def _queue_scalars(
+        self,
+        instance: EstimatorInstance,
+        groups: Sequence[GroupLoad] | GroupLoads,
+        running: Sequence[Queued],
+    ) -> _QueueScalars:
+        """One queue's part of ``estimate_queues``: notes its running requests, reads the
+        instance's calibration and sums what the estimates of its groups share."""
         self._epoch += 1  # (the running requests' tokens noted here may differ from a scan's)
-        self._prefetch_moments(running)
         self.watch(instance)
         cal = self._cal(instance.name)
+        tokens, remaining_running, mix_prompt, mix_output = self._running_sums(instance, running)
+        loads = groups if isinstance(groups, GroupLoads) else _as_loads(groups)
+        n = len(loads.models)
+        if n == 0:
+            return _QueueScalars(instance, loads)
+        if len(loads.group_ids) != n:
+            raise ValueError("estimate_queue needs the groups' ids (GroupLoads.group_ids)")
         wf, ef = cal.wait_factor(), cal.eps_factor()
         redo = 1.0 + cal.preemption_rate()  # prompts recomputed after preemptions, as for requests
         center, slope = cal.shrink()
         rel_sd = max(cal.wait_rel_sd(), self.min_rel_sd)
-        waiting = waiting_var = 0.0  # work of the groups ahead, all of it waiting
-        count = 0
-        tokens = remaining_running = 0.0
-        mix_prompt = mix_output = 0.0
-        # Sums over the running requests (the hot loop after a completion: thousands of them).
-        work_in: dict[str, float] = {}
-        moments, versions, by_prompt = self._moments, self._versions, self.by_prompt
-        for item in running:
-            req = item.request
-            w_in = work_in.get(req.model)
-            if w_in is None:
-                hw = self.profile.hardware_for(req.model, instance.gpu, instance.gpu_count)
-                w_in = work_in[req.model] = hw.input_token_work_s
-            version = versions.get((req.model, req.slo_class), 0)
-            # prompt_bin, inlined (one bin for all without by_prompt)
-            ib = int(math.log1p(req.input_tokens) / PROMPT_BIN_WIDTH) if by_prompt else 0
-            hit = moments.get(
-                (req.model, req.slo_class, ib, version, req.max_tokens, item.generated)
-            )
-            m = hit[0] if hit is not None else self.output_moments(req, item.generated)[0]
-            tokens += req.input_tokens + item.generated + m
-            remaining_running += m
-            mix_prompt += req.input_tokens * w_in
-            mix_output += item.generated + m
-            count += 1
-        n_running = count
-        for g in groups:
-            hw = self.profile.hardware_for(g.model, instance.gpu, instance.gpu_count)
-            mix_prompt += g.input_tokens * hw.input_token_work_s
-            mix_output += g.output_mean
+        n_running = len(running)
+        names = tuple(dict.fromkeys(loads.models))
+        hws = tuple(self.profile.hardware_for(m, instance.gpu, instance.gpu_count) for m in names)
+        if len(names) == 1:
+            code = np.zeros(n, np.int64)
+        else:
+            index = {m: c for c, m in enumerate(names)}
+            code = np.array([index[m] for m in loads.models], np.int64)
+
+        def by_model(values: Sequence[float]) -> npt.NDArray[Any]:
+            return np.array(values)[code]
+
+        w_in = by_model([hw.input_token_work_s for hw in hws])
+        # Sums along the queue, added in its order after the running requests' (as a scan adds).
+        mix_prompt = float(np.cumsum(np.concatenate(([mix_prompt], loads.input_tokens * w_in)))[-1])
+        mix_output = float(np.cumsum(np.concatenate(([mix_output], loads.output_mean)))[-1])
         refill = redo * mix_prompt / max(mix_output, 1.0)
-        total_tokens = tokens + sum(g.input_tokens + g.output_mean for g in groups)
-        total_count = count + sum(g.size for g in groups)
+        total_tokens = tokens + sum((loads.input_tokens + loads.output_mean).tolist())
+        total_count = n_running + sum(loads.size.tolist())
         # Outputs yet to come count half toward the KV footprint over a request's decode.
-        remaining = sum(g.output_mean for g in groups) + remaining_running
+        remaining = sum(loads.output_mean.tolist()) + remaining_running
         ctx_per = (total_tokens - 0.5 * remaining) / max(total_count, 1)
         # The KV footprint per request the batch shows now (prompt and tokens generated so far):
         # what the output work is scaled by (as for requests; the queue's own expected outputs
         # lag a drifting mix).
         footprint = (tokens - remaining_running) / n_running if n_running else ctx_per
-        model = instance.active_model
-        switches = 0.0
-        out: list[GroupEstimate] = []
-        # As for requests: the first waiting requests that find a free slot cost only their
-        # prefill (their output work is ``exempt``); the rest wait for the drain.
-        free: int | None = None
-        exempt = exempt_var = 0.0
-        theta_by_model: dict[str, float] = {}  # Θ in the batch this mix fills
-        for pos, g in enumerate(groups):
-            hw = self.profile.hardware_for(g.model, instance.gpu, instance.gpu_count)
-            slots = self.slots(hw, total_tokens / max(total_count, 1))
-            full = int(min(slots, _sustained(hw, refill)))
-            if free is None:
-                free = max(slots - n_running, 0)
-            if g.model != model:
-                switches += self._load_s(hw, instance)
-                model = g.model
-            theta = theta_by_model.get(g.model)
-            if theta is None:
-                scale = _output_work_scale(hw, slots, footprint)
-                theta = theta_by_model[g.model] = hw.throughput_tps / scale
-            # Everything of the group but its last request ...
-            own_out = (g.output_mean - g.last_output_mean) / theta
-            w_in = hw.input_token_work_s * redo
-            own = (g.input_tokens - g.last_input_tokens) * w_in + own_out
-            own_var = (g.output_var - g.last_output_var) / theta**2
-            room = max(free - 1 - (count - n_running), 0)  # exempt places left before it
-            share = min(room, g.size - 1) / (g.size - 1) if g.size > 1 else 0.0
-            before_last = count + g.size - 1  # requests ahead of the group's last request
-            wait = (waiting + own - exempt - share * own_out) * wf + switches
-            wait_var = (waiting_var + own_var - exempt_var - share * own_var) * wf * wf
-            refilling = before_last - n_running >= 1
-            batch = min(before_last + 1, full if refilling else slots)
-            dec = hw.decode_s(batch, _context(hw, batch, slots, ctx_per))
-            d = shrunk(
-                (dec + (batch * refill if refilling else 0.0)) * hw.inefficiency * ef, center, slope
-            )
-            mean = now + wait + hw.prefill_s(g.last_input_tokens) + g.last_output_mean * d
-            var = wait_var + (rel_sd * wait) ** 2 + g.last_output_var * d * d
-            out.append(
-                GroupEstimate(
-                    g.group_id,
-                    instance.name,
-                    pos,
-                    CompletionDistribution(mean, var),
-                    g.earliest_deadline_s,
+        per_request = total_tokens / max(total_count, 1)
+        slots = tuple(self.slots(hw, per_request) for hw in hws)
+        full = [int(min(s, _sustained(hw, refill))) for s, hw in zip(slots, hws, strict=True)]
+        theta = [
+            hw.throughput_tps / _output_work_scale(hw, s, footprint)
+            for s, hw in zip(slots, hws, strict=True)
+        ]
+        # Model switches along the queue: the load time where the model changes.
+        switch = np.zeros(n)
+        if len(names) == 1:
+            if names[0] != instance.active_model:
+                switch[0] = self._load_s(hws[0], instance)
+        else:
+            model = instance.active_model
+            for k, m in enumerate(loads.models):
+                if m != model:
+                    switch[k] = self._load_s(hws[int(code[k])], instance)
+                    model = m
+        return _QueueScalars(
+            instance,
+            loads,
+            n,
+            wf=wf,
+            ef=ef,
+            redo=redo,
+            center=center,
+            slope=slope,
+            rel_sd=rel_sd,
+            n_running=n_running,
+            # As for requests: the first waiting requests that find a free slot cost only
+            # their prefill (their output work is exempt); the rest wait for the drain.
+            free=max(slots[int(code[0])] - n_running, 0),
+            refill=refill,
+            ctx_per=ctx_per,
+            hws=hws,
+            slots_of=slots,
+            model_code=code,
+            w_in=w_in,
+            theta=by_model(theta),
+            theta2=by_model([t**2 for t in theta]),
+            slots=by_model(slots).astype(np.int64),
+            full=by_model(full).astype(np.int64),
+            switch=switch,
+            prefill_base=by_model([hw.prefill_base_s for hw in hws]),
+            prefill_per_token=by_model([hw.prefill_per_token_s for hw in hws]),
+        )
+
+    def _running_sums(
+        self, instance: EstimatorInstance, running: Sequence[Queued]
+    ) -> tuple[float, float, float, float]:
+        """Over the running requests of ``instance``, added in their order: tokens (prompt,
+        generated and expected rest), the expected rest alone, prompt work and output tokens
+        (generated and expected rest). Notes each running request and what it generated (the
+        censored outputs ``observe`` counts), as ``_prefetch_moments`` does, in the same pass,
+        and prices the moments the cache misses per belief at once."""
+        if not running:
+            return 0.0, 0.0, 0.0, 0.0
+        self._censor_all()
+        moments, inflight, by_prompt = self._moments, self._inflight, self.by_prompt
+        if len(moments) > 100_000:
+            moments.clear()
+        inputs: list[int] = []
+        generated: list[int] = []
+        mean: list[float] = []
+        w_in: list[float] = []
+        classes: dict[tuple[str, str], tuple[int, float]] = {}  # version, prompt work per token
+        misses: dict[tuple[str, str, int, int], dict[tuple[int, int], Request]] = {}
+        missed: list[int] = []
+        changes = 0
+        for k, item in enumerate(running):
+            req = item.request
+            model, cls, gen = req.model, req.slo_class, item.generated
+            known = classes.get((model, cls))
+            if known is None:
+                hw = self.profile.hardware_for(model, instance.gpu, instance.gpu_count)
+                known = classes[(model, cls)] = (
+                    self._versions.get((model, cls), 0),
+                    hw.input_token_work_s,
                 )
-            )
-            # ... then the last request itself.
-            last_out, last_var = g.last_output_mean / theta, g.last_output_var / theta**2
-            waiting += own + g.last_input_tokens * w_in + last_out
-            waiting_var += own_var + last_var
-            exempt += share * own_out + (last_out if room > g.size - 1 else 0.0)
-            exempt_var += share * own_var + (last_var if room > g.size - 1 else 0.0)
-            count += g.size
-        return out
+            # prompt_bin, inlined (one bin for all without by_prompt)
+            ib = int(math.log1p(req.input_tokens) / PROMPT_BIN_WIDTH) if by_prompt else 0
+            if item.running:  # (_note_running, inlined)
+                seen = inflight.get((model, cls, ib))
+                if seen is None:
+                    seen = inflight[(model, cls, ib)] = {}
+                if seen.get(req.id) != gen:
+                    seen[req.id] = gen
+                    changes += 1
+            hit = moments.get((model, cls, ib, known[0], req.max_tokens, gen))
+            if hit is None:
+                missed.append(k)
+                misses.setdefault((model, cls, ib, known[0]), {})[(req.max_tokens, gen)] = req
+                mean.append(0.0)
+            else:
+                mean.append(hit[0])
+            inputs.append(req.input_tokens)
+            generated.append(gen)
+            w_in.append(known[1])
+        self._inflight_changes += changes
+        if missed:
+            self._price(misses)
+            for k in missed:
+                item = running[k]
+                mean[k] = self.output_moments(item.request, item.generated)[0]
+        m = np.array(mean)
+        g = np.array(generated, np.float64)
+        p = np.array(inputs, np.float64)
+        # (running totals, as a loop adds them one request at a time)
+        return (
+            float(np.cumsum(p + g + m)[-1]),
+            float(np.cumsum(m)[-1]),
+            float(np.cumsum(p * np.array(w_in))[-1]),
+            float(np.cumsum(g + m)[-1]),
+        )
 
     # --- learning --------------------------------------------------------------------------------
 
@@ -1032,7 +1361,8 @@ class RCTEstimator:
         if key not in self._posteriors:  # the prior, on the first observation
             self._pooled(key, request.model)
         post = self._posteriors[key] = self._posteriors[key].update(output_tokens)
-        self._inflight.get(ck, {}).pop(request.id, None)
+        if self._inflight.get(ck, {}).pop(request.id, None) is not None:
+            self._inflight_changes += 1
         if isinstance(post, LengthHistogram):
             counts = self._bin_counts.get(ck)
             if counts is None:
@@ -1070,3 +1400,4 @@ class RCTEstimator:
             for inflight in self._inflight.values():
                 if inflight.pop(rid, None) is not None:
                     self._epoch += 1  # a scan noted it running: scan again
+                    self._inflight_changes += 1

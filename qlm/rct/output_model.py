@@ -435,5 +435,40 @@ def cap_moments(
     return np.where(done, 0.0, mean), np.where(done, 0.0, var)
 
 
+def pair_moments(
+    outputs: npt.NDArray[np.float64],
+    caps: npt.NDArray[np.float64],
+    generated: npt.NDArray[np.float64],
+) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.float64]]:
+    """``_sample_moments(outputs, caps[i], [generated[i]])`` for each pair ``i`` at once: the
+    moments of many requests of one belief, each with its own cap and tokens generated (the
+    running requests after a completion moved the belief). The same numbers to the last bit: one
+    row of suffix sums per distinct cap, added in the same order as the one-cap version's, read
+    at each request's first output ≥ ``g``."""
+    caps = np.asarray(caps, np.float64)
+    g = np.asarray(generated, np.float64)
+    n = len(outputs)
+    first = np.searchsorted(outputs, g, side="left")  # the first output ≥ g
+    count = n - first
+    alive = count > 0
+    s1 = np.zeros(len(caps))
+    s2 = np.zeros(len(caps))
+    if n and alive.any():
+        uniq, row = np.unique(caps, return_inverse=True)
+        capped = np.minimum(outputs[None, :], uniq[:, None])
+        col = np.where(alive, n - 1 - first, 0)
+        # suffix sums from the end, as ``_sample_moments`` takes them
+        s1 = np.where(alive, np.cumsum(capped[:, ::-1], axis=1)[row, col], 0.0)
+        s2 = np.where(alive, np.cumsum((capped * capped)[:, ::-1], axis=1)[row, col], 0.0)
+    safe = np.maximum(count, 1)
+    m1 = s1 / safe
+    mean = m1 - g
+    var = np.maximum(s2 / safe - m1 * m1, 0.0)
+    mean = np.where(alive, mean, np.minimum(np.maximum(caps - g, 0.0), 1.0))
+    var = np.where(alive, var, 0.0)
+    done = caps <= g
+    return np.where(done, 0.0, mean), np.where(done, 0.0, var)
+
+
 OutputBelief = NIG | LengthHistogram
 """What the estimator believes about a (model, SLO class)'s output lengths."""

@@ -7,7 +7,7 @@ import copy
 import itertools
 import json
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, replace
 from typing import Any
 
@@ -1192,3 +1192,67 @@ def test_group_loads_are_group_load_of_each_group_to_the_last_bit(by_prompt: boo
             ):  # fmt: skip
                 assert float(getattr(loads, name)[k]) == float(getattr(one, name)), name
     assert len(est.group_loads([]).size) == 0
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_group_loads_kept_through_random_churn_are_a_rebuild_to_the_last_bit(seed: int) -> None:
+    """Groups grow at the tail, lose their head, end, start, reorder and arrive as lists, and
+    completions move the beliefs: what ``group_loads`` keeps per group always gives the numbers
+    a fresh estimator with the same beliefs computes from the requests."""
+    rng = np.random.default_rng(seed)
+    est = RCTEstimator(estimator().profile, by_prompt=seed % 2 == 1)
+    beliefs: list[tuple[Request, int]] = []  # the completions, replayed into each fresh one
+    serial = iter(range(10**6))
+
+    def request(g: int) -> Request:
+        return make_request(
+            next(serial),
+            slo_class=("a", "b")[g % 2],
+            input_tokens=int(rng.integers(10, 4000)),
+            max_tokens=int(rng.choice([100, 300, 1000, 2048])),
+            arrival_s=float(rng.uniform(0, 50)),
+            slo=SLO(e2e_s=30.0, ttft_s=None if rng.random() < 0.7 else 2.0),
+        )
+
+    groups: dict[str, tuple[Request, ...]] = {
+        f"g{g}": tuple(request(g) for _ in range(int(rng.integers(1, 9)))) for g in range(10)
+    }
+    made = len(groups)
+    for _ in range(25):
+        for gid in list(groups):
+            change = rng.random()
+            if change < 0.2:
+                groups[gid] = (*groups[gid], request(int(gid[1:])))
+            elif change < 0.35 and len(groups[gid]) > 1:
+                groups[gid] = groups[gid][1:]
+            elif change < 0.42:
+                del groups[gid]
+        for _ in range(int(rng.integers(0, 3))):
+            groups[f"g{made}"] = tuple(request(made) for _ in range(int(rng.integers(1, 6))))
+            made += 1
+        if rng.random() < 0.5:
+            done = request(int(rng.integers(0, 2)))
+            output = int(rng.integers(1, 900))
+            est.observe(done, output_tokens=output)
+            beliefs.append((done, output))
+        order = list(groups)
+        rng.shuffle(order)
+        named: list[tuple[str, Sequence[Request]]] = [
+            (gid, list(groups[gid]) if rng.random() < 0.1 else groups[gid]) for gid in order
+        ]
+        est.keep_group_loads(order)
+        loads = est.group_loads(named)
+        fresh = RCTEstimator(estimator().profile, by_prompt=seed % 2 == 1)
+        for done, output in beliefs:
+            fresh.observe(done, output_tokens=output)
+        for k, (gid, requests) in enumerate(named):
+            one = fresh.group_load(gid, list(requests))  # (a list: summed from scratch)
+            assert loads.group_ids[k] == gid
+            assert loads.models[k] == one.model
+            assert loads.size[k] == one.size
+            for name in (
+                "earliest_deadline_s", "input_tokens", "output_mean", "output_var",
+                "last_output_mean", "last_output_var", "last_input_tokens",
+                "earliest_ttft_deadline_s", "first_input_tokens",
+            ):  # fmt: skip
+                assert float(getattr(loads, name)[k]) == float(getattr(one, name)), name

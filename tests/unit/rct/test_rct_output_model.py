@@ -19,6 +19,7 @@ from qlm.rct.output_model import (
     cap_moments,
     lognormal_capped_moments,
     lognormal_capped_moments_np,
+    pair_moments,
 )
 
 PRIOR = NIG(mu=3.0, kappa=2.0, alpha=3.0, beta=4.0)
@@ -400,3 +401,15 @@ def test_cap_moments_are_the_one_cap_moments_to_the_last_bit(n: int) -> None:
     for cap, m, v in zip(caps, means, variances, strict=True):
         one_m, one_v = _sample_moments(outputs, int(cap), np.array([0.0]))
         assert (float(m), float(v)) == (float(one_m[0]), float(one_v[0])), cap
+
+
+@pytest.mark.parametrize("n", [0, 1, 7, 256])
+def test_pair_moments_are_the_one_request_moments_to_the_last_bit(n: int) -> None:
+    rng = np.random.default_rng(n)
+    outputs = np.sort(rng.lognormal(5.0, 1.0, n).round())
+    caps = rng.choice([0, 1, 16, 100, 333, 2048, 10**6], 200).astype(np.float64)
+    generated = rng.choice([0, 1, 5, 99, 100, 150, 400, 2047, 5000], 200).astype(np.float64)
+    means, variances = pair_moments(outputs, caps, generated)
+    for cap, g, m, v in zip(caps, generated, means, variances, strict=True):
+        one_m, one_v = _sample_moments(outputs, int(cap), np.array([g]))
+        assert (float(m), float(v)) == (float(one_m[0]), float(one_v[0])), (cap, g)
