@@ -89,6 +89,7 @@ distributions it answers with are in ``qlm.rct.distribution``, what it learns pe
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -371,6 +372,31 @@ class _GroupTable:
 
 
 @dataclass(slots=True)
+class _RunningState:
+    """An instance's running requests as ``RCTEstimator._running_sums`` last summed them: per
+    request its prompt, tokens generated, prompt work per token and expected rest, and the
+    distinct (belief, cap, generated) it is priced under, so that the same requests are summed
+    again without walking them: only the beliefs that moved are priced again (every pair of a
+    belief at once) and only the requests whose noting was undone are noted again."""
+
+    items: Sequence[Queued]
+    signature: tuple[Any, ...]
+    position: dict[str, int]  # request id -> place in ``items``
+    noted: int  # the inflight log's length (all there were) once they were noted
+    inputs: npt.NDArray[np.float64]
+    generated: npt.NDArray[np.float64]
+    prompt_work: npt.NDArray[np.float64]  # prompt tokens × work per token
+    beliefs: list[tuple[str, str, int]]  # (model, class, prompt bin) ...
+    belief_request: list[Request]  # ... a request of each ...
+    versions: tuple[int, ...]  # ... and the version its pairs were priced at
+    pair_of: npt.NDArray[np.int64]  # per request, its pair
+    pair_belief: npt.NDArray[np.int64]
+    pair_cap: npt.NDArray[np.float64]
+    pair_gen: npt.NDArray[np.float64]
+    pair_mean: npt.NDArray[np.float64]
+
+
+@dataclass(slots=True)
 class _QueueScalars:
     """What ``RCTEstimator.estimate_queues`` needs of one queue besides its groups' arrays: the
     instance's calibration, the sums over its running requests and groups, and per group the
@@ -467,9 +493,13 @@ class RCTEstimator:
     )
     # ... and the requests seen running: id -> tokens generated when last seen.
     _inflight: dict[tuple[str, str, int], dict[str, int]] = field(default_factory=dict, init=False)
-    # Bumped whenever ``_inflight`` changes: a queue's running requests noted at the same count
-    # are noted already (``estimate_queue`` skips them).
-    _inflight_changes: int = field(default=0, init=False)
+    # The ids whose entry in ``_inflight`` changed, in order (``_inflight_log_start``: the
+    # position of its first in all there were): a queue's running requests noted before need
+    # noting again only where their entry changed since (``_running_sums``).
+    _inflight_log: list[str] = field(default_factory=list, init=False)
+    _inflight_log_start: int = field(default=0, init=False)
+    # Per instance, its running requests as ``estimate_queue`` last summed them.
+    _running: dict[str, _RunningState] = field(default_factory=dict, init=False)
     _calibration: dict[str, Calibration] = field(default_factory=dict, init=False)
     _pending: dict[str, Prediction] = field(default_factory=dict, init=False)
     _moments: dict[tuple[str, str, int, int, int, int], tuple[float, float]] = field(
@@ -620,7 +650,15 @@ class RCTEstimator:
         seen = self._inflight.setdefault((req.model, req.slo_class, ib), {})
         if seen.get(req.id) != generated:
             seen[req.id] = generated
-            self._inflight_changes += 1
+            self._logged(req.id)
+
+    def _logged(self, request_id: str) -> None:
+        """Note that ``request_id``'s entry in ``_inflight`` changed."""
+        log = self._inflight_log
+        if len(log) >= 100_000:  # (whoever noted before all of it notes again)
+            self._inflight_log_start += len(log)
+            log.clear()
+        log.append(request_id)
 
     def _scan(self, instance: EstimatorInstance, queue: Sequence[Queued]) -> _Scan:
         """The per-request terms of ``queue`` on ``instance``: reused from the last scan of
@@ -1157,10 +1195,18 @@ class RCTEstimator:
         ).astype(np.int64)
         # The time per token of a group's last request depends on the batch it decodes in: a
         # few distinct batches along a queue (it fills, then stays full).
-        key = np.stack([row, per_group("model_code").astype(np.int64), batch, refilling], 1)
-        distinct, which = np.unique(key, axis=0, return_inverse=True)
+        code = per_group("model_code").astype(np.int64)
+        models = int(code.max()) + 1
+        top = int(batch.max()) + 1
+        key = ((row * models + code) * top + batch) * 2 + refilling  # (one integer per case)
+        distinct, which = np.unique(key, return_inverse=True)
         per_token = np.array(
-            [rows[live[r]].per_token(m, b, bool(f)) for r, m, b, f in distinct.tolist()]
+            [
+                rows[live[k // 2 // top // models]].per_token(
+                    k // 2 // top % models, k // 2 % top, bool(k % 2)
+                )
+                for k in distinct.tolist()
+            ]
         )
         d = per_token[which.reshape(-1)]
         prefill = per_group("prefill_base") + per_group("prefill_per_token") * last_in
@@ -1276,22 +1322,82 @@ class RCTEstimator:
         """Over the running requests of ``instance``, added in their order: tokens (prompt,
         generated and expected rest), the expected rest alone, prompt work and output tokens
         (generated and expected rest). Notes each running request and what it generated (the
-        censored outputs ``observe`` counts), as ``_prefetch_moments`` does, in the same pass,
-        and prices the moments the cache misses per belief at once."""
+        censored outputs ``observe`` counts), as ``_prefetch_moments`` does. The same requests
+        as the last time (the same ``Queued`` objects, in order) are summed from what was kept
+        of them (``_RunningState``): the same numbers."""
         if not running:
             return 0.0, 0.0, 0.0, 0.0
         self._censor_all()
+        signature = (id(self.profile), self.by_prompt, instance.gpu, instance.gpu_count)
+        state = self._running.get(instance.name)
+        if (
+            state is None
+            or state.signature != signature
+            or len(state.items) != len(running)
+            or not all(map(operator.is_, state.items, running))
+            or not self._kept_sums(state)
+        ):
+            state = self._running[instance.name] = self._walk_running(instance, running, signature)
+        mean = state.pair_mean[state.pair_of]
+        g = state.generated
+        # (running totals, as a loop adds them one request at a time)
+        return (
+            float(np.cumsum(state.inputs + g + mean)[-1]),
+            float(np.cumsum(mean)[-1]),
+            float(np.cumsum(state.prompt_work)[-1]),
+            float(np.cumsum(g + mean)[-1]),
+        )
+
+    def _kept_sums(self, state: _RunningState) -> bool:
+        """Bring what ``state`` keeps up to date: note again the requests whose entry in
+        ``_inflight`` changed since, price again the pairs of the beliefs that moved. False if a
+        belief is not shape-free (walk the requests instead)."""
+        log, start = self._inflight_log, self._inflight_log_start
+        changed = (
+            range(len(state.items))
+            if state.noted < start
+            else [state.position[r] for r in log[state.noted - start :] if r in state.position]
+        )
+        for k in changed:
+            item = state.items[k]
+            if item.running:
+                self._note_running(item.request, self._bin(item.request), item.generated)
+        state.noted = self._inflight_log_start + len(self._inflight_log)
+        versions = tuple(self._versions.get((m, c), 0) for m, c, _ in state.beliefs)
+        if versions == state.versions:
+            return True
+        for b, version in enumerate(versions):
+            if version == state.versions[b]:
+                continue
+            post = self.posterior(state.belief_request[b])
+            if not isinstance(post, LengthHistogram):
+                return False
+            at = np.flatnonzero(state.pair_belief == b)
+            means, _ = pair_moments(post.outputs, state.pair_cap[at], state.pair_gen[at])
+            state.pair_mean[at] = means
+        state.versions = versions
+        return True
+
+    def _walk_running(
+        self, instance: EstimatorInstance, running: Sequence[Queued], signature: tuple[Any, ...]
+    ) -> _RunningState:
+        """``_RunningState`` of ``running``, walking every request: notes the running ones and
+        looks their moments up, the misses priced per belief at once."""
         moments, inflight, by_prompt = self._moments, self._inflight, self.by_prompt
         if len(moments) > 100_000:
             moments.clear()
         inputs: list[int] = []
         generated: list[int] = []
-        mean: list[float] = []
-        w_in: list[float] = []
+        prompt_work: list[float] = []
+        position: dict[str, int] = {}
         classes: dict[tuple[str, str], tuple[int, float]] = {}  # version, prompt work per token
+        belief_of: dict[tuple[str, str, int], int] = {}
+        belief_request: list[Request] = []
+        pair_index: dict[tuple[int, int, int], int] = {}
+        pair_of: list[int] = []
+        pairs: list[tuple[int, int, int]] = []  # belief, cap, generated
+        pair_request: list[Request] = []  # a request of each pair
         misses: dict[tuple[str, str, int, int], dict[tuple[int, int], Request]] = {}
-        missed: list[int] = []
-        changes = 0
         for k, item in enumerate(running):
             req = item.request
             model, cls, gen = req.model, req.slo_class, item.generated
@@ -1310,32 +1416,52 @@ class RCTEstimator:
                     seen = inflight[(model, cls, ib)] = {}
                 if seen.get(req.id) != gen:
                     seen[req.id] = gen
-                    changes += 1
-            hit = moments.get((model, cls, ib, known[0], req.max_tokens, gen))
-            if hit is None:
-                missed.append(k)
-                misses.setdefault((model, cls, ib, known[0]), {})[(req.max_tokens, gen)] = req
-                mean.append(0.0)
-            else:
-                mean.append(hit[0])
+                    self._logged(req.id)
+            b = belief_of.get((model, cls, ib))
+            if b is None:
+                b = belief_of[(model, cls, ib)] = len(belief_request)
+                belief_request.append(req)
+            pair = (b, req.max_tokens, gen)
+            p = pair_index.get(pair)
+            if p is None:
+                p = pair_index[pair] = len(pairs)
+                pairs.append(pair)
+                pair_request.append(req)
+                if (model, cls, ib, known[0], req.max_tokens, gen) not in moments:
+                    misses.setdefault((model, cls, ib, known[0]), {})[(req.max_tokens, gen)] = req
+            pair_of.append(p)
+            position[req.id] = k
             inputs.append(req.input_tokens)
             generated.append(gen)
-            w_in.append(known[1])
-        self._inflight_changes += changes
-        if missed:
+            prompt_work.append(req.input_tokens * known[1])
+        if misses:
             self._price(misses)
-            for k in missed:
-                item = running[k]
-                mean[k] = self.output_moments(item.request, item.generated)[0]
-        m = np.array(mean)
-        g = np.array(generated, np.float64)
-        p = np.array(inputs, np.float64)
-        # (running totals, as a loop adds them one request at a time)
-        return (
-            float(np.cumsum(p + g + m)[-1]),
-            float(np.cumsum(m)[-1]),
-            float(np.cumsum(p * np.array(w_in))[-1]),
-            float(np.cumsum(g + m)[-1]),
+        beliefs = list(belief_of)
+        versions = tuple(self._versions.get((m, c), 0) for m, c, _ in beliefs)
+        pair_mean = np.empty(len(pairs))
+        for p, (b, cap, gen) in enumerate(pairs):
+            m, c, ib = beliefs[b]
+            hit = moments.get((m, c, ib, versions[b], cap, gen))
+            pair_mean[p] = (
+                hit[0] if hit is not None else self.output_moments(pair_request[p], gen)[0]
+            )
+        table = np.array(pairs, np.int64).reshape(-1, 3)
+        return _RunningState(
+            items=tuple(running),
+            signature=signature,
+            position=position,
+            noted=self._inflight_log_start + len(self._inflight_log),
+            inputs=np.array(inputs, np.float64),
+            generated=np.array(generated, np.float64),
+            prompt_work=np.array(prompt_work),
+            beliefs=beliefs,
+            belief_request=belief_request,
+            versions=versions,
+            pair_of=np.array(pair_of, np.int64),
+            pair_belief=table[:, 0],
+            pair_cap=table[:, 1].astype(np.float64),
+            pair_gen=table[:, 2].astype(np.float64),
+            pair_mean=pair_mean,
         )
 
     # --- learning --------------------------------------------------------------------------------
@@ -1362,7 +1488,7 @@ class RCTEstimator:
             self._pooled(key, request.model)
         post = self._posteriors[key] = self._posteriors[key].update(output_tokens)
         if self._inflight.get(ck, {}).pop(request.id, None) is not None:
-            self._inflight_changes += 1
+            self._logged(request.id)
         if isinstance(post, LengthHistogram):
             counts = self._bin_counts.get(ck)
             if counts is None:
@@ -1400,4 +1526,4 @@ class RCTEstimator:
             for inflight in self._inflight.values():
                 if inflight.pop(rid, None) is not None:
                     self._epoch += 1  # a scan noted it running: scan again
-                    self._inflight_changes += 1
+                    self._logged(rid)

@@ -220,15 +220,27 @@ def test_the_queue_scanned_as_arrays_gives_the_group_by_group_numbers_to_the_las
         named.append((f"g{g}", members))
     twin = copy.deepcopy(est)
     now = 77.0
-    for _ in range(2):  # twice: the second time from the moments cache
+    for step in range(6):  # the same running requests again, or some changed, or completed
+        if running and step % 3 == 2:  # one completed (its noting undone), the beliefs moved
+            done = running[int(rng.integers(len(running)))].request
+            output = int(rng.integers(1, 500))
+            est.observe(done, output_tokens=output)
+            twin.observe(done, output_tokens=output)
+        elif running and step % 3 == 0 and step:  # one generated more (changed in place)
+            k = int(rng.integers(len(running)))
+            running[k] = replace(running[k], generated=running[k].generated + 1)
         expected = reference(twin, inst, groups, now, running=running)
         got = est.estimate_queue(inst, groups, now, running=running)
-        assert got == expected
+        assert got == expected, step
         assert est._inflight == twin._inflight
     assert len({e.completion.mean for e in got}) == len(groups)  # (not all alike)
     # The aggregates as arrays (what a plan takes), or one queue's part of them: the same.
+    # (the beliefs moved since ``groups`` were aggregated: both aggregate again)
     loads = est.group_loads(named)
-    assert est.estimate_queue(inst, loads, now, running=running) == expected
+    groups = [twin.group_load(gid, members) for gid, members in named]
+    assert est.estimate_queue(inst, loads, now, running=running) == reference(
+        twin, inst, groups, now, running=running
+    )
     tail = list(range(len(groups)))[1:]
     assert est.estimate_queue(inst, loads.take(tail), now, running=running) == reference(
         twin, inst, groups[1:], now, running=running
