@@ -10,6 +10,7 @@ from __future__ import annotations
 import bisect
 import math
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass
 from itertools import chain
 
@@ -227,6 +228,10 @@ class Grouper:
 
     def has_group(self, gid: str) -> bool:
         return gid in self._groups
+
+    def has_groups(self, gids: Iterable[str]) -> bool:
+        """Whether every one of ``gids`` names a group (all at once)."""
+        return self._groups.keys() >= (gids if isinstance(gids, set) else set(gids))
 
     def group_ids(self) -> tuple[str, ...]:
         """Ids of every group, oldest id first."""

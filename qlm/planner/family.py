@@ -133,6 +133,10 @@ class _Scenarios:
     last_s: FloatArray
     first_inputs: FloatArray  # the prompt of each group's first request
     sizes: FloatArray  # requests per group
+    _bases: dict[
+        tuple[str, HardwareProfile, int],
+        tuple[npt.NDArray[np.intp], FloatArray, FloatArray, FloatArray],
+    ] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def count(self) -> int:
@@ -143,19 +147,34 @@ class _Scenarios:
         p_arr = np.full((n, s_count), np.inf)
         f_arr = np.full((n, s_count), np.inf)
         for m, hw in speed.hardware:
-            rows = np.flatnonzero(self.models == m)
+            rows, work, prefill, decode = self._base(m, hw, b)
             if not len(rows):
                 continue
-            w_in = hw.input_token_work_s
-            refill = w_in * self.inputs[rows].sum() / max(float(self.out_mean[rows].sum()), 1.0)
-            dec = hw.decode_s(b) * hw.inefficiency
-            p_arr[rows] = (
-                self.inputs[rows, None] * w_in + self.out_s[rows] * dec / b
-            ) * speed.wait_f
-            f_arr[rows] = (hw.prefill_base_s + hw.prefill_per_token_s * self.last_inputs[rows])[
-                :, None
-            ] + self.last_s[rows] * (dec + b * refill) * speed.eps_f
+            p_arr[rows] = work * speed.wait_f
+            f_arr[rows] = prefill + decode * speed.eps_f
         return p_arr, f_arr
+
+    def _base(
+        self, m: str, hw: HardwareProfile, b: int
+    ) -> tuple[npt.NDArray[np.intp], FloatArray, FloatArray, FloatArray]:
+        """What ``terms`` computes for model ``m``'s groups on ``hw`` at limit ``b`` before the
+        instance's calibration multiplies it: shared by every instance with that hardware (their
+        calibrations differ). Rows, fluid work, prefill of the last request, its decode."""
+        key = (m, hw, b)
+        hit = self._bases.get(key)
+        if hit is not None:
+            return hit
+        rows = np.flatnonzero(self.models == m)
+        w_in = hw.input_token_work_s
+        refill = w_in * self.inputs[rows].sum() / max(float(self.out_mean[rows].sum()), 1.0)
+        dec = hw.decode_s(b) * hw.inefficiency
+        out = self._bases[key] = (
+            rows,
+            self.inputs[rows, None] * w_in + self.out_s[rows] * dec / b,
+            (hw.prefill_base_s + hw.prefill_per_token_s * self.last_inputs[rows])[:, None],
+            self.last_s[rows] * (dec + b * refill),
+        )
+        return out
 
     def first_terms(self, speed: _Speed, b: int, work: FloatArray) -> tuple[FloatArray, float]:
         """``(first, lead)`` at limit ``b`` (``ProblemFamily.first_terms``), ``work`` the

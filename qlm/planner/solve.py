@@ -97,8 +97,9 @@ def _edf_until(problem: PlanProblem, stop: Callable[[], bool] | None) -> Plan | 
 
 def _by_deadline(problem: PlanProblem, groups: Iterable[int]) -> list[int]:
     """Earliest deadline first: end-to-end or first-token, whichever is earlier."""
-    due = problem.due
-    return sorted(groups, key=lambda i: (due[i], i))
+    rows = np.fromiter(groups, np.int64)
+    # (sorted by (due, index), as ``sorted(groups, key=lambda i: (due[i], i))``, in numpy)
+    return rows[np.lexsort((rows, problem.due[rows]))].tolist()  # type: ignore[no-any-return]
 
 
 EDF_CHECK = 512

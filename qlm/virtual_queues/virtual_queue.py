@@ -127,6 +127,30 @@ class VirtualQueueSet:
         """
         for name in orders:
             self._live(name)
+        if not self._orders_valid(orders):
+            self._check_orders(orders)  # (raises, naming the first wrong group)
+        for name in orders:
+            for gid in self._queues[name]:
+                del self._where[gid]
+        for name, gids in orders.items():
+            self._queues[name] = list(gids)
+            self._where.update(dict.fromkeys(gids, name))
+
+    def _orders_valid(self, orders: Mapping[str, Sequence[str]]) -> bool:
+        """Whether ``set_orders`` may apply ``orders``: every group live, ordered once, and
+        held (if at all) by an instance in ``orders`` — checked on all ids at once."""
+        ids = [gid for gids in orders.values() for gid in gids]
+        unique = set(ids)
+        holders = set(map(self._where.get, ids))
+        holders.discard(None)
+        return (
+            len(unique) == len(ids)
+            and self._grouper.has_groups(unique)
+            and all(h in orders for h in holders)
+        )
+
+    def _check_orders(self, orders: Mapping[str, Sequence[str]]) -> None:
+        """``set_orders``' checks one group after the other: raises at the first that fails."""
         seen: dict[str, str] = {}
         for name, gids in orders.items():
             for gid in gids:
@@ -141,13 +165,6 @@ class VirtualQueueSet:
                         f"group {gid} is in the virtual queue of {holder!r}; move it with "
                         f"move_group or reorder {holder!r} in the same call"
                     )
-        for name in orders:
-            for gid in self._queues[name]:
-                del self._where[gid]
-        for name, gids in orders.items():
-            self._queues[name] = list(gids)
-            for gid in gids:
-                self._where[gid] = name
 
     def assign(self, gid: str, name: str, position: int | None = None) -> None:
         """Put an unassigned group into ``name``'s queue at ``position`` (default: the tail)."""
@@ -312,8 +329,8 @@ class VirtualQueueSet:
     def _live(self, name: str) -> list[str]:
         """The queue of ``name`` without groups the grouper no longer has."""
         queue = self._queue(name)
-        has = self._grouper.has_group
-        if not all(has(gid) for gid in queue):
+        if not self._grouper.has_groups(queue):
+            has = self._grouper.has_group
             self._forget_all(gid for gid in queue if not has(gid))
         return queue
 
