@@ -114,6 +114,12 @@ def hopeless(problem: PlanProblem, g: int, now: float) -> npt.NDArray[np.bool_]:
     return np.asarray(problem.floor[:, g].min(axis=1) + now > problem.deadline)
 
 
+def hopeless_all(problem: PlanProblem, now: float) -> npt.NDArray[np.bool_]:
+    """``hopeless`` on every instance at once, ``(groups, instances)``: one pass over the
+    latency floors instead of one per instance."""
+    return np.asarray(problem.floor.min(axis=2) + now > problem.deadline[:, None])
+
+
 SLACK_MARGIN = 1.3
 """A group the admission would defer keeps its place if, served earliest deadline first behind
 everything due before it, it completes within ``1 / SLACK_MARGIN`` of the time left to its

@@ -45,7 +45,7 @@ from qlm.domain import (
 from qlm.errors import RequestFailed, check_setting
 from qlm.groups import Grouper, GroupingConfig, PredictOutput, default_predict_output
 from qlm.planner.act import Acted, Agents, estimator_instance
-from qlm.planner.admission import hopeless, in_time
+from qlm.planner.admission import hopeless_all, in_time
 from qlm.planner.arrivals import ArrivalRate, ArrivalWindow
 from qlm.planner.books import AdmissionState, AgentBooks
 from qlm.planner.budget import Clock
@@ -375,20 +375,25 @@ class QlmPolicy:
         groups: list[tuple[str, Sequence[Request], Tier]] = []
         current: list[list[int]] = []
         index: dict[str, int] = {}
+        view = self.grouper.group
         for inst in self._instances:
             order: list[int] = []
             if inst.up:
-                for gid in self.queues.queue(inst.name):
-                    g = self.grouper.group(gid)
-                    index[gid] = len(groups)
-                    order.append(len(groups))
-                    groups.append((gid, g.requests, g.tier))
+                gids = self.queues.queue(inst.name)
+                start = len(groups)
+                groups.extend(
+                    (gid, g.requests, g.tier) for gid, g in zip(gids, map(view, gids), strict=True)
+                )
+                order = list(range(start, len(groups)))
+                index.update(zip(gids, order, strict=True))
             current.append(order)
         served = {m for i in self._instances if i.up for m in i.models}
-        for g in self.grouper.groups():  # not on any up instance: the planner places them
-            if g.id not in index and g.model in served:  # (else they wait for an instance)
-                index[g.id] = len(groups)
-                groups.append((g.id, g.requests, g.tier))
+        for gid in self.grouper.group_ids():  # not on any up instance: the planner places them
+            if gid not in index:
+                g = view(gid)
+                if g.model in served:  # (else they wait for an instance)
+                    index[gid] = len(groups)
+                    groups.append((gid, g.requests, g.tier))
         return groups, [o for o, i in zip(current, self._instances, strict=True) if i.up]
 
     def _family(self, now: float) -> tuple[ProblemFamily, list[list[int]]]:
@@ -580,9 +585,10 @@ class QlmPolicy:
         deferred: dict[str, list[int]] = {}
         self.admission.deferred = set()
         full = family.problem(best)
+        lost = hopeless_all(full, now)
         for g, (inst, order) in enumerate(zip(family.instances, current, strict=True)):
             gids = self._deferred_in(inst.name, [family.groups[i].id for i in order])
-            late = hopeless(full, g, now)
+            late = lost[:, g]
             gids -= in_time(full, g, order, now, late, family.groups)
             gids -= {  # (a first-token deadline still ahead is never deferred, as in _place)
                 family.groups[i].id

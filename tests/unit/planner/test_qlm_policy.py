@@ -13,10 +13,11 @@ from builders import make_catalog, make_profile, make_request
 from qlm.domain import SLO, InstanceSpec, Pull, Request, RequestStatus, Tier
 from qlm.errors import ConfigError
 from qlm.planner import PlannerConfig, QlmPolicy, create_policy
-from qlm.planner.admission import hopeless, in_time
+from qlm.planner.admission import hopeless, hopeless_all, in_time
 from qlm.planner.concurrency import pick_limit
 from qlm.planner.policy import Completion, DispatchContext, InstanceLoad
 from qlm.planner.program import PlanGroup, PlanInstance, PlanProblem
+from qlm.planner.synthetic import random_problem
 from qlm.rct.estimator import RCTEstimator
 from qlm.sim.cluster import ClusterSimulation
 
@@ -402,6 +403,15 @@ def test_hopeless_asks_whether_the_luckiest_scenario_started_now_still_misses() 
     assert hopeless(problem, 0, now=4.0).tolist() == [False, False, False]
     assert hopeless(problem, 0, now=6.0).tolist() == [True, False, False]
     assert hopeless(problem, 0, now=9.0).tolist() == [True, True, False]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_hopeless_on_every_instance_at_once_is_hopeless_on_each(seed: int) -> None:
+    problem = random_problem(4, 30, seed=seed, scenarios=6)
+    for now in (0.0, 50.0, 500.0):
+        every = hopeless_all(problem, now)
+        for g in range(4):
+            assert every[:, g].tolist() == hopeless(problem, g, now).tolist()
 
 
 def test_work_with_slack_for_its_turn_keeps_its_place_however_costly() -> None:
