@@ -144,6 +144,11 @@ class _Scenarios:
 
     def terms(self, speed: _Speed, b: int) -> tuple[FloatArray, FloatArray]:
         n, s_count = self.out_s.shape
+        if len(speed.hardware) == 1:  # (the common case: no row left at inf, none to scatter)
+            m, hw = speed.hardware[0]
+            rows, work, prefill, decode = self._base(m, hw, b)
+            if len(rows) == n:
+                return work * speed.wait_f, prefill + decode * speed.eps_f
         p_arr = np.full((n, s_count), np.inf)
         f_arr = np.full((n, s_count), np.inf)
         for m, hw in speed.hardware:

@@ -653,23 +653,36 @@ class QlmPolicy:
         """When each instance's running work drains, in the fluid model: remaining expected output
         of its in-flight requests (each has had an equal share of the throughput so far)."""
         out: dict[str, float] = {}
+        items: list[tuple[Request, int]] = []
+        per_tokens: list[float] = []
+        spans: list[tuple[InstanceLoad, int, int]] = []  # instance, its items' start and end
         for inst in self._instances:
             running = self.books.inflight.get(inst.name, {})
+            out[inst.name] = now  # (in instance order; drained below if it runs anything)
             if not running or not inst.up:
-                out[inst.name] = now
                 continue
             n_run = len(running)
-            work = 0.0
+            start = len(items)
+            per_model: dict[str, float] = {}
             for item in running.values():
-                hw = self.estimator.profile.hardware_for(
-                    item.request.model, inst.gpu, inst.gpu_count
-                )
-                per_token = hw.decode_s(n_run) * hw.inefficiency / n_run  # fluid share of a step
+                per_token = per_model.get(item.request.model)
+                if per_token is None:
+                    hw = self.estimator.profile.hardware_for(
+                        item.request.model, inst.gpu, inst.gpu_count
+                    )
+                    # fluid share of a step
+                    per_token = per_model[item.request.model] = (
+                        hw.decode_s(n_run) * hw.inefficiency / n_run
+                    )
                 done = item.generated + int(max(0.0, now - item.pulled_s) / (per_token * n_run))
-                mean, _ = self.estimator.output_moments(
-                    item.request, min(done, item.request.max_tokens - 1)
-                )
-                work += mean * per_token
+                items.append((item.request, min(done, item.request.max_tokens - 1)))
+                per_tokens.append(per_token)
+            spans.append((inst, start, len(items)))
+        means = np.array(self.estimator.expected_rests(items))
+        terms = means * np.array(per_tokens)
+        for inst, start, end in spans:
+            # (a running total, added in order as one request after the other)
+            work = float(np.cumsum(terms[start:end])[-1])
             out[inst.name] = now + work * self.estimator.calibration_factors(inst.name)[0]
         return out
 

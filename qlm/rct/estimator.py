@@ -598,6 +598,26 @@ class RCTEstimator:
             hit = self._moments[key] = post.moments(cap=request.max_tokens, generated=generated)
         return hit
 
+    def expected_rests(self, items: Sequence[tuple[Request, int]]) -> list[float]:
+        """``output_moments(request, generated)[0]`` of each (request, generated): looked up in
+        the cache, the misses priced per belief at once (``_price``: the same numbers) — the
+        running requests of every instance, whose tokens generated move between two plans."""
+        moments = self._moments
+        if len(moments) > 100_000:
+            moments.clear()
+        keys = [self._moments_key(r, g) for r, g in items]
+        misses: dict[tuple[str, str, int, int], dict[tuple[int, int], Request]] = {}
+        for (r, g), key in zip(items, keys, strict=True):
+            if key not in moments:
+                misses.setdefault(key[:4], {})[(key[4], g)] = r
+        if misses:
+            self._price(misses)
+        out: list[float] = []
+        for (r, g), key in zip(items, keys, strict=True):
+            hit = moments.get(key)
+            out.append(hit[0] if hit is not None else self.output_moments(r, g)[0])
+        return out
+
     def _prefetch_moments(self, items: Iterable[Queued]) -> None:
         """Fill the moments cache for many (request, generated) at once: after a completion
         changes a posterior, every running request misses the cache together. Also notes the

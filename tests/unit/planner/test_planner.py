@@ -10,6 +10,7 @@ import pytest
 
 from qlm.planner.milp import _relative_gap, build_milp, solve_milp
 from qlm.planner.program import (
+    Plan,
     PlanGroup,
     PlanInstance,
     PlanProblem,
@@ -266,3 +267,29 @@ def test_the_highs_banner_reaches_neither_the_commands_output_nor_the_log() -> N
     )
     assert done.stdout == '{"ok": true}\n'
     assert done.stderr == ""
+
+
+def _edf_one_queue_at_a_time(problem: PlanProblem) -> Plan:
+    """EDF as it was written first: each group to the first queue where it finishes earliest,
+    every queue priced in numpy (the reference ``edf_plan`` must agree with)."""
+    p_mean = problem.proc.mean(axis=2)
+    p_done = np.maximum(p_mean, problem.floor.mean(axis=2))
+    load = problem.ready.copy()
+    last = problem.active.copy()
+    queues: list[list[int]] = [[] for _ in problem.instances]
+    due = problem.due
+    for i in sorted(range(len(problem.groups)), key=lambda i: (due[i], i)):
+        m = problem.model_idx[i]
+        sw = np.where(last != m, problem.switch[:, m], 0.0)
+        best = int(np.argmin(load + sw + p_done[i]))
+        load[best] += sw[best] + p_mean[i, best]
+        last[best] = m
+        queues[best].append(i)
+    return tuple(tuple(o) for o in queues)
+
+
+@pytest.mark.parametrize("models", [1, 3])
+@pytest.mark.parametrize("seed", range(4))
+def test_edf_places_each_group_where_it_finishes_first(seed: int, models: int) -> None:
+    problem = random_problem(5, 60, seed=seed, models=models, scenarios=4)
+    assert edf_plan(problem) == _edf_one_queue_at_a_time(problem)
