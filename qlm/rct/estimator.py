@@ -1153,6 +1153,7 @@ class RCTEstimator:
         all at once: the groups of every queue are scanned as arrays, one row per queue (running
         sums along each row), and the numbers are those of a scan group by group, to the last
         bit."""
+        self._reprice_kept(queues)
         rows: list[_QueueScalars] = []
         for instance, groups, running in queues:
             rows.append(self._queue_scalars(instance, groups, running))
@@ -1348,16 +1349,11 @@ class RCTEstimator:
         if not running:
             return 0.0, 0.0, 0.0, 0.0
         self._censor_all()
-        signature = (id(self.profile), self.by_prompt, instance.gpu, instance.gpu_count)
-        state = self._running.get(instance.name)
-        if (
-            state is None
-            or state.signature != signature
-            or len(state.items) != len(running)
-            or not all(map(operator.is_, state.items, running))
-            or not self._kept_sums(state)
-        ):
-            state = self._running[instance.name] = self._walk_running(instance, running, signature)
+        state = self._kept(instance, running)
+        if state is None or not self._kept_sums(state):
+            state = self._running[instance.name] = self._walk_running(
+                instance, running, self._running_signature(instance)
+            )
         mean = state.pair_mean[state.pair_of]
         g = state.generated
         # (running totals, as a loop adds them one request at a time)
@@ -1368,10 +1364,65 @@ class RCTEstimator:
             float(np.cumsum(g + mean)[-1]),
         )
 
-    def _kept_sums(self, state: _RunningState) -> bool:
-        """Bring what ``state`` keeps up to date: note again the requests whose entry in
-        ``_inflight`` changed since, price again the pairs of the beliefs that moved. False if a
-        belief is not shape-free (walk the requests instead)."""
+    def _running_signature(self, instance: EstimatorInstance) -> tuple[Any, ...]:
+        return (id(self.profile), self.by_prompt, instance.gpu, instance.gpu_count)
+
+    def _kept(self, instance: EstimatorInstance, running: Sequence[Queued]) -> _RunningState | None:
+        """What is kept of ``instance``'s running requests if they are the same as then."""
+        state = self._running.get(instance.name)
+        if (
+            state is None
+            or state.signature != self._running_signature(instance)
+            or len(state.items) != len(running)
+            or not all(map(operator.is_, state.items, running))
+        ):
+            return None
+        return state
+
+    def _reprice_kept(
+        self, queues: Sequence[tuple[EstimatorInstance, Any, Sequence[Queued]]]
+    ) -> None:
+        """Before ``estimate_queues`` sums each queue's running requests: the pairs of every
+        belief that moved, over every queue whose running requests are kept, priced in one
+        ``pair_moments`` call per belief (not one per queue). Without ``by_prompt`` only: the
+        class-wide belief a version prices is the same whichever queue reads it first (with it,
+        a prompt bin's is built when first read, from the running requests noted by then)."""
+        if self.by_prompt or not any(running for _, _, running in queues):
+            return
+        self._censor_all()  # (as the first queue with running requests would)
+        stale: dict[tuple[str, str, int, int], list[tuple[_RunningState, int]]] = {}
+        for instance, _, running in queues:
+            state = self._kept(instance, running) if running else None
+            if state is None:
+                continue
+            self._renote(state)
+            for b, (m, c, ib) in enumerate(state.beliefs):
+                version = self._versions.get((m, c), 0)
+                if version != state.versions[b]:
+                    stale.setdefault((m, c, ib, version), []).append((state, b))
+        for (_, _, _, version), users in stale.items():
+            first, b0 = users[0]
+            post = self.posterior(first.belief_request[b0])
+            if not isinstance(post, LengthHistogram):
+                continue  # (left as it was: ``_kept_sums`` walks those requests)
+            ats = [np.flatnonzero(state.pair_belief == b) for state, b in users]
+            means, _ = pair_moments(
+                post.outputs,
+                np.concatenate(
+                    [state.pair_cap[at] for (state, _), at in zip(users, ats, strict=True)]
+                ),
+                np.concatenate(
+                    [state.pair_gen[at] for (state, _), at in zip(users, ats, strict=True)]
+                ),
+            )
+            start = 0
+            for (state, b), at in zip(users, ats, strict=True):
+                state.pair_mean[at] = means[start : start + len(at)]
+                start += len(at)
+                state.versions = (*state.versions[:b], version, *state.versions[b + 1 :])
+
+    def _renote(self, state: _RunningState) -> None:
+        """Note again the requests of ``state`` whose entry in ``_inflight`` changed since."""
         log, start = self._inflight_log, self._inflight_log_start
         changed = (
             range(len(state.items))
@@ -1383,6 +1434,12 @@ class RCTEstimator:
             if item.running:
                 self._note_running(item.request, self._bin(item.request), item.generated)
         state.noted = self._inflight_log_start + len(self._inflight_log)
+
+    def _kept_sums(self, state: _RunningState) -> bool:
+        """Bring what ``state`` keeps up to date: note again the requests whose entry in
+        ``_inflight`` changed since, price again the pairs of the beliefs that moved. False if a
+        belief is not shape-free (walk the requests instead)."""
+        self._renote(state)
         versions = tuple(self._versions.get((m, c), 0) for m, c, _ in state.beliefs)
         if versions == state.versions:
             return True

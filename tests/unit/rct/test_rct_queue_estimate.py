@@ -269,8 +269,13 @@ def test_many_queues_at_once_are_each_queue_alone() -> None:
         ]
         queues.append((inst, loads, running))
     twin = copy.deepcopy(est)
-    together = est.estimate_queues(queues, 50.0)
-    assert [q.groups() for q in together] == [
-        reference(twin, i, g, 50.0, running=r) for i, g, r in queues
-    ]
-    assert together[0].groups() == []
+    for step in range(4):  # the same running requests again, a completion between
+        together = est.estimate_queues(queues, 50.0)
+        assert [q.groups() for q in together] == [
+            reference(twin, i, g, 50.0, running=r) for i, g, r in queues
+        ], step
+        assert together[0].groups() == []
+        assert est._inflight == twin._inflight
+        done = queues[1 + step % 4][2][0].request
+        est.observe(done, output_tokens=40 + step)
+        twin.observe(done, output_tokens=40 + step)
