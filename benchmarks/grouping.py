@@ -13,18 +13,20 @@ fall into (single model and class).
 It also prints how many group ids survive a re-clustering after 5 % of the queue was dispatched and
 as many requests arrived.
 
-Re-estimation (paper §6; ``estimate_queue`` is the estimator's group API, and the QLM policy draws
-its planning scenarios from the same ``group_load`` aggregates and calibration): 1,000 request groups
-of 100 requests spread over 16 virtual queues of 16 A100 instances serving llama-3-8b; the profile is
-measured on the simulated engine (``profile_sim_hardware``) and the output prior fitted on ShareGPT
-(``NIG.fit``). ``estimate_queue`` for all 16 queues is timed; target p99 ≤ 10 ms for the 16 together.
-It is timed again with a full batch of running requests on every instance, and once more right
-after a completion moved the output posterior: then the 1,000 ``GroupLoad`` aggregates are brought
-up to date too (``group_load`` of every group, as the policy does at each plan: unchanged groups
-keep their counts) and that is inside the timed run, as is recomputing the running requests'
-moments. Full garbage collections that fall inside the timed runs are reported, and that last case
-is repeated after ``gc.freeze()`` to show what the collector costs. Building the aggregates from
-scratch (100,000 requests) is printed apart.
+Re-estimation (paper §6): 1,000 request groups of 100 requests spread over 16 virtual queues of
+16 A100 instances serving llama-3-8b; the profile is measured on the simulated engine
+(``profile_sim_hardware``) and the output prior fitted on ShareGPT (``NIG.fit``). No production
+path calls the estimator's group API: a plan takes the groups' aggregates (``group_loads``) and
+scores its own scenarios from them, which is timed first ("the policy's aggregates after a
+completion"). Then ``estimate_queues`` of all 16 queues in one call, on those aggregates (each
+queue's part taken as arrays), is timed; target p99 ≤ 10 ms for the 16 together. It is timed
+again with a full batch of running requests on every instance, and once more right after a
+completion moved the output posterior: then the aggregates are brought up to date
+(``group_loads``: the rows of unchanged groups are kept, their moments priced again) inside the
+timed run, as is recomputing the running requests' moments. Full garbage collections that fall
+inside the timed runs are reported, and that last case is repeated after ``gc.freeze()`` to show
+what the collector costs. Building the aggregates from scratch (100,000 requests) and the
+estimates as ``GroupEstimate`` objects (``estimate_queue``'s answer) are printed apart.
 
 Reproduce: .venv/bin/python benchmarks/grouping.py [--requests N] [--repeat N] [--churn-rounds N]
 [--estimate-repeat N]
