@@ -10,7 +10,7 @@ from __future__ import annotations
 import bisect
 import math
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from itertools import chain
 
@@ -173,7 +173,7 @@ class Grouper:
 
     ``add`` classifies a request online without re-clustering; ``recluster`` re-runs Algorithm 1
     over every waiting request and keeps ids where the new clusters overlap the old groups;
-    ``needs_recluster`` says when that is due. ``predict_output`` gives a request's predicted output
+    ``add_many`` adds a batch by one such re-clustering; ``needs_recluster`` says when one is due. ``predict_output`` gives a request's predicted output
     tokens (default ``default_predict_output``); the estimator passes its posterior mean.
     """
 
@@ -312,6 +312,29 @@ class Grouper:
         self._changes += 1
         return group.id
 
+    def add_many(self, requests: Sequence[Request], now: float) -> ReclusterResult:
+        """Add a batch of new requests and re-cluster every waiting request, the batch with
+        them, in one pass of Algorithm 1 (``recluster``) instead of classifying each online:
+        what taking over a backlog calls, where one pass over N requests costs far less than N
+        classifications. Their groups are those of the re-clustering (ids kept as ``recluster``
+        keeps them; a new request never lends one). ``GroupError`` if a request with one of
+        these ids is already waiting, or comes twice; nothing is added then, nor if the
+        re-clustering fails."""
+        ids = [r.id for r in requests]
+        known = self._waiting.slot_of
+        if len(set(ids)) != len(ids) or any(rid in known for rid in ids):
+            twice = next(rid for k, rid in enumerate(ids) if rid in known or rid in ids[:k])
+            raise GroupError(f"request {twice!r} is already waiting, or comes twice")
+        placeholder = np.zeros(len(FEATURES))  # (the re-clustering computes the features)
+        fresh = [self._waiting.add(r, placeholder, None) for r in requests]
+        try:
+            return self._recluster(now, np.array(fresh, dtype=np.int64))
+        except BaseException:
+            for slot in fresh:
+                if self._waiting.group[slot] is None:  # (not past the point of no return)
+                    self._waiting.release(slot)
+            raise
+
     def remove(self, request_id: str) -> str | None:
         """Take a finished, cancelled or dispatched request out; return its group id (None if unknown).
 
@@ -368,14 +391,29 @@ class Grouper:
         of the two (greedy, largest overlaps first). The other new groups get new ids, and old ids
         left unmatched are reported removed.
         """
+        return self._recluster(now, np.zeros(0, dtype=np.int64))
+
+    def _recluster(self, now: float, fresh: IntArray) -> ReclusterResult:
+        """``recluster``, with the requests in slots ``fresh`` (in no group yet: ``add_many``)
+        among the waiting ones. Each of them counts as a group of its own whose id no new
+        group takes."""
         cfg = self._config
         old = list(self._groups.values())
         n = len(self._waiting)
-        # Every waiting request, group after group, each group's in FCFS order: rows below.
-        slots = np.fromiter(chain.from_iterable(g.slots for g in old), np.int64, n)
+        held = n - len(fresh)
+        # Every waiting request, group after group, each group's in FCFS order, then the fresh
+        # ones: rows below.
+        slots = np.concatenate(
+            (np.fromiter(chain.from_iterable(g.slots for g in old), np.int64, held), fresh)
+        )
         old_ids = [g.id for g in old]
         old_sizes = np.fromiter((len(g.slots) for g in old), np.int64, len(old))
-        old_code = np.repeat(np.arange(len(old), dtype=np.int64), old_sizes)
+        old_code = np.concatenate(
+            (
+                np.repeat(np.arange(len(old), dtype=np.int64), old_sizes),
+                np.arange(len(old), len(old) + len(fresh), dtype=np.int64),
+            )
+        )
         if n == 0:
             self._reset(now, groups={}, parts={}, baseline=None)
             return ReclusterResult((), (), tuple(old_ids), 0, now)
@@ -386,7 +424,7 @@ class Grouper:
         new_code, all_rows, new_keys = self._cluster(slots, raw, mult, old_code)
         groups_n = len(new_keys)
         new_sizes = np.bincount(new_code, minlength=groups_n)
-        match = _match(old_code, old_sizes, new_code, new_sizes, cfg.keep_id_overlap)
+        match = _match(old_code[:held], old_sizes, new_code[:held], new_sizes, cfg.keep_id_overlap)
 
         ids: list[str] = []
         created: list[str] = []

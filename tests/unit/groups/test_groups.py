@@ -296,6 +296,9 @@ def test_removing_a_groups_last_request_makes_the_group_disappear() -> None:
     assert not grouper.has_group(gid)
     assert grouper.remove("r0001") is None
     assert grouper.group_of("r0001") is None
+    other = grouper.add(make_request(2), now=1)
+    assert grouper.has_groups([other]) and grouper.has_groups([])
+    assert not grouper.has_groups([other, gid])
     with pytest.raises(GroupError, match=f"unknown group '{gid}'"):
         grouper.group(gid)
 
@@ -380,6 +383,71 @@ def test_reclustering_keeps_most_ids_when_a_few_requests_come_and_go(seed: int) 
     assert set(result.kept) | set(result.removed) == before
     assert set(result.kept) | set(result.created) == set(grouper.group_ids())
     assert not set(result.removed) & set(grouper.group_ids())
+
+
+def test_a_batch_added_at_once_is_grouped_by_one_reclustering() -> None:
+    grouper = Grouper(SMALL)
+    result = grouper.add_many([make_request(i) for i in range(40)], now=40)
+    # One cluster of 40 identical requests, halved into FCFS runs (no earlier group to prefer).
+    assert [members(grouper, gid) for gid in grouper.group_ids()] == [
+        [f"r{i:04d}" for i in range(k, k + 10)] for k in (0, 10, 20, 30)
+    ]
+    assert (result.kept, result.created, result.removed) == ((), grouper.group_ids(), ())
+    assert result.requests == 40
+    assert not grouper.needs_recluster(now=40)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_batch_added_to_held_groups_keeps_their_ids_and_every_bound(seed: int) -> None:
+    grouper = Grouper(SMALL)
+    population = mixed_requests(600, seed=seed)
+    for r in population[:500]:
+        grouper.add(r, now=0)
+    grouper.recluster(now=1)
+    before = set(grouper.group_ids())
+    result = grouper.add_many(population[500:], now=2)
+    assert grouper.num_requests == 600
+    assert sum(g.size for g in grouper.groups()) == 600
+    assert max(g.size for g in grouper.groups()) <= 16
+    assert len(result.kept) >= 0.6 * len(before)
+    assert set(result.kept) | set(result.removed) == before
+    assert set(result.kept) | set(result.created) == set(grouper.group_ids())
+    for g in grouper.groups():
+        assert {(r.model, r.tier, r.slo_class) for r in g.requests} == {
+            (g.model, g.tier, g.slo_class)
+        }
+        assert list(g.requests) == sorted(g.requests, key=_fcfs)
+    for r in population:
+        assert r in grouper.group(grouper.group_of(r.id) or "").requests
+
+
+def test_a_batch_with_a_request_already_waiting_adds_nothing() -> None:
+    grouper = Grouper(NO_WINDOW)
+    grouper.add(make_request(0), now=0)
+    with pytest.raises(GroupError, match="'r0000' is already waiting"):
+        grouper.add_many([make_request(1), make_request(0)], now=1)
+    with pytest.raises(GroupError, match="'r0002' is already waiting, or comes twice"):
+        grouper.add_many([make_request(2), make_request(2)], now=1)
+    assert grouper.num_requests == 1
+    assert grouper.group_of("r0001") is None
+
+
+def test_a_batch_whose_reclustering_fails_adds_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    grouper = Grouper(NO_WINDOW)
+    gid = grouper.add(make_request(0), now=0)
+
+    def fail(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("k-means failed")
+
+    monkeypatch.setattr(grouper_module, "form_groups", fail)
+    with pytest.raises(RuntimeError, match="k-means failed"):
+        grouper.add_many([make_request(1), make_request(2)], now=1)
+    assert grouper.num_requests == 1
+    assert grouper.group_of("r0001") is None
+    assert grouper.group_ids() == (gid,)
+    monkeypatch.undo()
+    grouper.add_many([make_request(1), make_request(2)], now=2)  # its slots are free again
+    assert grouper.num_requests == 3
 
 
 def test_reclustering_is_deterministic() -> None:

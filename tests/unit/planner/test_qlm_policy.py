@@ -11,8 +11,8 @@ import pytest
 from builders import make_catalog, make_profile, make_request
 
 from qlm.domain import SLO, InstanceSpec, Pull, Request, RequestStatus, Tier
-from qlm.errors import ConfigError
-from qlm.planner import PlannerConfig, QlmPolicy, create_policy
+from qlm.errors import ConfigError, RequestFailed
+from qlm.planner import PlannerConfig, QlmPolicy, create_policy, qlm_policy
 from qlm.planner.admission import hopeless, hopeless_all, in_time
 from qlm.planner.concurrency import pick_limit
 from qlm.planner.policy import Completion, DispatchContext, InstanceLoad
@@ -567,3 +567,74 @@ def test_the_throughput_floor_applies_once_an_instance_has_been_backlogged_a_who
     off = policy(throughput_floor=0.0)
     off.decide(DispatchContext(0.0, first, (busy,)))
     assert off._keep_up_rates(500.0, off._family(500.0)[0]) == {}
+
+
+def backlog(n: int, start: int = 0) -> list[Request]:
+    """``n`` requests of three SLO classes and prompt lengths, arrived over ``n`` / 100 s."""
+    slos = (SLO(20.0), SLO(60.0), SLO(600.0))
+    return [
+        make_request(
+            i,
+            arrival_s=i / 100,
+            slo=slos[i % 3],
+            tier=(Tier.INTERACTIVE, Tier.STANDARD, Tier.BATCH)[i % 3],
+            input_tokens=100 + 37 * (i % 50),
+        )
+        for i in range(start, start + n)
+    ]
+
+
+def test_a_large_batch_is_grouped_by_one_reclustering_and_every_group_placed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    qlm = policy()
+
+    def refuse(*args: object) -> str:
+        raise AssertionError("classified one by one")
+
+    monkeypatch.setattr(qlm.grouper, "add", refuse)
+    idle = (load("i0", max_running=0), load("i1", max_running=0))
+    qlm.decide(DispatchContext(20.0, tuple(backlog(qlm_policy.BATCH_MIN)), idle))
+    assert qlm.grouper.num_requests == qlm_policy.BATCH_MIN and not qlm.ungrouped
+    assert not qlm.queues.unassigned()
+    assert qlm.queues.queue("i0") and qlm.queues.queue("i1")
+
+
+def test_a_batch_below_a_quarter_of_what_is_held_is_classified_request_by_request(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    qlm = policy()
+    idle = (load(max_running=0),)
+    qlm.decide(DispatchContext(40.0, tuple(backlog(4 * qlm_policy.BATCH_MIN)), idle))
+    added = []
+    add = qlm.grouper.add
+    monkeypatch.setattr(qlm.grouper, "add", lambda r, now: added.append(r.id) or add(r, now))
+    more = backlog(qlm_policy.BATCH_MIN - 1, start=10_000)
+    qlm.decide(DispatchContext(41.0, tuple(more), idle))
+    assert added == [r.id for r in more]
+    assert qlm.grouper.num_requests == 5 * qlm_policy.BATCH_MIN - 1
+
+
+def test_a_batch_that_cannot_be_grouped_at_once_is_classified_alone_and_a_bad_one_rejected(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    qlm = policy()
+
+    def fail(*args: object) -> None:
+        raise RuntimeError("k-means failed")
+
+    monkeypatch.setattr(qlm.grouper, "add_many", fail)
+    add = qlm.grouper.add
+
+    def add_but_r0007(r: Request, now: float) -> str:
+        if r.id == "r0007":
+            raise ValueError("a bad request")
+        return add(r, now)
+
+    monkeypatch.setattr(qlm.grouper, "add", add_but_r0007)
+    requests = backlog(qlm_policy.BATCH_MIN)
+    with pytest.raises(RequestFailed) as failed:
+        qlm.decide(DispatchContext(20.0, tuple(requests), (load(max_running=0),)))
+    assert failed.value.request_id == "r0007"
+    assert qlm.grouper.num_requests == qlm_policy.BATCH_MIN - 1
+    assert qlm.grouper.group_of("r0007") is None and not qlm.ungrouped
