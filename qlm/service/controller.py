@@ -37,13 +37,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from qlm import tracing
+from qlm.clock import work_seconds
 from qlm.domain import PlanRecord, RequestRecord, RequestStatus
 from qlm.engines.base import TokenChunk, ToolCall
 from qlm.errors import check_setting
 from qlm.global_queue import Delivery, GlobalQueue, QueuedRequest
 from qlm.service.backlog_gc import BacklogGC
 from qlm.service.hub import ResultEvent, ResultHub
-from qlm.service.publishing import PredictionWrites, snapshot_dict
+from qlm.service.publishing import PredictionWrites, publish_wait, snapshot_dict
 from qlm.service.runtime import AgentRuntime, Job, RuntimeListener, resume_point
 from qlm.service.upkeep import OrphanSweep, new_request, prune, reap_dead
 from qlm.service.writes import Settle, StoreWriter
@@ -783,9 +784,13 @@ class ControllerService(RuntimeListener):
 
     async def _publish(self) -> None:
         """Every ``publish_s``: the snapshot, and each waiting request's predicted completion
-        (its group's, from the planner's model) and risk, for ``GET /v1/requests/{id}``."""
+        (its group's, from the planner's model) and risk, for ``GET /v1/requests/{id}``. Under
+        a backlog, where taking them costs more than a small share of the event loop, less
+        often (``publish_wait``)."""
+        wait = self.publish_s
         while True:
-            await asyncio.sleep(self.publish_s)
+            await asyncio.sleep(wait)
+            started = work_seconds()
             try:
                 queues = self.runtime.controller.snapshot(self.runtime.clock.now())
                 snap = self.snapshot(queues)
@@ -793,6 +798,7 @@ class ControllerService(RuntimeListener):
                 log.exception("could not take a snapshot")
                 continue
             predictions = self.predictions_to_write(queues)
+            wait = publish_wait(self.publish_s, work_seconds() - started)
             if predictions:
                 # Through the writer, in its transaction: run beside it, this batch of updates
                 # and the writer's (dispatches, outcomes) took row locks in different orders, and

@@ -1,6 +1,7 @@
 """What the controller service shows of itself: its snapshot as JSON-ready data (virtual queues,
 instances, counters, the latest plan) and which waiting requests' stored predictions to rewrite
-(``PredictionWrites``). ``ControllerService`` publishes both every ``publish_s``."""
+(``PredictionWrites``). ``ControllerService`` publishes both every ``publish_s``, less often
+under a backlog (``publish_wait``)."""
 
 from __future__ import annotations
 
@@ -26,6 +27,11 @@ every one while the queues hold no more; beyond, each group names its first
 ``max(LISTED_PER_GROUP, LISTED_REQUESTS // groups)`` members, so that a backlog of 100,000
 requests does not publish 3 MB of ids every second."""
 LISTED_PER_GROUP = 4
+
+PUBLISH_SHARE = 0.1
+"""The largest share of the event loop's time that publishing the snapshot and the predictions
+may take (``publish_wait``): both walk every waiting request (100,000 under a backlog being
+taken over), and the control steps and the intake need the loop."""
 
 Prediction = tuple[float | None, bool]
 """A waiting request's predicted completion (None: not predicted) and whether it is at risk."""
@@ -76,6 +82,12 @@ class PredictionWrites:
         out = {rid: value for _, _, rid, value in moved}
         written.update(out)
         return out
+
+
+def publish_wait(publish_s: float, spent_s: float) -> float:
+    """How long to wait for the next publish after one that took ``spent_s`` of the event
+    loop: ``publish_s``, or longer, so that publishing takes at most ``PUBLISH_SHARE`` of it."""
+    return max(publish_s, spent_s / PUBLISH_SHARE)
 
 
 def _moved(old: Prediction | None, new: Prediction, now: float) -> float:

@@ -7,7 +7,13 @@ from __future__ import annotations
 from builders import make_request
 
 from qlm.domain import SLO, Tier
-from qlm.service.publishing import LISTED_PER_GROUP, LISTED_REQUESTS, snapshot_dict
+from qlm.service.publishing import (
+    LISTED_PER_GROUP,
+    LISTED_REQUESTS,
+    PUBLISH_SHARE,
+    publish_wait,
+    snapshot_dict,
+)
 from qlm.virtual_queues import GroupSnapshot, QueueSnapshot, VirtualQueuesSnapshot
 
 
@@ -62,3 +68,8 @@ def test_a_large_backlog_names_only_the_first_requests_of_each_group() -> None:
     assert published[0]["request_ids"] == [f"r{i:04d}" for i in range(per_group)]
     # within the bound, every request is named
     assert [len(g["request_ids"]) for g in publish(0.0, *groups[:-1])] == [size] * (len(groups) - 1)
+
+
+def test_publishing_waits_its_period_unless_it_would_take_more_than_its_share_of_the_loop() -> None:
+    assert publish_wait(1.0, 0.01) == 1.0  # a small backlog: every second
+    assert publish_wait(1.0, 0.5) == 0.5 / PUBLISH_SHARE  # a large one: less often
