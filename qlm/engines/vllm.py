@@ -38,7 +38,7 @@ import math
 import random
 import re
 import zlib
-from collections.abc import Iterable, Sequence
+from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -730,16 +730,11 @@ class VllmEngine:
                     if resp.status_code in REJECTED:  # the request is at fault, not the server
                         raise RequestRejected(str(self._fail(detail, _message(resp))))
                     raise self._fail(detail, _message(resp))
-                async for line in resp.aiter_lines():
-                    if not line.startswith("data:"):
-                        continue
-                    data = line[len("data:") :].strip()
-                    if data == "[DONE]":
-                        break
+                async for data in _sse_data(resp):
                     finish = self._take(flight, json.loads(data), on_chunk) or finish
         except httpx.HTTPError as exc:
             raise self._fail(f"{what} failed for {rid!r}", repr(exc)) from exc
-        except json.JSONDecodeError as exc:
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise self._fail(f"{what} sent a bad event for {rid!r}", exc) from exc
         if finish is None:
             raise self._fail(f"{what} ended without a finish reason for {rid!r}", "stream cut")
@@ -834,6 +829,27 @@ def engine_request_id(request: EngineRequest, wire_id: str) -> str:
     ``/abort_requests`` wants: ``cmpl-<id>-0`` (a completion; ``-<n>`` numbers its prompts) or
     ``chatcmpl-<id>`` (a chat)."""
     return f"cmpl-{wire_id}-0" if request.messages is None else f"chatcmpl-{wire_id}"
+
+
+async def _sse_data(resp: httpx.Response) -> AsyncIterator[bytes]:
+    """The ``data:`` fields of a server-sent event stream, as bytes, up to ``[DONE]``. Lines
+    are split here, in bytes (a newline byte never occurs inside a UTF-8 character), rather
+    than through httpx's text and line decoders: a stream has one event per token, and their
+    layers were most of what reading it cost."""
+    rest = b""
+    async for piece in resp.aiter_bytes():
+        lines = (rest + piece).split(b"\n") if rest else piece.split(b"\n")
+        rest = lines.pop()
+        for line in lines:
+            if line.startswith(b"data:"):
+                data = line[5:].strip()
+                if data == b"[DONE]":
+                    return
+                yield data
+    if rest.startswith(b"data:"):  # (a last line without its newline)
+        data = rest[5:].strip()
+        if data != b"[DONE]":
+            yield data
 
 
 def _token_ids(lists: Iterable[object]) -> tuple[int, ...] | None:

@@ -842,3 +842,35 @@ def test_without_dev_mode_there_is_no_sleep() -> None:
         assert engine.token_ids == ()  # no /tokenize: filler ids from FILLER_IDS
 
     asyncio.run(scenario())
+
+
+def test_a_stream_cut_anywhere_into_pieces_gives_the_same_output() -> None:
+    """The events reach the client in pieces of any size — one byte at a time splits the
+    lines and the UTF-8 characters of the text — with CRLF line ends, comments, and a last
+    line without its newline: the answer is the same."""
+    events = [
+        {"choices": [{"text": "héllo "}], "usage": {"completion_tokens": 1}},
+        {"choices": [{"text": "wörld ✓"}], "usage": {"completion_tokens": 2}},
+        {"choices": [{"text": "", "finish_reason": "stop"}], "usage": {"completion_tokens": 2}},
+    ]
+    body = (
+        ": a comment\r\n\r\n"
+        + "".join(f"data: {json.dumps(e, ensure_ascii=False)}\r\n\r\n" for e in events)
+        + "data: [DONE]"
+    ).encode()
+
+    def pieces(size: int) -> Callable[[httpx.Request], httpx.Response]:
+        async def chunks() -> AsyncIterator[bytes]:
+            for start in range(0, len(body), size):
+                yield body[start : start + size]
+
+        return lambda request: httpx.Response(200, content=chunks())
+
+    async def answer(size: int) -> tuple[str, int]:
+        engine = engine_with(pieces(size))
+        out = await engine.submit(EngineRequest("a", "llama", 1, max_tokens=5, prompt=(1,)))
+        await engine.close()
+        return out.text, out.tokens
+
+    for size in (1, 2, 3, 7, len(body)):
+        assert asyncio.run(answer(size)) == ("héllo wörld ✓", 2), size
