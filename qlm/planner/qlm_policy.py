@@ -81,7 +81,14 @@ holds (a take-over of a backlog, or a flood), the policy groups them by one re-c
 every waiting request (``Grouper.add_many``) instead of classifying each: a re-clustering costs
 a few microseconds per request held, an online classification tens per request added, so
 from a quarter of what it holds on the re-clustering is the cheaper. Steps of a simulated run
-hand it far fewer."""
+hand it far fewer.
+
+``BEHIND_SHARE``: with a wall-time budget, a step that ran out of its time for grouping with at
+least ``BATCH_MIN`` requests left has fallen behind, and the next step takes them by one
+re-clustering from this share of what the policy holds on: the requests a take-over hands over
+last would otherwise be classified a few hundred a step (a 100,000-request take-over spent 80 s
+of its 155 s so, on a loaded host)."""
+BEHIND_SHARE = 1 / 16
 
 SEARCH_SHARE = 0.75
 """The share of the search's budget by which the solver stops; the capacity signal (computed
@@ -161,6 +168,7 @@ class QlmPolicy:
         # Handed, not grouped yet (output so far), oldest first: an OrderedDict pops its first
         # entry in constant time, where a dict's first entry is found past every one removed.
         self._inbox: OrderedDict[str, tuple[Request, int]] = OrderedDict()
+        self._behind = False  # the last step left BATCH_MIN or more ungrouped (BEHIND_SHARE)
         self._fluid_models = FluidModels(self.estimator, self.config)  # the concurrency choice
         self._prompts = PromptRows()  # per group, its prompt lengths (admission's densities)
         self.agents = Agents(  # the act stage (``qlm.planner.act``)
@@ -274,6 +282,7 @@ class QlmPolicy:
         oldest first, until ``until`` on the policy's clock (at least one); a batch
         (``BATCH_MIN``) all at once. How many it took."""
         if self._batch_due():
+            self._behind = False
             return self._take_batch(now)
         taken = 0
         while self._inbox and not (taken and self._clock() >= until):
@@ -283,11 +292,13 @@ class QlmPolicy:
                 self._take(now, req, generated)
             except Exception as exc:
                 raise RequestFailed(req.id, exc) from exc
+        self._behind = len(self._inbox) >= BATCH_MIN  # (only a bounded step leaves any)
         return taken
 
     def _batch_due(self) -> bool:
         waiting = len(self._inbox)
-        return waiting >= BATCH_MIN and waiting >= BATCH_SHARE * self.grouper.num_requests
+        share = BEHIND_SHARE if self._behind else BATCH_SHARE
+        return waiting >= BATCH_MIN and waiting >= share * self.grouper.num_requests
 
     def _take(self, now: float, req: Request, generated: int) -> None:
         """Group one request handed to the policy and place its group if it is new."""

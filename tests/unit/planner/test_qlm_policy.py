@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from typing import Any
 
@@ -638,3 +639,19 @@ def test_a_batch_that_cannot_be_grouped_at_once_is_classified_alone_and_a_bad_on
     assert failed.value.request_id == "r0007"
     assert qlm.grouper.num_requests == qlm_policy.BATCH_MIN - 1
     assert qlm.grouper.group_of("r0007") is None and not qlm.ungrouped
+
+
+def test_a_step_that_fell_behind_leaves_what_is_left_to_one_reclustering() -> None:
+    ticks = itertools.count()  # every reading of the policy's clock: a second later
+    qlm = QlmPolicy(
+        PROFILE, config=CONFIG, measure_solve_time=True, clock=lambda: float(next(ticks))
+    )
+    idle = (load(max_running=0),)
+    qlm.decide(DispatchContext(60.0, tuple(backlog(5 * qlm_policy.BATCH_MIN)), idle))
+    assert qlm.grouper.num_requests == 5 * qlm_policy.BATCH_MIN  # one batch
+    more = backlog(qlm_policy.BATCH_MIN + 1, start=10_000)  # below a quarter: one by one
+    qlm.decide(DispatchContext(61.0, tuple(more), idle))
+    assert qlm.ungrouped == qlm_policy.BATCH_MIN  # the step's time ran out after one
+    qlm.decide(DispatchContext(62.0, (), idle))
+    assert qlm.ungrouped == 0  # fallen behind: the rest at once
+    assert qlm.grouper.num_requests == 6 * qlm_policy.BATCH_MIN + 1
