@@ -60,6 +60,13 @@ pulls stay within it; a plan or a recluster of a large backlog may not) holds th
 intake until it ends (``GlobalQueue.hold_intake``)."""
 
 
+INTAKE_BATCH = 10_000
+"""Deliveries recorded in one store transaction and handed to the controller together, at most.
+Batches are taken one after the other, each waiting for a worker thread (the store) and then for
+the event loop: at 2,000 a take-over of 100,000 requests queued 50 such waits behind each
+other, 1.5-11 s each on a loaded host."""
+
+
 def _span_attributes(msg: QueuedRequest) -> dict[str, Any]:
     return {
         "qlm.tenant": msg.tenant,
@@ -339,7 +346,7 @@ class ControllerService(RuntimeListener):
             await self._wake.wait()
             self._wake.clear()
             while self._inbox:
-                batch, self._inbox = self._inbox[:2000], self._inbox[2000:]
+                batch, self._inbox = self._inbox[:INTAKE_BATCH], self._inbox[INTAKE_BATCH:]
                 self._taking = {d.message.id for d in batch if d.message is not None}
                 try:
                     await self._take(batch)
