@@ -165,6 +165,7 @@ class QlmPolicy:
         self._slots: dict[str, list[Any]] = {}  # per step: queue deadlines and load, for _place
         self._family_cache: tuple[tuple[float, int], tuple[ProblemFamily, list[list[int]]]] | None
         self._family_cache = None  # per step: the plan problem built for the violation check
+        self._family_cost_s = 0.0  # what building it took (wall-time budget only)
         # Handed, not grouped yet (output so far), oldest first: an OrderedDict pops its first
         # entry in constant time, where a dict's first entry is found past every one removed.
         self._inbox: OrderedDict[str, tuple[Request, int]] = OrderedDict()
@@ -488,6 +489,7 @@ class QlmPolicy:
         key = (now, self._plans_made)
         if self._family_cache is not None and self._family_cache[0] == key:
             return self._family_cache[1]  # the violation check's, in the same step: same draws
+        started = self._clock() if self._measure else 0.0
         groups, current = self._groups()
         # What the estimator keeps of a group's requests goes when the group ends, not while no
         # instance is up to plan it on.
@@ -507,6 +509,7 @@ class QlmPolicy:
             pinned,
         )  # fmt: skip
         self._family_cache = (key, (family, current))
+        self._family_cost_s = self._clock() - started if self._measure else 0.0
         return family, current
 
     def fix_concurrency(self, limit: int) -> None:
@@ -631,6 +634,7 @@ class QlmPolicy:
         # One deadline for the whole plan, from here: the concurrency choice has the first
         # FLUID_SHARE of it, the solver stops at SEARCH_SHARE, the capacity signal has the rest.
         deadline = self.config.budget.start(self._clock)
+        built = self._family_cache is not None and self._family_cache[0] == (now, self._plans_made)
         family, current = self._family(now)
         self._plans_made += 1
         choice = self._choice(family)
@@ -729,8 +733,9 @@ class QlmPolicy:
         self.last_plan = record
         self._new_plans.append(record)
         # What keeping up costs is the whole plan (problem, solve, concurrency, capacity), not
-        # only the solver's share of it.
-        self._last_plan_cost_s = self._clock() - started
+        # only the solver's share of it — its problem included when the violation check of the
+        # same step built it.
+        self._last_plan_cost_s = self._clock() - started + (self._family_cost_s if built else 0.0)
         return record
 
     def _capacity_hint(self) -> float | None:

@@ -655,3 +655,40 @@ def test_a_step_that_fell_behind_leaves_what_is_left_to_one_reclustering() -> No
     qlm.decide(DispatchContext(62.0, (), idle))
     assert qlm.ungrouped == 0  # fallen behind: the rest at once
     assert qlm.grouper.num_requests == 6 * qlm_policy.BATCH_MIN + 1
+
+
+def test_a_plan_on_a_predicted_violation_is_spaced_by_the_problem_its_check_built_too(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    clock = [0.0]
+
+    def now() -> float:
+        clock[0] += 0.001  # (the solver's budget runs out)
+        return clock[0]
+
+    build = qlm_policy.build_family
+
+    def slow_build(*args: Any, **kwargs: Any) -> Any:
+        clock[0] += 100.0  # building the plan problem "takes" 100 s of compute
+        return build(*args, **kwargs)
+
+    monkeypatch.setattr(qlm_policy, "build_family", slow_build)
+    config = dataclasses.replace(
+        CONFIG,
+        period_s=10_000.0,
+        defer_expensive=False,  # (a late group is not deferred: its miss is predicted each time)
+        budget=dataclasses.replace(CONFIG.budget, time_s=0.1),
+        grouping=dataclasses.replace(CONFIG.grouping, recluster_interval_s=1e6),
+    )
+    qlm = QlmPolicy(PROFILE, config=config, clock=now)
+    busy = (load(max_running=1, outstanding_requests=1, outstanding_tokens=200),)
+
+    def step(at: float, i: int) -> list[str]:
+        late = make_request(i, arrival_s=0.0, slo=SLO(1.0))  # (one group: no recluster due)
+        qlm.decide(DispatchContext(at, (late,), busy))
+        return [p.trigger for p in qlm.take_plans()]
+
+    assert step(0.0, 0) == ["instances"]  # its own problem: 100 s, so none before 200 s
+    assert step(300.0, 1) == ["violation"]  # the check built the problem, the plan used it
+    assert step(450.0, 2) == []  # 2 x (100 s + the plan) not passed yet
+    assert step(700.0, 3) == ["violation"]
