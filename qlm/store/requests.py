@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 from sqlalchemy import (
     ColumnElement,
+    Row,
     Update,
     and_,
     bindparam,
@@ -615,7 +616,9 @@ def _decode_cursor(cursor: str) -> tuple[float, str]:
     raise InvalidCursor(f"invalid cursor {cursor!r}: pass back the one list_requests returned")
 
 
-def _request_row(m: RequestModel) -> RequestRow:
+def _request_row(m: RequestModel | Row[Any]) -> RequestRow:
+    """The row of a request, from its ORM object or a plain row of the table's columns (their
+    names are the object's attributes)."""
     return RequestRow(
         id=m.id,
         tenant=m.tenant,

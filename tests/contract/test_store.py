@@ -529,6 +529,9 @@ class TestStore:
         rows = store.ensure_requests(news)
         for new in news:
             assert rows[new.id] == store.get(new.id)
+        again = store.ensure_requests(news)  # recorded now: read back, as plain rows
+        for new in news:
+            assert again[new.id] == store.get(new.id)
 
     def test_add_requests_async_writes_exactly_what_add_requests_writes(self, store: Store) -> None:
         # Every kind of value a submission carries, through both paths: the rows (raw, the JSON
