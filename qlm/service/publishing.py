@@ -32,6 +32,9 @@ PUBLISH_SHARE = 0.1
 """The largest share of the event loop's time that publishing the snapshot and the predictions
 may take (``publish_wait``): both walk every waiting request (100,000 under a backlog being
 taken over), and the control steps and the intake need the loop."""
+PUBLISH_MAX_S = 5.0
+"""The longest ``publish_wait`` makes it wait, whatever publishing costs: half the API's default
+``controller_stale_s`` (10 s), past which ``/readyz`` says no active controller publishes."""
 
 Prediction = tuple[float | None, bool]
 """A waiting request's predicted completion (None: not predicted) and whether it is at risk."""
@@ -86,8 +89,9 @@ class PredictionWrites:
 
 def publish_wait(publish_s: float, spent_s: float) -> float:
     """How long to wait for the next publish after one that took ``spent_s`` of the event
-    loop: ``publish_s``, or longer, so that publishing takes at most ``PUBLISH_SHARE`` of it."""
-    return max(publish_s, spent_s / PUBLISH_SHARE)
+    loop: ``publish_s``, or longer, so that publishing takes at most ``PUBLISH_SHARE`` of it,
+    up to ``PUBLISH_MAX_S``."""
+    return max(publish_s, min(spent_s / PUBLISH_SHARE, PUBLISH_MAX_S))
 
 
 def _moved(old: Prediction | None, new: Prediction, now: float) -> float:

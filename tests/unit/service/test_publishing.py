@@ -10,6 +10,7 @@ from qlm.domain import SLO, Tier
 from qlm.service.publishing import (
     LISTED_PER_GROUP,
     LISTED_REQUESTS,
+    PUBLISH_MAX_S,
     PUBLISH_SHARE,
     publish_wait,
     snapshot_dict,
@@ -72,4 +73,5 @@ def test_a_large_backlog_names_only_the_first_requests_of_each_group() -> None:
 
 def test_publishing_waits_its_period_unless_it_would_take_more_than_its_share_of_the_loop() -> None:
     assert publish_wait(1.0, 0.01) == 1.0  # a small backlog: every second
-    assert publish_wait(1.0, 0.5) == 0.5 / PUBLISH_SHARE  # a large one: less often
+    assert publish_wait(1.0, 0.3) == 0.3 / PUBLISH_SHARE  # a large one: less often
+    assert publish_wait(1.0, 3.0) == PUBLISH_MAX_S < 10.0  # never stale to /readyz
