@@ -60,6 +60,18 @@ def waiting(requests: list[Request]) -> list[Queued]:
 # --- single requests -----------------------------------------------------------------------------
 
 
+def assert_same_load(loads: Any, k: int, one: Any) -> None:
+    """Row ``k`` of ``group_loads``' arrays equals ``one`` (a ``group_load``) to the last bit."""
+    assert loads.models[k] == one.model
+    assert loads.size[k] == one.size
+    for name in (
+        "earliest_deadline_s", "input_tokens", "output_mean", "output_var",
+        "last_output_mean", "last_output_var", "last_input_tokens",
+        "earliest_ttft_deadline_s", "first_input_tokens",
+    ):  # fmt: skip
+        assert float(getattr(loads, name)[k]) == float(getattr(one, name)), name
+
+
 def test_a_request_on_an_empty_instance_takes_its_prefill_plus_its_expected_decode() -> None:
     est = estimator()
     hw = hardware()
@@ -1183,14 +1195,7 @@ def test_group_loads_are_group_load_of_each_group_to_the_last_bit(by_prompt: boo
         loads = est.group_loads(groups)
         for k, (gid, requests) in enumerate(groups):
             one = ref.group_load(gid, requests)
-            assert loads.models[k] == one.model
-            assert loads.size[k] == one.size
-            for name in (
-                "earliest_deadline_s", "input_tokens", "output_mean", "output_var",
-                "last_output_mean", "last_output_var", "last_input_tokens",
-                "earliest_ttft_deadline_s", "first_input_tokens",
-            ):  # fmt: skip
-                assert float(getattr(loads, name)[k]) == float(getattr(one, name)), name
+            assert_same_load(loads, k, one)
     assert len(est.group_loads([]).size) == 0
 
 
@@ -1248,11 +1253,4 @@ def test_group_loads_kept_through_random_churn_are_a_rebuild_to_the_last_bit(see
         for k, (gid, requests) in enumerate(named):
             one = fresh.group_load(gid, list(requests))  # (a list: summed from scratch)
             assert loads.group_ids[k] == gid
-            assert loads.models[k] == one.model
-            assert loads.size[k] == one.size
-            for name in (
-                "earliest_deadline_s", "input_tokens", "output_mean", "output_var",
-                "last_output_mean", "last_output_var", "last_input_tokens",
-                "earliest_ttft_deadline_s", "first_input_tokens",
-            ):  # fmt: skip
-                assert float(getattr(loads, name)[k]) == float(getattr(one, name)), name
+            assert_same_load(loads, k, one)
