@@ -33,15 +33,24 @@ class FakeServer:
         return (5, 6, 7)
 
 
-def scripted(monkeypatch: pytest.MonkeyPatch, decode_runs: Iterator[float]) -> list[int]:
-    """Prefill runs (output 1) take 0.1 s; a decode run's time comes from ``decode_runs``."""
+def scripted(
+    monkeypatch: pytest.MonkeyPatch,
+    decode_runs: Iterator[float],
+    prefill: Any = lambda prompt, k: 0.1 + 1e-5 * prompt,
+) -> list[int]:
+    """A prefill run (output 1) takes ``prefill(prompt tokens, its run of that length)``
+    seconds (0.1 s plus 10 µs a token); a decode run's time comes from ``decode_runs``."""
     asked: list[int] = []
+    runs: dict[int, int] = {}
 
     async def makespan(
         engine: Any, clock: Any, prompts: Any, n: int, p: int, o: int, **kw: Any
     ) -> float:
         asked.append(o)
-        return 0.1 if o == 1 else next(decode_runs)
+        if o == 1:
+            runs[p] = runs.get(p, 0) + 1
+            return float(prefill(p, runs[p]))
+        return next(decode_runs)
 
     monkeypatch.setattr(profiling, "_makespan", makespan)
     return asked
@@ -78,6 +87,29 @@ def test_no_decode_time_after_every_try_is_an_error(
 ) -> None:
     scripted(monkeypatch, iter([1.0, shorter] * profiling.DECODE_TRIES))
     with pytest.raises(EngineError, match=r"decode time could not be measured .* 3 tries"):
+        run()
+
+
+def test_the_prefill_line_reads_the_shortest_run_of_each_length(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every length's first run is disturbed (a second longer, the most at the shortest
+    prompts, so the runs alone would fall with the prompt): the shortest runs give the line."""
+    longest = max(profiling.PREFILL_LENGTHS)
+
+    def prefill(prompt: int, k: int) -> float:
+        return 0.1 + 1e-5 * prompt + (2.0 - prompt / longest if k == 1 else 0.0)
+
+    times = iter([2.0, 1.0, 3.0, 1.5, 4.0, 2.0, 6.0])
+    scripted(monkeypatch, times, prefill)
+    hw = run()
+    assert hw.prefill_per_token_s == pytest.approx(1e-5)
+    assert hw.prefill_base_s == pytest.approx(0.1)
+
+
+def test_a_prefill_line_that_does_not_rise_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    scripted(monkeypatch, iter([2.0, 1.0] * 4), lambda prompt, k: 0.1 - 1e-6 * prompt)
+    with pytest.raises(EngineError, match=r"prefill time could not be measured .* 3 runs each"):
         run()
 
 
