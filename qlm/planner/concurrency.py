@@ -150,6 +150,12 @@ def pick_limit(values: Mapping[int, float], current: int | None, hysteresis: flo
     return best
 
 
+def serving_count(family: ProblemFamily, model: str) -> int:
+    """How many of ``family``'s instances serve ``model`` (1 at least): the share of its
+    arrivals each of them is taken to get."""
+    return max(1, sum(model in i.models for i in family.instances))
+
+
 def choose_limits(
     family: ProblemFamily,
     fluid: Sequence[dict[int, Fluid] | None],
@@ -272,7 +278,7 @@ class FluidModels:
                     last = None
                 out[g] = last  # (None until its turn comes: its limit stays, nothing deferred)
                 continue
-            serving = {m: max(1, sum(m in i.models for i in family.instances)) for m in inst.models}
+            serving = {m: serving_count(family, m) for m in inst.models}
             keys = [k for k in classes if k[0] in inst.models]
             if not keys:
                 out[g] = alike.setdefault(same, None)

@@ -56,6 +56,7 @@ from qlm.planner.concurrency import (
     FluidModels,
     PromptRows,
     choose_limits,
+    serving_count,
 )
 from qlm.planner.config import PlannerConfig
 from qlm.planner.family import ProblemFamily, build_family
@@ -551,10 +552,7 @@ class QlmPolicy:
             since = self._backlogged_since.setdefault(inst.name, now)
             if now - since < self.config.floor_window_s:
                 continue
-            arriving = sum(
-                rates.get(m, 0.0) / max(1, sum(m in i.models for i in family.instances))
-                for m in inst.models
-            )
+            arriving = sum(rates.get(m, 0.0) / serving_count(family, m) for m in inst.models)
             out[inst.name] = arriving + queued / window
         return out
 
