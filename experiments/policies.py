@@ -46,6 +46,7 @@ FIXED = "qlm-b"  # qlm-b64: qlm with its concurrency limit fixed at 64 (--fixed-
 NO_DEFER = "qlm-nodefer"  # qlm with cost-aware admission off (--no-defer)
 RATIO = "qlm-ratio"  # qlm-ratio1e9: qlm with GroupingConfig.input_ratio 1e9, the rule off (--input-ratio)
 WEIGHTS = "qlm-w"  # qlm-w1/1/1: qlm with tier weights interactive/standard/batch (--tier-weights)
+TOLERANCE = "qlm-t"  # qlm-t0.05: qlm with PlannerConfig.throughput_tolerance 0.05
 FLOOR = "qlm-f"  # qlm-f0.95: qlm with PlannerConfig.throughput_floor 0.95 (--throughput-floor)
 
 
@@ -81,6 +82,10 @@ def make_policy(name: str, planner: PlannerConfig, profile: RctProfile | None = 
         values = [float(w) for w in name.removeprefix(WEIGHTS).split("/")]
         weights = dict(zip((Tier.INTERACTIVE, Tier.STANDARD, Tier.BATCH), values, strict=True))
         return QlmPolicy(profile, config=dataclasses.replace(planner, tier_weights=weights))
+    if name.startswith(TOLERANCE):
+        tolerance = float(name.removeprefix(TOLERANCE))
+        config = dataclasses.replace(planner, throughput_tolerance=tolerance)
+        return QlmPolicy(profile, config=config)
     if name.startswith(FLOOR):
         floor = float(name.removeprefix(FLOOR))
         return QlmPolicy(profile, config=dataclasses.replace(planner, throughput_floor=floor))
@@ -247,7 +252,7 @@ def report(rows: list[dict[str, Any]], policies: list[str]) -> None:
 
 def _baseline(policy: str) -> bool:
     return policy not in ("qlm", ORACLE, NO_DEFER) and not policy.startswith(
-        (FIXED, RATIO, WEIGHTS)
+        (FIXED, RATIO, WEIGHTS, FLOOR, TOLERANCE)
     )
 
 

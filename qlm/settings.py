@@ -116,6 +116,10 @@ class PlannerSettings(BaseModel):
     floor_window_s: float = Field(default=300.0, gt=0)
     """How long an overload lasts before the throughput floor applies, and the window its
     arrival rate is counted over."""
+    throughput_tolerance: float = Field(default=0.05, ge=0, lt=1)
+    """While an instance's best concurrency limit leaves work deferred, the limits worth within
+    this share of the best are alike and the one that serves the most requests per second is
+    chosen; 0 chooses by SLOs met alone (docs/planner.md)."""
     max_utilisation: float = Field(default=0.95, gt=0, le=1)
     rate_window_s: float = Field(default=60.0, gt=0)
     choose_concurrency: bool = True

@@ -134,9 +134,20 @@ FLUID_SHARE = 0.25
 recently evaluated first; the others keep their last evaluation), before the search."""
 
 
-def pick_limit(values: Mapping[int, float], current: int | None, hysteresis: float) -> int:
+def pick_limit(
+    values: Mapping[int, float],
+    current: int | None,
+    hysteresis: float,
+    rates: Mapping[int, float] | None = None,
+    tolerance: float = 0.0,
+) -> int:
     """The concurrency limit worth the most (the smallest of equals), unless ``current`` is
-    within ``hysteresis`` (a fraction) of it: a change costs a transient the values do not see."""
+    within ``hysteresis`` (a fraction) of it: a change costs a transient the values do not see.
+
+    With ``tolerance`` (and each limit's ``rates``, requests per second served), the limit that
+    serves the most among those worth within ``tolerance`` of the most (``current`` within
+    ``tolerance`` + ``hysteresis``): values that close are within the fluid model's noise, and
+    what a smaller batch does not serve waits, which its steady-state value does not see."""
     if not values:
         raise ValueError("no concurrency limit to choose from")
     limits = sorted(values)
@@ -144,6 +155,14 @@ def pick_limit(values: Mapping[int, float], current: int | None, hysteresis: flo
     for b in limits[1:]:
         if values[b] > values[best] * (1 + 1e-9):
             best = b
+    if tolerance and rates is not None:
+        top = values[best]
+        near = [
+            b
+            for b in limits
+            if values[b] >= top * (1.0 - tolerance - (hysteresis if b == current else 0.0))
+        ]
+        return max(near, key=lambda b: (rates[b], -b))
     threshold = values[best] * (1.0 - hysteresis)
     if current is not None and values.get(current, -math.inf) >= threshold:
         return current
@@ -164,6 +183,7 @@ def choose_limits(
     hysteresis: float,
     throughput_floor: float = 0.0,
     keep_up: Mapping[str, float] | None = None,
+    tolerance: float = 0.0,
 ) -> list[int]:
     """Each instance's concurrency limit: the one whose admitted work meets the most
     expected weighted SLOs per second (``FluidModels.evaluate``; ``choice`` where it has no
@@ -182,7 +202,10 @@ def choose_limits(
     (at the arriving mix, the instance busy) — are chosen from; the limit in use needs
     ``1 − hysteresis`` of it. A smaller batch meets more SLOs of what it serves and serves fewer
     requests; below the arrival rate the rest waits, and the backlog grows. 0 chooses by SLOs
-    met alone."""
+    met alone.
+
+    ``tolerance`` (``pick_limit``): while the limit worth the most leaves work deferred, the one
+    that serves the most among those worth within ``tolerance`` of it."""
     out: list[int] = []
     for inst, fluids, limit in zip(family.instances, fluid, choice, strict=True):
         if fluids is None:
@@ -197,7 +220,11 @@ def choose_limits(
             if f.rate >= need * (1.0 - hysteresis if b == now else 1.0)
         }
         values = {b: f.admission.value for b, f in allowed.items()}
-        out.append(pick_limit(values, current.get(inst.name), hysteresis))
+        rates = {b: f.rate for b, f in allowed.items()}
+        # (throughput counts only while the best limit leaves work deferred: an overload)
+        top = pick_limit(values, None, 0.0)
+        tol = tolerance if allowed[top].admission.threshold > 0 else 0.0
+        out.append(pick_limit(values, current.get(inst.name), hysteresis, rates, tol))
     return out
 
 

@@ -51,6 +51,12 @@ class PlannerConfig:
     when none keeps up); a shorter burst, and 0, choose by SLOs met alone. A smaller batch meets
     more SLOs of what it serves and serves fewer: under a sustained overload the backlog grows
     (experiments/README.md, "Throughput and the concurrency limit")."""
+    throughput_tolerance: float = 0.05
+    """While an instance's best concurrency limit leaves work deferred (an overload: the fluid
+    model cannot serve all that arrives), the limits worth within this share of the best are
+    within the model's noise, and the one of them that serves the most requests per second is
+    chosen: what a smaller batch does not serve waits, which its steady-state value does not
+    count. 0 chooses by SLOs met alone; an instance that serves all it gets always does."""
     floor_window_s: float = 300.0
     """How long an overload lasts before the throughput floor applies, and the window over which
     the arrivals it keeps up with are counted."""
@@ -99,6 +105,8 @@ class PlannerConfig:
             check_setting(value > 0, f"planner.{name}", "> 0", value)
         ok = 0 <= self.throughput_floor <= 1
         check_setting(ok, "planner.throughput_floor", "in [0, 1]", self.throughput_floor)
+        ok = 0 <= self.throughput_tolerance < 1
+        check_setting(ok, "planner.throughput_tolerance", "in [0, 1)", self.throughput_tolerance)
         ok = 0 < self.max_utilisation <= 1
         check_setting(ok, "planner.max_utilisation", "in (0, 1]", self.max_utilisation)
         ok = 0 <= self.concurrency_hysteresis < 1

@@ -657,6 +657,7 @@ class QlmPolicy:
                 if now - self._arrivals.first_s >= self.config.rate_window_s
                 else 0.0,
                 self._keep_up_rates(now, family),
+                self.config.throughput_tolerance,
             )
             if choose
             else choice

@@ -497,6 +497,42 @@ def test_the_violation_trigger_is_the_risk_the_policy_reports() -> None:
     assert any(0.05 < p < qlm.config.delta for p in seen), seen
 
 
+def test_within_the_tolerance_the_limit_that_serves_the_most_wins() -> None:
+    values = {16: 1.0, 64: 2.0, 96: 1.95, 128: 1.7, 256: 1.5}
+    rates = {16: 4.0, 64: 7.0, 96: 8.0, 128: 8.5, 256: 9.5}
+    assert pick_limit(values, None, 0.05, rates, 0.05) == 96  # 1.95 is within 5 % of 2.0
+    assert pick_limit(values, None, 0.05, rates, 0.0) == 64  # no tolerance: SLOs alone
+    assert pick_limit(values, None, 0.05, rates, 0.2) == 128  # 1.7 is within 20 %, 1.5 is not
+    # The limit in use stays within tolerance + hysteresis; one below it gives way.
+    assert pick_limit({**values, 96: 1.88}, 96, 0.05, rates, 0.05) == 96
+    assert pick_limit({**values, 96: 1.88}, None, 0.05, rates, 0.05) == 64
+    assert pick_limit({**values, 96: 1.78}, 96, 0.05, rates, 0.05) == 64
+
+
+def test_the_throughput_tolerance_applies_only_while_the_best_limit_defers_work() -> None:
+    """Values within the tolerance are alike; the one that serves more wins only when the best
+    limit leaves work deferred (an overload). An instance that serves all it gets keeps the
+    smallest limit worth the most: there a larger batch only slows each request."""
+    from types import SimpleNamespace
+
+    from qlm.planner.admission import Admission
+    from qlm.planner.concurrency import Fluid, choose_limits
+
+    def fluids(threshold: float) -> dict[int, Fluid]:
+        return {
+            b: Fluid(Admission(value, threshold, 0.0), {}, {}, {}, {}, rate)
+            for b, value, rate in ((64, 3.0, 8.0), (96, 2.9, 9.0), (256, 2.0, 10.0))
+        }
+
+    family: Any = SimpleNamespace(instances=(SimpleNamespace(name="i0"),))
+    for threshold, expected in ((0.5, 96), (0.0, 64)):
+        chosen = choose_limits(family, [fluids(threshold)], [64], {}, 0.05, tolerance=0.05)
+        assert chosen == [expected]
+    assert choose_limits(family, [fluids(0.5)], [64], {}, 0.05) == [64]  # (tolerance 0)
+    with pytest.raises(ConfigError, match=r"planner\.throughput_tolerance"):
+        PlannerConfig(throughput_tolerance=1.0)
+
+
 def test_a_throughput_floor_rules_out_the_limits_that_serve_too_few_requests() -> None:
     """Limit 64 meets the most SLOs and serves 80 % of the requests per second that 256 does:
     under overload (more to keep up with than any limit serves) it wins unless the floor asks
