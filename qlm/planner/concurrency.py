@@ -204,8 +204,9 @@ def choose_limits(
     requests; below the arrival rate the rest waits, and the backlog grows. 0 chooses by SLOs
     met alone.
 
-    ``tolerance`` (``pick_limit``): while the limit worth the most leaves work deferred, the one
-    that serves the most among those worth within ``tolerance`` of it."""
+    ``tolerance`` (``pick_limit``): for an instance in a sustained overload (one ``keep_up``
+    names) while the limit worth the most leaves work deferred, the one that serves the most
+    among those worth within ``tolerance`` of it."""
     out: list[int] = []
     for inst, fluids, limit in zip(family.instances, fluid, choice, strict=True):
         if fluids is None:
@@ -221,9 +222,11 @@ def choose_limits(
         }
         values = {b: f.admission.value for b, f in allowed.items()}
         rates = {b: f.rate for b, f in allowed.items()}
-        # (throughput counts only while the best limit leaves work deferred: an overload)
+        # (throughput counts only in a sustained overload — the instance has something to
+        # keep up with — while the best limit leaves work deferred)
         top = pick_limit(values, None, 0.0)
-        tol = tolerance if allowed[top].admission.threshold > 0 else 0.0
+        overload = inst.name in (keep_up or {}) and allowed[top].admission.threshold > 0
+        tol = tolerance if overload else 0.0
         out.append(pick_limit(values, current.get(inst.name), hysteresis, rates, tol))
     return out
 

@@ -538,8 +538,9 @@ class QlmPolicy:
         ``floor_window_s`` (a sustained overload: a shorter burst is absorbed by the queue), the
         requests per second the throughput floor keeps up with (``choose_limits``): its share of
         the arrivals of that window (each model's shared evenly among the instances serving it)
-        plus the rate that clears its virtual queue within that window."""
-        if not self.config.throughput_floor:
+        plus the rate that clears its virtual queue within that window. The throughput
+        tolerance applies to these instances only."""
+        if not (self.config.throughput_floor or self.config.throughput_tolerance):
             return {}  # (nothing reads them)
         rates = self._arrival_rate.rates(now)
         window = self.config.floor_window_s

@@ -509,10 +509,12 @@ def test_within_the_tolerance_the_limit_that_serves_the_most_wins() -> None:
     assert pick_limit({**values, 96: 1.78}, 96, 0.05, rates, 0.05) == 64
 
 
-def test_the_throughput_tolerance_applies_only_while_the_best_limit_defers_work() -> None:
-    """Values within the tolerance are alike; the one that serves more wins only when the best
-    limit leaves work deferred (an overload). An instance that serves all it gets keeps the
-    smallest limit worth the most: there a larger batch only slows each request."""
+def test_the_throughput_tolerance_applies_only_in_a_sustained_overload() -> None:
+    """Values within the tolerance are alike; the one that serves more wins only in a sustained
+    overload — the instance has something to keep up with (a backlog held a whole window) and
+    the best limit leaves work deferred. An instance that serves all it gets, or whose backlog
+    is a burst the queue absorbs, keeps the smallest limit worth the most: there a larger batch
+    only slows each request."""
     from types import SimpleNamespace
 
     from qlm.planner.admission import Admission
@@ -525,10 +527,13 @@ def test_the_throughput_tolerance_applies_only_while_the_best_limit_defers_work(
         }
 
     family: Any = SimpleNamespace(instances=(SimpleNamespace(name="i0"),))
-    for threshold, expected in ((0.5, 96), (0.0, 64)):
-        chosen = choose_limits(family, [fluids(threshold)], [64], {}, 0.05, tolerance=0.05)
+    sustained = {"i0": 9.0}
+    for threshold, keep_up, expected in ((0.5, sustained, 96), (0.0, sustained, 64), (0.5, {}, 64)):
+        chosen = choose_limits(
+            family, [fluids(threshold)], [64], {}, 0.05, keep_up=keep_up, tolerance=0.05
+        )
         assert chosen == [expected]
-    assert choose_limits(family, [fluids(0.5)], [64], {}, 0.05) == [64]  # (tolerance 0)
+    assert choose_limits(family, [fluids(0.5)], [64], {}, 0.05, 0.0, sustained) == [64]
     with pytest.raises(ConfigError, match=r"planner\.throughput_tolerance"):
         PlannerConfig(throughput_tolerance=1.0)
 
@@ -600,8 +605,8 @@ def test_the_throughput_floor_applies_once_an_instance_has_been_backlogged_a_who
     again = tuple(make_request(200 + i, arrival_s=130.0, slo=SLO(3600.0)) for i in range(5))
     assert keep_up(130.0, again) == {} and keep_up(200.0) == {}
     assert keep_up(230.0) == pytest.approx({"i0": 5 / 100 + 5 / 100})
-    # Off (0), nothing is tracked and nothing kept up with.
-    off = policy(throughput_floor=0.0)
+    # Off (floor and tolerance 0), nothing is tracked and nothing kept up with.
+    off = policy(throughput_floor=0.0, throughput_tolerance=0.0)
     off.decide(DispatchContext(0.0, first, (busy,)))
     assert off._keep_up_rates(500.0, off._family(500.0)[0]) == {}
 
