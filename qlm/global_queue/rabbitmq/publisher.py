@@ -20,14 +20,12 @@ from collections.abc import Sequence
 from typing import Any, cast
 
 import aiormq
-from aiormq.abc import ChannelFrame
 from aiormq.exceptions import PublishError
-from pamqp.body import ContentBody
-from pamqp.header import ContentHeader
 
 from qlm.global_queue.base import QueueUnavailable
 from qlm.global_queue.message import QueuedRequest
 from qlm.global_queue.rabbitmq.base import BROKER_ERRORS, RabbitBase, shard_of
+from qlm.global_queue.rabbitmq.frames import PublishFrames
 
 
 class Publishing(RabbitBase):
@@ -48,8 +46,8 @@ class Publishing(RabbitBase):
 
         The batch goes out as one write (``_send``): every message gets its delivery tag and
         its own confirmation future from the channel, as aiormq's ``basic_publish`` gives them,
-        but the frames of all of them are marshalled into one buffer and queued on the
-        connection's writer once. ``basic_publish`` per message costs a task, a lock round, a
+        but the frames of all of them are packed into one buffer (``PublishFrames``) and queued
+        on the connection's writer once. ``basic_publish`` per message costs a task, a lock round, a
         timeout context and a socket write each: it was the largest part of the API's CPU
         per submission (docs/api.md, "Ingest throughput"). ``mandatory``: a message no queue
         takes (the queue was deleted) comes back as an error instead of being confirmed and
@@ -111,13 +109,11 @@ class Publishing(RabbitBase):
         left registered when this raises: the broker has seen none of them."""
         if channel.is_closed:
             raise QueueUnavailable("the publishing channel is closed")
-        frames: list[Any] = []
+        frames = PublishFrames(channel.number, channel.max_content_size)
         sent: list[tuple[int, asyncio.Future[Any]]] = []
-        size = channel.max_content_size
         async with asyncio.timeout(self.confirm_timeout_s), channel.lock:
             try:
                 for message in messages:
-                    body = message.encode()
                     shard = (
                         self.queues[shard_of(message.id, self.shards)]
                         if self.shards > 1
@@ -129,19 +125,8 @@ class Publishing(RabbitBase):
                     channel.confirmations[tag] = confirmation
                     channel.message_id_delivery_tag[message.id] = tag
                     sent.append((tag, confirmation))
-                    properties = aiormq.spec.Basic.Properties(
-                        delivery_mode=2,  # persistent
-                        content_type="application/json",
-                        message_id=message.id,
-                    )
-                    frames.append(
-                        aiormq.spec.Basic.Publish(exchange="", routing_key=shard, mandatory=True)
-                    )
-                    frames.append(ContentHeader(properties=properties, body_size=len(body)))
-                    frames += [ContentBody(body[i : i + size]) for i in range(0, len(body), size)]
-                await channel.write_queue.put(
-                    ChannelFrame.marshall(channel_number=channel.number, frames=frames)
-                )
+                    frames.add(shard, message.id, message.encode())
+                await channel.write_queue.put(frames.channel_frame())
             except BaseException:
                 # Not sent: the broker has not seen these tags; the next publish reuses them.
                 for (tag, confirmation), message in zip(sent, messages, strict=False):
