@@ -8,7 +8,10 @@ well-formed submission itself, doing exactly what the route does with the same c
 (``qlm.api.routes.requests.submit``): ``json.loads`` the body and validate it with ``SubmitIn``
 (what FastAPI does), read the bearer key as ``HTTPBearer`` does, check ``Idempotency-Key`` as
 the route's header declares it, then answer from the same function, its 202 sent as the two
-ASGI messages Starlette's ``Response`` would send (same headers), without building one.
+ASGI messages Starlette's ``Response`` would send (same headers), without building one. It
+is installed twice: in front of FastAPI's whole stack while FastAPI's telemetry is off
+(``qlm.api.app.Api``: none of FastAPI's own middlewares runs for a submission it serves), and
+as the innermost user middleware, which serves submissions when the front one is not open.
 
 Anything it does not recognise as a well-formed call — another path or method, a content type
 other than ``application/json``, a body that does not parse or validate, a malformed or repeated
@@ -33,16 +36,20 @@ _KEY = re.compile(r"[\x20-\x7e]{1,255}")  # the route's IDEMPOTENCY_KEY_PATTERN
 
 
 class SubmitFastPath:
-    """The middleware (module docstring); sits inside ``BodyLimit``, which has checked the size."""
+    """The middleware (module docstring). Inside ``BodyLimit``, which has checked the size, it
+    takes no ``max_body_bytes``; in front of the whole app (``qlm.api.app.Api``) it takes only a
+    body whose Content-Length is declared and at most ``max_body_bytes``, and leaves the rest to
+    ``app`` unread (``BodyLimit`` answers those)."""
 
-    def __init__(self, app: ASGIApp) -> None:
+    def __init__(self, app: ASGIApp, *, max_body_bytes: int | None = None) -> None:
         self.app = app
+        self.max_body_bytes = max_body_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] != "POST" or _route_path(scope) != PATH:
             await self.app(scope, receive, send)
             return
-        content_type = authorization = None
+        content_type = authorization = length = None
         keys: list[bytes] = []
         for name, value in scope["headers"]:
             if name == b"content-type":
@@ -51,6 +58,11 @@ class SubmitFastPath:
                 authorization = value if authorization is None else authorization
             elif name == b"idempotency-key":
                 keys.append(value)
+            elif name == b"content-length":
+                length = value if length is None else length
+        if self.max_body_bytes is not None and not _within(length, self.max_body_bytes):
+            await self.app(scope, receive, send)
+            return
         body = await _read_body(receive)
         if body is None:
             return  # the client went away
@@ -84,6 +96,13 @@ def _route_path(scope: Scope) -> str:
     path: str = scope["path"]
     root: str = scope.get("root_path", "")
     return path[len(root) :] if root and path.startswith(root) else path
+
+
+def _within(length: bytes | None, max_bytes: int) -> bool:
+    """Whether a declared Content-Length is a size ``BodyLimit`` lets through unread."""
+    if length is None or not length.isdigit():
+        return False  # none, or one BodyLimit refuses (a sign is no digit)
+    return int(length) <= max_bytes
 
 
 def _parse(

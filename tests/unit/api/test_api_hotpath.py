@@ -7,9 +7,13 @@ from typing import Any
 
 import httpx
 import pytest
+from starlette.types import ASGIApp, Receive, Scope, Send
 
+from qlm.api import hotpath
+from qlm.api.app import Api, create_app
 from qlm.api.deps import get_principal
 from qlm.api.errors import ApiError
+from qlm.settings import Settings
 from tests.unit.api.test_api import Harness, error, published, run
 
 ROUTE = "application/merge-patch+json"
@@ -106,6 +110,81 @@ def test_the_store_or_broker_down_is_the_routes_503() -> None:
         assert error(fast)["code"] == error(route)["code"] == "store_unavailable"
 
     run(scenario)
+
+
+def test_the_front_door_serves_submissions_before_fastapis_middlewares() -> None:
+    """In front of the stack (FastAPI's telemetry off), a submission reaches no middleware of
+    FastAPI's: the stack's own fast path never sees it. Bodies without a declared size and
+    other calls still take the whole stack."""
+
+    async def scenario(h: Harness) -> None:
+        assert isinstance(h.app, Api) and h.app.front_door is not None
+        seen: list[str] = []
+        stack = h.app.build_middleware_stack()
+        h.app.middleware_stack = counting(stack, seen)
+        body = {"model": "m", "prompt": "p", "max_tokens": 4}
+        assert (await post(h, "application/json", body, **h.auth())).status_code == 202
+        assert seen == []
+        assert (await post(h, ROUTE, body, **h.auth())).status_code == 202
+        assert (await h.client.get("/v1/requests", headers=h.auth())).status_code == 200
+
+        async def chunks() -> Any:  # no Content-Length: BodyLimit counts it in the stack
+            yield httpx.Request("POST", "/", json=body).content
+
+        r = await h.client.post(
+            "/v1/requests",
+            content=chunks(),
+            headers={"Content-Type": "application/json"} | h.auth(),
+        )
+        assert r.status_code == 202
+        assert seen == ["/v1/requests", "/v1/requests", "/v1/requests"]
+
+    run(scenario)
+
+
+def test_an_unexpected_failure_in_the_front_door_is_the_stacks_500(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    async def scenario(h: Harness) -> None:
+        async def broken(*_: Any) -> None:
+            raise RuntimeError("a bug")
+
+        monkeypatch.setattr(hotpath, "submit", broken)
+        transport = httpx.ASGITransport(app=h.app, raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://qlm") as client:
+            body = {"model": "m", "prompt": "p", "max_tokens": 4}
+            r = await client.post("/v1/requests", json=body, headers=h.auth())
+        assert r.status_code == 500
+        err = error(r)
+        assert err["code"] == "internal_error" and "a bug" not in err["message"]
+
+    run(scenario)
+
+
+def test_with_fastapis_telemetry_on_every_call_takes_the_whole_stack(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    app = create_app(Settings())
+    assert isinstance(app, Api)
+    monkeypatch.setattr(app._native_telemetry, "enabled", lambda: True)
+    app.open_front_door(1000)
+    assert app.front_door is None
+    monkeypatch.setattr(app._native_telemetry, "enabled", lambda: False)
+    app.open_front_door(1000)
+    assert app.front_door is not None
+    app.close_front_door()
+    assert app.front_door is None
+
+
+def counting(app: ASGIApp, seen: list[str]) -> ASGIApp:
+    """``app``, noting the path of each HTTP call that reaches it."""
+
+    async def counted(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            seen.append(scope["path"])
+        await app(scope, receive, send)
+
+    return counted
 
 
 def same_answer(response: httpx.Response) -> dict[str, Any]:
