@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import json
 import re
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from qlm.domain import SLO, Tier
 from qlm.global_queue import SCHEMA_VERSION, MessageError, QueuedRequest
+from qlm.global_queue import message as message_module
 
 
 def make_message(**overrides: Any) -> QueuedRequest:
@@ -157,3 +161,55 @@ def test_an_error_quotes_a_huge_bad_value_only_in_part() -> None:
     with pytest.raises(MessageError, match="'prompt'") as caught:
         QueuedRequest.decode(body(prompt=["x" * 100_000]))
     assert len(str(caught.value)) < 200
+
+
+SCALARS = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-3, 3),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=3),
+)
+ODD = st.one_of(
+    SCALARS,
+    st.lists(SCALARS, max_size=2),
+    st.dictionaries(st.text(max_size=2), SCALARS, max_size=2),
+)
+"""Values of every JSON kind, edge cases included (NaN, infinities, booleans as integers)."""
+
+
+def odd_values(name: str) -> st.SearchStrategy[Any]:
+    """Values for field ``name``, most of them breaking one of its rules, some not."""
+    extra = {
+        "tier": st.sampled_from([*Tier, 3, -1]),
+        "sampling": st.dictionaries(
+            st.sampled_from(["temperature", "stop", "tools", "response_format", "tool_choice"]),
+            ODD,
+            max_size=3,
+        ),
+        "labels": st.dictionaries(st.one_of(st.text(max_size=2), st.integers()), ODD, max_size=2),
+        "messages": st.one_of(st.none(), st.lists(ODD, max_size=2)),
+    }
+    return st.one_of(ODD, extra.get(name, ODD))
+
+
+VALID = {name: getattr(make_message(), name) for name in QueuedRequest.__dataclass_fields__}
+
+
+@settings(max_examples=1000, deadline=None)
+@given(st.data())
+def test_the_quick_check_passes_only_messages_every_rule_passes(data: st.DataObject) -> None:
+    """``QueuedRequest`` skips its rules one by one for a message its quick check passes: that
+    must never let through a message one of the rules refuses. A valid message with one or
+    two fields changed to values of every JSON kind."""
+    changed = data.draw(st.lists(st.sampled_from(sorted(VALID)), min_size=1, max_size=2))
+    fields = VALID | {name: data.draw(odd_values(name), label=name) for name in changed}
+    candidate = SimpleNamespace(**fields)
+    if message_module._plainly_valid(candidate):  # type: ignore[arg-type]
+        message_module._check_fields(candidate)  # type: ignore[arg-type]
+
+
+def test_the_usual_messages_take_the_quick_check() -> None:
+    assert message_module._plainly_valid(make_message())
+    chat = make_message(prompt=None, messages=[{"role": "user", "content": "hi"}], tier=0)
+    assert message_module._plainly_valid(chat)
