@@ -43,11 +43,22 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class Accepted:
-    """A stored, broker-confirmed request; ``replayed``: made by an earlier call with the same
-    Idempotency-Key (``row`` is that request)."""
+    """A stored, broker-confirmed request: the caller's ``new`` as recorded just now, or, when
+    ``replayed``, the earlier request that holds its Idempotency-Key. ``stored``: the row read
+    from the store (a replay's, or one recorded by a retry); None when ``new`` was recorded
+    as it is, whose row ``row`` builds only when asked for — the native 202 needs a few of its
+    fields (``id``, ``model``, ...), and a row is 35 fields to set on the hot path."""
 
-    row: RequestRow
+    new: NewRequest
     replayed: bool
+    stored: RequestRow | None = None
+
+    @property
+    def row(self) -> RequestRow:
+        """The request's row as the store holds it now."""
+        if self.stored is not None:
+            return self.stored
+        return self.new.queued_row(self.new.submitted_at)
 
 
 class IdempotencyConflict(Exception):
@@ -188,7 +199,9 @@ class Submitter:
             _fail(batch, exc)
             return
         self.batches += 1
-        fresh = [(p, p.new.queued_row(p.new.submitted_at)) for p in batch if p.new.id in created]
+        fresh: list[tuple[_Pending, RequestRow | None]] = [
+            (p, None) for p in batch if p.new.id in created
+        ]
         taken = [p for p in batch if p.new.id not in created]
         self._publish_soon(fresh)
         if not taken:
@@ -200,7 +213,7 @@ class Submitter:
             log.exception("looking up %d taken Idempotency-Keys failed", len(taken))
             _fail(taken, exc)
             return
-        made: list[tuple[_Pending, RequestRow]] = []
+        made: list[tuple[_Pending, RequestRow | None]] = []
         for pending, result in zip(taken, found, strict=True):
             if isinstance(result, StoreError):
                 _settle(pending.future, exc=result)
@@ -210,7 +223,7 @@ class Submitter:
                 self._replay(pending, result[0])
         self._publish_soon(made)
 
-    def _publish_soon(self, created: list[tuple[_Pending, RequestRow]]) -> None:
+    def _publish_soon(self, created: list[tuple[_Pending, RequestRow | None]]) -> None:
         if created:
             self.recorded += len(created)
             task = asyncio.create_task(self._publish(created), name="qlm-api-publish")
@@ -241,7 +254,8 @@ class Submitter:
                 if done.cancelled() or done.exception() is not None:
                     _settle(pending.future, exc=done.exception() or QueueUnavailable("cancelled"))
                 else:
-                    _settle(pending.future, Accepted(done.result().row, replayed=True))
+                    first = done.result()
+                    _settle(pending.future, Accepted(pending.new, True, first.row))
 
             earlier.add_done_callback(follow)
             return
@@ -251,7 +265,7 @@ class Submitter:
             self._publishes.add(task)
             task.add_done_callback(self._publishes.discard)
             return
-        _settle(pending.future, Accepted(row, replayed=True))
+        _settle(pending.future, Accepted(pending.new, True, row))
 
     async def _republish(self, pending: _Pending, row: RequestRow) -> None:
         try:
@@ -259,9 +273,9 @@ class Submitter:
         except QueueUnavailable as exc:
             _settle(pending.future, exc=exc)
         else:
-            _settle(pending.future, Accepted(row, replayed=True))
+            _settle(pending.future, Accepted(pending.new, True, row))
 
-    async def _publish(self, created: list[tuple[_Pending, RequestRow]]) -> None:
+    async def _publish(self, created: list[tuple[_Pending, RequestRow | None]]) -> None:
         try:
             results: Sequence[BaseException | None] = await self._queue.publish_many(
                 [p.message for p, _ in created]
@@ -277,7 +291,7 @@ class Submitter:
             if result is not None:
                 failed.append((pending, result))
             else:
-                _settle(pending.future, Accepted(row, replayed=False))
+                _settle(pending.future, Accepted(pending.new, False, row))
         if not failed:
             return
         # Remove the rows before answering, so that a retry cannot find one that is going away.
