@@ -29,7 +29,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from qlm.api import errors
 from qlm.api.context import ApiContext
 from qlm.api.routes.requests import submit
-from qlm.api.schemas import SubmitIn
+from qlm.api.schemas import SHALLOW, SubmitIn, shallow
 
 PATH = "/v1/requests"
 _KEY = re.compile(r"[\x20-\x7e]{1,255}")  # the route's IDEMPOTENCY_KEY_PATTERN
@@ -121,7 +121,8 @@ def _parse(
         if _KEY.fullmatch(key) is None:
             return None
     try:
-        submission = SubmitIn.model_validate(json.loads(body))
+        context = SHALLOW if shallow(body) else None
+        submission = SubmitIn.model_validate(json.loads(body), context=context)
     except Exception:  # not JSON, not UTF-8, too deep, invalid: FastAPI's
         return None
     return submission, key

@@ -10,6 +10,7 @@ cannot honour (``n`` > 1, ``logprobs``, ``tools``, ...), naming them. A ``respon
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import math
 from typing import Annotated, Any, Literal
@@ -180,12 +181,26 @@ def _deeper_than(value: Any, limit: int) -> bool:
     return False
 
 
+SHALLOW = {"qlm.nesting": "checked"}
+"""A validation context (``model_validate(..., context=SHALLOW)``) saying that the body's JSON
+text cannot nest deeper than ``MAX_JSON_DEPTH`` (``shallow``): ``JsonBody`` then skips its walk
+over the parsed body."""
+
+
+def shallow(text: bytes) -> bool:
+    """Whether JSON ``text`` surely nests arrays and objects no deeper than ``MAX_JSON_DEPTH``:
+    it holds no more ``[`` and ``{`` than that (a tenth of the walk's cost)."""
+    return text.count(b"[") + text.count(b"{") <= MAX_JSON_DEPTH
+
+
 class JsonBody(BaseModel):
     """A request body: refused as a whole when it nests deeper than ``MAX_JSON_DEPTH``."""
 
     @model_validator(mode="before")
     @classmethod
-    def _not_too_deep(cls, data: Any) -> Any:
+    def _not_too_deep(cls, data: Any, info: ValidationInfo) -> Any:
+        if info.context is SHALLOW:
+            return data
         if isinstance(data, dict | list) and _deeper_than(data, MAX_JSON_DEPTH):
             raise PydanticCustomError(
                 "json_too_deep",
@@ -444,12 +459,17 @@ class SamplingIn(BaseModel):
     def sampling(self) -> dict[str, Any]:
         """The parameters that were given, for the queue message and the store (a ``text``
         response format is the default: left out)."""
-        out = self.model_dump(
-            include=set(SamplingIn.model_fields), exclude_none=True, by_alias=True
-        )
+        out = self.model_dump(include=_sampling_fields(), exclude_none=True, by_alias=True)
         if out.get("response_format") == {"type": "text"}:
             del out["response_format"]
         return out
+
+
+@functools.cache
+def _sampling_fields() -> set[str]:
+    """``SamplingIn``'s fields (a set made once: building it per call cost half of
+    ``sampling``)."""
+    return set(SamplingIn.model_fields)
 
 
 def _label_keys(schema: dict[str, Any]) -> None:

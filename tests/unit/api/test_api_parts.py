@@ -5,16 +5,20 @@ the plan, the token bucket, key lookups, the submission writer, and ``Store.add_
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 from typing import Any
 
+import pytest
+from pydantic import ValidationError
 from typer.testing import CliRunner
 
 from qlm.api.auth import Authenticator
 from qlm.api.control import assess
 from qlm.api.limits import RateLimiter, retry_after
 from qlm.api.prompts import estimate_tokens, render_chat
+from qlm.api.schemas import MAX_JSON_DEPTH, SHALLOW, SubmitIn, shallow
 from qlm.api.submission import Submitter
 from qlm.cli import app
 from qlm.domain import RequestStatus
@@ -183,3 +187,20 @@ def test_keys_are_created_listed_and_revoked_from_the_cli(tmp_path: Any, monkeyp
     assert runner.invoke(app, ["keys", "revoke", "1"]).exit_code == 0
     again = runner.invoke(app, ["keys", "revoke", "1"])
     assert again.exit_code == 1 and "no active key with id 1" in again.output
+
+
+def test_a_body_whose_text_cannot_nest_too_deep_skips_the_walk_and_a_deep_one_is_refused() -> None:
+    shallow_body = b'{"model": "m", "prompt": "[[{{", "max_tokens": 1, "labels": {"a": "b"}}'
+    assert shallow(shallow_body)
+    assert not shallow(b"[" * (MAX_JSON_DEPTH + 1) + b"]" * (MAX_JSON_DEPTH + 1))
+    # Brackets inside strings count too: such a body is only walked, and still accepted.
+    many = json.dumps({"model": "m", "prompt": "[" * 100, "max_tokens": 1}).encode()
+    assert not shallow(many)
+    assert SubmitIn.model_validate(json.loads(many)).prompt == "[" * 100
+    deep: Any = "x"
+    for _ in range(MAX_JSON_DEPTH + 1):
+        deep = [deep]
+    body = {"model": "m", "prompt": "p", "max_tokens": 1, "labels": {"k": deep}}
+    with pytest.raises(ValidationError, match="deeper than"):
+        SubmitIn.model_validate(body)
+    assert SubmitIn.model_validate(body | {"labels": {}}, context=SHALLOW).labels == {}
