@@ -151,7 +151,9 @@ class RequestIngest(StoreBase):
         - **PostgreSQL**: one statement on a psycopg ``AsyncConnection`` on the caller's event
           loop (libpq's I/O waits in the loop, not in a thread). The rows travel as one JSON
           document (``json_populate_recordset``), so the client does one ``json.dumps`` instead
-          of adapting every parameter: 15-30 µs of CPU per row. Connections are in autocommit
+          of adapting every parameter: 15-30 µs of CPU per row. Each row carries only the
+          columns its request gives; the columns every new row starts with the same values in,
+          and the label rows, are made by the statement (``_PG_ADD_REQUESTS``). Connections are in autocommit
           mode (one statement is one transaction), one per call in flight, kept for the next
           calls (at most ``_PG_IDLE``), and not pinged before use: a statement that fails
           because its connection broke (a restarted server) is sent once more on a new one.
@@ -169,16 +171,13 @@ class RequestIngest(StoreBase):
             return await asyncio.to_thread(self._add_requests_sqlite, news)
         import psycopg
 
-        now = self._clock()
-        rows = json.dumps([_request_values(n, now) for n in news])
-        labels = json.dumps(
-            [{"request_id": n.id, "key": k, "value": v} for n in news for k, v in n.labels]
-        )
+        initial = json.dumps(_initial_values(self._clock()))
+        rows = json.dumps([_given_values(n) for n in news])
         what = f"record {len(news)} requests"
         for attempt in (1, 2):
             connection = await self._pg_take(what, fresh=attempt > 1)
             try:
-                cursor = await connection.execute(_PG_ADD_REQUESTS, (rows, labels))
+                cursor = await connection.execute(_PG_ADD_REQUESTS, (initial, rows))
                 created = {str(row[0]) for row in await cursor.fetchall()}
                 if attempt > 1:
                     ids = [n.id for n in news]
@@ -265,6 +264,11 @@ def _read_rows(session: Session, ids: Sequence[str]) -> dict[str, RequestRow]:
 
 def _request_values(new: NewRequest, now: float) -> dict[str, Any]:
     """The column values of a new request's row."""
+    return _given_values(new) | _initial_values(now)
+
+
+def _given_values(new: NewRequest) -> dict[str, Any]:
+    """The columns of a new request's row that the request gives."""
     return {
         "id": new.id,
         "tenant": new.tenant,
@@ -280,9 +284,15 @@ def _request_values(new: NewRequest, now: float) -> dict[str, Any]:
         "tier": int(new.tier),
         "labels": dict(new.labels),
         "idempotency_key": new.idempotency_key,
+        "submitted_at": new.submitted_at,
+    }
+
+
+def _initial_values(now: float) -> dict[str, Any]:
+    """The columns every new row starts with the same values in (recorded at ``now``)."""
+    return {
         "status": _name(RequestStatus.QUEUED),
         "cancel_requested": False,
-        "submitted_at": new.submitted_at,
         "output_tokens": 0,
         "partial_text": "",
         "partial_tokens": 0,
@@ -301,20 +311,22 @@ _JSON_COLUMNS = ("messages", "sampling", "labels")
 _PG_ADD_REQUESTS = f"""
 WITH new AS (
     INSERT INTO requests ({", ".join(_NEW_COLUMNS)})
-    SELECT {", ".join(_NEW_COLUMNS)} FROM json_populate_recordset(NULL::requests, %s::json)
+    SELECT {", ".join(_NEW_COLUMNS)}
+    FROM json_populate_recordset(json_populate_record(NULL::requests, %s::json), %s::json)
     ON CONFLICT DO NOTHING
-    RETURNING id
+    RETURNING id, labels
 ), labelled AS (
     INSERT INTO request_labels (request_id, key, value)
-    SELECT l.request_id, l.key, l.value
-    FROM json_to_recordset(%s::json) AS l(request_id text, key text, value text)
-    JOIN new ON new.id = l.request_id
+    SELECT new.id, l.key, l.value FROM new CROSS JOIN LATERAL json_each_text(new.labels) AS l
 )
 SELECT id FROM new
 """
-"""``add_requests_async`` on PostgreSQL: one statement, one implicit transaction. The label rows
-join the requests actually inserted; a JSON ``null`` is SQL NULL (``messages``), and a nested JSON
-value keeps its text (``json.dumps``'s, as SQLAlchemy writes it)."""
+"""``add_requests_async`` on PostgreSQL: one statement, one implicit transaction. The rows
+travel as one JSON document of the columns each request gives (``_given_values``); the columns
+every new row starts with the same values in come once per batch, as the record the rows are
+populated over (``_initial_values``). The label rows are those of the requests actually
+inserted, read from their ``labels`` column. A JSON ``null`` is SQL NULL (``messages``), and a
+nested JSON value keeps its text (``json.dumps``'s, as SQLAlchemy writes it)."""
 _PG_PRESENT = "SELECT id FROM requests WHERE id = ANY(%s)"
 _SQLITE_ADD_REQUEST = (
     f"INSERT INTO requests ({', '.join(_NEW_COLUMNS)}) "
