@@ -11,7 +11,8 @@ the route's header declares it, then answer from the same function, its 202 sent
 ASGI messages Starlette's ``Response`` would send (same headers), without building one. It
 is installed twice: in front of FastAPI's whole stack while FastAPI's telemetry is off
 (``qlm.api.app.Api``: none of FastAPI's own middlewares runs for a submission it serves), and
-as the innermost user middleware, which serves submissions when the front one is not open.
+as the innermost user middleware, which serves submissions when the front one is not open (a
+submission the front one declines reaches the inner one too, which declines it again).
 
 Anything it does not recognise as a well-formed call — another path or method, a content type
 other than ``application/json``, a body that does not parse or validate, a malformed or repeated
