@@ -27,9 +27,9 @@ from aio_pika.abc import (
     AbstractChannel,
     AbstractConnection,
     AbstractExchange,
-    AbstractIncomingMessage,
     AbstractQueue,
 )
+from aiormq.abc import DeliveredMessage
 from aiormq.exceptions import AMQPError
 from yarl import URL
 
@@ -312,7 +312,7 @@ class RabbitBase:
         self._dead_letters: _PublisherLink | None = None
         self._rounds: set[asyncio.Task[None]] = set()
         self._epoch = 0
-        self._held: dict[int, AbstractIncomingMessage] = {}
+        self._held: dict[int, DeliveredMessage] = {}
         self.leader = False
         """Whether this consumer holds the leader lock (receives); a standby waits for it."""
 

@@ -31,7 +31,8 @@ from collections.abc import Awaitable, Callable, Coroutine
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import aio_pika
-from aio_pika.abc import AbstractConnection, AbstractIncomingMessage
+from aio_pika.abc import AbstractConnection
+from aiormq.abc import DeliveredMessage
 
 from qlm.global_queue.base import REASON_HEADER, Delivery, Handler, LeaderHandler, QueueUnavailable
 from qlm.global_queue.message import MessageError, QueuedRequest
@@ -330,15 +331,19 @@ class Consuming(RabbitBase):
                 log.warning("retrying %s in %.1f s", self.queue, delay)
                 await asyncio.sleep(delay)
 
-    async def _on_message(self, epoch: int, incoming: AbstractIncomingMessage) -> None:
-        """aiormq calls this for each delivery, in order; decode, hold, hand to the dispatcher."""
+    async def _on_message(self, epoch: int, incoming: DeliveredMessage) -> None:
+        """aiormq calls this for each delivery, in order, with the frames as it read them (no
+        aio-pika message object: building one cost as much as decoding the body); decode,
+        hold, hand to the dispatcher."""
         tag = incoming.delivery_tag
         if epoch != self._epoch or tag is None:
             return  # from a channel already given up: the broker redelivers it
         self._held[tag] = incoming
-        count = incoming.headers.get("x-delivery-count", 0)
+        headers = incoming.header.properties.headers
+        count = headers.get("x-delivery-count", 0) if headers else 0
+        body = incoming.body
         try:
-            message: QueuedRequest | None = QueuedRequest.decode(incoming.body)
+            message: QueuedRequest | None = QueuedRequest.decode(body)
             error = ""
         except MessageError as exc:
             message, error = None, f"malformed message: {exc}"
@@ -347,7 +352,7 @@ class Consuming(RabbitBase):
             tag,
             bool(incoming.redelivered),
             count if isinstance(count, int) else 0,
-            incoming.body,
+            body,
             error,
             epoch,
         )
@@ -400,7 +405,7 @@ class Consuming(RabbitBase):
         except Exception:
             log.exception("the leader callback of %s failed", self.queue)
 
-    def _take(self, delivery: Delivery, what: str) -> AbstractIncomingMessage | None:
+    def _take(self, delivery: Delivery, what: str) -> DeliveredMessage | None:
         """The held message for ``delivery``, now settled; ``None`` (logged) if not held."""
         incoming = (
             self._held.pop(delivery.delivery_tag, None) if delivery.epoch == self._epoch else None
@@ -498,20 +503,24 @@ class Consuming(RabbitBase):
         incoming = self._take(delivery, "ack")
         if incoming is not None:
             self._last_settled = time.monotonic()
-            await _settle_quietly(incoming.ack(), "ack", delivery)
+            await _settle_quietly(
+                incoming.channel.basic_ack(delivery.delivery_tag), "ack", delivery
+            )
 
     async def _requeue(self, delivery: Delivery) -> None:
         incoming = self._take(delivery, "requeue")
         if incoming is not None:
             self._last_settled = time.monotonic()
-            await _settle_quietly(incoming.nack(requeue=True), "requeue", delivery)
+            requeue = incoming.channel.basic_nack(delivery.delivery_tag, requeue=True)
+            await _settle_quietly(requeue, "requeue", delivery)
 
     async def _dead_letter(self, delivery: Delivery, reason: str) -> None:
         incoming = self._take(delivery, "dead-letter")
         if incoming is None:
             return
         self._last_settled = time.monotonic()
-        headers = dict(incoming.headers)
+        properties = incoming.header.properties
+        headers = dict(properties.headers or {})
         headers[REASON_HEADER] = reason
         if self._dead_letters is None:
             self._dead_letters = _PublisherLink(self, "dead-letterer")
@@ -522,8 +531,8 @@ class Consuming(RabbitBase):
                     delivery.raw,
                     headers=headers,
                     delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
-                    content_type=incoming.content_type,
-                    message_id=incoming.message_id,
+                    content_type=properties.content_type,
+                    message_id=properties.message_id,
                 ),
                 self.queue,
                 mandatory=True,
@@ -536,9 +545,10 @@ class Consuming(RabbitBase):
                 exc,
                 reason,
             )
-            await _settle_quietly(incoming.reject(requeue=False), "reject", delivery)
+            reject = incoming.channel.basic_reject(delivery.delivery_tag, requeue=False)
+            await _settle_quietly(reject, "reject", delivery)
             return
-        await _settle_quietly(incoming.ack(), "ack", delivery)
+        await _settle_quietly(incoming.channel.basic_ack(delivery.delivery_tag), "ack", delivery)
 
     async def _on_consumer_loop(
         self, work: Coroutine[Any, Any, T], loop: asyncio.AbstractEventLoop

@@ -25,6 +25,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from aio_pika.abc import AbstractConnection, AbstractIncomingMessage
+from aiormq.abc import DeliveredMessage
 from aiormq.exceptions import ChannelLockedResource, ChannelNotFoundEntity
 
 from qlm.global_queue.rabbitmq.base import BROKER_ERRORS, RabbitBase, log
@@ -50,7 +51,7 @@ class LeaderLock(RabbitBase):
 
         def _new_epoch(self) -> None: ...
         def _tell_leader(self, leading: bool) -> None: ...
-        async def _on_message(self, epoch: int, incoming: AbstractIncomingMessage) -> None: ...
+        async def _on_message(self, epoch: int, incoming: DeliveredMessage) -> None: ...
 
     async def _lead(
         self, connection: AbstractConnection, lost: asyncio.Event, tried: Callable[[], None]
@@ -94,9 +95,11 @@ class LeaderLock(RabbitBase):
         # those of the epoch it last announced as leading).
         self.leader = True
         self._tell_leader(True)
+        # The shards are consumed on aiormq's channel, as aio-pika's ``Queue.consume`` does, but
+        # without its message object and second task per delivery (``consumer._on_message``).
         on_message = functools.partial(self._on_message, self._epoch)
         for queue in queues:
-            await queue.consume(on_message, no_ack=False)
+            await underlay.basic_consume(queue.name, on_message, no_ack=False)
         tried()
         log.info("leading: consuming %s on %s", ", ".join(self.queues), self._safe_url)
 
