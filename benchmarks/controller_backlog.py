@@ -10,7 +10,8 @@ order against the SLOs (a predicted violation re-plans at once); and until the n
 (RSS) of the controller's process. Target: 100,000 requests taken over, grouped and planned
 <= 15 s with RabbitMQ and PostgreSQL, <= 1 GB.
 
-What runs where, so that the figures are the controller's alone: the instances are ``qlm
+What runs where, so that the figures are the controller's alone: the controller runs on the
+event loop ``qlm controller`` runs on (``qlm.eventloop``: uvloop); the instances are ``qlm
 sim-engine serve`` processes (16 simulated A100s by default), driven over vLLM's HTTP API as
 production drives vLLM (``--in-process-engines``: simulated in the controller's process, as
 ``qlm serve`` does by default). With ``--broker`` the requests are recorded and published by a
@@ -64,6 +65,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from qlm import eventloop
 from qlm.clock import EpochClock
 from qlm.controller import Controller
 from qlm.domain import PlanRecord
@@ -541,4 +543,4 @@ if __name__ == "__main__":
         "whose engines have not answered yet) and they come back once it is held, so one plan "
         "places every group",
     )
-    asyncio.run(main(parser.parse_args()))
+    eventloop.run(main(parser.parse_args()))

@@ -17,8 +17,7 @@ import errno
 import logging
 import signal
 import socket
-from collections.abc import Callable, Coroutine, Generator
-from typing import Any
+from collections.abc import Callable, Generator
 
 import uvicorn
 from fastapi import FastAPI
@@ -181,14 +180,3 @@ async def run_api(settings: Settings) -> None:
         await server.stop()
         await queue.close()
         await asyncio.to_thread(store.close)
-
-
-def run(main: Coroutine[Any, Any, None]) -> None:
-    """Run ``main`` on uvloop when installed, else asyncio's loop."""
-    try:
-        import uvloop
-    except ImportError:
-        asyncio.run(main)
-        return
-    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        runner.run(main)

@@ -29,14 +29,13 @@ def controller_cmd() -> None:
     outcomes. Configured by QLM_BROKER_URL, QLM_DATABASE_URL, QLM_INSTANCES_FILE and
     QLM_CONTROLLER__* (docs/operations.md); with none set it runs on embedded defaults. A second
     controller on the same broker waits as standby and takes over when the active one stops."""
-    import asyncio
-
+    from qlm.eventloop import run
     from qlm.service import run_controller
     from qlm.settings import get_settings
 
     configure_logging()
     settings = traced(get_settings())
-    guard(lambda: asyncio.run(run_controller(settings)))
+    guard(lambda: run(run_controller(settings)))
 
 
 def serve_cmd(
@@ -57,8 +56,7 @@ def serve_cmd(
     """The all-in-one process: controller, agents and the REST API (QLM_API__HOST:QLM_API__PORT,
     default 127.0.0.1:8080) on one queue. With no settings: in-process queue, SQLite (./qlm.db)
     and simulated instances; create a key with `qlm keys create --tenant NAME` (docs/api.md)."""
-    import asyncio
-
+    from qlm.eventloop import run
     from qlm.service.serve import serve
     from qlm.settings import get_settings
 
@@ -67,7 +65,7 @@ def serve_cmd(
     if sim_http:
         controller = settings.controller.model_copy(update={"sim_over_http": True})
         settings = settings.model_copy(update={"controller": controller})
-    result = guard(lambda: asyncio.run(serve(settings, replay_s=replay)))
+    result = guard(lambda: run(serve(settings, replay_s=replay)))
     if result is not None:
         console.print(
             f"replayed {result.requests} requests in {result.wall_s:.1f} s: "
@@ -83,7 +81,8 @@ def api_cmd() -> None:
     """Run the REST API alone (a controller runs elsewhere: `qlm controller`), on
     QLM_API__HOST:QLM_API__PORT (default 127.0.0.1:8080). Configured by QLM_BROKER_URL,
     QLM_DATABASE_URL and QLM_API__* (docs/api.md)."""
-    from qlm.api.server import run, run_api
+    from qlm.api.server import run_api
+    from qlm.eventloop import run
     from qlm.settings import get_settings
 
     configure_logging()

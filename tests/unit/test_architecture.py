@@ -12,8 +12,9 @@ import pytest
 QLM = Path(__file__).resolve().parents[2] / "qlm"
 
 LAYERS: tuple[tuple[str, ...], ...] = (
-    # plain data, errors, time, what the MILP solvers need of the process: nothing of QLM
-    ("errors", "clock", "domain", "structured", "solvers"),
+    # plain data, errors, time, what the MILP solvers need of the process, the services' event
+    # loop: nothing of QLM
+    ("errors", "clock", "domain", "structured", "solvers", "eventloop"),
     # the parts: engines, the estimator, groups, agent decisions, the durable edges, settings,
     # tracing
     ("engines", "rct", "groups", "agents", "store", "global_queue", "settings", "tracing"),

@@ -34,6 +34,7 @@ import aio_pika
 from aio_pika.abc import AbstractConnection
 from aiormq.abc import DeliveredMessage
 
+from qlm.eventloop import new_event_loop
 from qlm.global_queue.base import REASON_HEADER, Delivery, Handler, LeaderHandler, QueueUnavailable
 from qlm.global_queue.message import MessageError, QueuedRequest
 from qlm.global_queue.rabbitmq.base import (
@@ -82,7 +83,7 @@ class Consuming(RabbitBase):
         self._caller = asyncio.get_running_loop()
         self._wake, self._lead_seen = asyncio.Event(), asyncio.Event()  # of this loop
         self._stopping = False
-        self._loop = loop = asyncio.new_event_loop()
+        self._loop = loop = new_event_loop()
         self._thread = threading.Thread(
             target=_run_forever, args=(loop,), name=f"qlm-consumer {self.queue}", daemon=True
         )
