@@ -38,7 +38,7 @@ from typing import Any
 
 from qlm import tracing
 from qlm.clock import work_seconds
-from qlm.domain import PlanRecord, RequestRecord, RequestStatus
+from qlm.domain import PlanRecord, Request, RequestRecord, RequestStatus
 from qlm.engines.base import TokenChunk, ToolCall
 from qlm.errors import check_setting
 from qlm.global_queue import Delivery, GlobalQueue, QueuedRequest
@@ -74,6 +74,11 @@ def _span_attributes(msg: QueuedRequest) -> dict[str, Any]:
         "qlm.tier": msg.tier,
         "qlm.attempt": msg.attempt,
     }
+
+
+def _messages(deliveries: list[Delivery]) -> list[QueuedRequest]:
+    """The decoded messages of ``deliveries`` (those the queue hands over all have one)."""
+    return [d.message for d in deliveries if d.message is not None]
 
 
 def default_controller_name() -> str:
@@ -390,12 +395,14 @@ class ControllerService(RuntimeListener):
         if not self._learnt:  # in the background: a large store must not hold the intake up
             self._learnt = True
             self._tasks.append(asyncio.create_task(self._learn_history(), name="qlm-history"))
-        news = [new_request(d.message) for d in fresh if d.message is not None]
+        # Each request's domain form, made once for its row and for the policy.
+        requests = [m.to_request(arrival_s=m.submitted_at) for m in _messages(fresh)]
+        news = [new_request(m, r) for m, r in zip(_messages(fresh), requests, strict=True)]
         rows = await asyncio.to_thread(self.store.ensure_requests, news)
         if lead != self._lead:
             return  # the lead was lost meanwhile: the broker handed these to the leader
         served = {m for spec in self.runtime.controller.specs.values() for m in spec.models}
-        for d in fresh:
+        for d, request in zip(fresh, requests, strict=True):
             if lead != self._lead:
                 return  # lost during an ack or dead-letter below: the leader has the rest
             msg = d.message
@@ -429,7 +436,7 @@ class ControllerService(RuntimeListener):
             self._held[msg.id] = _Held(d, msg, list(extra))
             if self._spans is not None:
                 self._spans.held(msg.id, msg.trace, _span_attributes(msg))
-            self._submit(msg, row)
+            self._submit(msg, row, request)
 
     async def _learn_history(self) -> None:
         """On becoming active (its first deliveries): the output lengths of the store's
@@ -453,7 +460,9 @@ class ControllerService(RuntimeListener):
         if learnt:
             log.info("learnt output lengths from %d recent completions in the store", learnt)
 
-    def _submit(self, msg: QueuedRequest, row: RequestRow) -> None:
+    def _submit(self, msg: QueuedRequest, row: RequestRow, request: Request) -> None:
+        """Hand ``request`` (``msg``'s domain form) to the runtime, resumed from the output
+        recorded so far (in the message or, if longer, in the row)."""
         partial_text, partial_tokens = msg.partial_text, msg.partial_tokens
         if row.partial_tokens > partial_tokens:
             partial_text, partial_tokens = row.partial_text, row.partial_tokens
@@ -466,7 +475,6 @@ class ControllerService(RuntimeListener):
             job.partial_text = partial_text
         else:  # a structured answer, or only whitespace so far: it starts over
             partial_tokens = 0
-        request = msg.to_request(arrival_s=msg.submitted_at)
         failovers = 1 if row.status is RequestStatus.RUNNING else 0  # a controller died
         self.runtime.submit(request, job, generated=partial_tokens, failovers=failovers)
 

@@ -9,7 +9,7 @@ import asyncio
 import logging
 from collections.abc import Callable
 
-from qlm.domain import RequestStatus
+from qlm.domain import Request, RequestStatus
 from qlm.global_queue import DeadLetter, GlobalQueue, MessageError, QueuedRequest
 from qlm.service.outcomes import log_outcome
 from qlm.store import NewRequest, Store
@@ -32,10 +32,11 @@ ORPHAN_ERROR = (
 )
 
 
-def new_request(msg: QueuedRequest) -> NewRequest:
-    """The store's row of a queued request."""
+def new_request(msg: QueuedRequest, request: Request | None = None) -> NewRequest:
+    """The store's row of a queued request; ``request``: its domain request, when the caller
+    has made it already (``msg.to_request(arrival_s=msg.submitted_at)``)."""
     return NewRequest.from_request(
-        msg.to_request(arrival_s=msg.submitted_at),
+        request if request is not None else msg.to_request(arrival_s=msg.submitted_at),
         prompt=msg.prompt,
         messages=msg.messages,
         sampling=dict(msg.sampling),

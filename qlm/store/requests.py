@@ -13,6 +13,7 @@ import binascii
 import json
 import math
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import fields
 from typing import Any, Literal
 
 from sqlalchemy import (
@@ -614,6 +615,24 @@ def _decode_cursor(cursor: str) -> tuple[float, str]:
     except (binascii.Error, ValueError, TypeError):
         pass
     raise InvalidCursor(f"invalid cursor {cursor!r}: pass back the one list_requests returned")
+
+
+_ROW_FIELDS = tuple(f.name for f in fields(RequestRow))
+ROW_COLUMNS = tuple(RequestModel.__table__.c[name] for name in _ROW_FIELDS)
+"""The request table's columns in the order of ``RequestRow``'s fields (``_row_of_values``)."""
+_TIER_AT, _LABELS_AT, _STATUS_AT = (_ROW_FIELDS.index(n) for n in ("tier", "labels", "status"))
+_TIERS = {int(t): t for t in Tier}
+
+
+def _row_of_values(values: Sequence[Any]) -> RequestRow:
+    """The row of a request from the values of ``ROW_COLUMNS``, in order (a plain ``SELECT``):
+    taken by position, not looked up by name on SQLAlchemy's row (36 lookups a row were most of
+    what reading a take-over's 100,000 rows cost)."""
+    row = list(values)
+    row[_TIER_AT] = _TIERS[row[_TIER_AT]]
+    row[_LABELS_AT] = tuple(row[_LABELS_AT].items())
+    row[_STATUS_AT] = _status(row[_STATUS_AT])
+    return RequestRow(*row)
 
 
 def _request_row(m: RequestModel | Row[Any]) -> RequestRow:
