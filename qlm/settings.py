@@ -29,8 +29,9 @@ class DemoSettings(BaseModel):
 
 
 class SimSettings(BaseModel):
-    """Simulated instances (``QLM_SIM__*``) of ``qlm simulate``, ``qlm demo`` and ``qlm
-    sim-engine serve`` (docs/simulator.md); their flags win."""
+    """Simulated instances (``QLM_SIM__*``) of ``qlm simulate``, ``qlm demo``, ``qlm sim-engine
+    serve`` and the in-process ones of ``qlm serve`` and ``qlm controller`` (docs/simulator.md);
+    the commands' flags win."""
 
     perf_model: str = Field(default="default", min_length=1)
     """Their step times: ``default`` (the fitted profiles), ``splitwise`` (Splitwise's measured

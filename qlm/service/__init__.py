@@ -15,9 +15,12 @@ import signal
 
 from qlm.clock import EpochClock
 from qlm.controller import Controller
+from qlm.engines.perf_model import HardwareCatalog
+from qlm.engines.perf_table import load_catalog
 from qlm.errors import ConfigError
 from qlm.global_queue import GlobalQueue, open_global_queue
 from qlm.planner import PROFILED, create_policy
+from qlm.profiling import profile_fleet
 from qlm.rct.profile import RctProfile
 from qlm.service.controller import ControllerService
 from qlm.service.instances import (
@@ -47,10 +50,31 @@ log = logging.getLogger(__name__)
 DEFAULT_DATABASE_URL = "sqlite:///qlm.db"
 
 
+def sim_catalog(settings: Settings) -> HardwareCatalog | None:
+    """The performance models the in-process simulated instances run on (``QLM_SIM__*``, as in
+    ``qlm simulate``); None for the shipped ones."""
+    sim = settings.sim
+    if sim.perf_model == "default" and sim.kv_memory == "vllm":
+        return None
+    return load_catalog(sim.perf_model, sim.kv_memory)
+
+
 def instance_configs(settings: Settings) -> list[InstanceConfig]:
+    catalog = sim_catalog(settings)
     if settings.instances_file is not None:
-        return load_instances(settings.instances_file)
-    return default_instances(settings.controller.sim_instances)
+        return load_instances(settings.instances_file, catalog)
+    return default_instances(settings.controller.sim_instances, catalog)
+
+
+def simulated_profile(
+    profile: RctProfile, configs: list[InstanceConfig], catalog: HardwareCatalog | None
+) -> RctProfile:
+    """``profile`` with the in-process simulated instances profiled on ``catalog``'s
+    performance models when they are not the shipped ones (``qlm simulate`` does the same)."""
+    simulated = [c.spec for c in configs if not (c.remote or c.servers)]
+    if catalog is None or not simulated:
+        return profile
+    return profile.merged(profile_fleet(simulated, catalog))
 
 
 def open_store(settings: Settings) -> Store:
@@ -109,7 +133,8 @@ def build_controller(
     cs = settings.controller
     configs = configs if configs is not None else instance_configs(settings)
     specs = [c.spec for c in configs]
-    profile = rct_profile(settings)
+    catalog = sim_catalog(settings)
+    profile = simulated_profile(rct_profile(settings), configs, catalog)
     check_profiled(cs.policy, profile, configs)
     policy = create_policy(
         cs.policy,
@@ -119,14 +144,14 @@ def build_controller(
     )
     runtime = AgentRuntime(
         Controller(policy, specs),
-        build_engines(configs, time_scale=cs.sim_time_scale),
+        build_engines(configs, time_scale=cs.sim_time_scale, catalog=catalog),
         clock=EpochClock(cs.sim_time_scale),
         tick_s=cs.tick_s,
         health_interval_s=cs.health_interval_s,
         max_running={c.spec.name: c.max_num_seqs for c in configs if c.max_num_seqs},
-        host_link_gbs=host_links(configs),
-        weights_gb=model_weights(configs),
-        cpu_cache_gb=cpu_caches(configs),
+        host_link_gbs=host_links(configs, catalog),
+        weights_gb=model_weights(configs, catalog),
+        cpu_cache_gb=cpu_caches(configs, catalog),
     )
     return ControllerService(
         queue if queue is not None else open_queue(settings),

@@ -173,9 +173,12 @@ def _servers(where: str, entry: dict[str, Any]) -> tuple[tuple[str, str], ...]:
     return tuple(servers.items())
 
 
-def default_instances(shorthand: str = "2xA100:llama-3-8b") -> list[InstanceConfig]:
-    """In-process simulated instances from the ``qlm simulate`` shorthand."""
-    return [InstanceConfig(spec) for spec in parse_instances(shorthand)]
+def default_instances(
+    shorthand: str = "2xA100:llama-3-8b", catalog: HardwareCatalog | None = None
+) -> list[InstanceConfig]:
+    """In-process simulated instances from the ``qlm simulate`` shorthand (on ``catalog``'s
+    hardware and models; None: the shipped catalog)."""
+    return [InstanceConfig(spec) for spec in parse_instances(shorthand, catalog)]
 
 
 def build_engines(

@@ -129,3 +129,22 @@ def test_a_server_on_a_gpu_the_simulator_does_not_know_runs_once_profiled(
     service = build_controller(Settings(instances_file=path, profile_file=profile))
     estimator = service.runtime.controller.policy.estimator  # type: ignore[attr-defined]
     assert estimator.profile.hardware_for("llama-3-8b", "L40S", 1).throughput_tps == 1234.0
+
+
+def test_in_process_instances_run_on_the_performance_model_the_settings_name() -> None:
+    """``QLM_SIM__PERF_MODEL`` reaches the controller's in-process simulated instances as it
+    reaches ``qlm simulate``: their step times, and the estimator's profile of them."""
+    from qlm.engines.perf_table import load_catalog
+    from qlm.engines.wallclock import WallClockEngine
+
+    fleet = {"sim_instances": "1xH100/8:llama-2-70b"}
+    with pytest.raises(ConfigError, match="llama-2-70b"):  # not in the shipped profiles
+        build_controller(Settings(controller=fleet))
+    service = build_controller(Settings(controller=fleet, sim={"perf_model": "splitwise"}))
+    runtime = service.runtime
+    [instance] = runtime._instances.values()
+    assert isinstance(instance.engine, WallClockEngine)
+    expected = load_catalog("splitwise").perf_model("llama-2-70b", "H100", 8)
+    assert instance.engine.sim.perf_models == {"llama-2-70b": expected}
+    estimator = runtime.controller.policy.estimator  # type: ignore[attr-defined]
+    assert estimator.profile.hardware_for("llama-2-70b", "H100", 8).gpu_count == 8
