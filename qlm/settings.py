@@ -300,6 +300,17 @@ class Settings(BaseSettings):
     demo: DemoSettings = DemoSettings()
     sim: SimSettings = SimSettings()
 
+    def require_broker(self, command: str) -> None:
+        """Stop ``command`` — a process that shares the global queue with others — with one
+        line when ``QLM_BROKER_URL`` is unset: its in-process queue would be one no other
+        process reads, and what it accepted would be lost with it."""
+        if self.broker_url is None:
+            raise ConfigError(
+                f"setting QLM_BROKER_URL: not set; {command} shares the global queue with "
+                "other processes through RabbitMQ (e.g. amqp://guest:guest@127.0.0.1:5672/%2F); "
+                "`qlm serve` runs the API and a controller in one process on an in-process queue"
+            )
+
 
 def get_settings() -> Settings:
     """Read the settings; a bad value stops with one line naming the setting."""

@@ -145,13 +145,14 @@ async def until_signalled(*, also: Callable[[], bool] = lambda: False) -> None:
 async def run_api(settings: Settings) -> None:
     """``qlm api``: the API alone (a controller runs elsewhere), until SIGINT/SIGTERM.
 
-    It starts in the order that writes nothing before it knows it can run: the address
-    (bound), the broker (reached: an API that cannot make a request durable must not take
+    It starts in the order that writes nothing before it knows it can run: ``QLM_BROKER_URL``
+    (set), the address (bound), the broker (reached: an API that cannot make a request durable must not take
     it), then the store (opened: connected and migrated, which creates an SQLite file). Each
     failure is one line. The app is given the queue and the store opened here: opened in its
     lifespan, a failure would be uvicorn's tracebacks and its exit code 3."""
     from qlm.api.app import create_app, open_queue, open_store
 
+    settings.require_broker("`qlm api`")
     api = settings.api
     sock = bind(api.host, api.port)
     try:

@@ -170,7 +170,9 @@ async def run_controller(settings: Settings) -> None:
 
     It starts in the order that writes nothing before it knows it can run: the broker
     (reached), the instances and the profile (read and checked), then the store (opened:
-    connected and migrated, which creates an SQLite file). Each failure is one line."""
+    connected and migrated, which creates an SQLite file). Each failure is one line; without
+    ``QLM_BROKER_URL`` it does not start (no other process could hand it a request)."""
+    settings.require_broker("`qlm controller`")
     queue = open_queue(settings)
     await queue.reach()
     try:

@@ -55,10 +55,21 @@ def listener() -> Iterator[int]:
         yield sock.getsockname()[1]
 
 
+def broker_for(command: str, request: pytest.FixtureRequest) -> dict[str, str]:
+    """What ``command`` needs of the broker to get past it: ``api`` and ``controller`` a real
+    RabbitMQ (they share the global queue with other processes), ``serve`` nothing."""
+    if command == "serve":
+        return {}
+    return {"QLM_BROKER_URL": request.getfixturevalue("amqp_url")}
+
+
 @pytest.mark.parametrize("command", ["api", "controller", "serve"])
-def test_a_store_that_cannot_be_reached_is_one_line(command: str, tmp_path: Path) -> None:
+def test_a_store_that_cannot_be_reached_is_one_line(
+    command: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
     pytest.importorskip("psycopg")  # without it: the next test
-    line = one_line(start(command, tmp_path, {"QLM_DATABASE_URL": NO_STORE}))
+    env = {"QLM_DATABASE_URL": NO_STORE, **broker_for(command, request)}
+    line = one_line(start(command, tmp_path, env))
     assert line.startswith(
         "error: cannot reach the store at postgresql+psycopg://postgres:***@127.0.0.1:1/test: "
     )
@@ -71,7 +82,7 @@ def test_a_postgresql_url_without_the_postgres_extra_is_one_line_naming_it(
     tmp_path: Path,
 ) -> None:
     result = start(
-        "api", tmp_path, {"QLM_DATABASE_URL": NO_STORE}, before="sys.modules['psycopg'] = None"
+        "serve", tmp_path, {"QLM_DATABASE_URL": NO_STORE}, before="sys.modules['psycopg'] = None"
     )
     line = one_line(result)
     assert line.startswith("error: QLM_DATABASE_URL is a PostgreSQL URL but its driver, psycopg 3")
@@ -93,12 +104,27 @@ def test_a_broker_that_cannot_be_reached_is_one_line_and_nothing_is_written(
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("command", ["api", "controller"])
+def test_without_a_broker_url_api_and_controller_stop_with_one_line(
+    command: str, tmp_path: Path
+) -> None:
+    """Their in-process queue would be one no other process reads: an API would accept
+    requests no controller could serve, and lose them when it stops."""
+    line = one_line(start(command, tmp_path, {}))
+    assert line.startswith(f"error: setting QLM_BROKER_URL: not set; `qlm {command}` shares")
+    assert line.endswith("runs the API and a controller in one process on an in-process queue")
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("command", ["api", "serve"])
 def test_a_port_in_use_is_one_line_and_nothing_is_written(
     command: str, tmp_path: Path, listener: int
 ) -> None:
     """``qlm serve`` used to start its controller first, which recorded itself in the store."""
-    line = one_line(start(command, tmp_path, {"QLM_API__PORT": str(listener)}))
+    env = {"QLM_API__PORT": str(listener)}
+    if command == "api":  # (the port is bound before the broker is reached)
+        env["QLM_BROKER_URL"] = NO_BROKER
+    line = one_line(start(command, tmp_path, env))
     assert line == (
         f"error: port {listener} is in use on 127.0.0.1 (Address already in use: another QLM "
         "or another server listens there); choose another with QLM_API__PORT"
