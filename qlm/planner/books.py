@@ -84,6 +84,15 @@ class AgentBooks:
         self.started.discard(request_id)
         self.preemptions.pop(request_id, None)
 
+    def known(self) -> set[str]:
+        """The requests the books hold anything of: sent, swapped out, started or resumed. One
+        outside it, handed to the policy with no output, leaves the books as they are
+        (``take_back`` is a no-op for it and returns False)."""
+        out = set(self.started).union(self.generated)
+        for sent in (*self.inflight.values(), *self.swapped.values()):
+            out.update(sent)
+        return out
+
     def take_back(self, request_id: str, generated: int) -> bool:
         """A request handed to the policy (new, or back from an engine: evicted, its instance
         lost, or restarted) with the ``generated`` output tokens it resumes with (0: it starts

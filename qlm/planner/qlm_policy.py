@@ -308,11 +308,18 @@ class QlmPolicy:
         if admitted is not None:
             self._classify(now, admitted)
 
-    def _admit(self, now: float, req: Request, generated: int) -> Request | None:
-        """A request handed to the policy, as it is grouped (None: it is held already)."""
+    def _admit(
+        self, now: float, req: Request, generated: int, known: set[str] | None = None
+    ) -> Request | None:
+        """A request handed to the policy, as it is grouped (None: it is held already).
+        ``known``: the books' ``AgentBooks.known`` at the start of a batch, so that a new
+        request is not looked for in every instance's books."""
         if self.grouper.group_of(req.id) is not None:
             return None  # handed again after a failed step: already held
-        back = self.books.take_back(req.id, generated)
+        if known is None or generated or req.id in known:
+            back = self.books.take_back(req.id, generated)
+        else:
+            back = False  # (nothing of it in the books: take_back would change nothing)
         if not back and not generated:  # new: not one coming back to run again
             self._arrivals.add(now, req)
             if self.config.throughput_floor:
@@ -340,11 +347,12 @@ class QlmPolicy:
         batch: list[tuple[Request, int]] = []  # admitted, with the output it resumes from
         taken = 0
         failed: RequestFailed | None = None
+        known = self.books.known()  # (each request takes only itself out of the books)
         while self._inbox:
             _, (req, generated) = self._inbox.popitem(last=False)
             taken += 1
             try:
-                admitted = self._admit(now, req, generated)
+                admitted = self._admit(now, req, generated, known)
             except Exception as exc:  # the ones before it are taken; the rest wait
                 failed = RequestFailed(req.id, exc)
                 break

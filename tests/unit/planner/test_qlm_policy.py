@@ -733,3 +733,32 @@ def test_a_plan_on_a_predicted_violation_is_spaced_by_the_problem_its_check_buil
     assert step(300.0, 1) == ["violation"]  # the check built the problem, the plan used it
     assert step(450.0, 2) == []  # 2 x (100 s + the plan) not passed yet
     assert step(700.0, 3) == ["violation"]
+
+
+def test_a_request_the_books_do_not_know_is_taken_back_without_changing_them() -> None:
+    """``AgentBooks.known``: every request the books hold anything of; ``take_back`` of any
+    other, with no output, changes nothing and says it does not come back (what a batch's
+    admission skips it for)."""
+    from qlm.planner.books import AgentBooks, Inflight
+
+    books = AgentBooks()
+    books.inflight["a"] = {"r0001": Inflight(make_request(1), 0.0, 0)}
+    books.swapped["a"] = {"r0002": Inflight(make_request(2), 0.0, 3)}
+    books.started.add("r0003")
+    books.generated["r0004"] = 5
+    assert books.known() == {"r0001", "r0002", "r0003", "r0004"}
+    before = (
+        {k: dict(v) for k, v in books.inflight.items()},
+        {k: dict(v) for k, v in books.swapped.items()},
+        set(books.started),
+        dict(books.generated),
+    )
+    assert not books.take_back("r0009", 0)
+    after = (
+        {k: dict(v) for k, v in books.inflight.items()},
+        {k: dict(v) for k, v in books.swapped.items()},
+        set(books.started),
+        dict(books.generated),
+    )
+    assert after == before
+    assert books.take_back("r0001", 0) and "r0001" not in books.known()
