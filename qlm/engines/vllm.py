@@ -253,11 +253,13 @@ class VllmEngine:
         self.tier_timeout_s = tier_timeout_s
         # Every request streaming holds a connection: the agent, not the pool, bounds how many
         # run at once (httpx's default pool of 100 would hold the rest back until they time out).
+        # Each connection a stream ends on is kept for the next one (``KEEPALIVE_S``): a new
+        # TCP connection per request costs the client and the server a connect each.
         self._client = httpx.AsyncClient(
             base_url=self.base_url,
             timeout=httpx.Timeout(timeout_s),
             limits=httpx.Limits(
-                max_connections=None, max_keepalive_connections=64, keepalive_expiry=KEEPALIVE_S
+                max_connections=None, max_keepalive_connections=None, keepalive_expiry=KEEPALIVE_S
             ),
             transport=transport,
         )
