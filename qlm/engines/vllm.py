@@ -753,21 +753,17 @@ class VllmEngine:
             raise RequestRejected(str(self._fail("the stream sent an error", _error_text(event))))
         usage = event.get("usage") or {}
         choices = event.get("choices") or []
-        text = "".join(_choice_text(c) for c in choices)
-        ids = _token_ids(c.get("token_ids") for c in choices)
-        prompt_ids = _token_ids(
-            [event.get("prompt_token_ids"), *(c.get("prompt_token_ids") for c in choices)]
+        text, ids, prompt_ids, calls, raw = _one_token(event, choices) or _event_parts(
+            event, choices
         )
         if prompt_ids and flight.base == 0 and flight.first_prompt_ids is None:
             # (a chat says them on its first chunk, which has no token yet)
             flight.prompt_ids = flight.first_prompt_ids = prompt_ids
-        calls = [d for c in choices for d in _choice_calls(c)]
         if ids is None and (text or calls):
             flight.ids = None
         elif ids is not None and flight.ids is not None:
             flight.ids.extend(ids)
         flight.add_calls(calls)
-        raw = next((c.get("finish_reason") for c in choices if c.get("finish_reason")), None)
         finish = self._finish_reason(raw, choices) if raw else None
         if "completion_tokens" in usage:
             tokens = flight.base + int(usage["completion_tokens"])
@@ -852,6 +848,47 @@ async def _sse_data(resp: httpx.Response) -> AsyncIterator[bytes]:
         data = rest[5:].strip()
         if data != b"[DONE]":
             yield data
+
+
+_EventParts = tuple[
+    str, tuple[int, ...] | None, tuple[int, ...] | None, list[dict[str, Any]], object
+]
+"""What ``VllmEngine._take`` reads of an SSE event: its text, its new tokens' ids, the prompt's
+ids, its tool-call deltas and its finish reason (None without one)."""
+
+
+def _event_parts(event: dict[str, Any], choices: list[Any]) -> _EventParts:
+    """``_EventParts`` of any event of either endpoint, its choices (``choices``) in order."""
+    text = "".join(_choice_text(c) for c in choices)
+    ids = _token_ids(c.get("token_ids") for c in choices)
+    prompt_ids = _token_ids(
+        [event.get("prompt_token_ids"), *(c.get("prompt_token_ids") for c in choices)]
+    )
+    calls = [d for c in choices for d in _choice_calls(c)]
+    raw = next((c.get("finish_reason") for c in choices if c.get("finish_reason")), None)
+    return text, ids, prompt_ids, calls, raw
+
+
+def _one_token(event: dict[str, Any], choices: object) -> _EventParts | None:
+    """``_EventParts`` of the event most of a completion's stream is made of — one choice with
+    its text and token ids, no prompt ids, no tool calls — read without ``_event_parts``'s
+    general walk (the same parts); None for any other event."""
+    if type(choices) is not list or len(choices) != 1 or event.get("prompt_token_ids") is not None:
+        return None
+    choice = choices[0]
+    if (
+        type(choice) is not dict
+        or "text" not in choice
+        or "delta" in choice
+        or choice.get("prompt_token_ids") is not None
+    ):
+        return None
+    ids = choice.get("token_ids")
+    if ids is not None and type(ids) is not list:
+        return None
+    text = str(choice["text"] or "")
+    new = None if ids is None else tuple([int(t) for t in ids])
+    return text, new, None, [], choice.get("finish_reason") or None
 
 
 def _token_ids(lists: Iterable[object]) -> tuple[int, ...] | None:

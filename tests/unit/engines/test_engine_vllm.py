@@ -16,6 +16,8 @@ from qlm.domain import ModelTier
 from qlm.engines.base import Engine, EngineRequest, TokenChunk, UnsupportedOperation
 from qlm.engines.vllm import (
     VllmEngine,
+    _event_parts,
+    _one_token,
     context_room,
     engine_request_id,
     filler_prompt,
@@ -874,3 +876,39 @@ def test_a_stream_cut_anywhere_into_pieces_gives_the_same_output() -> None:
 
     for size in (1, 2, 3, 7, len(body)):
         assert asyncio.run(answer(size)) == ("héllo wörld ✓", 2), size
+
+
+@pytest.mark.parametrize(
+    "event",
+    [
+        {"choices": [{"index": 0, "text": " the", "finish_reason": None, "token_ids": [279]}]},
+        {"choices": [{"text": "", "finish_reason": "length", "token_ids": []}], "usage": {}},
+        {"choices": [{"text": None, "finish_reason": "", "token_ids": None}]},
+        {"choices": [{"text": "a", "token_ids": ["7", 8]}]},
+        {"choices": [{"text": "a", "token_ids": [1], "prompt_token_ids": [5, 6]}]},
+        {"choices": [{"text": "a", "token_ids": [1], "prompt_token_ids": None}]},
+        {"choices": [{"text": "a"}], "prompt_token_ids": [5, 6]},
+        {"choices": [{"delta": {"content": "hi", "tool_calls": [{"index": 0}]}}]},
+        {"choices": [{"text": "a", "token_ids": (1,)}]},
+        {"choices": [{"text": "a"}, {"text": "b", "finish_reason": "stop"}]},
+        {"choices": []},
+        {"choices": ["text"]},
+    ],
+)
+def test_an_events_common_shape_is_read_as_the_general_reading_reads_it(
+    event: dict[str, Any],
+) -> None:
+    """``_one_token`` reads the events most of a stream is made of (or declines: None), and
+    what it reads is what ``_event_parts`` reads of them."""
+    choices = event.get("choices") or []
+    quick = _one_token(event, choices)
+    assert quick is None or quick == _event_parts(event, choices)
+    one_plain_completion = (
+        len(choices) == 1
+        and isinstance(choices[0], dict)
+        and "text" in choices[0]
+        and not isinstance(choices[0].get("token_ids"), tuple)
+        and choices[0].get("prompt_token_ids") is None
+        and "prompt_token_ids" not in event
+    )
+    assert (quick is not None) == one_plain_completion
