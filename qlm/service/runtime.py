@@ -212,6 +212,7 @@ class _Instance:
     host_link_gbs: float = 0.0
     weights_gb: tuple[tuple[str, float], ...] = ()
     cpu_cache_gb: float = 0.0
+    reading: EngineReading | None = None  # the last step's (``_view``)
     max_running: int | None = None  # configured; overrides what the engine says
     preemptions_total: int | None = None  # the engine's counter, read with each health check
     swap_free_gb: float = 0.0  # CPU memory for parked KV caches, read with each health check
@@ -484,6 +485,15 @@ class AgentRuntime:
             self._apply(decision, now)
 
     def _view(self, inst: _Instance) -> EngineReading:
+        """The instance as its engine reads now: the same object as at the last step while
+        nothing in it changed (the controller keeps what it built of a reading while it is the
+        same object, as the simulator's driver does)."""
+        reading = self._read(inst)
+        if reading != inst.reading:
+            inst.reading = reading
+        return inst.reading
+
+    def _read(self, inst: _Instance) -> EngineReading:
         caps = inst.caps
         max_running = inst.max_running or (caps.max_num_seqs if caps else None)
         capacity = caps.kv_capacity_tokens if caps else None

@@ -872,6 +872,44 @@ def test_the_engines_preemption_counter_reaches_the_policy_and_follows_the_engin
     run(scenario)
 
 
+class Loads(PolicyBase):
+    """FCFS that keeps every instance load it is shown."""
+
+    name = "loads"
+
+    def __init__(self) -> None:
+        self.inner = create_policy("fcfs")
+        self.seen: list[Any] = []
+
+    def decide(self, ctx: DispatchContext) -> list[Decision]:
+        self.seen.extend(ctx.instances)
+        return self.inner.decide(ctx)
+
+
+def test_an_instance_unchanged_between_steps_reaches_the_policy_as_the_same_load() -> None:
+    """The controller keeps what it built of a reading while the reading is the same object:
+    the runtime hands it the same one while nothing in it changed, and a new one when
+    something did."""
+
+    async def scenario() -> None:
+        e = Preempting(engine("i0"), 3)
+        policy = Loads()
+        rt = start(policy, [e], Recorder())
+        await rt.start()
+        await eventually(
+            lambda: sum(s.preemptions_total == 3 for s in policy.seen) >= 5, "steps after attach"
+        )
+        e.count = 11
+        await eventually(lambda: policy.seen[-1].preemptions_total == 11, "the new count")
+        await rt.stop()
+        await e.inner.close()
+        read = [s for s in policy.seen if s.preemptions_total == 3]
+        assert all(s is read[0] for s in read)
+        assert policy.seen[-1] is not read[0]
+
+    run(scenario)
+
+
 # --- prompt lengths as the engine counts them --------------------------------------------------
 
 
