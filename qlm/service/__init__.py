@@ -60,7 +60,10 @@ def sim_catalog(settings: Settings) -> HardwareCatalog | None:
 
 
 def instance_configs(settings: Settings) -> list[InstanceConfig]:
-    catalog = sim_catalog(settings)
+    return _configs(settings, sim_catalog(settings))
+
+
+def _configs(settings: Settings, catalog: HardwareCatalog | None) -> list[InstanceConfig]:
     if settings.instances_file is not None:
         return load_instances(settings.instances_file, catalog)
     return default_instances(settings.controller.sim_instances, catalog)
@@ -131,9 +134,9 @@ def build_controller(
     """A controller service from the settings (``queue``/``store``/``configs`` override them:
     ``qlm serve`` shares one in-process queue between the API and the controller)."""
     cs = settings.controller
-    configs = configs if configs is not None else instance_configs(settings)
+    catalog = sim_catalog(settings)  # (read once: the instances and their engines)
+    configs = configs if configs is not None else _configs(settings, catalog)
     specs = [c.spec for c in configs]
-    catalog = sim_catalog(settings)
     profile = simulated_profile(rct_profile(settings), configs, catalog)
     check_profiled(cs.policy, profile, configs)
     policy = create_policy(
