@@ -21,6 +21,16 @@ class EngineError(QLMError):
     """A serving engine refused or failed an operation."""
 
 
+class EngineTimeout(EngineError):
+    """The engine did not answer in time (a connect, a write, a health check): slow or
+    momentarily starved, which is not dead. ``reached`` is False when the request never got to
+    the engine (no connection was made): the engine cannot have failed it."""
+
+    def __init__(self, message: str, *, reached: bool = True) -> None:
+        super().__init__(message)
+        self.reached = reached
+
+
 class RequestRejected(EngineError):
     """The engine refused this request (longer than the model's context or the KV cache, a model
     it does not serve, a parameter it rejects): the request fails; the instance is fine."""

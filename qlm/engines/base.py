@@ -263,7 +263,9 @@ class Engine(Protocol):
         ...
 
     async def health(self) -> bool:
-        """True when the instance answers and is serving; never raises."""
+        """True when the instance answers and is serving; False when it answers that it is not,
+        or cannot be reached (its process is gone). Raises ``EngineTimeout`` when it does not
+        answer in time (slow, not known dead), and nothing else."""
         ...
 
     async def close(self) -> None:

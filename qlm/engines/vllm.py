@@ -57,7 +57,7 @@ from qlm.engines.base import (
     UnsupportedOperation,
     continued_from_ids,
 )
-from qlm.errors import EngineError, RequestRejected, UnknownRequest
+from qlm.errors import EngineError, EngineTimeout, RequestRejected, UnknownRequest
 
 VLLM_VERSION = "0.32.0"
 """The vLLM release whose API this client and ``qlm sim-engine serve`` follow."""
@@ -280,6 +280,15 @@ class VllmEngine:
     def _fail(self, what: str, detail: object) -> EngineError:
         return EngineError(f"{self.name} ({self.base_url}): {what}: {detail}")
 
+    def _failed(self, what: str, exc: httpx.HTTPError) -> EngineError:
+        """``exc`` as QLM's error: a timeout is ``EngineTimeout`` (the server may be slow, not
+        dead; a connect or pool timeout never reached it), anything else ``EngineError``."""
+        message = f"{self.name} ({self.base_url}): {what}: {exc!r}"
+        if isinstance(exc, httpx.TimeoutException):
+            reached = not isinstance(exc, httpx.ConnectTimeout | httpx.PoolTimeout)
+            return EngineTimeout(message, reached=reached)
+        return EngineError(message)
+
     async def _call(
         self, method: str, path: str, *, timeout: float | None = None, **kwargs: Any
     ) -> httpx.Response:
@@ -288,7 +297,7 @@ class VllmEngine:
                 method, path, timeout=timeout or self.timeout_s, **kwargs
             )
         except httpx.HTTPError as exc:
-            raise self._fail(f"{method} {path} failed", repr(exc)) from exc
+            raise self._failed(f"{method} {path} failed", exc) from exc
         if resp.status_code == 404 and path in (
             "/sleep",
             "/wake_up",
@@ -611,8 +620,13 @@ class VllmEngine:
         )
 
     async def health(self) -> bool:
+        """True when ``/health`` answers 200; False when it answers otherwise or the server
+        cannot be reached (connection refused or reset); ``EngineTimeout`` when it does not
+        answer in time."""
         try:
             resp = await self._client.get("/health")
+        except httpx.TimeoutException as exc:
+            raise self._failed("GET /health failed", exc) from exc
         except httpx.HTTPError:
             return False
         return resp.status_code == 200
@@ -735,7 +749,7 @@ class VllmEngine:
                 async for data in _sse_data(resp):
                     finish = self._take(flight, json.loads(data), on_chunk) or finish
         except httpx.HTTPError as exc:
-            raise self._fail(f"{what} failed for {rid!r}", repr(exc)) from exc
+            raise self._failed(f"{what} failed for {rid!r}", exc) from exc
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise self._fail(f"{what} sent a bad event for {rid!r}", exc) from exc
         if finish is None:

@@ -23,7 +23,7 @@ from qlm.engines.vllm import (
     filler_prompt,
 )
 from qlm.engines.vllm_launch import vllm_serve_command
-from qlm.errors import EngineError, RequestRejected, UnknownRequest
+from qlm.errors import EngineError, EngineTimeout, RequestRejected, UnknownRequest
 
 METRICS = """\
 # HELP vllm:num_requests_running Number of requests in model execution batches.
@@ -241,6 +241,39 @@ def test_server_errors_carry_vllm_s_message() -> None:
         engine = engine_with(handler)
         with pytest.raises(EngineError, match="GET /metrics answered 400: prompt too long"):
             await engine.stats()
+        await engine.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_timeout_is_an_engine_timeout_and_says_whether_the_request_reached_the_server() -> None:
+    """Slow is not dead: a timeout is ``EngineTimeout`` (a connect that timed out never reached
+    the server), a refused connection stays a plain ``EngineError``, and a health check that
+    times out raises rather than answering False."""
+    failure: dict[str, Exception] = {}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/tokenize":
+            return httpx.Response(200, json={"tokens": [5, 6, 7]})
+        raise failure["now"]
+
+    async def scenario() -> None:
+        engine = engine_with(handler)
+        failure["now"] = httpx.ConnectTimeout("connect timed out")
+        with pytest.raises(EngineTimeout, match="ConnectTimeout") as connect:
+            await engine.submit(EngineRequest("a", "llama", 3, max_tokens=1))
+        assert not connect.value.reached
+        with pytest.raises(EngineTimeout):
+            await engine.health()
+        failure["now"] = httpx.WriteTimeout("write timed out")
+        with pytest.raises(EngineTimeout) as write:
+            await engine.stats()
+        assert write.value.reached
+        failure["now"] = httpx.ConnectError("connection refused")
+        with pytest.raises(EngineError) as refused:
+            await engine.submit(EngineRequest("b", "llama", 3, max_tokens=1))
+        assert not isinstance(refused.value, EngineTimeout)
+        assert not await engine.health()
         await engine.close()
 
     asyncio.run(scenario())
