@@ -67,6 +67,10 @@ class ControllerSettings(BaseModel):
     sim_over_http: bool = False  # simulated instances as `qlm sim-engine serve` processes
     tick_s: float = Field(default=0.25, gt=0)
     health_interval_s: float = Field(default=1.0, gt=0)
+    down_after_health_timeouts: int = Field(default=3, ge=1)
+    """Health checks in a row an instance may leave unanswered (5 s each) before it is marked
+    down: slow is not dead. An instance that answers it is not serving, or refuses the
+    connection, is down at once."""
     # On becoming active, the policy learns output lengths from this many of the store's most
     # recent completions (a restarted or failed-over controller; 0: start from the profile).
     history_outputs: int = Field(default=1000, ge=0)

@@ -151,6 +151,7 @@ def build_controller(
         clock=EpochClock(cs.sim_time_scale),
         tick_s=cs.tick_s,
         health_interval_s=cs.health_interval_s,
+        down_after_health_timeouts=cs.down_after_health_timeouts,
         max_running={c.spec.name: c.max_num_seqs for c in configs if c.max_num_seqs},
         host_link_gbs=host_links(configs, catalog),
         weights_gb=model_weights(configs, catalog),

@@ -17,10 +17,14 @@ task of its own:
 - ``Swap`` (``SwapOut`` / ``SwapIn``): the engine's KV swap.
 - ``ChangeTier`` (``SetModelTier``): sleep / wake-up, one change at a time per instance.
 
-**Fault isolation.** An engine that fails a call or its health check is marked down: every request
-sent to it returns to the policy with the output streamed so far (nothing is lost: the agent holds
-the streams), and the planner re-plans its groups onto the others. A health probe every
-``health_interval_s`` brings it back.
+**Fault isolation.** An instance is marked down on evidence that it is dead: its health check
+answers that it is not serving, or cannot reach it (connection refused or reset: its process is
+gone), or ``down_after_health_timeouts`` health checks in a row go unanswered within
+``HEALTH_TIMEOUT_S`` (a host that stays silent). Every request sent to it returns to the policy
+with the output streamed so far (nothing is lost: the agent holds the streams), and the planner
+re-plans its groups onto the others. A health check every ``health_interval_s`` brings it back.
+A timeout alone (a connect, a health check) says the instance is slow or starved, not dead: a
+request whose stream timed out goes back alone, and the instance stays up.
 
 What happens to requests is reported to a ``RuntimeListener`` (the controller service records it in
 the store and acks the broker delivery; tests collect it).
@@ -64,7 +68,7 @@ from qlm.engines.base import (
     ToolCall,
     continued_from_ids,
 )
-from qlm.errors import EngineError, QLMError, RequestRejected
+from qlm.errors import EngineError, EngineTimeout, QLMError, RequestRejected, check_setting
 from qlm.structured import resumable
 
 log = logging.getLogger(__name__)
@@ -72,7 +76,10 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_RUNNING = 256
 """vLLM's default ``max_num_seqs``, for a server that does not tell (its API does not export it)."""
 MAX_STREAM_FAILURES = 3  # a request's streams an answering instance may fail before it is failed
-HEALTH_PROBE_S = 5.0  # how long a broken stream's instance has to answer its health check
+HEALTH_TIMEOUT_S = 5.0  # how long an instance has to answer a health check
+DOWN_AFTER_HEALTH_TIMEOUTS = 3
+"""Health checks in a row an up instance may leave unanswered (each within ``HEALTH_TIMEOUT_S``)
+before it is marked down: a slow or starved instance is not a dead one, a silent one is."""
 DEFAULT_TOKEN_CAPACITY = 1 << 30
 
 
@@ -216,6 +223,8 @@ class _Instance:
     max_running: int | None = None  # configured; overrides what the engine says
     preemptions_total: int | None = None  # the engine's counter, read with each health check
     swap_free_gb: float = 0.0  # CPU memory for parked KV caches, read with each health check
+    silent_checks: int = 0  # health checks in a row it left unanswered (``HEALTH_TIMEOUT_S``)
+    probe: asyncio.Task[bool | None] | None = None  # the health check under way (``_probe``)
 
 
 @dataclass(slots=True)
@@ -243,6 +252,7 @@ class AgentRuntime:
         listener: RuntimeListener | None = None,
         tick_s: float = 0.25,
         health_interval_s: float = 1.0,
+        down_after_health_timeouts: int = DOWN_AFTER_HEALTH_TIMEOUTS,
         max_running: Mapping[str, int] | None = None,
         host_link_gbs: Mapping[str, float] | None = None,
         weights_gb: Mapping[str, Sequence[tuple[str, float]]] | None = None,
@@ -253,6 +263,13 @@ class AgentRuntime:
         self.listener = listener or RuntimeListener()
         self.tick_s = tick_s
         self.health_interval_s = health_interval_s
+        check_setting(
+            down_after_health_timeouts >= 1,
+            "down_after_health_timeouts",
+            ">= 1",
+            down_after_health_timeouts,
+        )
+        self.down_after_health_timeouts = down_after_health_timeouts
         by_name = {e.name: e for e in engines}
         missing = sorted(set(controller.specs) - set(by_name))
         if missing:
@@ -304,7 +321,8 @@ class AgentRuntime:
         """Stop stepping. ``abort``: abort what runs, reporting each as ``returned`` with its
         partial output (a standby controller resumes it from there)."""
         self._stopping = True
-        for task in (self._loop_task, self._health_task):
+        probes = [i.probe for i in self._instances.values()]
+        for task in (self._loop_task, self._health_task, *probes):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
@@ -628,38 +646,43 @@ class AgentRuntime:
     async def _stream_failed(
         self, inst: _Instance, rid: str, flight: _Flight, job: Job, exc: EngineError
     ) -> None:
-        """A request's stream broke. If its instance no longer answers, the instance is down
-        (all it ran goes back). If it answers, the failure was this request's (a 500 for it, a
-        proxy cutting one connection): it alone goes back, with its output so far — and after
-        ``MAX_STREAM_FAILURES`` such failures it is reported failed, so that one request an
-        engine cannot serve does not fail over for ever, nor take its instance down with it."""
+        """A request's stream broke. A timeout says the instance is slow, not dead: the request
+        goes back alone, and the health checks decide about the instance. Otherwise its health
+        is asked: an instance that answers it is not serving, or cannot be reached, is down (all
+        it ran goes back). One that answers (or is slow to) leaves the failure this request's (a
+        500 for it, a proxy cutting one connection): it alone goes back, with its output so far
+        — and after ``MAX_STREAM_FAILURES`` such failures it is reported failed, so that one
+        request an engine cannot serve does not fail over for ever, nor take its instance down
+        with it. A connect that timed out never reached the engine and is not counted."""
         name = inst.spec.name
-        try:
-            healthy = await asyncio.wait_for(inst.engine.health(), HEALTH_PROBE_S)
-        except Exception:  # (health() should not raise; a timeout is an answer too)
-            healthy = False
+        timed_out = isinstance(exc, EngineTimeout)
+        healthy = None if timed_out else await self._probe(inst)
         if flight.leaving or self._flights.get(rid) is not flight:
             return  # handled meanwhile (the instance went down, an eviction, a cancel)
-        if not healthy:
+        if healthy is False:
             log.warning("%s failed %s: %s", name, rid, exc)
             self._mark_down(inst, str(exc))  # returns this request and the others there
             return
-        job.stream_failures += 1
         flight.leaving = True
         self._flights.pop(rid, None)
-        if job.stream_failures >= MAX_STREAM_FAILURES:
-            reason = f"{name} failed it {job.stream_failures} times, last: {exc}"
-            log.warning("%s: giving up on %s: %s", name, rid, reason)
-            self._fail(rid, reason)
-            return
-        log.warning(
-            "%s failed %s (%d of %d; the instance answers): %s",
-            name,
-            rid,
-            job.stream_failures,
-            MAX_STREAM_FAILURES,
-            exc,
-        )
+        if isinstance(exc, EngineTimeout) and not exc.reached:
+            log.info("%s is slow: %s goes back (it never reached the engine): %s", name, rid, exc)
+        else:
+            job.stream_failures += 1
+            if job.stream_failures >= MAX_STREAM_FAILURES:
+                reason = f"{name} failed it {job.stream_failures} times, last: {exc}"
+                log.warning("%s: giving up on %s: %s", name, rid, reason)
+                self._fail(rid, reason)
+                return
+            log.warning(
+                "%s failed %s (%d of %d; the instance %s): %s",
+                name,
+                rid,
+                job.stream_failures,
+                MAX_STREAM_FAILURES,
+                "is slow" if healthy is None else "answers",
+                exc,
+            )
         self._give_back(rid, flight, "".join(flight.text), flight.tokens, evicted=False)
 
     def _fail(self, rid: str, reason: str) -> None:
@@ -822,18 +845,69 @@ class AgentRuntime:
     async def _health(self) -> None:
         while not self._stopping:
             await asyncio.sleep(self.health_interval_s)
-            for inst in self._instances.values():
-                try:
-                    ok = await inst.engine.health()
-                except Exception:  # health() should not raise; a broken one means down
-                    log.exception("health check of %s failed", inst.spec.name)
-                    ok = False
-                if ok and not inst.up:
-                    await self._attach(inst)
-                elif not ok and inst.up:
-                    self._mark_down(inst, "health check failed")
-                elif ok:
-                    await self._read_counters(inst)
+            try:
+                await asyncio.gather(*(self._check(i) for i in self._instances.values()))
+            except Exception:  # never let the checks stop: no instance would come back
+                log.exception("health checks failed")
+
+    async def _check(self, inst: _Instance) -> None:
+        """One health check at the interval: an instance that is not serving, or cannot be
+        reached, is down at once; one that leaves ``down_after_health_timeouts`` checks in a row
+        unanswered is down too; one that answers is (back) up."""
+        ok = await self._probe(inst)
+        if ok is None:
+            inst.silent_checks += 1
+            if not inst.up:
+                return
+            if inst.silent_checks >= self.down_after_health_timeouts:
+                self._mark_down(
+                    inst,
+                    f"{inst.silent_checks} health checks in a row unanswered within "
+                    f"{HEALTH_TIMEOUT_S:g} s",
+                )
+            else:
+                log.warning(
+                    "%s is slow: its health check was not answered within %g s (%d in a row; "
+                    "down at %d)",
+                    inst.spec.name,
+                    HEALTH_TIMEOUT_S,
+                    inst.silent_checks,
+                    self.down_after_health_timeouts,
+                )
+            return
+        inst.silent_checks = 0
+        if ok and not inst.up:
+            await self._attach(inst)
+        elif not ok and inst.up:
+            self._mark_down(inst, "health check failed")
+        elif ok:
+            await self._read_counters(inst)
+
+    async def _probe(self, inst: _Instance) -> bool | None:
+        """The instance's health: True (serving), False (it answered that it is not, it cannot
+        be reached, or its check broke), None (no answer within ``HEALTH_TIMEOUT_S``: slow). One
+        check at a time per instance: whoever asks meanwhile (a burst of broken streams, the
+        interval's check) shares its answer."""
+        if inst.probe is None:
+            probe = asyncio.create_task(self._ask_health(inst), name=f"qlm-health-{inst.spec.name}")
+
+            def clear(task: asyncio.Task[bool | None]) -> None:
+                if inst.probe is task:
+                    inst.probe = None
+
+            probe.add_done_callback(clear)
+            inst.probe = probe
+        return await asyncio.shield(inst.probe)
+
+    @staticmethod
+    async def _ask_health(inst: _Instance) -> bool | None:
+        try:
+            return await asyncio.wait_for(inst.engine.health(), HEALTH_TIMEOUT_S)
+        except (TimeoutError, EngineTimeout):
+            return None
+        except Exception:  # health() raises nothing else; a broken one means down
+            log.exception("health check of %s failed", inst.spec.name)
+            return False
 
     async def _read_counters(self, inst: _Instance) -> None:
         """The engine's preemption counter, for the estimator (vLLM preempts when its KV cache

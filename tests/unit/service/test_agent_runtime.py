@@ -19,10 +19,16 @@ from qlm.controller import Controller
 from qlm.domain import SLO, Decision, Evict, InstanceSpec, Pull, RequestRecord, RequestStatus
 from qlm.engines.base import Engine, EngineOutput, EngineRequest, TokenChunk
 from qlm.engines.wallclock import WallClockEngine, count_tokens, filler_text
-from qlm.errors import EngineError
+from qlm.errors import EngineError, EngineTimeout
 from qlm.planner import PlannerConfig, create_policy
 from qlm.planner.policy import DispatchContext, Policy, PolicyBase
-from qlm.service.runtime import MAX_STREAM_FAILURES, AgentRuntime, Job, RuntimeListener
+from qlm.service.runtime import (
+    DOWN_AFTER_HEALTH_TIMEOUTS,
+    MAX_STREAM_FAILURES,
+    AgentRuntime,
+    Job,
+    RuntimeListener,
+)
 
 SCALE = 50.0
 
@@ -1009,5 +1015,231 @@ def test_a_request_evicted_with_only_whitespace_written_starts_over_with_its_who
         )
         record, text = rec.done["r0000"]
         assert record.output_tokens == 300 and text == " " * 300
+
+    run(scenario)
+
+
+# --- slow is not dead -------------------------------------------------------------------------
+
+
+class Starved:
+    """An engine on a CPU-starved host: its next ``silent`` health checks time out, and the next
+    ``connect_timeouts`` streams never reach it (their connect timed out); then it answers.
+    ``hush`` silences it for good, as a host gone quiet: every check times out and its streams
+    hang without another chunk."""
+
+    def __init__(self, inner: WallClockEngine) -> None:
+        self.inner = inner
+        self.name = inner.name
+        self.silent = 0
+        self.unanswered = 0  # health checks that timed out, in all
+        self.answered = 0  # health checks answered, in all
+        self.connect_timeouts = 0
+        self.unreached = 0  # streams that never reached it, in all
+        self.hushed = asyncio.Event()
+
+    def __getattr__(self, item: str) -> Any:
+        return getattr(self.inner, item)
+
+    def hush(self) -> None:
+        self.silent = 1 << 30
+        self.hushed.set()
+
+    async def health(self) -> bool:
+        if self.silent > 0:
+            self.silent -= 1
+            self.unanswered += 1
+            raise EngineTimeout(f"{self.name}: GET /health failed: ReadTimeout('')")
+        self.answered += 1
+        return await self.inner.health()
+
+    async def submit(self, request: EngineRequest, on_chunk: Any = None) -> EngineOutput:
+        if self.connect_timeouts > 0:
+            self.connect_timeouts -= 1
+            self.unreached += 1
+            raise EngineTimeout(
+                f"{self.name}: POST /v1/completions failed: ConnectTimeout('')", reached=False
+            )
+
+        def passed_on(chunk: TokenChunk) -> None:
+            if on_chunk is not None and not self.hushed.is_set():
+                on_chunk(chunk)
+
+        run = asyncio.ensure_future(self.inner.submit(request, passed_on))
+        quiet = asyncio.ensure_future(self.hushed.wait())
+        try:
+            await asyncio.wait({run, quiet}, return_when=asyncio.FIRST_COMPLETED)
+            if not self.hushed.is_set():
+                return run.result()
+            await asyncio.Event().wait()  # the stream hangs (streams have no read timeout)
+            raise AssertionError("unreachable")
+        finally:
+            run.cancel()
+            quiet.cancel()
+
+
+def test_an_instance_that_leaves_health_checks_unanswered_fewer_times_than_the_limit_stays_up() -> (
+    None
+):
+    async def scenario() -> None:
+        rec = Recorder()
+        e = Starved(engine("i0"))
+        e.silent = DOWN_AFTER_HEALTH_TIMEOUTS - 1
+        rt = start(create_policy("fcfs"), [e], rec)
+        await rt.start()
+        now = rt.clock.now()
+        for i in range(6):
+            rt.submit(make_request(i, arrival_s=now, replay_output_tokens=200, max_tokens=300))
+        await eventually(lambda: e.answered >= 2, "the instance answers its health check again")
+        await eventually(lambda: rt.idle, "every request finished")
+        await rt.stop()
+        await e.inner.close()
+        assert e.unanswered == DOWN_AFTER_HEALTH_TIMEOUTS - 1
+        assert ("i0", False) not in rec.changes and rt.instances_up() == {"i0": True}
+        assert len(rec.done) == 6 and not rec.errors
+        assert not any(record.failovers for record, _ in rec.done.values())
+
+    run(scenario)
+
+
+class DownWatch(Recorder):
+    """Notes how many health checks ``engine`` had left unanswered when it was marked down."""
+
+    def __init__(self, engine: Starved) -> None:
+        super().__init__()
+        self.engine = engine
+        self.unanswered_at_down: int | None = None
+
+    def instance_changed(self, name: str, up: bool) -> None:
+        super().instance_changed(name, up)
+        if name == self.engine.name and not up:
+            self.unanswered_at_down = self.engine.unanswered
+
+
+@pytest.mark.parametrize("limit", [DOWN_AFTER_HEALTH_TIMEOUTS, 5])
+def test_an_instance_silent_for_a_run_of_health_checks_is_down_and_its_requests_move(
+    limit: int,
+) -> None:
+    async def scenario() -> None:
+        silent = Starved(engine("i0"))
+        rec = DownWatch(silent)
+        other = engine("i1")
+        rt = start(create_policy("fcfs-rr"), [silent, other], rec, down_after_health_timeouts=limit)
+        await rt.start()
+        now = rt.clock.now()
+        for i in range(12):
+            rt.submit(make_request(i, arrival_s=now, replay_output_tokens=400, max_tokens=500))
+        await eventually(
+            lambda: any(
+                rt.controller.track(r).first_token_s for r in rt.controller.on_instance("i0")
+            ),
+            "i0 streams",
+        )
+        silent.hush()  # its host stops answering
+        await eventually(lambda: ("i0", False) in rec.changes, "i0 is marked down")
+        await eventually(lambda: rt.idle, "every request finished")
+        await rt.stop()
+        await silent.inner.close()
+        await other.close()
+        assert rec.unanswered_at_down == limit  # not one check sooner
+        assert len(rec.done) == 12 and not rec.errors
+        assert any(record.failovers for record, _ in rec.done.values())
+        for rid, (record, text) in rec.done.items():
+            assert record.output_tokens == 400 == count_tokens(text), rid
+
+    run(scenario)
+
+
+def test_an_instance_that_refuses_its_health_check_is_down_at_once_whatever_the_timeout_limit() -> (
+    None
+):
+    async def scenario() -> None:
+        rec = Recorder()
+        flaky, other = Flaky(engine("i0")), engine("i1")
+        rt = start(
+            create_policy("fcfs-rr"), [flaky, other], rec, down_after_health_timeouts=1 << 30
+        )
+        await rt.start()
+        now = rt.clock.now()
+        for i in range(8):
+            rt.submit(make_request(i, arrival_s=now, replay_output_tokens=400, max_tokens=500))
+        await eventually(
+            lambda: any(
+                rt.controller.track(r).first_token_s for r in rt.controller.on_instance("i0")
+            ),
+            "i0 streams",
+        )
+        flaky.break_()  # its process died: connections are refused
+        await eventually(lambda: ("i0", False) in rec.changes, "i0 is marked down")
+        await eventually(lambda: rt.idle, "every request finished")
+        await rt.stop()
+        await flaky.inner.close()
+        await other.close()
+        assert len(rec.done) == 8 and not rec.errors
+
+    run(scenario)
+
+
+def test_streams_whose_connect_timed_out_go_back_uncounted_and_the_instance_stays_up() -> None:
+    """A burst on a starved host: more connects time out than a request may fail streams
+    (``MAX_STREAM_FAILURES``), and its health check times out too. Nothing reached the engine,
+    so nothing counts against the requests: each goes back, runs once the host answers, and
+    the instance is never marked down."""
+
+    async def scenario() -> None:
+        rec = Recorder()
+        e = Starved(engine("i0"))
+        e.connect_timeouts = 4 * MAX_STREAM_FAILURES
+        e.silent = 1
+        rt = start(create_policy("fcfs"), [e], rec)
+        await rt.start()
+        now = rt.clock.now()
+        for i in range(2):
+            rt.submit(make_request(i, arrival_s=now, replay_output_tokens=40, max_tokens=60))
+        await eventually(lambda: rt.idle, "both finished")
+        await rt.stop()
+        await e.inner.close()
+        assert e.unreached == 4 * MAX_STREAM_FAILURES
+        assert set(rec.done) == {"r0000", "r0001"} and not rec.errors
+        assert ("i0", False) not in rec.changes
+
+    run(scenario)
+
+
+class BrokenStreamSlowHealth(Poisoned):
+    """A stream breaks (reset) while the instance's health check times out: slow, not dead."""
+
+    def __init__(self, inner: WallClockEngine, poison: str) -> None:
+        super().__init__(inner, poison)
+        self.silent = True
+
+    async def submit(self, request: EngineRequest, on_chunk: Any = None) -> EngineOutput:
+        if request.request_id == self.poison and self.tries:
+            return await self.inner.submit(request, on_chunk)  # (broken once)
+        return await super().submit(request, on_chunk)
+
+    async def health(self) -> bool:
+        if self.silent:
+            self.silent = False
+            raise EngineTimeout(f"{self.name}: GET /health failed: ReadTimeout('')")
+        return bool(await self.inner.health())
+
+
+def test_a_broken_stream_on_an_instance_slow_to_answer_its_health_goes_back_alone() -> None:
+    async def scenario() -> None:
+        rec = Recorder()
+        e = BrokenStreamSlowHealth(engine("i0"), poison="r0001")
+        rt = start(create_policy("fcfs"), [e], rec)
+        await rt.start()
+        now = rt.clock.now()
+        for i in range(4):
+            rt.submit(make_request(i, arrival_s=now, replay_output_tokens=40, max_tokens=60))
+        await eventually(lambda: rt.idle, "every request finished")
+        await rt.stop()
+        await e.inner.close()
+        assert e.tries == 1 and not e.silent
+        assert len(rec.done) == 4 and not rec.errors
+        assert ("i0", False) not in rec.changes
+        assert rt.controller.track("r0001").failovers == 1
 
     run(scenario)
