@@ -24,7 +24,9 @@ gone), or ``down_after_health_timeouts`` health checks in a row go unanswered wi
 with the output streamed so far (nothing is lost: the agent holds the streams), and the planner
 re-plans its groups onto the others. A health check every ``health_interval_s`` brings it back.
 A timeout alone (a connect, a health check) says the instance is slow or starved, not dead: a
-request whose stream timed out goes back alone, and the instance stays up.
+request whose stream timed out goes back alone, and the instance stays up. A health check that
+timed out more than ``LATE_S`` late waited on this controller's own event loop, not on the
+instance: it is not counted either way.
 
 What happens to requests is reported to a ``RuntimeListener`` (the controller service records it in
 the store and acks the broker delivery; tests collect it).
@@ -34,7 +36,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import logging
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -80,6 +84,21 @@ HEALTH_TIMEOUT_S = 5.0  # how long an instance has to answer a health check
 DOWN_AFTER_HEALTH_TIMEOUTS = 3
 """Health checks in a row an up instance may leave unanswered (each within ``HEALTH_TIMEOUT_S``)
 before it is marked down: a slow or starved instance is not a dead one, a silent one is."""
+LATE_S = 1.0
+"""How much later than ``HEALTH_TIMEOUT_S`` a health check may time out and still count as
+unanswered: one that timed out later waited on this controller's own event loop (held by a long
+step, or starved of CPU), and the answer may have been there, unread."""
+
+
+class Health(enum.Enum):
+    """What one health check says of an instance."""
+
+    SERVING = "serving"
+    DEAD = "dead"  # it answered that it is not serving, it cannot be reached, or the check broke
+    SILENT = "silent"  # no answer within HEALTH_TIMEOUT_S
+    UNKNOWN = "unknown"  # it timed out while this controller's event loop was held: no evidence
+
+
 DEFAULT_TOKEN_CAPACITY = 1 << 30
 
 
@@ -224,7 +243,7 @@ class _Instance:
     preemptions_total: int | None = None  # the engine's counter, read with each health check
     swap_free_gb: float = 0.0  # CPU memory for parked KV caches, read with each health check
     silent_checks: int = 0  # health checks in a row it left unanswered (``HEALTH_TIMEOUT_S``)
-    probe: asyncio.Task[bool | None] | None = None  # the health check under way (``_probe``)
+    probe: asyncio.Task[Health] | None = None  # the health check under way (``_probe``)
 
 
 @dataclass(slots=True)
@@ -655,11 +674,10 @@ class AgentRuntime:
         request an engine cannot serve does not fail over for ever, nor take its instance down
         with it. A connect that timed out never reached the engine and is not counted."""
         name = inst.spec.name
-        timed_out = isinstance(exc, EngineTimeout)
-        healthy = None if timed_out else await self._probe(inst)
+        health = Health.UNKNOWN if isinstance(exc, EngineTimeout) else await self._probe(inst)
         if flight.leaving or self._flights.get(rid) is not flight:
             return  # handled meanwhile (the instance went down, an eviction, a cancel)
-        if healthy is False:
+        if health is Health.DEAD:
             log.warning("%s failed %s: %s", name, rid, exc)
             self._mark_down(inst, str(exc))  # returns this request and the others there
             return
@@ -680,7 +698,7 @@ class AgentRuntime:
                 rid,
                 job.stream_failures,
                 MAX_STREAM_FAILURES,
-                "is slow" if healthy is None else "answers",
+                "answers" if health is Health.SERVING else "is slow",
                 exc,
             )
         self._give_back(rid, flight, "".join(flight.text), flight.tokens, evicted=False)
@@ -854,8 +872,13 @@ class AgentRuntime:
         """One health check at the interval: an instance that is not serving, or cannot be
         reached, is down at once; one that leaves ``down_after_health_timeouts`` checks in a row
         unanswered is down too; one that answers is (back) up."""
-        ok = await self._probe(inst)
-        if ok is None:
+        health = await self._probe(inst)
+        if health is Health.UNKNOWN:
+            log.info(
+                "%s: health check late (this controller was busy): not counted", inst.spec.name
+            )
+            return
+        if health is Health.SILENT:
             inst.silent_checks += 1
             if not inst.up:
                 return
@@ -876,6 +899,7 @@ class AgentRuntime:
                 )
             return
         inst.silent_checks = 0
+        ok = health is Health.SERVING
         if ok and not inst.up:
             await self._attach(inst)
         elif not ok and inst.up:
@@ -883,15 +907,13 @@ class AgentRuntime:
         elif ok:
             await self._read_counters(inst)
 
-    async def _probe(self, inst: _Instance) -> bool | None:
-        """The instance's health: True (serving), False (it answered that it is not, it cannot
-        be reached, or its check broke), None (no answer within ``HEALTH_TIMEOUT_S``: slow). One
-        check at a time per instance: whoever asks meanwhile (a burst of broken streams, the
-        interval's check) shares its answer."""
+    async def _probe(self, inst: _Instance) -> Health:
+        """The instance's health (``Health``). One check at a time per instance: whoever asks
+        meanwhile (a burst of broken streams, the interval's check) shares its answer."""
         if inst.probe is None:
             probe = asyncio.create_task(self._ask_health(inst), name=f"qlm-health-{inst.spec.name}")
 
-            def clear(task: asyncio.Task[bool | None]) -> None:
+            def clear(task: asyncio.Task[Health]) -> None:
                 if inst.probe is task:
                     inst.probe = None
 
@@ -900,14 +922,18 @@ class AgentRuntime:
         return await asyncio.shield(inst.probe)
 
     @staticmethod
-    async def _ask_health(inst: _Instance) -> bool | None:
+    async def _ask_health(inst: _Instance) -> Health:
+        started = time.monotonic()
         try:
-            return await asyncio.wait_for(inst.engine.health(), HEALTH_TIMEOUT_S)
+            ok = await asyncio.wait_for(inst.engine.health(), HEALTH_TIMEOUT_S)
         except (TimeoutError, EngineTimeout):
-            return None
+            if time.monotonic() - started > HEALTH_TIMEOUT_S + LATE_S:
+                return Health.UNKNOWN
+            return Health.SILENT
         except Exception:  # health() raises nothing else; a broken one means down
             log.exception("health check of %s failed", inst.spec.name)
-            return False
+            return Health.DEAD
+        return Health.SERVING if ok else Health.DEAD
 
     async def _read_counters(self, inst: _Instance) -> None:
         """The engine's preemption counter, for the estimator (vLLM preempts when its KV cache

@@ -22,6 +22,7 @@ from qlm.engines.wallclock import WallClockEngine, count_tokens, filler_text
 from qlm.errors import EngineError, EngineTimeout
 from qlm.planner import PlannerConfig, create_policy
 from qlm.planner.policy import DispatchContext, Policy, PolicyBase
+from qlm.service import runtime
 from qlm.service.runtime import (
     DOWN_AFTER_HEALTH_TIMEOUTS,
     MAX_STREAM_FAILURES,
@@ -1241,5 +1242,39 @@ def test_a_broken_stream_on_an_instance_slow_to_answer_its_health_goes_back_alon
         assert len(rec.done) == 4 and not rec.errors
         assert ("i0", False) not in rec.changes
         assert rt.controller.track("r0001").failovers == 1
+
+    run(scenario)
+
+
+class Stalling(Starved):
+    """Its health check holds the controller's event loop (as a long control step does) and then
+    times out: the answer may have waited, unread, on the controller's side."""
+
+    async def health(self) -> bool:
+        if self.silent > 0:
+            time.sleep(0.2)
+        return await super().health()
+
+
+def test_a_health_check_that_timed_out_late_because_the_loop_was_held_is_not_counted(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(runtime, "HEALTH_TIMEOUT_S", 0.01)
+    monkeypatch.setattr(runtime, "LATE_S", 0.05)
+
+    async def scenario() -> None:
+        rec = Recorder()
+        e = Stalling(engine("i0"))
+        e.silent = 2 * DOWN_AFTER_HEALTH_TIMEOUTS
+        rt = start(create_policy("fcfs"), [e], rec)
+        await rt.start()
+        rt.submit(make_request(0, arrival_s=rt.clock.now(), replay_output_tokens=40))
+        await eventually(lambda: e.answered >= 1, "the instance answers its health check again")
+        await eventually(lambda: rt.idle, "the request finished")
+        await rt.stop()
+        await e.inner.close()
+        assert e.unanswered == 2 * DOWN_AFTER_HEALTH_TIMEOUTS
+        assert ("i0", False) not in rec.changes
+        assert set(rec.done) == {"r0000"}
 
     run(scenario)
