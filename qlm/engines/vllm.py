@@ -229,6 +229,13 @@ launch`` starts it). A request written on a connection the server has just close
 that likely when the two times are close."""
 
 
+OPENING = 32
+"""Streams being opened at once per server (connect, request sent, until the answer's headers):
+a burst of pulls (a controller taking over a backlog starts hundreds per server in one step)
+waits here rather than on connects whose timeouts run out while a busy host serves the others.
+The streams that are open are not bounded here (the agent bounds how many run)."""
+
+
 class VllmEngine:
     """One ``vllm serve`` instance at ``base_url`` serving ``models`` (its served model names)."""
 
@@ -264,6 +271,7 @@ class VllmEngine:
             transport=transport,
         )
         self._flights: dict[str, _Flight] = {}
+        self._opening = asyncio.Semaphore(OPENING)
         self._tiers = {m: ModelTier.ACTIVE for m in self.models}
         self._priority = True  # False once the server said it does not schedule by priority
         # Requests sent and not yet finished here, with how many times: one sent again after an
@@ -733,13 +741,17 @@ class VllmEngine:
         timeout = httpx.Timeout(self.timeout_s, read=None)  # a queued request may wait long
         finish: FinishReason | None = None
         try:
-            async with self._client.stream(
-                "POST",
-                path,
-                json=self.request_body(flight.request),
-                headers={"X-Request-Id": flight.wire_id},
-                timeout=timeout,
-            ) as resp:
+            async with contextlib.AsyncExitStack() as stack:
+                async with self._opening:
+                    resp = await stack.enter_async_context(
+                        self._client.stream(
+                            "POST",
+                            path,
+                            json=self.request_body(flight.request),
+                            headers={"X-Request-Id": flight.wire_id},
+                            timeout=timeout,
+                        )
+                    )
                 if resp.status_code != 200:
                     await resp.aread()
                     detail = f"{what} answered {resp.status_code}"

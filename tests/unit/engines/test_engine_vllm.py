@@ -15,6 +15,7 @@ from qlm.cli import app
 from qlm.domain import ModelTier
 from qlm.engines.base import Engine, EngineRequest, TokenChunk, UnsupportedOperation
 from qlm.engines.vllm import (
+    OPENING,
     VllmEngine,
     _event_parts,
     _one_token,
@@ -495,6 +496,62 @@ def test_a_request_sent_again_after_an_abort_gets_its_own_id_on_the_wire() -> No
 
     asyncio.run(scenario())
     assert wire == ["r1", "r1.2", "r1"]
+
+
+def test_a_burst_of_streams_opens_a_few_at_a_time_and_all_stay_open_together() -> None:
+    """A controller taking over a backlog pulls hundreds of requests per server in one step:
+    at most ``OPENING`` of them are being opened (connect, request, headers) at once, and the
+    bound is on opening only — every stream, once open, streams alongside the others."""
+    burst = 3 * OPENING
+    opening = 0
+    most = 0
+    open_streams = 0
+    answer = asyncio.Event()
+    finish = asyncio.Event()
+    done = {
+        "choices": [{"text": "x", "finish_reason": "length"}],
+        "usage": {"completion_tokens": 1},
+    }
+
+    async def body() -> AsyncIterator[bytes]:
+        nonlocal open_streams
+        open_streams += 1
+        await finish.wait()
+        yield f"data: {json.dumps(done)}\n\ndata: [DONE]\n\n".encode()
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        nonlocal opening, most
+        if request.url.path == "/tokenize":
+            return httpx.Response(200, json={"tokens": [5, 6, 7]})
+        opening += 1
+        most = max(most, opening)
+        await answer.wait()  # a server slow to answer
+        opening -= 1
+        return httpx.Response(200, content=body(), headers={"content-type": "text/event-stream"})
+
+    async def scenario() -> None:
+        engine = VllmEngine(
+            "gpu-3", "http://vllm-3:8000/", "llama", transport=httpx.MockTransport(handler)
+        )
+        runs = [
+            asyncio.create_task(engine.submit(EngineRequest(f"r{i}", "llama", 3, 1)))
+            for i in range(burst)
+        ]
+        while opening < OPENING:
+            await asyncio.sleep(0.001)
+        for _ in range(20):  # the others had every chance to start opening too
+            await asyncio.sleep(0)
+        assert most == OPENING
+        answer.set()
+        while open_streams < burst:
+            await asyncio.sleep(0.001)
+        finish.set()
+        outs = await asyncio.gather(*runs)
+        await engine.close()
+        assert all(out.tokens == 1 for out in outs)
+
+    asyncio.run(scenario())
+    assert most == OPENING
 
 
 def sse(*events: object) -> httpx.Response:
