@@ -113,14 +113,17 @@ class PlannerSettings(BaseModel):
     defer_expensive: bool = True
     """Cost-aware admission: under overload the work of least value per GPU-second waits
     behind the rest (nothing is dropped)."""
-    throughput_floor: float = Field(default=0.0, ge=0, le=1)
-    """Under a sustained overload (an instance's queue never empty for ``floor_window_s``) the
+    throughput_floor: float = Field(default=0.9, ge=0, le=1)
+    """Under a sustained overload (an instance's queue never empty for ``overload_after_s``) the
     concurrency choice keeps each instance serving at least this share of the requests arriving
     per second plus what clears its queue (or of the most any limit serves, when none keeps up):
     0 chooses by SLOs met alone (docs/planner.md)."""
     floor_window_s: float = Field(default=300.0, gt=0)
-    """How long an overload lasts before the throughput floor applies, and the window its
-    arrival rate is counted over."""
+    """The window the throughput floor counts arrivals and served work over, and clears an
+    instance's queue within."""
+    overload_after_s: float = Field(default=300.0, gt=0)
+    """How long an instance's queue must hold requests at every plan before the throughput
+    floor and tolerance apply to it."""
     throughput_tolerance: float = Field(default=0.05, ge=0, lt=1)
     """While an instance's best concurrency limit leaves work deferred, the limits worth within
     this share of the best are alike and the one that serves the most requests per second is

@@ -30,6 +30,7 @@ def planner_config(settings: PlannerSettings) -> PlannerConfig:
         defer_expensive=settings.defer_expensive,
         throughput_floor=settings.throughput_floor,
         floor_window_s=settings.floor_window_s,
+        overload_after_s=settings.overload_after_s,
         throughput_tolerance=settings.throughput_tolerance,
         max_utilisation=settings.max_utilisation,
         rate_window_s=settings.rate_window_s,

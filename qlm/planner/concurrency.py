@@ -6,6 +6,7 @@ that limit (``Fluid``: what the cost-aware admission defers)."""
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -33,6 +34,7 @@ class Fluid:
     per_output_s: dict[str, float]  # GPU-seconds per output token, per model
     per_input_s: dict[str, float]  # GPU-seconds per prompt token, per model
     rate: float = math.inf  # requests per second served with the instance busy, at this mix
+    arriving: float = 0.0  # requests per second arriving for the instance (its share)
 
     def cost(self, req: Request, output: float) -> float:
         key = class_of(req)
@@ -140,14 +142,18 @@ def pick_limit(
     hysteresis: float,
     rates: Mapping[int, float] | None = None,
     tolerance: float = 0.0,
+    arriving: float = 0.0,
 ) -> int:
     """The concurrency limit worth the most (the smallest of equals), unless ``current`` is
     within ``hysteresis`` (a fraction) of it: a change costs a transient the values do not see.
+    With ``rates`` and ``arriving`` (requests per second served at each limit, and arriving),
+    ``current`` stays only while it serves what arrives: one that does not defers work the
+    limit worth the most may serve, and the backlog it leaves is not in the values.
 
-    With ``tolerance`` (and each limit's ``rates``, requests per second served), the limit that
-    serves the most among those worth within ``tolerance`` of the most (``current`` within
-    ``tolerance`` + ``hysteresis``): values that close are within the fluid model's noise, and
-    what a smaller batch does not serve waits, which its steady-state value does not see."""
+    With ``tolerance`` (and each limit's ``rates``), the limit that serves the most among those
+    worth within ``tolerance`` of the most (``current`` within ``tolerance`` + ``hysteresis``):
+    values that close are within the fluid model's noise, and what a smaller batch does not
+    serve waits, which its steady-state value does not see."""
     if not values:
         raise ValueError("no concurrency limit to choose from")
     limits = sorted(values)
@@ -163,10 +169,58 @@ def pick_limit(
             if values[b] >= top * (1.0 - tolerance - (hysteresis if b == current else 0.0))
         ]
         return max(near, key=lambda b: (rates[b], -b))
+    if current is not None and rates is not None and rates.get(current, math.inf) < arriving:
+        return best  # (it falls behind: no transient to spare it)
     threshold = values[best] * (1.0 - hysteresis)
     if current is not None and values.get(current, -math.inf) >= threshold:
         return current
     return best
+
+
+class ServedWork:
+    """Per instance, the GPU-seconds the fluid model charges for the requests it completed
+    (``Fluid.cost`` at the limit it ran them at) while every slot of its concurrency limit was
+    taken, per second of that time, over the last ``window_s`` (``ratio``): how far the fluid
+    model's rates are from what the instance serves — 1 as modelled, above 1 when it serves more
+    (its decode steps carry prompt chunks the model charges apart). Counted in work, not
+    requests, so that serving cheap requests first does not read as speed."""
+
+    def __init__(self, window_s: float) -> None:
+        self.window_s = window_s
+        # Per instance: (step time, seconds it was full since the last step, work completed then)
+        self._steps: dict[str, deque[tuple[float, float, float]]] = {}
+        self._last: dict[str, tuple[float, bool]] = {}  # per instance: last step, full then
+
+    def step(self, instance: str, now: float, full: bool, work_s: float) -> None:
+        """A control step at ``now``: ``work_s`` completed on ``instance`` since the last one
+        (counted if it was full then), and whether it is full now."""
+        last = self._last.get(instance)
+        self._last[instance] = (now, full)
+        if last is None or not last[1] or now <= last[0]:
+            return
+        steps = self._steps.setdefault(instance, deque())
+        steps.append((now, now - last[0], work_s))
+        while steps[0][0] < now - self.window_s:
+            steps.popleft()
+
+    def ratio(self, instance: str, now: float, least_s: float) -> float:
+        """Modelled work completed per second full on ``instance`` within the window; 1.0 while
+        it was full for less than ``least_s`` of it."""
+        steps = self._steps.get(instance)
+        while steps and steps[0][0] < now - self.window_s:
+            steps.popleft()
+        if not steps:
+            return 1.0
+        full = sum(s[1] for s in steps)
+        work = sum(s[2] for s in steps)
+        return work / full if full >= least_s and work > 0 else 1.0
+
+    def forget(self, keep: Iterable[str]) -> None:
+        """Drop the instances not in ``keep``."""
+        names = set(keep)
+        for book in (self._steps, self._last):
+            for name in [n for n in book if n not in names]:
+                del book[name]
 
 
 def serving_count(family: ProblemFamily, model: str) -> int:
@@ -184,6 +238,7 @@ def choose_limits(
     throughput_floor: float = 0.0,
     keep_up: Mapping[str, float] | None = None,
     tolerance: float = 0.0,
+    served: Mapping[str, float] | None = None,
 ) -> list[int]:
     """Each instance's concurrency limit: the one whose admitted work meets the most
     expected weighted SLOs per second (``FluidModels.evaluate``; ``choice`` where it has no
@@ -206,28 +261,33 @@ def choose_limits(
 
     ``tolerance`` (``pick_limit``): for an instance in a sustained overload (one ``keep_up``
     names) while the limit worth the most leaves work deferred, the one that serves the most
-    among those worth within ``tolerance`` of it."""
+    among those worth within ``tolerance`` of it.
+
+    ``served``: per instance, how much more than its fluid rates it serves (``ServedWork``):
+    the floor compares the rates it scales (1 where absent)."""
     out: list[int] = []
     for inst, fluids, limit in zip(family.instances, fluid, choice, strict=True):
         if fluids is None:
             out.append(limit)
             continue
-        top = max(f.rate for f in fluids.values())
+        scale = (served or {}).get(inst.name, 1.0)
+        top = max(f.rate for f in fluids.values()) * scale
         need = throughput_floor * min((keep_up or {}).get(inst.name, 0.0), top)
         now = current.get(inst.name)
         allowed = {
             b: f
             for b, f in fluids.items()
-            if f.rate >= need * (1.0 - hysteresis if b == now else 1.0)
+            if f.rate * scale >= need * (1.0 - hysteresis if b == now else 1.0)
         }
         values = {b: f.admission.value for b, f in allowed.items()}
-        rates = {b: f.rate for b, f in allowed.items()}
+        rates = {b: f.rate * scale for b, f in allowed.items()}
+        arriving = max(f.arriving for f in allowed.values())
         # (throughput counts only in a sustained overload — the instance has something to
         # keep up with — while the best limit leaves work deferred)
         top = pick_limit(values, None, 0.0)
         overload = inst.name in (keep_up or {}) and allowed[top].admission.threshold > 0
         tol = tolerance if overload else 0.0
-        out.append(pick_limit(values, current.get(inst.name), hysteresis, rates, tol))
+        out.append(pick_limit(values, now, hysteresis, rates, tol, arriving))
     return out
 
 
@@ -372,6 +432,7 @@ class FluidModels:
                     per_output,
                     per_input,
                     1.0 / max(mean_cost, 1e-12),
+                    float(np.sum(weights)),
                 )
             out[g] = alike.setdefault(same, fluids)
             self._last[inst.name] = (plan, fluids)

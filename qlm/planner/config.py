@@ -44,7 +44,7 @@ class PlannerConfig:
     max_utilisation: float = 0.95
     concurrency_hysteresis: float = 0.05
     defer_expensive: bool = True
-    throughput_floor: float = 0.0
+    throughput_floor: float = 0.9
     """Under a sustained overload (an instance's virtual queue never empty for ``floor_window_s``)
     the concurrency choice keeps the instance serving at least this share of the requests arriving
     per second plus what clears its queue within that window (or of the most any limit serves,
@@ -58,8 +58,12 @@ class PlannerConfig:
     chosen: what a smaller batch does not serve waits, which its steady-state value does not
     count. 0 chooses by SLOs met alone; an instance that serves all it gets always does."""
     floor_window_s: float = 300.0
-    """How long an overload lasts before the throughput floor applies, and the window over which
-    the arrivals it keeps up with are counted."""
+    """The window over which the throughput floor counts the arrivals it keeps up with and the
+    work the instance served, and within which it clears the instance's virtual queue."""
+    overload_after_s: float = 300.0
+    """How long an instance's virtual queue must hold requests at every plan before it is
+    overloaded: the throughput floor and tolerance apply from then on (a shorter burst is
+    absorbed by the queue)."""
     seed: int = 0
     step_budget_s: float = 0.5
     """With a wall-time ``budget`` (production): what a control step spends on work that can wait
@@ -99,6 +103,7 @@ class PlannerConfig:
             "check_interval_s",
             "rate_window_s",
             "floor_window_s",
+            "overload_after_s",
             "step_budget_s",
         ):
             value = getattr(self, name)

@@ -55,6 +55,7 @@ from qlm.planner.concurrency import (
     FLUID_SHARE,
     FluidModels,
     PromptRows,
+    ServedWork,
     choose_limits,
     serving_count,
 )
@@ -163,6 +164,7 @@ class QlmPolicy:
         self._arrivals = ArrivalWindow(CLASS_SAMPLE)  # the last rate_window_s
         self._arrival_rate = ArrivalRate(self.config.floor_window_s)  # (throughput floor only)
         self._backlogged_since: dict[str, float] = {}  # per instance: its queue held requests
+        self._served = ServedWork(self.config.floor_window_s)  # (throughput floor only)
         self._slots: dict[str, list[Any]] = {}  # per step: queue deadlines and load, for _place
         self._family_cache: tuple[tuple[float, int], tuple[ProblemFamily, list[list[int]]]] | None
         self._family_cache = None  # per step: the plan problem built for the violation check
@@ -258,6 +260,8 @@ class QlmPolicy:
                 self.queues.drop_instance(inst.name)
                 self.admission.limits.pop(inst.name, None)
         self.books.started_at(ctx.started, ctx.now)
+        if self.config.throughput_floor:
+            self._count_served(ctx)
         for inst in ctx.instances:  # preemptions counted before the completions they come with
             self.estimator.watch(estimator_instance(inst))
         for done in ctx.finished:
@@ -541,29 +545,59 @@ class QlmPolicy:
             for inst, limits in zip(family.instances, family.batches, strict=True)
         ]
 
-    def _keep_up_rates(self, now: float, family: ProblemFamily) -> dict[str, float]:
+    def _count_served(self, ctx: DispatchContext) -> None:
+        """Charge each completion's fluid-model work to its instance (``ServedWork``): its
+        prompt at the profile's work per prompt token, its output at the decode time per token
+        of the concurrency limit in use, as ``FluidModels.evaluate`` charges them."""
+        work: dict[str, float] = {}
+        loads = {i.name: i for i in ctx.instances}
+        for done in ctx.finished:
+            limit = self.admission.limits.get(done.instance)
+            load = loads.get(done.instance)
+            if limit is None or load is None:
+                continue
+            req = done.request
+            hw = self.estimator.profile.hardware_for(req.model, load.gpu, load.gpu_count)
+            eps_f = self.estimator.calibration_factors(done.instance)[1]
+            per_output = hw.decode_s(limit) * hw.inefficiency * eps_f / limit
+            cost = req.input_tokens * hw.input_token_work_s + done.output_tokens * per_output
+            work[done.instance] = work.get(done.instance, 0.0) + cost
+        for inst in ctx.instances:
+            limit = self.admission.limits.get(inst.name)
+            full = inst.up and limit is not None and inst.outstanding_requests >= limit
+            self._served.step(inst.name, ctx.now, full, work.get(inst.name, 0.0))
+
+    def _keep_up_rates(
+        self, now: float, family: ProblemFamily
+    ) -> tuple[dict[str, float], dict[str, float]]:
         """Per instance whose virtual queue has held requests at every plan of the last
-        ``floor_window_s`` (a sustained overload: a shorter burst is absorbed by the queue), the
+        ``overload_after_s`` (an overload: a shorter burst is absorbed by the queue), the
         requests per second the throughput floor keeps up with (``choose_limits``): its share of
-        the arrivals of that window (each model's shared evenly among the instances serving it)
-        plus the rate that clears its virtual queue within that window. The throughput
-        tolerance applies to these instances only."""
+        the arrivals of the last ``floor_window_s`` (each model's shared evenly among the
+        instances serving it) plus the rate that clears its virtual queue within that window;
+        and how much more than the fluid model's rates it served meanwhile (``ServedWork``).
+        The throughput tolerance applies to these instances only."""
         if not (self.config.throughput_floor or self.config.throughput_tolerance):
-            return {}  # (nothing reads them)
+            return {}, {}  # (nothing reads them)
         rates = self._arrival_rate.rates(now)
         window = self.config.floor_window_s
         out: dict[str, float] = {}
+        served: dict[str, float] = {}
         for inst in family.instances:
             queued = sum(map(self.grouper.size, self.queues.queue(inst.name)))
             if not queued:
                 self._backlogged_since.pop(inst.name, None)
                 continue
             since = self._backlogged_since.setdefault(inst.name, now)
-            if now - since < self.config.floor_window_s:
+            if now - since < self.config.overload_after_s:
                 continue
             arriving = sum(rates.get(m, 0.0) / serving_count(family, m) for m in inst.models)
             out[inst.name] = arriving + queued / window
-        return out
+            if self.config.throughput_floor:
+                least = self.config.rate_window_s  # (full that long: a rate to go by)
+                served[inst.name] = self._served.ratio(inst.name, now, least)
+        self._served.forget(i.name for i in family.instances)
+        return out, served
 
     def _deferred_in(self, name: str, gids: Sequence[str]) -> set[str]:
         """The groups of ``gids`` that ``name``'s admission defers (``defer_expensive``)."""
@@ -646,6 +680,7 @@ class QlmPolicy:
         self._plans_made += 1
         choice = self._choice(family)
         choose = self.config.choose_concurrency and self._fixed is None
+        keep_up, served = self._keep_up_rates(now, family) if choose else ({}, {})
         fluid = self._fluid_models.evaluate(
             now,
             family,
@@ -665,8 +700,9 @@ class QlmPolicy:
                 self.config.throughput_floor
                 if now - self._arrivals.first_s >= self.config.rate_window_s
                 else 0.0,
-                self._keep_up_rates(now, family),
+                keep_up,
                 self.config.throughput_tolerance,
+                served,
             )
             if choose
             else choice

@@ -251,6 +251,10 @@ def test_the_concurrency_limit_worth_the_most_wins_unless_the_current_one_is_clo
     assert pick_limit(values, 64, 0.0) == 128
     assert pick_limit(values, 16, 0.05) == 128  # 1.0 is far below
     assert pick_limit(values, 32, 0.05) == 128  # no longer a choice (fewer slots now)
+    # The limit in use stays only while it serves what arrives: 64 serves 5.5 a second.
+    rates = {16: 3.0, 64: 5.5, 128: 7.0, 256: 8.0}
+    assert pick_limit(values, 64, 0.05, rates, arriving=5.0) == 64
+    assert pick_limit(values, 64, 0.05, rates, arriving=5.8) == 128
     with pytest.raises(ValueError):
         pick_limit({}, None, 0.05)
 
@@ -571,17 +575,50 @@ def test_a_throughput_floor_rules_out_the_limits_that_serve_too_few_requests() -
     assert chosen(0.95, 8.6, current=64) == 64
     # Nothing to keep up with (no rate known for the instance): SLOs alone.
     assert choose_limits(family, [fluids], [64], {}, 0.05, 0.95) == [64]
+    # The instance serves 1.2 times what the fluid model rates it at (``ServedWork``): 64
+    # serves 9.6 a second, 95 % of 9.
+    served = {"i0": 1.2}
+    assert choose_limits(family, [fluids], [64], {}, 0.05, 0.95, {"i0": 9.0}, 0.0, served) == [64]
+    assert choose_limits(family, [fluids], [64], {}, 0.05, 0.95, {"i0": 11.0}, 0.0, served) == [
+        128
+    ]
     with pytest.raises(ConfigError, match=r"planner\.throughput_floor"):
         PlannerConfig(throughput_floor=1.5)
 
 
-def test_the_throughput_floor_applies_once_an_instance_has_been_backlogged_a_whole_window() -> None:
-    """A queue that has held requests at every plan for ``floor_window_s`` is a sustained
-    overload: the floor then keeps up with the window's arrivals plus the rate that clears the
-    queue within a rate window. A shorter burst is left to the queue, and a queue that empties
-    starts the count again."""
+def test_served_work_is_counted_while_every_slot_is_taken() -> None:
+    """What an instance completed while it was full, in the fluid model's GPU-seconds per
+    second of that time: steps while it had free slots count neither time nor work, nor does
+    anything older than the window; too little time full reads as 1 (as modelled)."""
+    from qlm.planner.concurrency import ServedWork
+
+    served = ServedWork(window_s=100.0)
+    served.step("i0", 0.0, True, 0.0)
+    served.step("i0", 10.0, True, 12.0)  # full from 0 to 10 s: 12 GPU-s in 10 s
+    served.step("i0", 20.0, False, 15.0)  # full from 10 to 20 s: 15 in 10 s
+    served.step("i0", 30.0, True, 50.0)  # had free slots from 20 to 30 s: not counted
+    served.step("i0", 40.0, True, 13.0)
+    assert served.ratio("i0", 40.0, least_s=30.0) == pytest.approx((12 + 15 + 13) / 30)
+    assert served.ratio("i0", 40.0, least_s=31.0) == 1.0
+    assert served.ratio("i1", 40.0, least_s=1.0) == 1.0
+    # 111 s: the first step (it ended at 10 s) is out of the window.
+    served.step("i0", 111.0, True, 71.0)
+    assert served.ratio("i0", 111.0, least_s=1.0) == pytest.approx((15 + 13 + 71) / 91)
+    served.forget(["i1"])
+    assert served.ratio("i0", 111.0, least_s=1.0) == 1.0
+
+
+def test_the_throughput_floor_applies_once_an_instance_has_been_overloaded_a_while() -> None:
+    """A queue that has held requests at every plan for ``overload_after_s`` is an overload:
+    the floor then keeps up with the arrivals of the last ``floor_window_s`` plus the rate that
+    clears the queue within that window. A shorter burst is left to the queue, and a queue that
+    empties starts the count again."""
     qlm = policy(
-        throughput_floor=0.95, floor_window_s=100.0, rate_window_s=60.0, defer_expensive=False
+        throughput_floor=0.95,
+        floor_window_s=100.0,
+        overload_after_s=100.0,
+        rate_window_s=60.0,
+        defer_expensive=False,
     )
     qlm.fix_concurrency(64)  # (what it pulls when free: everything)
     busy = load(max_running=64, outstanding_requests=64, outstanding_tokens=12_800)
@@ -589,7 +626,10 @@ def test_the_throughput_floor_applies_once_an_instance_has_been_backlogged_a_who
     def keep_up(now: float, arrivals: tuple[Request, ...] = ()) -> dict[str, float]:
         qlm.decide(DispatchContext(now, arrivals, (busy,)))
         family, _ = qlm._family(now)
-        return qlm._keep_up_rates(now, family)
+        rates, served = qlm._keep_up_rates(now, family)
+        assert set(served) == set(rates)  # (nothing completed: as modelled)
+        assert all(v == 1.0 for v in served.values())
+        return rates
 
     first = tuple(make_request(i, arrival_s=0.0, slo=SLO(3600.0)) for i in range(20))
     assert keep_up(0.0, first) == {}  # (backlogged from now on)
@@ -608,7 +648,33 @@ def test_the_throughput_floor_applies_once_an_instance_has_been_backlogged_a_who
     # Off (floor and tolerance 0), nothing is tracked and nothing kept up with.
     off = policy(throughput_floor=0.0, throughput_tolerance=0.0)
     off.decide(DispatchContext(0.0, first, (busy,)))
-    assert off._keep_up_rates(500.0, off._family(500.0)[0]) == {}
+    assert off._keep_up_rates(500.0, off._family(500.0)[0]) == ({}, {})
+
+
+def test_the_policy_charges_what_a_full_instance_completes_to_its_served_work() -> None:
+    """Completions count toward ``ServedWork`` at the fluid model's cost, at the concurrency
+    limit in use, while every slot of that limit was taken: the instance served 2 requests of
+    200 prompt and 50 output tokens in the 100 s it was full."""
+    from qlm.planner.policy import Completion
+
+    qlm = policy(throughput_floor=0.9, rate_window_s=60.0, defer_expensive=False)
+    qlm.fix_concurrency(2)
+    reqs = [make_request(i, arrival_s=0.0, slo=SLO(3600.0)) for i in range(4)]
+    full = load(max_running=2, outstanding_requests=2, outstanding_tokens=400)
+    qlm.decide(DispatchContext(0.0, tuple(reqs), (full,)))
+    qlm.admission.limits["i0"] = 2
+    qlm.decide(DispatchContext(0.0, (), (full,)))  # (full from now on, at limit 2)
+    done = tuple(Completion(r, "i0", 50, 1.0, 2.0, 100.0) for r in reqs[:2])
+    qlm.decide(DispatchContext(100.0, (), (full,), finished=done))
+    hw = PROFILE.hardware_for("m", "G", 1)
+    per_output = hw.decode_s(2) * hw.inefficiency / 2
+    expected = 2 * (200 * hw.input_token_work_s + 50 * per_output) / 100.0
+    assert qlm._served.ratio("i0", 100.0, least_s=60.0) == pytest.approx(expected)
+    # With free slots (fewer outstanding than the limit), nothing more is counted.
+    qlm.decide(DispatchContext(150.0, (), (load(max_running=2, outstanding_requests=1),)))
+    more = (Completion(reqs[2], "i0", 50, 1.0, 2.0, 190.0),)
+    qlm.decide(DispatchContext(200.0, (), (full,), finished=more))
+    assert qlm._served.ratio("i0", 200.0, least_s=60.0) == pytest.approx(expected * 100 / 150)
 
 
 def backlog(n: int, start: int = 0) -> list[Request]:
