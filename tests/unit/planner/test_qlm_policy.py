@@ -579,9 +579,7 @@ def test_a_throughput_floor_rules_out_the_limits_that_serve_too_few_requests() -
     # serves 9.6 a second, 95 % of 9.
     served = {"i0": 1.2}
     assert choose_limits(family, [fluids], [64], {}, 0.05, 0.95, {"i0": 9.0}, 0.0, served) == [64]
-    assert choose_limits(family, [fluids], [64], {}, 0.05, 0.95, {"i0": 11.0}, 0.0, served) == [
-        128
-    ]
+    assert choose_limits(family, [fluids], [64], {}, 0.05, 0.95, {"i0": 11.0}, 0.0, served) == [128]
     with pytest.raises(ConfigError, match=r"planner\.throughput_floor"):
         PlannerConfig(throughput_floor=1.5)
 
