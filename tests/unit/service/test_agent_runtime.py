@@ -152,6 +152,20 @@ def start(policy: Policy, engines: list[Any], recorder: Recorder, **kw: Any) -> 
     )
 
 
+async def serve_fcfs(e: Any, rec: Recorder, n: int, **fields: Any) -> AgentRuntime:
+    """An FCFS runtime over the wrapped engine ``e`` (``e.inner``) given ``n`` requests at once
+    (``fields``: theirs), run until every one is over, then stopped and the engine closed."""
+    rt = start(create_policy("fcfs"), [e], rec)
+    await rt.start()
+    now = rt.clock.now()
+    for i in range(n):
+        rt.submit(make_request(i, arrival_s=now, **fields))
+    await eventually(lambda: rt.idle, "every request is over")
+    await rt.stop()
+    await e.inner.close()
+    return rt
+
+
 def test_requests_run_to_the_end_on_live_engines_under_qlm() -> None:
     async def scenario() -> None:
         rec = Recorder()
@@ -586,14 +600,7 @@ def test_a_request_whose_streams_keep_failing_fails_alone_and_the_instance_stays
     async def scenario() -> None:
         rec = Recorder()
         e = Poisoned(engine("i0"), poison="r0003")
-        rt = start(create_policy("fcfs"), [e], rec)
-        await rt.start()
-        now = rt.clock.now()
-        for i in range(8):
-            rt.submit(make_request(i, arrival_s=now, replay_output_tokens=40, max_tokens=60))
-        await eventually(lambda: rt.idle, "every request is over")
-        await rt.stop()
-        await e.inner.close()
+        rt = await serve_fcfs(e, rec, 8, replay_output_tokens=40, max_tokens=60)
         assert e.tries == MAX_STREAM_FAILURES  # tried again, then given up
         assert "500 Internal Server Error" in rec.errors["r0003"]
         assert rt.controller.track("r0003").status is RequestStatus.FAILED
@@ -1192,14 +1199,7 @@ def test_streams_whose_connect_timed_out_go_back_uncounted_and_the_instance_stay
         e = Starved(engine("i0"))
         e.connect_timeouts = 4 * MAX_STREAM_FAILURES
         e.silent = 1
-        rt = start(create_policy("fcfs"), [e], rec)
-        await rt.start()
-        now = rt.clock.now()
-        for i in range(2):
-            rt.submit(make_request(i, arrival_s=now, replay_output_tokens=40, max_tokens=60))
-        await eventually(lambda: rt.idle, "both finished")
-        await rt.stop()
-        await e.inner.close()
+        await serve_fcfs(e, rec, 2, replay_output_tokens=40, max_tokens=60)
         assert e.unreached == 4 * MAX_STREAM_FAILURES
         assert set(rec.done) == {"r0000", "r0001"} and not rec.errors
         assert ("i0", False) not in rec.changes
@@ -1230,14 +1230,7 @@ def test_a_broken_stream_on_an_instance_slow_to_answer_its_health_goes_back_alon
     async def scenario() -> None:
         rec = Recorder()
         e = BrokenStreamSlowHealth(engine("i0"), poison="r0001")
-        rt = start(create_policy("fcfs"), [e], rec)
-        await rt.start()
-        now = rt.clock.now()
-        for i in range(4):
-            rt.submit(make_request(i, arrival_s=now, replay_output_tokens=40, max_tokens=60))
-        await eventually(lambda: rt.idle, "every request finished")
-        await rt.stop()
-        await e.inner.close()
+        rt = await serve_fcfs(e, rec, 4, replay_output_tokens=40, max_tokens=60)
         assert e.tries == 1 and not e.silent
         assert len(rec.done) == 4 and not rec.errors
         assert ("i0", False) not in rec.changes
