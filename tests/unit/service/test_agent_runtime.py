@@ -152,6 +152,18 @@ def start(policy: Policy, engines: list[Any], recorder: Recorder, **kw: Any) -> 
     )
 
 
+async def streaming_on_i0(rt: AgentRuntime) -> None:
+    """Start ``rt``, give it 12 long requests at once and wait until some stream on ``i0``."""
+    await rt.start()
+    now = rt.clock.now()
+    for i in range(12):
+        rt.submit(make_request(i, arrival_s=now, replay_output_tokens=400, max_tokens=500))
+    await eventually(
+        lambda: any(rt.controller.track(r).first_token_s for r in rt.controller.on_instance("i0")),
+        "i0 streams",
+    )
+
+
 async def serve_fcfs(e: Any, rec: Recorder, n: int, **fields: Any) -> AgentRuntime:
     """An FCFS runtime over the wrapped engine ``e`` (``e.inner``) given ``n`` requests at once
     (``fields``: theirs), run until every one is over, then stopped and the engine closed."""
@@ -460,16 +472,7 @@ def test_a_failed_engine_loses_nothing_and_rejoins_when_healthy() -> None:
         rec = Recorder()
         flaky, other = Flaky(engine("i0")), engine("i1")
         rt = start(create_policy("fcfs-rr"), [flaky, other], rec)
-        await rt.start()
-        now = rt.clock.now()
-        for i in range(12):
-            rt.submit(make_request(i, arrival_s=now, replay_output_tokens=400, max_tokens=500))
-        await eventually(
-            lambda: any(
-                rt.controller.track(r).first_token_s for r in rt.controller.on_instance("i0")
-            ),
-            "i0 streams",
-        )
+        await streaming_on_i0(rt)
         flaky.break_()
         await eventually(lambda: ("i0", False) in rec.changes, "i0 is marked down")
         flaky.broken = False
@@ -1133,16 +1136,7 @@ def test_an_instance_silent_for_a_run_of_health_checks_is_down_and_its_requests_
         rec = DownWatch(silent)
         other = engine("i1")
         rt = start(create_policy("fcfs-rr"), [silent, other], rec, down_after_health_timeouts=limit)
-        await rt.start()
-        now = rt.clock.now()
-        for i in range(12):
-            rt.submit(make_request(i, arrival_s=now, replay_output_tokens=400, max_tokens=500))
-        await eventually(
-            lambda: any(
-                rt.controller.track(r).first_token_s for r in rt.controller.on_instance("i0")
-            ),
-            "i0 streams",
-        )
+        await streaming_on_i0(rt)
         silent.hush()  # its host stops answering
         await eventually(lambda: ("i0", False) in rec.changes, "i0 is marked down")
         await eventually(lambda: rt.idle, "every request finished")
