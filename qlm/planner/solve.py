@@ -133,9 +133,11 @@ def append_edf(
             last[g] = models[-1]
     # In Python floats, one group after the other: the same sums, comparisons and first-lowest
     # choice as numpy's ``argmin(load + switch + done)`` per group, at a fraction of its calls.
+    # (Flat lists, row k at [k * q, (k + 1) * q): a list per row would be tens of thousands of
+    # objects that outlive the young collections, and their promotion brings on full ones.)
     rows = np.asarray(groups, np.int64)
-    done_rows = p_done[rows].tolist()
-    mean_rows = p_mean[rows].tolist()
+    done_flat = p_done[rows].ravel().tolist()
+    mean_flat = p_mean[rows].ravel().tolist()
     model_of = problem.model_idx[rows].tolist()
     switch_to = problem.switch.T.tolist()  # per model, its switch time on each queue
     loads = load.tolist()
@@ -146,7 +148,8 @@ def append_edf(
         if stop is not None and k % EDF_CHECK == 0 and k and stop():
             return False
         m = model_of[k]
-        done = done_rows[k]
+        row = k * queue_count
+        done = done_flat[row : row + queue_count]
         sw_m = switch_to[m]
         if lasts.count(m) == queue_count:  # no switch anywhere: each v is loads + done
             finish = list(map(operator.add, loads, done))
@@ -161,7 +164,7 @@ def append_edf(
             raise ValueError(
                 f"group {problem.groups[i].id} has no instance serving {problem.models[m]}"
             )
-        loads[best] += (sw_m[best] if lasts[best] != m else 0.0) + mean_rows[k][best]
+        loads[best] += (sw_m[best] if lasts[best] != m else 0.0) + mean_flat[row + best]
         lasts[best] = m
         queues[best].append(i)
     return True
