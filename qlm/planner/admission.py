@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from qlm.planner.program import PlanGroup, PlanProblem
+from qlm.planner.program import GroupTable, PlanGroup, PlanProblem
 
 FloatArray = npt.NDArray[np.float64]
 
@@ -145,7 +145,8 @@ def in_time(
         return set()
     idx = np.asarray(order, np.int64)
     deadline = problem.deadline[idx]
-    ids = np.array([groups[i].id for i in order])
+    names = GroupTable.of(groups).ids  # (a table's own ids: no PlanGroup made)
+    ids = np.array([names[i] for i in order])
     served = np.lexsort((ids, deadline))  # earliest deadline first, then by id
     served = served[~late[idx[served]]]
     rows = idx[served]

@@ -5,8 +5,9 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import overload
 
 import numpy as np
 import numpy.typing as npt
@@ -14,7 +15,7 @@ import numpy.typing as npt
 from qlm.domain import Request, Tier
 from qlm.planner.config import PlannerConfig
 from qlm.planner.policy import InstanceLoad
-from qlm.planner.program import FloatArray, PlanGroup, PlanInstance, PlanProblem, padded_empty
+from qlm.planner.program import FloatArray, GroupTable, PlanInstance, PlanProblem, padded_empty
 from qlm.rct.estimator import RCTEstimator
 from qlm.rct.profile import HardwareProfile
 
@@ -40,7 +41,7 @@ class ProblemFamily:
     token after its prefill and the decode step it rides (``first``).
     """
 
-    groups: tuple[PlanGroup, ...]
+    groups: GroupTable
     instances: tuple[PlanInstance, ...]
     batches: tuple[tuple[int, ...], ...]  # per instance, the limits it may use
     delta: float
@@ -58,7 +59,7 @@ class ProblemFamily:
     @property
     def has_ttft(self) -> bool:
         """Whether some group has a TTFT deadline (the problem then predicts first tokens)."""
-        return any(math.isfinite(g.ttft_deadline_s) for g in self.groups)
+        return bool(np.isfinite(self.groups.ttft_deadline_s).any())
 
     def first_terms(self, g: int, b: int) -> tuple[FloatArray, float]:
         """Instance ``g``'s ``(first, lead)`` at limit ``b``: per group, seconds from pulling its
@@ -197,6 +198,88 @@ class _Scenarios:
         return first, (b - 1) / 2 * mean_work
 
 
+class WaitingGroups(Sequence[tuple[str, Sequence[Request], Tier]]):
+    """Waiting groups as three columns — ids, requests in FCFS order, tiers — for
+    ``build_family``: a sequence of ``(id, requests, tier)`` that holds three lists instead of a
+    tuple per group (at 18,000 groups those tuples outlive the young garbage collections and
+    bring on full ones)."""
+
+    __slots__ = ("ids", "requests", "tiers")
+
+    def __init__(
+        self, ids: list[str], requests: list[Sequence[Request]], tiers: list[Tier]
+    ) -> None:
+        if not len(ids) == len(requests) == len(tiers):
+            raise ValueError("ids, requests and tiers must have one entry per group")
+        self.ids = ids
+        self.requests = requests
+        self.tiers = tiers
+
+    @classmethod
+    def of(cls, groups: Sequence[tuple[str, Sequence[Request], Tier]]) -> WaitingGroups:
+        """The columns of ``groups`` (itself when it is columns already)."""
+        if isinstance(groups, WaitingGroups):
+            return groups
+        return cls([g[0] for g in groups], [g[1] for g in groups], [g[2] for g in groups])
+
+    def append(self, gid: str, requests: Sequence[Request], tier: Tier) -> None:
+        self.ids.append(gid)
+        self.requests.append(requests)
+        self.tiers.append(tier)
+
+    def pairs(self) -> _Pairs:
+        """``(id, requests)`` per group, as ``RCTEstimator.group_loads`` reads them."""
+        return _Pairs(self.ids, self.requests)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    @overload
+    def __getitem__(self, i: int) -> tuple[str, Sequence[Request], Tier]: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> list[tuple[str, Sequence[Request], Tier]]: ...
+
+    def __getitem__(
+        self, i: int | slice
+    ) -> tuple[str, Sequence[Request], Tier] | list[tuple[str, Sequence[Request], Tier]]:
+        if isinstance(i, slice):
+            return list(zip(self.ids[i], self.requests[i], self.tiers[i], strict=True))
+        return self.ids[i], self.requests[i], self.tiers[i]
+
+    def __iter__(self) -> Iterator[tuple[str, Sequence[Request], Tier]]:
+        return zip(self.ids, self.requests, self.tiers, strict=True)
+
+
+class _Pairs(Sequence[tuple[str, Sequence[Request]]]):
+    """Two columns read as a sequence of pairs, made one at a time."""
+
+    __slots__ = ("_ids", "_requests")
+
+    def __init__(self, ids: list[str], requests: list[Sequence[Request]]) -> None:
+        self._ids = ids
+        self._requests = requests
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    @overload
+    def __getitem__(self, i: int) -> tuple[str, Sequence[Request]]: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> list[tuple[str, Sequence[Request]]]: ...
+
+    def __getitem__(
+        self, i: int | slice
+    ) -> tuple[str, Sequence[Request]] | list[tuple[str, Sequence[Request]]]:
+        if isinstance(i, slice):
+            return list(zip(self._ids[i], self._requests[i], strict=True))
+        return self._ids[i], self._requests[i]
+
+    def __iter__(self) -> Iterator[tuple[str, Sequence[Request]]]:
+        return zip(self._ids, self._requests, strict=True)
+
+
 def build_family(
     groups: Sequence[tuple[str, Sequence[Request], Tier]],
     instances: Sequence[InstanceLoad],
@@ -212,22 +295,25 @@ def build_family(
     ``now``: the earliest a request can be pulled (default: the earliest ``ready_s``);
     ``pinned``: groups that must stay on an instance (by name; one that is not up: any)."""
     up = [i for i in instances if i.up]
-    n, s_count = len(groups), config.scenarios
+    columns = WaitingGroups.of(groups)
+    n, s_count = len(columns), config.scenarios
     z_total = rng.standard_normal((n, s_count))
     z_last = rng.standard_normal((n, s_count))
-    loads = estimator.group_loads([(gid, requests) for gid, requests, _ in groups])
-    weights = [config.tier_weights[tier] for _, _, tier in groups]
-    plan_groups = tuple(
-        PlanGroup(gid, model, deadline, weight * size, ttft)
-        for (gid, _, _), model, deadline, weight, size, ttft in zip(
-            groups,
-            loads.models,
-            loads.earliest_deadline_s.tolist(),
-            weights,
-            loads.size.tolist(),
-            loads.earliest_ttft_deadline_s.tolist(),
-            strict=True,
-        )
+    loads = estimator.group_loads(columns.pairs())
+    tier_weights = config.tier_weights
+    plan_groups = GroupTable(
+        columns.ids,
+        loads.models,
+        loads.earliest_deadline_s,
+        # (a Python product per group, as PlanGroup's weight was: the same numbers)
+        np.array(
+            [
+                tier_weights[tier] * size
+                for tier, size in zip(columns.tiers, loads.size.tolist(), strict=True)
+            ],
+            np.float64,
+        ),
+        loads.earliest_ttft_deadline_s,
     )
     out_s = np.maximum(
         loads.output_mean[:, None] + np.sqrt(loads.output_var)[:, None] * z_total, 0.0
@@ -266,14 +352,12 @@ def build_family(
         scenarios,
         tuple(speeds),
         min(ready_s.values(), default=0.0) if now is None else now,
-        _pins(groups, up, pinned) if pinned is not None else (),
+        _pins(columns.ids, up, pinned) if pinned is not None else (),
     )
 
 
 def _pins(
-    groups: Sequence[tuple[str, Sequence[Request], Tier]],
-    up: Sequence[InstanceLoad],
-    pinned: Mapping[str, str],
+    ids: Sequence[str], up: Sequence[InstanceLoad], pinned: Mapping[str, str]
 ) -> tuple[int, ...]:
     where = {inst.name: q for q, inst in enumerate(up)}
-    return tuple(where.get(pinned.get(gid, ""), -1) for gid, _, _ in groups)
+    return tuple(where.get(pinned.get(gid, ""), -1) for gid in ids)

@@ -35,8 +35,9 @@ function, so their objectives are comparable exactly.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import overload
 
 import numpy as np
 import numpy.typing as npt
@@ -70,6 +71,91 @@ class PlanGroup:
         return min(self.deadline_s, self.ttft_deadline_s)
 
 
+class GroupTable(Sequence[PlanGroup]):
+    """The groups of a plan problem as columns: ids, models, deadlines, weights and TTFT
+    deadlines, one list or array each. A plan of 18,000 groups holds five objects instead of
+    18,000 ``PlanGroup`` s (which outlive the young garbage collections and bring on full ones);
+    ``table[i]`` is the ``PlanGroup`` of row ``i``, made when asked."""
+
+    __slots__ = ("deadline_s", "ids", "models", "ttft_deadline_s", "weight")
+
+    def __init__(
+        self,
+        ids: Sequence[str],
+        models: Sequence[str],
+        deadline_s: FloatArray,
+        weight: FloatArray,
+        ttft_deadline_s: FloatArray,
+    ) -> None:
+        n = len(ids)
+        self.ids = ids
+        self.models = models
+        self.deadline_s = np.asarray(deadline_s, np.float64).reshape(n)
+        self.weight = np.asarray(weight, np.float64).reshape(n)
+        self.ttft_deadline_s = np.asarray(ttft_deadline_s, np.float64).reshape(n)
+        if len(models) != n:
+            raise ValueError(f"{n} ids and {len(models)} models")
+
+    @classmethod
+    def of(cls, groups: Sequence[PlanGroup]) -> GroupTable:
+        """The table of ``groups`` (itself when it is one)."""
+        if isinstance(groups, GroupTable):
+            return groups
+        return cls(
+            tuple(g.id for g in groups),
+            tuple(g.model for g in groups),
+            np.array([g.deadline_s for g in groups], np.float64),
+            np.array([g.weight for g in groups], np.float64),
+            np.array([g.ttft_deadline_s for g in groups], np.float64),
+        )
+
+    def take(self, rows: IntArray) -> GroupTable:
+        """The table of the groups at ``rows``, in that order."""
+        picked = rows.tolist()
+        ids, models = self.ids, self.models
+        return GroupTable(
+            [ids[i] for i in picked],
+            [models[i] for i in picked],
+            self.deadline_s[rows],
+            self.weight[rows],
+            self.ttft_deadline_s[rows],
+        )
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    @overload
+    def __getitem__(self, i: int) -> PlanGroup: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> GroupTable: ...
+
+    def __getitem__(self, i: int | slice) -> PlanGroup | GroupTable:
+        if isinstance(i, slice):
+            return self.take(np.arange(len(self))[i])
+        return PlanGroup(
+            self.ids[i],
+            self.models[i],
+            float(self.deadline_s[i]),
+            float(self.weight[i]),
+            float(self.ttft_deadline_s[i]),
+        )
+
+    def __iter__(self) -> Iterator[PlanGroup]:
+        for k in range(len(self)):
+            yield self[k]
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Sequence) or isinstance(other, str):
+            return NotImplemented
+        return len(self) == len(other) and all(a == b for a, b in zip(self, other, strict=True))
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"GroupTable({list(self)!r})"
+
+
 @dataclass(frozen=True, slots=True)
 class PlanInstance:
     """One virtual queue's instance: what it serves, what it runs now and when it is free."""
@@ -94,7 +180,7 @@ class PlanProblem:
     Without ``first``, pulling is instant and the lead 0.
     """
 
-    groups: tuple[PlanGroup, ...]
+    groups: GroupTable  # (a sequence of PlanGroup is made one)
     instances: tuple[PlanInstance, ...]
     proc: FloatArray
     floor: FloatArray
@@ -106,23 +192,21 @@ class PlanProblem:
     now_s: float = -math.inf
 
     def __post_init__(self) -> None:
-        n, q = len(self.groups), len(self.instances)
+        table = GroupTable.of(self.groups)
+        object.__setattr__(self, "groups", table)
+        n, q = len(table), len(self.instances)
         if self.proc.shape[:2] != (n, q) or self.floor.shape != self.proc.shape:
             raise ValueError(f"proc/floor must be ({n}, {q}, S), got {self.proc.shape}")
         if not 0 < self.delta <= 1:
             raise ValueError(f"delta must be in (0, 1], got {self.delta}")
-        models = sorted(
-            {g.model for g in self.groups} | {m for i in self.instances for m in i.models}
-        )
+        models = sorted(set(table.models) | {m for i in self.instances for m in i.models})
         index = {m: k for k, m in enumerate(models)}
         object.__setattr__(self, "models", tuple(models))
         object.__setattr__(
-            self, "model_idx", np.array([index[g.model] for g in self.groups], np.int64)
+            self, "model_idx", np.array([index[m] for m in table.models], np.int64).reshape(n)
         )
-        object.__setattr__(
-            self, "deadline", np.array([g.deadline_s for g in self.groups], np.float64)
-        )
-        object.__setattr__(self, "weight", np.array([g.weight for g in self.groups], np.float64))
+        object.__setattr__(self, "deadline", table.deadline_s)
+        object.__setattr__(self, "weight", table.weight)
         object.__setattr__(self, "ready", np.array([i.ready_s for i in self.instances], np.float64))
         object.__setattr__(
             self,
@@ -156,7 +240,7 @@ class PlanProblem:
         """The TTFT arrays: per group and instance, the latest fluid start whose first token
         meets the group's TTFT deadline (``ttft_start``) and the lateness of a first request
         pulled now (``ttft_now``); ``inf`` and ``-inf`` for a group without one, and the pad."""
-        ttft = np.array([g.ttft_deadline_s for g in self.groups], np.float64).reshape(n)
+        ttft = self.groups.ttft_deadline_s
         has = bool(np.isfinite(ttft).any())
         first = np.zeros((n, q)) if self.first is None else np.asarray(self.first, np.float64)
         lead = np.zeros(q) if self.lead is None else np.asarray(self.lead, np.float64)
@@ -357,7 +441,7 @@ def subset(problem: PlanProblem, rows: Sequence[int]) -> PlanProblem:
     np.take(problem.proc, idx, axis=0, out=proc, mode="clip")  # (clip: not buffered)
     np.take(problem.floor, idx, axis=0, out=floor, mode="clip")
     return PlanProblem(
-        tuple(problem.groups[i] for i in rows),
+        problem.groups.take(idx),
         problem.instances,
         proc,
         floor,

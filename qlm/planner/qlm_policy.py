@@ -41,7 +41,6 @@ from qlm.domain import (
     Decision,
     PlanRecord,
     Request,
-    Tier,
 )
 from qlm.errors import RequestFailed, check_setting
 from qlm.groups import Grouper, GroupingConfig, PredictOutput, default_predict_output
@@ -60,7 +59,7 @@ from qlm.planner.concurrency import (
     serving_count,
 )
 from qlm.planner.config import PlannerConfig
-from qlm.planner.family import ProblemFamily, build_family
+from qlm.planner.family import ProblemFamily, WaitingGroups, build_family
 from qlm.planner.policy import (
     DispatchContext,
     InstanceLoad,
@@ -473,8 +472,9 @@ class QlmPolicy:
                 return "violation"
         return ""
 
-    def _groups(self) -> tuple[list[tuple[str, Sequence[Request], Tier]], list[list[int]]]:
-        groups: list[tuple[str, Sequence[Request], Tier]] = []
+    def _groups(self) -> tuple[WaitingGroups, list[list[int]]]:
+        groups = WaitingGroups([], [], [])
+        add_requests, add_tier = groups.requests.append, groups.tiers.append
         current: list[list[int]] = []
         index: dict[str, int] = {}
         view = self.grouper.group
@@ -483,9 +483,10 @@ class QlmPolicy:
             if inst.up:
                 gids = self.queues.queue(inst.name)
                 start = len(groups)
-                groups.extend(
-                    (gid, g.requests, g.tier) for gid, g in zip(gids, map(view, gids), strict=True)
-                )
+                groups.ids.extend(gids)
+                for g in map(view, gids):  # (one view at a time: none outlives the loop)
+                    add_requests(g.requests)
+                    add_tier(g.tier)
                 order = list(range(start, len(groups)))
                 index.update(zip(gids, order, strict=True))
             current.append(order)
@@ -495,7 +496,7 @@ class QlmPolicy:
                 g = view(gid)
                 if g.model in served:  # (else they wait for an instance)
                     index[gid] = len(groups)
-                    groups.append((gid, g.requests, g.tier))
+                    groups.append(gid, g.requests, g.tier)
         return groups, [o for o, i in zip(current, self._instances, strict=True) if i.up]
 
     def _family(self, now: float) -> tuple[ProblemFamily, list[list[int]]]:
@@ -626,7 +627,7 @@ class QlmPolicy:
             score = score_queue(problem, g, order)
             done = score.completion if score.completion is not None else np.zeros((0, 1))
             for k, i in enumerate(order):
-                gid = family.groups[i].id
+                gid = family.groups.ids[i]
                 if gid not in self.admission.deferred:
                     risks.append(
                         Violation(
@@ -657,7 +658,7 @@ class QlmPolicy:
             done = score.completion if score.completion is not None else np.zeros((0, 1))
             for k, i in enumerate(order):
                 row = done[k]
-                groups[problem.groups[i].id] = GroupPrediction(
+                groups[problem.groups.ids[i]] = GroupPrediction(
                     float(row.mean()),
                     float(row.std()),
                     float(score.p_meet[k]),
@@ -722,32 +723,34 @@ class QlmPolicy:
         self.admission.deferred = set()
         full = family.problem(best)
         lost = hopeless_all(full, now)
+        ids = family.groups.ids
+        ttft = family.groups.ttft_deadline_s.tolist()
+        due = family.groups.deadline_s.tolist()
         for g, (inst, order) in enumerate(zip(family.instances, current, strict=True)):
-            gids = self._deferred_in(inst.name, [family.groups[i].id for i in order])
+            gids = self._deferred_in(inst.name, [ids[i] for i in order])
             late = lost[:, g]
             gids -= in_time(full, g, order, now, late, family.groups)
             gids -= {  # (a first-token deadline still ahead is never deferred, as in _place)
-                family.groups[i].id
-                for i in order
-                if now < family.groups[i].ttft_deadline_s < math.inf and not late[i]
+                ids[i] for i in order if now < ttft[i] < math.inf and not late[i]
             }
             if inst.name in self.admission.fluids:
-                gids |= {family.groups[i].id for i in order if late[i]}
+                gids |= {ids[i] for i in order if late[i]}
             self.admission.deferred |= gids
             deferred[inst.name] = sorted(
-                (i for i in order if family.groups[i].id in gids),
-                key=lambda i: (bool(late[i]), family.groups[i].deadline_s, family.groups[i].id),
+                (i for i in order if ids[i] in gids),
+                key=lambda i: (bool(late[i]), due[i], ids[i]),
             )
-        keep = [i for i, g in enumerate(family.groups) if g.id not in self.admission.deferred]
+        held = self.admission.deferred
+        keep = [i for i, gid in enumerate(ids) if gid not in held]
         problem = full if len(keep) == len(family.groups) else subset(full, keep)
         position = {i: k for k, i in enumerate(keep)}
         previous = [[position[i] for i in order if i in position] for order in current]
         solution = solve(
             problem, deadline.part(SEARCH_SHARE), previous=previous, solver=self.config.solver
         )
+        kept_ids = problem.groups.ids
         orders = {
-            inst.name: [problem.groups[i].id for i in order]
-            + [family.groups[i].id for i in deferred[inst.name]]
+            inst.name: [kept_ids[i] for i in order] + [ids[i] for i in deferred[inst.name]]
             for inst, order in zip(problem.instances, solution.plan, strict=True)
         }
         self.queues.set_orders(orders)
@@ -763,7 +766,7 @@ class QlmPolicy:
             method=solution.method,
             objective=solution.objective,
             edf_objective=solution.edf_objective,
-            at_risk=tuple(problem.groups[i].id for i in solution.at_risk),
+            at_risk=tuple(kept_ids[i] for i in solution.at_risk),
             capacity_needed=(
                 capacity_needed(problem, hint=self._capacity_hint(), deadline=deadline)
                 if solution.at_risk

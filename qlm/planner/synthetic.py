@@ -12,7 +12,7 @@ import dataclasses
 import numpy as np
 import numpy.typing as npt
 
-from qlm.planner.program import PlanGroup, PlanInstance, PlanProblem
+from qlm.planner.program import GroupTable, PlanGroup, PlanInstance, PlanProblem
 
 MODELS = ("llama-3-8b", "llama-2-7b", "llama-2-13b")
 SPEED = {"llama-3-8b": 1.0, "llama-2-7b": 1.1, "llama-2-13b": 0.6}
@@ -92,13 +92,15 @@ def random_problem(
             if grp.model in inst.models:
                 proc[i, g] = samples[i]
                 floor[i, g] = floors[i]
-    return PlanProblem(tuple(plan_groups), instances, proc, floor, delta=delta)
+    return PlanProblem(GroupTable.of(plan_groups), instances, proc, floor, delta=delta)
 
 
 def shifted(problem: PlanProblem, by_s: float) -> PlanProblem:
     """The same problem with every ready time and deadline ``by_s`` later (e.g. posed at unix
     times, as production plans, instead of from 0, as simulations do)."""
-    groups = tuple(dataclasses.replace(g, deadline_s=g.deadline_s + by_s) for g in problem.groups)
+    groups = GroupTable.of(
+        [dataclasses.replace(g, deadline_s=g.deadline_s + by_s) for g in problem.groups]
+    )
     instances = tuple(dataclasses.replace(i, ready_s=i.ready_s + by_s) for i in problem.instances)
     return PlanProblem(
         groups,
