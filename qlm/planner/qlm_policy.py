@@ -69,7 +69,6 @@ from qlm.planner.program import score_queue, subset
 from qlm.planner.solve import Solution, capacity_needed, solve
 from qlm.rct.estimator import RCTEstimator
 from qlm.rct.profile import RctProfile, default_profile
-from qlm.rct.trigger import Violation, violations
 from qlm.virtual_queues import GroupPrediction, VirtualQueueSet, VirtualQueuesSnapshot
 
 log = logging.getLogger(__name__)
@@ -621,27 +620,19 @@ class QlmPolicy:
         if len(family.groups) != sum(len(o) for o in current):
             return True  # some group has no queue
         problem = family.problem(self._choice(family))
-        up = [i for i in self._instances if i.up]
-        risks = []
-        for g, order in enumerate(current):
-            score = score_queue(problem, g, order)
-            done = score.completion if score.completion is not None else np.zeros((0, 1))
-            for k, i in enumerate(order):
-                gid = family.groups.ids[i]
-                if gid not in self.admission.deferred:
-                    risks.append(
-                        Violation(
-                            gid,
-                            up[g].name,
-                            k,
-                            float(score.p_meet[k]),  # over the planner's scenarios
-                            float(done[k].mean()),
-                            float(problem.deadline[i]),
-                        )
-                    )
         # P(meet) below Δ, counted as the plan's chance constraint counts it: fewer scenarios
-        # met than ``required_ok`` (the same test, without Δ·S's rounding).
-        return bool(violations(risks, problem.required_ok / problem.scenarios))
+        # met than ``required_ok`` (the same test, without Δ·S's rounding). Queue by queue in
+        # numpy: the groups at risk only are looked up (no record per group).
+        threshold = problem.required_ok / problem.scenarios
+        ids = family.groups.ids
+        deferred = self.admission.deferred
+        for g, order in enumerate(current):
+            at_risk = score_queue(problem, g, order).p_meet < threshold
+            if at_risk.any():
+                rows = np.asarray(order, np.int64)[at_risk].tolist()
+                if any(ids[i] not in deferred for i in rows):
+                    return True
+        return False
 
     def estimates(self, now: float) -> tuple[dict[str, GroupPrediction], dict[str, float]]:
         """What the planner's model predicts of the current virtual queues: per group

@@ -20,6 +20,7 @@ from qlm.planner.policy import Completion, DispatchContext, InstanceLoad
 from qlm.planner.program import PlanGroup, PlanInstance, PlanProblem
 from qlm.planner.synthetic import random_problem
 from qlm.rct.estimator import RCTEstimator
+from qlm.rct.trigger import Violation, violations
 from qlm.sim.cluster import ClusterSimulation
 
 PROFILE = make_profile()
@@ -497,6 +498,9 @@ def test_the_violation_trigger_is_the_risk_the_policy_reports() -> None:
         required = math.ceil(qlm.config.delta * scenarios - 1e-9)
         expected = any(round(p * scenarios) < required for p in risks)
         assert qlm._predicts_violation(now) == expected, (now, risks)
+        # (as the trigger's records, one per admitted group, answered it)
+        records = [Violation(str(k), "i0", k, p, 0.0, 0.0) for k, p in enumerate(risks)]
+        assert bool(violations(records, required / scenarios)) == expected
     # Not vacuous: some group was neither surely met nor surely missed.
     assert any(0.05 < p < qlm.config.delta for p in seen), seen
 
