@@ -21,6 +21,7 @@ from qlm.planner.family import ProblemFamily
 from qlm.planner.policy import InstanceLoad
 from qlm.planner.program import FloatArray
 from qlm.rct.estimator import RCTEstimator, prompt_bin
+from qlm.rct.profile import HardwareProfile
 
 
 @dataclass(frozen=True, slots=True)
@@ -223,6 +224,13 @@ class ServedWork:
                 del book[name]
 
 
+def output_token_work_s(hw: HardwareProfile, limit: int, eps_f: float) -> float:
+    """GPU-seconds the fluid model charges an output token at concurrency ``limit``: the decode
+    step's time at that batch (the profile's inefficiency and the instance's learnt decode
+    factor ``eps_f`` applied), shared by the ``limit`` requests it advances."""
+    return hw.decode_s(limit) * hw.inefficiency * eps_f / limit
+
+
 def serving_count(family: ProblemFamily, model: str) -> int:
     """How many of ``family``'s instances serve ``model`` (1 at least): the share of its
     arrivals each of them is taken to get."""
@@ -391,9 +399,7 @@ class FluidModels:
             per_input = {m: hw.input_token_work_s for m, hw in hws.items()}
             fluids: dict[int, Fluid] = {}
             for b in limits:
-                per_output = {
-                    m: hw.decode_s(b) * hw.inefficiency * eps_f / b for m, hw in hws.items()
-                }
+                per_output = {m: output_token_work_s(hw, b, eps_f) for m, hw in hws.items()}
                 per_out = np.array([per_output[k[0]] for k in keys])[row]
                 costs = inputs * w_in + outputs[row] * per_out
                 refill_b = refill

@@ -56,6 +56,7 @@ from qlm.planner.concurrency import (
     PromptRows,
     ServedWork,
     choose_limits,
+    output_token_work_s,
     serving_count,
 )
 from qlm.planner.config import PlannerConfig
@@ -559,7 +560,7 @@ class QlmPolicy:
             req = done.request
             hw = self.estimator.profile.hardware_for(req.model, load.gpu, load.gpu_count)
             eps_f = self.estimator.calibration_factors(done.instance)[1]
-            per_output = hw.decode_s(limit) * hw.inefficiency * eps_f / limit
+            per_output = output_token_work_s(hw, limit, eps_f)
             cost = req.input_tokens * hw.input_token_work_s + done.output_tokens * per_output
             work[done.instance] = work.get(done.instance, 0.0) + cost
         for inst in ctx.instances:
