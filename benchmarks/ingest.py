@@ -44,6 +44,7 @@ import json
 import os
 import platform
 import re
+import shlex
 import shutil
 import socket
 import subprocess
@@ -130,7 +131,8 @@ def wait_ready(url: str, proc: subprocess.Popen[bytes], log: Path, timeout_s: fl
 
 
 WRK_MISSING = (
-    "wrk is not installed: apt-get install wrk (Debian, Ubuntu), brew install wrk (macOS); "
+    "wrk is not installed: scripts/debian-packages bench (Debian, Ubuntu), brew install wrk "
+    "(macOS); "
     "or pass --client httpx (an async Python generator that saturates its own core at a few "
     "hundred requests/s: it measures itself, not the API)"
 )
@@ -543,7 +545,8 @@ def main() -> None:
           f"--concurrency {args.concurrency} --client {client}"
           + (f" --workers {args.workers}" if args.workers > 1 else "")
           + (" --database sqlite" if args.database == "sqlite" else "")
-          + (" --no-bare" if args.no_bare else ""))  # fmt: skip
+          + (" --no-bare" if args.no_bare else "")
+          + (f" --server {shlex.quote(args.server)}" if args.server else ""))  # fmt: skip
 
 
 def _ms(value: float | None) -> str:
