@@ -19,8 +19,8 @@ The spans of one request share one trace:
 ``serve``) when the setting asks for it; tests pass their own tracer provider. A process whose
 OpenTelemetry SDK is already configured (``opentelemetry-instrument``, or code that set a
 tracer provider) keeps it; otherwise QLM sets up the SDK with the exporter that
-``OTEL_TRACES_EXPORTER`` names (``otlp``, the default, needs ``opentelemetry-exporter-otlp``;
-``console``; ``none``) and the resource the ``OTEL_*`` variables describe.
+``OTEL_TRACES_EXPORTER`` names (``otlp``, the default: OTLP over HTTP, whose exporter the ``otel``
+extra installs; ``console``; ``none``) and the resource the ``OTEL_*`` variables describe.
 
 This module keeps process state (the tracer), as OpenTelemetry itself does, and imports nothing
 of QLM's but its error root.
@@ -100,8 +100,7 @@ def _sdk_provider() -> Any:
         except ImportError:
             raise TracingError(
                 "OTEL_TRACES_EXPORTER=otlp (the default) needs opentelemetry-exporter-otlp-proto-http"
-                " (pip install opentelemetry-exporter-otlp-proto-http), or set "
-                "OTEL_TRACES_EXPORTER=console"
+                " (pip install 'qlm[otel]'), or set OTEL_TRACES_EXPORTER=console"
             ) from None
         exporter = OTLPSpanExporter()  # its endpoint from OTEL_EXPORTER_OTLP_* variables
     else:
