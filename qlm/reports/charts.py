@@ -40,10 +40,13 @@ def _f(x: float) -> str:
     return f"{x:.1f}"
 
 
-def _text(x: float, y: float, text: str, *, anchor: str = "middle", size: int = 11, fill: str = AXIS) -> str:  # fmt: skip
+def _text(x: float, y: float, text: str, *, anchor: str = "middle", size: int = 11, fill: str = AXIS, halo: bool = False) -> str:  # fmt: skip
+    """A label; with ``halo``, outlined in white so that it reads over the bars and lines it
+    is drawn on."""
+    outline = ' stroke="#fff" stroke-width="3" paint-order="stroke"' if halo else ""
     return (
         f'<text x="{_f(x)}" y="{_f(y)}" text-anchor="{anchor}" font-size="{size}" '
-        f'fill="{fill}">{escape(text)}</text>'
+        f'fill="{fill}"{outline}>{escape(text)}</text>'
     )
 
 
@@ -98,7 +101,7 @@ def _target(scale: _Scale, target: float) -> list[str]:
     y = scale.y(target)
     return [
         _line(LEFT, y, WIDTH - RIGHT, y, TARGET, dash="6 4", width=1.5, cls="target"),
-        _text(WIDTH - RIGHT, y - 4, f"target {pct(target)}", anchor="end", fill=TARGET),
+        _text(WIDTH - RIGHT, y - 4, f"target {pct(target)}", anchor="end", fill=TARGET, halo=True),
     ]
 
 
@@ -169,7 +172,7 @@ def attainment_by_day(report: SloReport) -> str:
             )
         )
         points = 100 * trend.slope_per_day
-        body.append(_text(LEFT + 4, TOP + 12, f"trend {points:+.2f} points a day", anchor="start", fill=TREND))  # fmt: skip
+        body.append(_text(LEFT + 4, TOP + 12, f"trend {points:+.2f} points a day", anchor="start", fill=TREND, halo=True))  # fmt: skip
     return _svg("days", title, body + marks, len(marks))
 
 
@@ -202,16 +205,30 @@ def attainment_over_window(report: SloReport) -> str:
     return _svg("window", title, body + marks + _target(scale, report.target), len(marks))
 
 
+CHAR_W = 6.6
+"""The widest a character of the charts' 11 px labels is drawn, on average over a label (digits
+and lower case in a sans-serif): what a label is given room for."""
+
+
+def _shortened(label: str, room: float) -> str:
+    """``label``, cut with an ellipsis to what ``room`` pixels hold."""
+    most = max(4, int(room / CHAR_W))
+    return label if len(label) <= most else label[: most - 1] + "…"
+
+
 def _hbars(name: str, title: str, rows: Sequence[tuple[str, float, str, str]], *, limit: float, target: float | None = None) -> str:  # fmt: skip
-    """Horizontal bars: (label, value in [0, limit], the value as text, colour)."""
+    """Horizontal bars: (label, value in [0, limit], the value as text, colour). A label is
+    cut to its room (the bar's title says it whole); the bars leave room on their right for
+    the widest value."""
     row_h, label_w = 26, 150
     height = TOP + BOTTOM // 2 + row_h * max(1, len(rows))
-    span = WIDTH - LEFT - label_w - RIGHT - 90
     x0 = LEFT + label_w
+    widest = max((len(text) for _, _, text, _ in rows), default=0)
+    span = WIDTH - x0 - RIGHT - max(90.0, 12 + CHAR_W * widest)
     body, marks = [], []
     for i, (label, value, text, colour) in enumerate(rows):
         y = TOP + i * row_h
-        body.append(_text(x0 - 8, y + 16, label, anchor="end", fill=INK))
+        body.append(_text(x0 - 8, y + 16, _shortened(label, x0 - 12), anchor="end", fill=INK))
         w = span * (value / limit) if limit > 0 else 0.0
         if value > 0:
             marks.append(
