@@ -1,7 +1,8 @@
-"""The line each request outcome is logged with, once the controller has recorded it.
+"""The line each request outcome is logged with, once it is recorded.
 
-One line per outcome the controller records — finished, failed, cancelled, dead-lettered, an
-orphan failed by the sweep — logged after the transaction that wrote it committed, so a write
+One line per outcome recorded — by the controller: finished, failed, cancelled while running,
+dead-lettered, an orphan failed by the sweep; by the API: cancelled while queued
+(``Store.cancel_row``) — logged after the transaction that wrote it committed, so a write
 that failed and is tried again is not logged twice. Logger ``qlm.outcomes``, at INFO. Its fields
 (the record's own, a JSON log's keys): ``request_id``, ``tenant``, ``model``, ``tier``,
 ``status``, ``slo_met`` (a failed request missed its SLO; a cancelled one is not judged: null),
