@@ -95,6 +95,7 @@ def _sdk_provider() -> Any:
     if name == "console":
         exporter = ConsoleSpanExporter()
     elif name == "otlp":
+        _require_http_protobuf()
         try:
             from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
         except ImportError:
@@ -110,6 +111,21 @@ def _sdk_provider() -> Any:
         )
     provider.add_span_processor(BatchSpanProcessor(exporter))
     return provider
+
+
+def _require_http_protobuf() -> None:
+    """QLM's OTLP exporter speaks HTTP with protobuf: a protocol variable asking for another
+    (``grpc``, ``http/json``) is refused in one line rather than sending to a port that does not
+    speak it."""
+    for var in ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL"):
+        value = os.environ.get(var, "").strip().lower()
+        if value:
+            if value != "http/protobuf":
+                raise TracingError(
+                    f"{var}={value!r}: QLM exports OTLP as http/protobuf (port 4318); for "
+                    f"{value}, run QLM under opentelemetry-instrument"
+                )
+            return
 
 
 def _service() -> dict[str, str]:
