@@ -263,6 +263,7 @@ class Requests(StoreBase):
             output_tokens=output_tokens,
             slo_met=slo_met,
             error=error,
+            ttft_met=ttft_met,
         )
 
     def latency_buckets(self) -> list[LatencyBucketRow]:

@@ -28,6 +28,7 @@ FIELDS = {
     "tier",
     "status",
     "slo_met",
+    "ttft_met",
     "e2e_s",
     "ttft_s",
     "queue_s",
@@ -67,8 +68,8 @@ def test_every_recorded_outcome_is_logged_once_after_its_commit(
         producer = MemoryGlobalQueue(broker=broker)
         now = service.runtime.clock.now()
         ids = [f"q{i:04d}" for i in range(5)]
-        for i in range(5):
-            await producer.publish(message(i, now))
+        for i in range(5):  # the first with a first-token deadline as long as its SLO: met
+            await producer.publish(message(i, now, slo_ttft_s=120.0 if i == 0 else None))
         await producer.publish(message(5, now, model="unknown-model"))
         await service.start()
         await eventually(lambda: final(store, [*ids, "q0005"]), "every request is final")
@@ -92,6 +93,7 @@ def test_every_recorded_outcome_is_logged_once_after_its_commit(
                 "tier": "standard",
                 "status": "finished",
                 "slo_met": True,
+                "ttft_met": True if rid == "q0000" else None,
                 "e2e_s": round(row.finished_at - row.submitted_at, 3),
                 "ttft_s": round(row.first_token_at - row.submitted_at, 3),
                 "queue_s": round(row.dispatched_at - row.submitted_at, 3),
