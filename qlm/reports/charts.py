@@ -18,6 +18,7 @@ from qlm.reports.report import (
     LATENCIES,
     PERCENTILES,
     Bucket,
+    Percentiles,
     SloReport,
     Tally,
     day_label,
@@ -271,14 +272,27 @@ def attainment_by_tenant(report: SloReport) -> str:
     return _hbars("tenants", title, rows, limit=1.0, target=report.target)
 
 
+def _requests(n: int) -> str:
+    return f"{n:,} request" + ("" if n == 1 else "s")
+
+
 def latency_percentiles(report: SloReport) -> str:
-    """p50, p90 and p99 of each latency (all tiers together) on one logarithmic axis of
-    seconds: a row per latency, a point per percentile."""
-    title = "Latency percentiles (all tiers), seconds, log scale"
-    rows = [(kind, dict(groups)["all"]) for kind, groups in report.latency.items()]
-    values = [v for _, p in rows for v in p.values if v > 0]
-    row_h, label_w = 44, 130
-    height = TOP + BOTTOM + row_h * len(rows)
+    """p50, p90 and p99 of each latency on one logarithmic axis of seconds: a row for all
+    tiers together and, when the requests were of more than one tier, a row per tier under it;
+    a point per percentile."""
+    rows: list[tuple[str, str, Percentiles, bool]] = []  # (kind, label, percentiles, all tiers)
+    for kind, groups in report.latency.items():
+        rows.append((kind, LATENCIES[kind], dict(groups)["all"], True))
+        tiers = [(name, p) for name, p in groups if name != "all"]
+        if len(tiers) > 1:
+            rows += [(kind, name, p, False) for name, p in tiers]
+    several = any(not whole for *_, whole in rows)
+    title = "Latency percentiles" + (" by tier" if several else "") + ", seconds, log scale"
+    values = [v for *_, p, _ in rows for v in p.values if v > 0]
+    row_h = 30 if several else 44
+    label_w = 130
+    gap = 10 if several else 0  # between one latency's rows and the next's
+    height = TOP + BOTTOM + row_h * len(rows) + gap * (len(report.latency) - 1)
     x0, x1 = LEFT + label_w, WIDTH - RIGHT - 10
     body, marks = [], []
     if values:
@@ -293,17 +307,26 @@ def latency_percentiles(report: SloReport) -> str:
             gx = x(10.0**e)
             body.append(_line(gx, TOP - 4, gx, height - BOTTOM + 4, GRID))
             body.append(_text(gx, height - BOTTOM + 18, f"{10.0**e:,g} s"))
-        for i, (kind, p) in enumerate(rows):
-            y = TOP + i * row_h + row_h / 2
-            body.append(_text(x0 - 10, y + 4, LATENCIES[kind], anchor="end", fill=INK))
+        y = float(TOP)
+        for i, (kind, label, p, whole) in enumerate(rows):
+            if whole and i > 0:
+                y += gap
+            mid = y + row_h / 2
+            y += row_h
+            shown = _shortened(label, x0 - 12 - LEFT / 2)
+            body.append(
+                _text(x0 - 10, mid + 4, shown, anchor="end", fill=INK if whole else AXIS,
+                      size=11 if whole else 10)
+            )  # fmt: skip
             if not p.values:
                 continue
-            body.append(_line(x(p.values[0]), y, x(p.values[-1]), y, AXIS, width=2))
+            body.append(_line(x(p.values[0]), mid, x(p.values[-1]), mid, AXIS, width=2 if whole else 1))  # fmt: skip
+            who = LATENCIES[kind] + ("" if whole else f", {label}")
             for pc, v, colour in zip(PERCENTILES, p.values, PERCENTILE_COLOURS, strict=True):
                 marks.append(
-                    f'<circle class="mark" cx="{_f(x(v))}" cy="{_f(y)}" r="5" fill="{colour}">'
-                    f"<title>{escape(f'{LATENCIES[kind]} p{pc}: {seconds(v)} ({p.count:,} requests)')}</title></circle>"
-                )
+                    f'<circle class="mark" cx="{_f(x(v))}" cy="{_f(mid)}" r="{5 if whole else 4}" fill="{colour}">'
+                    f"<title>{escape(f'{who} p{pc}: {seconds(v)} ({_requests(p.count)})')}</title></circle>"
+                )  # fmt: skip
         legend_x = x0
         for pc, colour in zip(PERCENTILES, PERCENTILE_COLOURS, strict=True):
             body.append(f'<circle cx="{_f(legend_x)}" cy="{height - 12}" r="5" fill="{colour}"/>')
