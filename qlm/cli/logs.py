@@ -57,21 +57,6 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(doc, default=str, ensure_ascii=False)
 
 
-class AccessFields(logging.Filter):
-    """Gives each line of the HTTP server's access log (``uvicorn.access``, on with
-    ``QLM_API__ACCESS_LOG=true``) its parts as fields of its own — ``client``, ``method``,
-    ``path`` (with the query), ``http_version``, ``status`` — so that a JSON log's reader filters
-    on them rather than parsing the message. The message stays as uvicorn writes it."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        args = record.args
-        if isinstance(args, tuple) and len(args) == 5:  # uvicorn: '%s - "%s %s HTTP/%s" %d'
-            client, method, path, version, status = args
-            record.client, record.method, record.path = client, method, path
-            record.http_version, record.status = version, status
-        return True
-
-
 def logs_json() -> bool:
     """Whether the root logger writes JSON (``setup_logging`` was asked for it)."""
     return any(isinstance(h.formatter, JsonFormatter) for h in logging.getLogger().handlers)
@@ -109,9 +94,6 @@ def setup_logging(level: str, log_format: LogFormat, stream: TextIO | None = Non
         logger.handlers.clear()
         logger.propagate = True
         logger.setLevel(logging.NOTSET)  # (a server started with log_level= had set its own)
-    access = logging.getLogger("uvicorn.access")
-    if not any(isinstance(f, AccessFields) for f in access.filters):
-        access.addFilter(AccessFields())
     logging.captureWarnings(True)
     if number > logging.DEBUG:
         for name in QUIET_LOGGERS:

@@ -1,5 +1,6 @@
 """The HTTP access log of a real server (``QLM_API__ACCESS_LOG=true``), in the JSON log format:
-one line per response, through QLM's one handler, with the request and its status as fields."""
+one line per response, through QLM's one handler, with the request, its status and how long
+the app took to start answering as fields."""
 
 from __future__ import annotations
 
@@ -13,8 +14,10 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
-from qlm.api.server import ApiServer
+from qlm.api.server import AccessFields, ApiServer, log_access_fields
 from qlm.cli.logs import setup_logging
+
+PAUSE_S = 0.05
 
 
 @pytest.fixture
@@ -37,6 +40,7 @@ def test_a_server_s_access_lines_are_json_with_the_request_as_fields() -> None:
 
     @app.get("/ping")
     async def ping() -> dict[str, bool]:
+        await asyncio.sleep(PAUSE_S)  # the app takes at least this long to answer
         return {"ok": True}
 
     async def main() -> str:
@@ -60,4 +64,30 @@ def test_a_server_s_access_lines_are_json_with_the_request_as_fields() -> None:
     ]
     for d in access:
         assert d["client"].startswith("127.0.0.1:") and d["http_version"] == "1.1", d
+        assert d["message"] == f'{d["client"]} - "{d["method"]} {d["path"]} HTTP/1.1" {d["status"]}'
+    pinged, nowhere = access
+    assert pinged["duration_s"] >= PAUSE_S and nowhere["duration_s"] >= 0
     assert any(d["message"] == f"API listening on {url}" for d in docs)
+
+
+@pytest.mark.usefixtures("root_logging")
+def test_the_fields_are_added_once_and_only_to_lines_of_uvicorn_s_shape() -> None:
+    out = io.StringIO()
+    setup_logging("INFO", "json", stream=out)
+    log_access_fields()
+    log_access_fields()
+    access = logging.getLogger("uvicorn.access")
+    assert sum(isinstance(f, AccessFields) for f in access.filters) == 1
+    access.info('%s - "%s %s HTTP/%s" %d', "10.0.0.7:5123", "GET", "/v1/requests?limit=5", "1.1", 404)  # fmt: skip
+    access.info("a line of another shape: %s", "x")
+    line, other = (json.loads(text) for text in out.getvalue().splitlines())
+    fields = ("client", "method", "path", "http_version", "status")
+    assert {k: line[k] for k in fields} == {
+        "client": "10.0.0.7:5123",
+        "method": "GET",
+        "path": "/v1/requests?limit=5",
+        "http_version": "1.1",
+        "status": 404,
+    }
+    assert "duration_s" not in line  # outside a request: nothing to time
+    assert not {*fields, "duration_s"} & set(other)

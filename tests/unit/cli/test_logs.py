@@ -78,30 +78,6 @@ def test_json_logs_are_one_object_per_line_with_the_records_own_fields() -> None
 
 
 @pytest.mark.usefixtures("root_logging")
-def test_an_access_line_carries_its_request_and_status_as_fields() -> None:
-    out = io.StringIO()
-    setup_logging("INFO", "json", stream=out)
-    setup_logging("INFO", "json", stream=out)  # twice: one filter still
-    access = logging.getLogger("uvicorn.access")
-    assert len(access.filters) == 1
-    # As uvicorn logs each response it starts.
-    access.info('%s - "%s %s HTTP/%s" %d', "10.0.0.7:5123", "GET", "/v1/requests?limit=5", "1.1", 404)  # fmt: skip
-    access.info("a line of another shape: %s", "x")
-    line, other = records(out)
-    assert line["message"] == '10.0.0.7:5123 - "GET /v1/requests?limit=5 HTTP/1.1" 404'
-    assert line["logger"] == "uvicorn.access"
-    fields = ("client", "method", "path", "http_version", "status")
-    assert {k: line[k] for k in fields} == {
-        "client": "10.0.0.7:5123",
-        "method": "GET",
-        "path": "/v1/requests?limit=5",
-        "http_version": "1.1",
-        "status": 404,
-    }
-    assert not set(fields) & set(other)
-
-
-@pytest.mark.usefixtures("root_logging")
 def test_a_command_that_stops_on_an_error_logs_it_as_json_once_it_logs_json() -> None:
     import typer
 
