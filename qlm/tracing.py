@@ -19,8 +19,8 @@ The spans of one request share one trace:
 ``serve``) when the setting asks for it; tests pass their own tracer provider. A process whose
 OpenTelemetry SDK is already configured (``opentelemetry-instrument``, or code that set a
 tracer provider) keeps it; otherwise QLM sets up the SDK with the exporter that
-``OTEL_TRACES_EXPORTER`` names (``otlp``, the default, needs ``opentelemetry-exporter-otlp``;
-``console``; ``none``) and the resource the ``OTEL_*`` variables describe.
+``OTEL_TRACES_EXPORTER`` names (``otlp``, the default: OTLP over HTTP, whose exporter the ``otel``
+extra installs; ``console``; ``none``) and the resource the ``OTEL_*`` variables describe.
 
 This module keeps process state (the tracer), as OpenTelemetry itself does, and imports nothing
 of QLM's but its error root.
@@ -95,13 +95,13 @@ def _sdk_provider() -> Any:
     if name == "console":
         exporter = ConsoleSpanExporter()
     elif name == "otlp":
+        _require_http_protobuf()
         try:
             from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
         except ImportError:
             raise TracingError(
                 "OTEL_TRACES_EXPORTER=otlp (the default) needs opentelemetry-exporter-otlp-proto-http"
-                " (pip install opentelemetry-exporter-otlp-proto-http), or set "
-                "OTEL_TRACES_EXPORTER=console"
+                " (pip install 'qlm[otel]'), or set OTEL_TRACES_EXPORTER=console"
             ) from None
         exporter = OTLPSpanExporter()  # its endpoint from OTEL_EXPORTER_OTLP_* variables
     else:
@@ -111,6 +111,21 @@ def _sdk_provider() -> Any:
         )
     provider.add_span_processor(BatchSpanProcessor(exporter))
     return provider
+
+
+def _require_http_protobuf() -> None:
+    """QLM's OTLP exporter speaks HTTP with protobuf: a protocol variable asking for another
+    (``grpc``, ``http/json``) is refused in one line rather than sending to a port that does not
+    speak it."""
+    for var in ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL"):
+        value = os.environ.get(var, "").strip().lower()
+        if value:
+            if value != "http/protobuf":
+                raise TracingError(
+                    f"{var}={value!r}: QLM exports OTLP as http/protobuf (port 4318); for "
+                    f"{value}, run QLM under opentelemetry-instrument"
+                )
+            return
 
 
 def _service() -> dict[str, str]:

@@ -13,11 +13,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import errno
 import logging
 import signal
 import socket
+import time
 from collections.abc import Callable, Generator
+from typing import Any
 
 import uvicorn
 from fastapi import FastAPI
@@ -26,6 +29,52 @@ from qlm.errors import ConfigError
 from qlm.settings import Settings
 
 log = logging.getLogger(__name__)
+
+
+_STARTED: contextvars.ContextVar[float] = contextvars.ContextVar("qlm_api_request_started")
+"""When the request being answered reached the app (``time.perf_counter``), in its task."""
+
+
+class _Timed:
+    """The app, noting when each request reaches it, for its access line's ``duration_s``
+    (only with the access log on)."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        token = _STARTED.set(time.perf_counter())
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            _STARTED.reset(token)
+
+
+class AccessFields(logging.Filter):
+    """Gives each line of the HTTP server's access log (``uvicorn.access``, on with
+    ``QLM_API__ACCESS_LOG=true``) its parts as fields of its own — ``client``, ``method``,
+    ``path`` (with the query), ``http_version``, ``status`` and ``duration_s`` (from the
+    request reaching the app to its response starting: uvicorn logs the line then) — so that
+    a JSON log's reader filters on them rather than parsing the message. The message stays as
+    uvicorn writes it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if isinstance(args, tuple) and len(args) == 5:  # uvicorn: '%s - "%s %s HTTP/%s" %d'
+            client, method, path, version, status = args
+            record.client, record.method, record.path = client, method, path
+            record.http_version, record.status = version, status
+            started = _STARTED.get(None)
+            if started is not None:  # logged in the request's task, as uvicorn does
+                record.duration_s = round(time.perf_counter() - started, 6)
+        return True
+
+
+def log_access_fields() -> None:
+    """Give the access log its fields (``AccessFields``), once per process."""
+    access = logging.getLogger("uvicorn.access")
+    if not any(isinstance(f, AccessFields) for f in access.filters):
+        access.addFilter(AccessFields())
 
 
 class _Server(uvicorn.Server):
@@ -77,8 +126,10 @@ class ApiServer:
         self.host = host
         self.port = port if sock is None else sock.getsockname()[1]
         self._sock = sock
+        if access_log:
+            log_access_fields()
         self._config = uvicorn.Config(
-            app,
+            _Timed(app) if access_log else app,
             host=host,
             port=port,
             log_level=log_level.lower(),

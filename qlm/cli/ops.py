@@ -702,9 +702,13 @@ def report_cmd(
         console.print(title)
         for t in tables(report):
             table = Table(title=t.title, title_justify="left")
+            # Names whole (a narrow terminal wraps the other columns instead), up to 24 wide.
+            name_w = min(24, max((len(row[0]) for row in t.rows), default=0))
             for i, col in enumerate(t.columns):
                 table.add_column(
-                    col, justify="left" if i == 0 or col == "what it means" else "right"
+                    col,
+                    justify="left" if i == 0 or col == "what it means" else "right",
+                    min_width=max(name_w, len(col)) if i == 0 else None,
                 )
             for row in t.rows:
                 table.add_row(*row)

@@ -18,6 +18,7 @@ from qlm.reports.report import (
     LATENCIES,
     PERCENTILES,
     Bucket,
+    Percentiles,
     SloReport,
     Tally,
     day_label,
@@ -40,10 +41,13 @@ def _f(x: float) -> str:
     return f"{x:.1f}"
 
 
-def _text(x: float, y: float, text: str, *, anchor: str = "middle", size: int = 11, fill: str = AXIS) -> str:  # fmt: skip
+def _text(x: float, y: float, text: str, *, anchor: str = "middle", size: int = 11, fill: str = AXIS, halo: bool = False) -> str:  # fmt: skip
+    """A label; with ``halo``, outlined in white so that it reads over the bars and lines it
+    is drawn on."""
+    outline = ' stroke="#fff" stroke-width="3" paint-order="stroke"' if halo else ""
     return (
         f'<text x="{_f(x)}" y="{_f(y)}" text-anchor="{anchor}" font-size="{size}" '
-        f'fill="{fill}">{escape(text)}</text>'
+        f'fill="{fill}"{outline}>{escape(text)}</text>'
     )
 
 
@@ -98,7 +102,7 @@ def _target(scale: _Scale, target: float) -> list[str]:
     y = scale.y(target)
     return [
         _line(LEFT, y, WIDTH - RIGHT, y, TARGET, dash="6 4", width=1.5, cls="target"),
-        _text(WIDTH - RIGHT, y - 4, f"target {pct(target)}", anchor="end", fill=TARGET),
+        _text(WIDTH - RIGHT, y - 4, f"target {pct(target)}", anchor="end", fill=TARGET, halo=True),
     ]
 
 
@@ -169,7 +173,7 @@ def attainment_by_day(report: SloReport) -> str:
             )
         )
         points = 100 * trend.slope_per_day
-        body.append(_text(LEFT + 4, TOP + 12, f"trend {points:+.2f} points a day", anchor="start", fill=TREND))  # fmt: skip
+        body.append(_text(LEFT + 4, TOP + 12, f"trend {points:+.2f} points a day", anchor="start", fill=TREND, halo=True))  # fmt: skip
     return _svg("days", title, body + marks, len(marks))
 
 
@@ -202,16 +206,30 @@ def attainment_over_window(report: SloReport) -> str:
     return _svg("window", title, body + marks + _target(scale, report.target), len(marks))
 
 
+CHAR_W = 6.6
+"""The widest a character of the charts' 11 px labels is drawn, on average over a label (digits
+and lower case in a sans-serif): what a label is given room for."""
+
+
+def _shortened(label: str, room: float) -> str:
+    """``label``, cut with an ellipsis to what ``room`` pixels hold."""
+    most = max(4, int(room / CHAR_W))
+    return label if len(label) <= most else label[: most - 1] + "…"
+
+
 def _hbars(name: str, title: str, rows: Sequence[tuple[str, float, str, str]], *, limit: float, target: float | None = None) -> str:  # fmt: skip
-    """Horizontal bars: (label, value in [0, limit], the value as text, colour)."""
+    """Horizontal bars: (label, value in [0, limit], the value as text, colour). A label is
+    cut to its room (the bar's title says it whole); the bars leave room on their right for
+    the widest value."""
     row_h, label_w = 26, 150
     height = TOP + BOTTOM // 2 + row_h * max(1, len(rows))
-    span = WIDTH - LEFT - label_w - RIGHT - 90
     x0 = LEFT + label_w
+    widest = max((len(text) for _, _, text, _ in rows), default=0)
+    span = WIDTH - x0 - RIGHT - max(90.0, 12 + CHAR_W * widest)
     body, marks = [], []
     for i, (label, value, text, colour) in enumerate(rows):
         y = TOP + i * row_h
-        body.append(_text(x0 - 8, y + 16, label, anchor="end", fill=INK))
+        body.append(_text(x0 - 8, y + 16, _shortened(label, x0 - 12), anchor="end", fill=INK))
         w = span * (value / limit) if limit > 0 else 0.0
         if value > 0:
             marks.append(
@@ -254,14 +272,27 @@ def attainment_by_tenant(report: SloReport) -> str:
     return _hbars("tenants", title, rows, limit=1.0, target=report.target)
 
 
+def _requests(n: int) -> str:
+    return f"{n:,} request" + ("" if n == 1 else "s")
+
+
 def latency_percentiles(report: SloReport) -> str:
-    """p50, p90 and p99 of each latency (all tiers together) on one logarithmic axis of
-    seconds: a row per latency, a point per percentile."""
-    title = "Latency percentiles (all tiers), seconds, log scale"
-    rows = [(kind, dict(groups)["all"]) for kind, groups in report.latency.items()]
-    values = [v for _, p in rows for v in p.values if v > 0]
-    row_h, label_w = 44, 130
-    height = TOP + BOTTOM + row_h * len(rows)
+    """p50, p90 and p99 of each latency on one logarithmic axis of seconds: a row for all
+    tiers together and, when the requests were of more than one tier, a row per tier under it;
+    a point per percentile."""
+    rows: list[tuple[str, str, Percentiles, bool]] = []  # (kind, label, percentiles, all tiers)
+    for kind, groups in report.latency.items():
+        rows.append((kind, LATENCIES[kind], dict(groups)["all"], True))
+        tiers = [(name, p) for name, p in groups if name != "all"]
+        if len(tiers) > 1:
+            rows += [(kind, name, p, False) for name, p in tiers]
+    several = any(not whole for *_, whole in rows)
+    title = "Latency percentiles" + (" by tier" if several else "") + ", seconds, log scale"
+    values = [v for *_, p, _ in rows for v in p.values if v > 0]
+    row_h = 30 if several else 44
+    label_w = 130
+    gap = 10 if several else 0  # between one latency's rows and the next's
+    height = TOP + BOTTOM + row_h * len(rows) + gap * (len(report.latency) - 1)
     x0, x1 = LEFT + label_w, WIDTH - RIGHT - 10
     body, marks = [], []
     if values:
@@ -276,17 +307,26 @@ def latency_percentiles(report: SloReport) -> str:
             gx = x(10.0**e)
             body.append(_line(gx, TOP - 4, gx, height - BOTTOM + 4, GRID))
             body.append(_text(gx, height - BOTTOM + 18, f"{10.0**e:,g} s"))
-        for i, (kind, p) in enumerate(rows):
-            y = TOP + i * row_h + row_h / 2
-            body.append(_text(x0 - 10, y + 4, LATENCIES[kind], anchor="end", fill=INK))
+        y = float(TOP)
+        for i, (kind, label, p, whole) in enumerate(rows):
+            if whole and i > 0:
+                y += gap
+            mid = y + row_h / 2
+            y += row_h
+            shown = _shortened(label, x0 - 12 - LEFT / 2)
+            body.append(
+                _text(x0 - 10, mid + 4, shown, anchor="end", fill=INK if whole else AXIS,
+                      size=11 if whole else 10)
+            )  # fmt: skip
             if not p.values:
                 continue
-            body.append(_line(x(p.values[0]), y, x(p.values[-1]), y, AXIS, width=2))
+            body.append(_line(x(p.values[0]), mid, x(p.values[-1]), mid, AXIS, width=2 if whole else 1))  # fmt: skip
+            who = LATENCIES[kind] + ("" if whole else f", {label}")
             for pc, v, colour in zip(PERCENTILES, p.values, PERCENTILE_COLOURS, strict=True):
                 marks.append(
-                    f'<circle class="mark" cx="{_f(x(v))}" cy="{_f(y)}" r="5" fill="{colour}">'
-                    f"<title>{escape(f'{LATENCIES[kind]} p{pc}: {seconds(v)} ({p.count:,} requests)')}</title></circle>"
-                )
+                    f'<circle class="mark" cx="{_f(x(v))}" cy="{_f(mid)}" r="{5 if whole else 4}" fill="{colour}">'
+                    f"<title>{escape(f'{who} p{pc}: {seconds(v)} ({_requests(p.count)})')}</title></circle>"
+                )  # fmt: skip
         legend_x = x0
         for pc, colour in zip(PERCENTILES, PERCENTILE_COLOURS, strict=True):
             body.append(f'<circle cx="{_f(legend_x)}" cy="{height - 12}" r="5" fill="{colour}"/>')

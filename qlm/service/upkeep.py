@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 from qlm.domain import Request, RequestStatus
 from qlm.global_queue import DeadLetter, GlobalQueue, MessageError, QueuedRequest
-from qlm.service.outcomes import log_outcome
+from qlm.outcomes import log_outcome
 from qlm.store import NewRequest, Store
 
 log = logging.getLogger(__name__)

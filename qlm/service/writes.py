@@ -3,7 +3,7 @@ partial outputs, outcomes, plans, predictions) is queued as store operations and
 one transaction per flush: those on one request in order, the requests in id order (two
 controllers' flushes over the same rows, as when one takes over what the other still runs, take
 their row locks in one order and cannot deadlock), then the rest in order; the outcomes a flush committed are then logged
-(``qlm.service.outcomes``) and their deliveries settled with the broker — acked, or
+(``qlm.outcomes``) and their deliveries settled with the broker — acked, or
 dead-lettered with their reason — and never before."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any
 
 from qlm.domain import RequestStatus
 from qlm.global_queue import Delivery, GlobalQueue
-from qlm.service.outcomes import log_outcome
+from qlm.outcomes import log_outcome
 from qlm.store import OutcomeRow, Store
 
 log = logging.getLogger(__name__)

@@ -263,6 +263,7 @@ class Requests(StoreBase):
             output_tokens=output_tokens,
             slo_met=slo_met,
             error=error,
+            ttft_met=ttft_met,
         )
 
     def latency_buckets(self) -> list[LatencyBucketRow]:
@@ -281,33 +282,61 @@ class Requests(StoreBase):
           and records the outcome ``cancelled`` (``cancel_requested_ids``);
         - final: unchanged.
         """
+        return self.cancel_row(id, tenant=tenant, at=at)[0]
+
+    def cancel_row(
+        self, id: str, *, tenant: str | None = None, at: float | None = None
+    ) -> tuple[RequestStatus | None, OutcomeRow | None]:
+        """``cancel``, with the outcome this call recorded: a queued request's ``cancelled``,
+        for the line it is logged with (``qlm.outcomes``); None when it recorded none (the
+        request runs, and its controller records the outcome; or it was final already)."""
         now = self._clock()
+        ended = now if at is None else at
         with self._tx(f"cancel request {id!r}", write=True) as session:
             # FOR UPDATE keeps a dispatch from slipping between the read and the write
             # (PostgreSQL; SQLite writers are serialised anyway).
-            query = select(_R.status).where(_R.id == id).with_for_update()
+            query = select(
+                _R.status, _R.tenant, _R.model, _R.tier, _R.submitted_at, _R.dispatched_at,
+                _R.first_token_at, _R.instance, _R.output_tokens,
+            ).where(_R.id == id).with_for_update()  # fmt: skip
             if tenant is not None:
                 query = query.where(_R.tenant == tenant)
-            found = session.execute(query).scalar_one_or_none()
+            found = session.execute(query).first()
             if found is None:
-                return None
-            status = _status(found)
+                return None, None
+            status = _status(found.status)
             if status is RequestStatus.QUEUED:
                 changes: dict[str, Any] = {
                     "status": _name(RequestStatus.CANCELLED),
                     "cancel_requested": True,
-                    "finished_at": now if at is None else at,
+                    "finished_at": ended,
                     "at_risk": False,
                 }
                 status = RequestStatus.CANCELLED
             elif status is RequestStatus.RUNNING:
                 changes = {"cancel_requested": True}
             else:
-                return status
+                return status, None
             session.execute(
                 update(RequestModel).where(_R.id == id).values(**changes, updated_at=now)
             )
-            return status
+        if status is not RequestStatus.CANCELLED:
+            return status, None
+        return status, OutcomeRow(
+            id=id,
+            tenant=found.tenant,
+            model=found.model,
+            tier=Tier(found.tier),
+            status=status,
+            submitted_at=found.submitted_at,
+            dispatched_at=found.dispatched_at,
+            first_token_at=found.first_token_at,
+            finished_at=ended,
+            instance=found.instance,
+            output_tokens=found.output_tokens or 0,
+            slo_met=None,
+            error=None,
+        )
 
     def get(self, id: str, *, tenant: str | None = None) -> RequestRow | None:
         """The request ``id``; None when unknown or, with a ``tenant``, another tenant's."""

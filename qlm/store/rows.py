@@ -197,6 +197,7 @@ class OutcomeRow:
     output_tokens: int
     slo_met: bool | None  # as given: a finished request's verdict (None for the others)
     error: str | None
+    ttft_met: bool | None = None  # as given: None without a first-token deadline or verdict
 
     @property
     def e2e_s(self) -> float:

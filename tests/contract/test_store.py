@@ -463,6 +463,36 @@ class TestStore:
         assert not store.mark_dispatched("r0001", instance="i0", at=106.0)
         assert store.final_ids(["r0001"]) == {"r0001"}
 
+    def test_cancelling_a_queued_request_returns_the_outcome_it_recorded(
+        self, store: Store
+    ) -> None:
+        store.add_request(new_request(1, tenant="globex"))
+        store.add_request(new_request(2))
+        status, outcome = store.cancel_row("r0002", at=110.0)
+        assert status is RequestStatus.CANCELLED and outcome is not None
+        assert (outcome.id, outcome.tenant, outcome.model, outcome.status) == (
+            "r0002", "acme", "m", RequestStatus.CANCELLED,
+        )  # fmt: skip
+        assert (outcome.submitted_at, outcome.finished_at, outcome.e2e_s) == (102.0, 110.0, 8.0)
+        assert (outcome.queue_s, outcome.ttft_s, outcome.instance) == (None, None, None)
+        assert (outcome.slo_met, outcome.error, outcome.output_tokens) == (None, None, 0)
+        # Run once and evicted back into the queue: its first dispatch and token are kept.
+        store.mark_dispatched("r0001", instance="i0", at=101.5)
+        store.mark_first_token("r0001", at=102.0)
+        store.record_eviction("r0001", partial_text="ab", partial_tokens=2)
+        assert store.cancel_row("r0001", tenant="acme") == (None, None)  # another tenant's
+        status, outcome = store.cancel_row("r0001", tenant="globex", at=120.0)
+        assert status is RequestStatus.CANCELLED and outcome is not None
+        assert (outcome.tenant, outcome.queue_s, outcome.ttft_s) == ("globex", 0.5, 1.0)
+        assert outcome.instance == "i0"
+        # Only the call that ended it has an outcome: final, running or unknown have none.
+        assert store.cancel_row("r0002") == (RequestStatus.CANCELLED, None)
+        assert store.cancel("r0002") is RequestStatus.CANCELLED
+        store.add_request(new_request(3))
+        store.mark_dispatched("r0003", instance="i0", at=104.0)
+        assert store.cancel_row("r0003") == (RequestStatus.RUNNING, None)
+        assert store.cancel_row("unknown") == (None, None)
+
     def test_cancelling_a_running_request_asks_the_controller(self, store: Store) -> None:
         store.add_request(new_request(1))
         store.add_request(new_request(2))

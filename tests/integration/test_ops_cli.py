@@ -235,6 +235,14 @@ def test_the_slo_report_agrees_with_the_requests_the_api_records(tmp_path: Path)
         )
         assert r.exit_code == 0, r.output
         assert html.read_text(encoding="utf-8").count('<svg class="chart"') == 5
+        narrow = await asyncio.to_thread(
+            CliRunner().invoke,
+            app,
+            ["ops", "--url", url, "--key", admin, "report", "--since", "1h", "--until", until],
+            env={"QLM_KEY": "", "QLM_API_KEY": "", "COLUMNS": "60"},
+        )
+        assert narrow.exit_code == 0, narrow.output
+        assert "│ interactive │" in narrow.output  # names whole on a narrow terminal
         r = await ops(url, admin, "report", "--until", until, "--tenant", "nobody")
         assert r.exit_code == 0 and "Overall" in r.output  # an empty span reports zeros
 

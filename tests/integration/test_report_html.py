@@ -20,7 +20,7 @@ from services import in_ci
 
 from qlm.reports import build, page
 from tests.integration.test_ops_cli import ops, run
-from tests.unit.reports.test_report import DAYS, SINCE, UNTIL, many_rows
+from tests.unit.reports.test_report import DAYS, SINCE, UNTIL, late, make_row, many_rows
 
 MEASURE = """<script>
 const charts = [...document.querySelectorAll("svg.chart")].map((svg) => {
@@ -28,9 +28,11 @@ const charts = [...document.querySelectorAll("svg.chart")].map((svg) => {
   const inside = (b) => b.width > 0 && b.height > 0 && b.left >= box.left - 1 &&
     b.right <= box.right + 1 && b.top >= box.top - 1 && b.bottom <= box.bottom + 1;
   const marks = [...svg.querySelectorAll(".mark")];
+  const texts = [...svg.querySelectorAll("text")];
   return {chart: svg.dataset.chart, declared: Number(svg.dataset.marks), width: box.width,
           height: box.height, marks: marks.length,
-          shown: marks.filter((m) => inside(m.getBoundingClientRect())).length};
+          shown: marks.filter((m) => inside(m.getBoundingClientRect())).length,
+          clipped: texts.filter((t) => !inside(t.getBoundingClientRect())).map((t) => t.textContent)};
 });
 const out = document.createElement("pre");
 out.id = "measured";
@@ -84,6 +86,7 @@ def assert_shown(charts: list[dict[str, Any]]) -> None:
     for c in charts:
         assert c["width"] > 100 and c["height"] > 50, c
         assert c["marks"] == c["declared"] and c["shown"] == c["marks"], c
+        assert c["clipped"] == [], c  # every label whole inside its chart
 
 
 def test_the_report_of_a_running_qlm_shows_its_charts_in_a_browser(tmp_path: Path) -> None:
@@ -101,7 +104,8 @@ def test_the_report_of_a_running_qlm_shows_its_charts_in_a_browser(tmp_path: Pat
     assert set(by) == {"days", "window", "latency", "causes", "tenants"}
     assert by["days"]["shown"] == 1  # the one day with requests
     assert by["window"]["shown"] >= 1 and by["tenants"]["shown"] == 1
-    assert by["latency"]["shown"] == 9  # p50, p90, p99 of three latencies
+    # p50, p90, p99 of three latencies, for all tiers, interactive and batch
+    assert by["latency"]["shown"] == 27
 
 
 def test_every_kind_of_chart_plots_its_points_in_a_browser(tmp_path: Path) -> None:
@@ -112,3 +116,17 @@ def test_every_kind_of_chart_plots_its_points_in_a_browser(tmp_path: Path) -> No
     assert_shown(charts)
     assert len(charts) == 5 and all(c["shown"] > 0 for c in charts)
     assert sum(c["shown"] for c in charts) == sum(c["declared"] for c in charts)
+
+
+def test_long_names_and_large_counts_stay_inside_their_charts(tmp_path: Path) -> None:
+    """Labels as wide as they get: a tenant with a long name, shares of thousands of requests
+    at 100 %, at the target and on either side of it."""
+    long_name = "a-tenant-with-a-rather-long-name-for-its-own-team-x"
+    rows = [make_row(tenant=long_name, submitted_at=SINCE + i * 40.0) for i in range(1500)]
+    rows += [late(tenant="acme", submitted_at=SINCE + 50 + i * 40.0) for i in range(1200)]
+    report = build(rows, since=SINCE, until=UNTIL, target=0.9, days=DAYS)
+    out = tmp_path / "slo.html"
+    out.write_text(page(report), encoding="utf-8")
+    charts = rendered_charts(out, tmp_path)
+    assert_shown(charts)
+    assert {c["chart"] for c in charts} == {"days", "window", "latency", "causes", "tenants"}

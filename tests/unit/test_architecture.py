@@ -18,7 +18,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     # the parts: engines, the estimator, groups, agent decisions, the durable edges, settings,
     # tracing
     ("engines", "rct", "groups", "agents", "store", "global_queue", "settings", "tracing"),
-    ("virtual_queues", "fleet"),  # queues of groups; a fleet of the engines' catalog
+    # queues of groups; a fleet of the engines' catalog; the log line of a stored outcome
+    ("virtual_queues", "fleet", "outcomes"),
     ("planner",),
     ("controller",),
     ("sim",),  # the controller run on simulated engines

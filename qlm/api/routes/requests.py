@@ -29,6 +29,7 @@ from qlm.api.schemas import (
     tier_of,
 )
 from qlm.domain import RequestStatus
+from qlm.outcomes import log_outcome
 from qlm.store import RequestRow
 
 router = APIRouter(prefix="/v1/requests", tags=["requests"])
@@ -346,8 +347,11 @@ async def cancel_request(
 
 async def cancel(ctx: ApiContext, request_id: str) -> RequestStatus | None:
     """Cancel in the store (durable; a controller elsewhere polls it), then tell a controller in
-    this process at once."""
-    status = await ctx.threads.run(ctx.store.cancel, request_id, at=ctx.clock())
+    this process at once. A queued request's end is recorded here, not by a controller: its
+    outcome line (``qlm.outcomes``) is logged here too."""
+    status, outcome = await ctx.threads.run(ctx.store.cancel_row, request_id, at=ctx.clock())
+    if outcome is not None:
+        log_outcome(outcome)
     if ctx.controller is not None and status in (RequestStatus.CANCELLED, RequestStatus.RUNNING):
         await ctx.controller.cancel(request_id)
     return status

@@ -193,3 +193,33 @@ def test_an_unknown_exporter_is_one_line_naming_the_variable(
     monkeypatch.setenv("OTEL_TRACES_EXPORTER", "zipkin")
     with pytest.raises(tracing.TracingError, match="OTEL_TRACES_EXPORTER='zipkin'"):
         tracing._sdk_provider()
+
+
+@pytest.mark.parametrize(
+    ("var", "value"),
+    [("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc"), ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/json")],
+)
+def test_an_otlp_protocol_other_than_http_protobuf_is_one_line_naming_the_variable(
+    var: str, value: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sdk()
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "otlp")
+    monkeypatch.setenv(var, value)
+    with pytest.raises(tracing.TracingError, match=f"{var}='{value}'"):
+        tracing._sdk_provider()
+
+
+def test_otlp_over_http_protobuf_is_set_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    sdk()
+    try:
+        import opentelemetry.exporter.otlp.proto.http  # noqa: F401
+    except ImportError:
+        message = "the OTLP exporter is not installed (pip install -e '.[otel]')"
+        if in_ci():
+            pytest.fail(f"{message} (CI=true: tracing must be tested)")
+        pytest.skip(message)
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "otlp")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/protobuf")  # it wins
+    provider = tracing._sdk_provider()
+    provider.shutdown()

@@ -138,3 +138,26 @@ def test_every_query_parses(dashboard: dict[str, Any], tmp_path: Path) -> None:
     path = tmp_path / "dashboard-queries.yml"
     path.write_text(yaml.safe_dump({"groups": [{"name": "dashboard", "rules": rules}]}))
     run_promtool("check", "rules", path)
+
+
+def test_attainment_panels_mark_the_target_the_alert_fires_below(
+    dashboard: dict[str, Any],
+) -> None:
+    rules = yaml.safe_load((DEPLOY / "prometheus" / "alerts.yml").read_text())["groups"]
+    [rule] = [r for g in rules for r in g["rules"] if r["alert"] == "QLMSloAttainmentLow"]
+    found = re.search(r"<\s*([0-9.]+)\s*$", rule["expr"])
+    assert found, rule["expr"]
+    target = float(found[1])
+    attainment = [
+        p for p in panels(dashboard)
+        if any("qlm_slo_attainment" in t["expr"] for t in p.get("targets", []))
+    ]  # fmt: skip
+    assert {p["type"] for p in attainment} == {"stat", "timeseries"}
+    for panel in attainment:
+        defaults = panel["fieldConfig"]["defaults"]
+        steps = [s["value"] for s in defaults["thresholds"]["steps"]]
+        assert target in steps, panel["title"]
+        if panel["type"] == "timeseries":  # drawn as a line across the graph
+            assert defaults["custom"]["thresholdsStyle"]["mode"] in ("dashed", "line"), panel[
+                "title"
+            ]

@@ -85,3 +85,15 @@ def test_promtool_checks_the_rules() -> None:
 
 def test_promtool_runs_the_rules_unit_tests() -> None:
     run_promtool("test", "rules", RULE_TESTS)
+
+
+def test_every_alert_has_a_unit_test_where_it_fires_and_one_where_it_does_not(
+    alerts: list[dict[str, Any]],
+) -> None:
+    fires: set[str] = set()
+    quiet: set[str] = set()
+    for case in yaml.safe_load(RULE_TESTS.read_text())["tests"]:
+        for check in case.get("alert_rule_test", []):
+            (fires if check.get("exp_alerts") else quiet).add(check["alertname"])
+    names = {a["alert"] for a in alerts}
+    assert sorted(names - fires) == [] and sorted(names - quiet) == []

@@ -212,6 +212,19 @@ def test_the_html_page_has_a_chart_per_figure_plotting_its_data_and_nothing_else
     assert "<script" not in html
 
 
+def test_the_latency_chart_has_a_row_per_tier_when_there_are_several() -> None:
+    fast = make_row(tier="interactive", submitted_at=SINCE + 10.0, finished_at=SINCE + 12.0)
+    rows = [*many_rows(), fast]
+    html = page(build(rows, since=SINCE, until=UNTIL, target=0.9))
+    [svg] = re.findall(r'<svg class="chart" data-chart="latency".*?</svg>', html, flags=re.S)
+    assert 'data-marks="27"' in svg  # 3 percentiles x 3 latencies x (all, interactive, standard)
+    assert "Latency percentiles by tier" in svg
+    assert "time to first token, interactive p50: 1.50 s (1 request)" in svg
+    labels = re.findall(r'<text [^>]*text-anchor="end"[^>]*>([^<]+)</text>', svg)
+    assert labels == ["time to first token", "interactive", "standard", "end to end",
+                      "interactive", "standard", "queue wait", "interactive", "standard"]  # fmt: skip
+
+
 def test_an_empty_report_says_there_is_nothing_to_plot() -> None:
     html = page(build([], since=SINCE, until=UNTIL, target=0.9))
     assert 'data-chart="days"' not in html  # no days asked for

@@ -1,4 +1,4 @@
-"""The line each recorded outcome is logged with (``qlm.service.outcomes``): one per request,
+"""The line each recorded outcome is logged with (``qlm.outcomes``): one per request,
 after its commit, with the fields docs/operations.md lists, in the text and the JSON format."""
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ FIELDS = {
     "tier",
     "status",
     "slo_met",
+    "ttft_met",
     "e2e_s",
     "ttft_s",
     "queue_s",
@@ -67,8 +68,8 @@ def test_every_recorded_outcome_is_logged_once_after_its_commit(
         producer = MemoryGlobalQueue(broker=broker)
         now = service.runtime.clock.now()
         ids = [f"q{i:04d}" for i in range(5)]
-        for i in range(5):
-            await producer.publish(message(i, now))
+        for i in range(5):  # the first with a first-token deadline as long as its SLO: met
+            await producer.publish(message(i, now, slo_ttft_s=120.0 if i == 0 else None))
         await producer.publish(message(5, now, model="unknown-model"))
         await service.start()
         await eventually(lambda: final(store, [*ids, "q0005"]), "every request is final")
@@ -92,6 +93,7 @@ def test_every_recorded_outcome_is_logged_once_after_its_commit(
                 "tier": "standard",
                 "status": "finished",
                 "slo_met": True,
+                "ttft_met": True if rid == "q0000" else None,
                 "e2e_s": round(row.finished_at - row.submitted_at, 3),
                 "ttft_s": round(row.first_token_at - row.submitted_at, 3),
                 "queue_s": round(row.dispatched_at - row.submitted_at, 3),
@@ -129,3 +131,44 @@ def test_a_dead_letter_recorded_failed_is_logged(caplog: pytest.LogCaptureFixtur
         assert row is not None and row.status is RequestStatus.FAILED
 
     run(scenario)
+
+
+def test_a_request_cancelled_in_the_queue_or_while_it_runs_is_logged_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The API ends a queued request itself and logs its line; a running one is ended, and
+    logged, by the controller. Neither twice."""
+    from tests.unit.service.test_api_service import run as run_api
+
+    caplog.set_level(logging.INFO, logger="qlm.outcomes")
+
+    async def scenario(h: Any, _service: Any) -> None:
+        long = {"max_tokens": 8000, "slo_seconds": 86400}
+        running = [(await h.submit(**long)).json()["id"] for _ in range(2)]
+        waiting = (await h.submit(**long)).json()["id"]
+
+        def started() -> bool:
+            rows = [h.store.get(rid) for rid in running]
+            return all(r is not None and r.first_token_at is not None for r in rows)
+
+        await eventually(started, "both instances run one request")
+        r = await h.client.delete(f"/v1/requests/{waiting}", headers=h.auth())
+        assert r.status_code == 200 and r.json()["status"] == "cancelled"
+        for rid in running:
+            assert (await h.client.delete(f"/v1/requests/{rid}", headers=h.auth())).status_code in (200, 202)  # fmt: skip
+        await eventually(lambda: final(h.store, running), "the running ones are aborted")
+        await h.client.delete(f"/v1/requests/{waiting}", headers=h.auth())  # again: 409
+        lines = outcome_lines(caplog)
+        assert {rid: len(lines.get(rid, [])) for rid in [*running, waiting]} == dict.fromkeys(
+            [*running, waiting], 1
+        )
+        [queued] = lines[waiting]
+        fields = json.loads(JsonFormatter().format(queued))
+        assert (fields["status"], fields["slo_met"], fields["queue_s"]) == ("cancelled", None, None)
+        assert fields["tenant"] == "acme" and fields["instance"] is None and fields["e2e_s"] >= 0
+        assert queued.getMessage().startswith(f"request {waiting} cancelled: tenant=acme ")
+        for rid in running:
+            [line] = lines[rid]
+            assert line.status == "cancelled" and line.queue_s is not None  # type: ignore[attr-defined]
+
+    run_api(scenario, max_running=1)

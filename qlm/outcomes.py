@@ -1,10 +1,12 @@
-"""The line each request outcome is logged with, once the controller has recorded it.
+"""The line each request outcome is logged with, once it is recorded.
 
-One line per outcome the controller records — finished, failed, cancelled, dead-lettered, an
-orphan failed by the sweep — logged after the transaction that wrote it committed, so a write
+One line per outcome recorded — by the controller: finished, failed, cancelled while running,
+dead-lettered, an orphan failed by the sweep; by the API: cancelled while queued
+(``Store.cancel_row``) — logged after the transaction that wrote it committed, so a write
 that failed and is tried again is not logged twice. Logger ``qlm.outcomes``, at INFO. Its fields
 (the record's own, a JSON log's keys): ``request_id``, ``tenant``, ``model``, ``tier``,
 ``status``, ``slo_met`` (a failed request missed its SLO; a cancelled one is not judged: null),
+``ttft_met`` (as recorded: null when the request had no first-token deadline or no verdict),
 ``e2e_s``, ``ttft_s``, ``queue_s`` (from the stored timestamps, as the latency histograms measure
 them: the first dispatch, the first token ever; null when it never had one), ``instance``,
 ``output_tokens``, ``error``. The message reads ``request ID STATUS: key=value ...``, the other
@@ -41,6 +43,7 @@ def outcome_fields(outcome: OutcomeRow) -> dict[str, Any]:
         "tier": outcome.tier.name.lower(),
         "status": outcome.status.name.lower(),
         "slo_met": slo_met,
+        "ttft_met": outcome.ttft_met,
         "e2e_s": seconds(outcome.e2e_s),
         "ttft_s": seconds(outcome.ttft_s),
         "queue_s": seconds(outcome.queue_s),
