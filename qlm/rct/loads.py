@@ -127,7 +127,7 @@ def as_loads(groups: Sequence[GroupLoad]) -> GroupLoads:
 
 
 @dataclass(frozen=True, slots=True)
-class GroupRow:
+class LoadRow:
     """A group's ``GroupSums`` ready for arrays: its belief lookups as ids into the
     estimator's registry (``GroupLoader._lookup_ids``) with their counts, and the id of its last
     request's lookup."""
@@ -140,11 +140,11 @@ class GroupRow:
 
 
 @dataclass
-class GroupTable:
+class LoadTable:
     """What ``GroupLoader.loads`` keeps of each group while it is unchanged, one row
     (slot) per group: its belief lookups (ids into the estimator's registry, with their counts,
     padded with count 0), its last request's lookup, its sums that do not depend on the beliefs
-    (``GroupRow.values``) and its model. A plan gathers the rows of its groups; only a group
+    (``LoadRow.values``) and its model. A plan gathers the rows of its groups; only a group
     whose snapshot changed is written again, and an ended group's slot is reused."""
 
     slot_of: dict[str, int] = field(default_factory=dict)
@@ -164,7 +164,7 @@ class GroupTable:
             return slot
         return None
 
-    def put(self, gid: str, requests: Sequence[Request], row: GroupRow) -> int:
+    def put(self, gid: str, requests: Sequence[Request], row: LoadRow) -> int:
         """Write ``gid``'s row (a list snapshot, which may change in place, is never a hit)."""
         slot = self.slot_of.get(gid)
         if slot is None:
@@ -223,9 +223,9 @@ class GroupLoader:
     # Per group id, its requests (the grouper's snapshot: the same tuple while the group is
     # unchanged) and their sums that do not depend on the beliefs (``load``).
     _sums: dict[str, tuple[Sequence[Request], GroupSums]] = field(default_factory=dict, init=False)
-    # The same for ``loads``: per group its ``GroupRow``, and the belief lookups' ids
+    # The same for ``loads``: per group its ``LoadRow``, and the belief lookups' ids
     # (with a request of each to look its moments up with).
-    _rows: GroupTable = field(default_factory=GroupTable, init=False)
+    _rows: LoadTable = field(default_factory=LoadTable, init=False)
     _lookup_ids: dict[Hashable, int] = field(default_factory=dict, init=False)
     _lookup_requests: list[Request] = field(default_factory=list, init=False)
     _lookup_keys: list[tuple[str, str, int, int]] = field(default_factory=list, init=False)
@@ -277,7 +277,7 @@ class GroupLoader:
         """``load`` of each of ``groups`` (id, requests in FCFS order), as arrays: the
         same numbers to the last bit (each group's moments summed in the same order). What a
         group's requests sum to besides the beliefs is kept while the group is unchanged (rows
-        of ``GroupTable``: a plan gathers them and writes only the groups that changed), and
+        of ``LoadTable``: a plan gathers them and writes only the groups that changed), and
         the moments are looked up once per belief, the misses priced every cap at once."""
         table = self._rows
         if len(self._lookup_requests) > GROUP_SUMS_MAX or len(table.slot_of) >= GROUP_SUMS_MAX:
@@ -357,12 +357,12 @@ class GroupLoader:
                 mean[k], var[k] = m, v
                 moments[key] = (m, v)
 
-    def _row(self, gid: str, requests: Sequence[Request]) -> GroupRow:
+    def _row(self, gid: str, requests: Sequence[Request]) -> LoadRow:
         if not requests:
             raise ValueError(f"group {gid} is empty")
         sums = group_sums(requests, self._lookup_key)
         last = requests[-1]
-        return GroupRow(
+        return LoadRow(
             requests[0].model,
             np.array([self._lookup_id(r) for r, _ in sums.lookups], np.int64),
             np.array([float(count) for _, count in sums.lookups]),
