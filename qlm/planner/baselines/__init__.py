@@ -10,7 +10,8 @@ ordering and placing them as its paper does: ``EdfPolicy`` (QLM §8), ``SlackEdf
 §5.2), ``PriorityPolicy`` (QLLM §3.2), ``ProservePolicy`` (PROSERVE §4.2–4.3) and ``ShepherdPolicy``
 (as QLM §8 describes SHEPHERD). Where a paper acts inside the engine (prefill chunks, expert layers)
 only its request-level part is reproduced: the engine stays vLLM. Output lengths come from the RCT
-estimator (a policy never sees a request's true length); ``create_baseline`` builds one by name.
+estimator (a policy never sees a request's true length; ``estimates``); ``create_baseline`` builds one
+by name. A module each: ``fcfs``, ``edf`` (with S-EDF), ``priority``, ``proserve``, ``shepherd``.
 """
 
 from __future__ import annotations
