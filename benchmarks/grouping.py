@@ -49,7 +49,9 @@ from qlm.engines.perf_model import default_catalog
 from qlm.groups import Grouper
 from qlm.profiling.sim import profile_sim_hardware
 from qlm.rct.distribution import QueueEstimates
-from qlm.rct.estimator import EstimatorInstance, GroupLoads, Queued, RCTEstimator
+from qlm.rct.estimator import RCTEstimator
+from qlm.rct.inputs import EstimatorInstance, Queued
+from qlm.rct.loads import GroupLoads
 from qlm.rct.output_model import NIG
 from qlm.rct.profile import RctProfile
 from qlm.sim.traces import load_lengths, synthetic

@@ -99,7 +99,7 @@ def held(service: object) -> dict[str, int]:
     policy = controller.policy
     if isinstance(policy, QlmPolicy):  # its own tables, read for the probe
         estimator = policy.estimator
-        sizes["estimator predictions"] = len(estimator._pending) + len(estimator._inflight)
+        sizes["estimator predictions"] = len(estimator._pending) + len(estimator.beliefs.inflight)
         sizes["grouped"] = policy.grouper.num_requests
     return sizes
 

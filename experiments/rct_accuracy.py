@@ -61,8 +61,9 @@ from qlm.engines.sim import SimEngine
 from qlm.fleet import parse_instances
 from qlm.planner import create_policy
 from qlm.profiling.sim import profile_sim_hardware
-from qlm.rct.estimator import EstimatorInstance, Queued, RCTEstimator
+from qlm.rct.estimator import RCTEstimator
 from qlm.rct.fit import profile_workload
+from qlm.rct.inputs import EstimatorInstance, Queued
 from qlm.rct.profile import RctProfile
 from qlm.sim.cluster import ClusterSimulation
 from qlm.sim.traces import (

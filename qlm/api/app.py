@@ -30,7 +30,7 @@ from qlm.api.errors import TOO_LARGE, ApiError
 from qlm.api.hotpath import SubmitFastPath
 from qlm.api.ports import LocalController
 from qlm.api.routes import admin, health, openai, requests
-from qlm.api.schemas import with_limits
+from qlm.api.schemas.common import with_limits
 from qlm.global_queue import GlobalQueue, open_global_queue
 from qlm.settings import Settings
 from qlm.store import Store

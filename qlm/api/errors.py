@@ -21,7 +21,7 @@ from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
-from qlm.api.schemas import MAX_JSON_DEPTH
+from qlm.api.schemas.common import MAX_JSON_DEPTH
 from qlm.global_queue import QueueUnavailable
 from qlm.store import InvalidCursor, StoreError
 
@@ -220,8 +220,9 @@ _ID_PROBLEMS = {
 
 
 def _invalid_id(param: str, error: Mapping[str, Any]) -> JSONResponse:
-    """A path parameter no request, instance or model can have (``qlm.api.schemas.ID_PATTERN``):
-    refused before anything is looked up, so that such input never reaches the store."""
+    """A path parameter no request, instance or model can have
+    (``qlm.api.schemas.common.ID_PATTERN``): refused before anything is looked up, so that such
+    input never reaches the store."""
     template = _ID_PROBLEMS.get(str(error.get("type")))
     problem = template.format(**(error.get("ctx") or {})) if template else error.get("msg", "")
     return error_response(

@@ -30,7 +30,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from qlm.api import errors
 from qlm.api.context import ApiContext
 from qlm.api.routes.requests import submit
-from qlm.api.schemas import SHALLOW, SubmitIn, shallow
+from qlm.api.schemas.common import SHALLOW, shallow
+from qlm.api.schemas.native import SubmitIn
 
 PATH = "/v1/requests"
 _KEY = re.compile(r"[\x20-\x7e]{1,255}")  # the route's IDEMPOTENCY_KEY_PATTERN

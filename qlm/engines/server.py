@@ -25,8 +25,9 @@ of the schema, which ends the output when complete (the engine writes it:
 ``qlm.structured``).
 
 Both endpoints run the same generation (``generate``) and stream the same chunks, worded per
-endpoint (``_Format``). Tokens are the simulated engine's (``qlm.engines.wallclock``): a text is
-one token per whitespace-separated word, each word's id drawn from the word
+endpoint (``AnswerFormat``; the request bodies and the answers' wording are in
+``qlm.engines.server_wire``). Tokens are the simulated engine's (``qlm.engines.wallclock``): a
+text is one token per whitespace-separated word, each word's id drawn from the word
 (``wallclock.tokenize``), and ``/tokenize`` answers the same ids. A chat has no chat template
 here: its prompt is its messages' text joined by spaces (``ChatBody.rendered``), tokenized as a
 prompt is; the template's own tokens are not counted. So a resumed chat (the partial answer as
@@ -45,7 +46,7 @@ import uuid
 import zlib
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Annotated, Any, Literal
 
 from fastapi import FastAPI, Query, Request
@@ -58,10 +59,20 @@ from prometheus_client.core import (
     Metric,
 )
 from prometheus_client.registry import Collector
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import ValidationError
 
 from qlm.engines.base import EngineOutput, EngineRequest, TokenChunk
 from qlm.engines.perf_model import HardwareCatalog
+from qlm.engines.server_wire import (
+    COMPLETION,
+    AnswerFormat,
+    ChatBody,
+    CompletionBody,
+    GenerationBody,
+    StreamOptions,
+    TokenizeBody,
+    chat_format,
+)
 from qlm.engines.vllm_launch import SERVER_KEEPALIVE_S
 from qlm.engines.wallclock import (
     LATENCY_BUCKETS,
@@ -86,218 +97,8 @@ engine does not check: it ignores the priority (vllm-project/vllm#22997). Refusi
 client's fallback (send again without priority) tested end to end."""
 
 
-class StreamOptions(BaseModel):
-    include_usage: bool | None = False
-    continuous_usage_stats: bool | None = False
-
-
-class JsonSchemaBody(BaseModel):
-    model_config = ConfigDict(extra="allow", populate_by_name=True)
-
-    name: str
-    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
-
-
-class ResponseFormatBody(BaseModel):
-    """OpenAI's ``response_format``, as vLLM reads it."""
-
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: JsonSchemaBody | None = None
-
-    @model_validator(mode="after")
-    def _schema_given(self) -> ResponseFormatBody:
-        if self.type == "json_schema" and self.json_schema is None:
-            raise ValueError("response_format of type json_schema needs json_schema")
-        return self
-
-
-class _GenerationBody(BaseModel):
-    """The fields of both endpoints that the simulation honours; others are accepted and
-    ignored (sampling parameters do not change a simulated output). A ``response_format``
-    makes the answer a JSON document of its schema (``qlm.structured``)."""
-
-    model_config = ConfigDict(extra="allow")
-
-    model: str | None = None
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    priority: int = 0
-    ignore_eos: bool = False
-    response_format: ResponseFormatBody | None = None
-    return_token_ids: bool | None = False
-
-    def sampling(self) -> tuple[tuple[str, Any], ...]:
-        """What the simulated engine honours of the sampling parameters: the format, and a
-        chat's tools (``qlm.structured.planned_call``)."""
-        out: list[tuple[str, Any]] = []
-        if self.response_format is not None:
-            fmt = self.response_format.model_dump(by_alias=True, exclude_none=True)
-            out.append(("response_format", fmt))
-        extra = self.model_extra or {}
-        for name in ("tools", "tool_choice"):
-            if extra.get(name) is not None:
-                out.append((name, extra[name]))
-        return tuple(out)
-
-
-class CompletionBody(_GenerationBody):
-    """vLLM's ``CompletionRequest``, as far as simulated: ``max_tokens`` null is its default,
-    16, as in vLLM 0.32."""
-
-    prompt: str | list[Annotated[int, Field(ge=0)]]
-    max_tokens: int | None = 16
-
-    @model_validator(mode="after")
-    def _default_max_tokens(self) -> CompletionBody:
-        if self.max_tokens is None:
-            self.max_tokens = 16
-        return self
-
-
-class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-    type: str
-    text: str | None = None
-
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-    role: str
-    content: str | list[ContentPart] | None = None
-
-    def text(self) -> str:
-        """The message's string, or its text parts joined."""
-        if isinstance(self.content, list):
-            return "".join(p.text or "" for p in self.content if p.type == "text")
-        return self.content or ""
-
-
-def _chat_text(messages: Sequence[ChatMessage]) -> str:
-    """A chat as this server's model reads it: its messages' text, joined by spaces (no chat
-    template: module docstring)."""
-    return " ".join(m.text() for m in messages)
-
-
-class ChatBody(_GenerationBody):
-    """vLLM's ``ChatCompletionRequest``, as far as simulated: ``max_completion_tokens`` wins over
-    the deprecated ``max_tokens``; with neither, the rest of the context (as in vLLM)."""
-
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-
-    @model_validator(mode="after")
-    def _one_way_to_end_the_prompt(self) -> ChatBody:
-        if self.continue_final_message and self.add_generation_prompt:  # as vLLM, in its words
-            raise ValueError(
-                "Cannot set both `continue_final_message` and `add_generation_prompt` to True."
-            )
-        return self
-
-    def role(self) -> str:
-        """The role of the answer (vLLM's ``get_chat_request_role``): the assistant's, or, when
-        the last message is continued, that message's."""
-        return "assistant" if self.add_generation_prompt else self.messages[-1].role
-
-    def rendered(self) -> str:
-        return _chat_text(self.messages)
-
-    def output_limit(self) -> tuple[int | None, str]:
-        """``max_completion_tokens``, else the deprecated ``max_tokens``, and its name."""
-        if self.max_completion_tokens is not None:
-            return self.max_completion_tokens, "max_completion_tokens"
-        return self.max_tokens, "max_tokens"
-
-    def message_dicts(self) -> tuple[dict[str, Any], ...]:
-        return tuple(m.model_dump(exclude_none=True) for m in self.messages)
-
-
 BOS_TEXT = "<s>"
 """The text of ``wallclock.BOS_ID``, the one token of an empty text."""
-
-
-class TokenizeBody(BaseModel):
-    """vLLM's ``TokenizeRequest``: a prompt, or a chat (rendered as ``ChatBody`` renders it)."""
-
-    model_config = ConfigDict(extra="allow")
-
-    model: str | None = None
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = None
-    return_token_strs: bool | None = False
-
-    @model_validator(mode="after")
-    def _prompt_or_messages(self) -> TokenizeBody:
-        if self.prompt is None and self.messages is None:
-            raise ValueError("either prompt or messages is required")
-        return self
-
-    def text(self) -> str:
-        return self.prompt if self.prompt is not None else _chat_text(self.messages or ())
-
-
-@dataclass(frozen=True, slots=True)
-class _Format:
-    """How an endpoint words its answer: id prefix, object names, choices. ``role`` is set for a
-    chat: its answer is a message, streamed as deltas after one that announces the role.
-
-    Token ids (``return_token_ids``; ``None`` without it, as vLLM sends them) go where vLLM 0.32
-    puts them: a completion's choice has ``token_ids`` and ``prompt_token_ids`` (a stream's first
-    chunk only); a chat's choice has ``token_ids`` and its answer (or its stream's first chunk,
-    the role's) has ``prompt_token_ids`` at the top level."""
-
-    id_prefix: str
-    answer_object: str
-    chunk_object: str
-    role: str | None = None
-
-    def choice(
-        self,
-        text: str,
-        finish: str | None,
-        *,
-        stream: bool,
-        calls: Sequence[Mapping[str, Any]] = (),
-        token_ids: Sequence[int] | None = None,
-        prompt_ids: Sequence[int] | None = None,
-    ) -> dict[str, Any]:
-        """One choice; a chat's tool calls (whole, or a stream's deltas) replace its content."""
-        out: dict[str, Any] = {"index": 0}
-        ids = None if token_ids is None else list(token_ids)
-        if self.role is None:
-            out |= {"text": text, "logprobs": None, "finish_reason": finish, "stop_reason": None}
-            prompt = None if prompt_ids is None else list(prompt_ids)
-            if stream:
-                return out | {"prompt_token_ids": prompt, "token_ids": ids}
-            return out | {"token_ids": ids, "prompt_logprobs": None, "prompt_token_ids": prompt}
-        if stream:
-            out["delta"] = {"tool_calls": list(calls)} if calls else {"content": text}
-        elif calls:
-            out["message"] = {"role": self.role, "content": None, "tool_calls": list(calls)}
-        else:
-            out["message"] = {"role": self.role, "content": text}
-        out |= {"logprobs": None, "finish_reason": finish}
-        if finish is not None or not stream:  # (a chat stream says it on its last chunk only)
-            out["stop_reason"] = None
-        return out | {"token_ids": ids}
-
-    def opening(self) -> dict[str, Any] | None:
-        """A chat stream's first choice, before any token: the role and empty content."""
-        if self.role is None:
-            return None
-        delta = {"role": self.role, "content": ""}
-        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}
-
-
-COMPLETION = _Format("cmpl-", "text_completion", "text_completion")
-
-
-def chat_format(role: str) -> _Format:
-    return _Format("chatcmpl-", "chat.completion", "chat.completion.chunk", role)
 
 
 def _error(
@@ -508,10 +309,10 @@ def create_app(
 
     async def generate(
         request: Request,
-        body: _GenerationBody,
+        body: GenerationBody,
         prompt: str | list[int],
         limit: tuple[int | None, str],
-        fmt: _Format,
+        fmt: AnswerFormat,
     ) -> Response:
         """Run one request of either endpoint: ``prompt`` as this server reads it (a chat's
         rendered), ``limit`` the output tokens asked for (None: the rest of the context) and the
@@ -754,7 +555,7 @@ async def _stream(
     chunks: asyncio.Queue[TokenChunk],
     meta: dict[str, Any],
     options: StreamOptions | None,
-    fmt: _Format = COMPLETION,
+    fmt: AnswerFormat = COMPLETION,
     interval: int = 1,
     *,
     prompt_ids: Sequence[int] | None = None,
@@ -762,7 +563,7 @@ async def _stream(
     """SSE events as vLLM sends them; aborts the engine request if the client goes away.
     ``interval`` > 1 (vLLM's ``--stream-interval``): the first token goes at once, then the
     tokens wait until ``interval`` of them (or the end) make one event. ``prompt_ids`` (asked
-    for with ``return_token_ids``): the prompt's ids go on the first event (``_Format``) and
+    for with ``return_token_ids``): the prompt's ids go on the first event (``AnswerFormat``) and
     every event says its new tokens' ids."""
     include_usage = bool(options and options.include_usage)
     continuous = include_usage and bool(options and options.continuous_usage_stats)

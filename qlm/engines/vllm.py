@@ -36,9 +36,8 @@ import json
 import logging
 import math
 import random
-import re
 import zlib
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -56,6 +55,22 @@ from qlm.engines.base import (
     TokenChunk,
     UnsupportedOperation,
     continued_from_ids,
+)
+from qlm.engines.vllm_wire import (
+    FINISH,
+    cache_capacity_tokens,
+    choice_text,
+    context_room,
+    dig,
+    endpoint_path,
+    engine_request_id,
+    error_message,
+    error_text,
+    event_parts,
+    metric_values,
+    offload_gb,
+    one_token,
+    sse_data,
 )
 from qlm.errors import EngineError, EngineTimeout, RequestRejected, UnknownRequest
 
@@ -97,42 +112,6 @@ def filler_prompt(request_id: str, tokens: int, ids: Sequence[int] | None = None
         return [rng.choice(ids) for _ in range(n)] + [ids[0]] * (tokens - n)
     head = [rng.randrange(*FILLER_IDS) for _ in range(n)]
     return head + [FILLER_TOKEN_ID] * (tokens - n)
-
-
-_FINISH: dict[str, FinishReason] = {
-    "length": "length",
-    "stop": "stop",
-    "abort": "abort",
-    "tool_calls": "tool_calls",
-}
-
-COMPLETIONS = "/v1/completions"
-CHAT = "/v1/chat/completions"
-
-
-def _path(request: EngineRequest) -> str:
-    """The endpoint of a request: a chat's messages go to the chat endpoint, so that vLLM
-    applies the model's chat template; a prompt (or a replay's filler) to completions."""
-    return COMPLETIONS if request.messages is None else CHAT
-
-
-def _choice_text(choice: Any) -> str:
-    """The text of one choice of either endpoint: ``text`` (completions), ``delta.content`` (a
-    chat stream chunk) or ``message.content`` (a chat answer). A chat's other parts (the first
-    chunk's ``role``, a reasoning parser's ``reasoning``) are not the answer's text."""
-    if not isinstance(choice, dict):
-        return ""
-    if "text" in choice:
-        return str(choice["text"] or "")
-    part = choice.get("delta") or choice.get("message") or {}
-    return str(part.get("content") or "") if isinstance(part, dict) else ""
-
-
-def _choice_calls(choice: Any) -> list[dict[str, Any]]:
-    """The tool-call deltas of a chat stream chunk's choice (``delta.tool_calls``)."""
-    delta = choice.get("delta") if isinstance(choice, dict) else None
-    calls = delta.get("tool_calls") if isinstance(delta, dict) else None
-    return [c for c in calls if isinstance(c, dict)] if isinstance(calls, list) else []
 
 
 @dataclass(slots=True)
@@ -192,27 +171,6 @@ class _Flight:
 
     def partial(self) -> EngineOutput:
         return self.output("abort")
-
-
-_CONTEXT = re.compile(r"maximum context length is (\d+) tokens")
-_INPUT = re.compile(
-    r"has (\d+) input tokens|\((\d+) in the (?:messages|prompt)"
-    r"|contains (?:at least )?(\d+) input tokens"
-)
-
-
-def context_room(message: str) -> int | None:
-    """The output tokens the context has room for, from vLLM's refusal of a prompt plus
-    ``max_tokens`` longer than ``max_model_len`` (0.14: "... maximum context length is N tokens
-    and your request has P input tokens ..."; before: "... N tokens. However, you requested M
-    tokens (P in the messages, K in the completion)"), or of a prompt that leaves no room at
-    all (0.32: "... N tokens. However, your prompt contains [at least] P input tokens, which
-    exceeds this limit even without any output tokens ..."; 0.32 clamps ``max_tokens`` to the
-    room instead of refusing it), or None if it is not such a refusal."""
-    limit, given = _CONTEXT.search(message), _INPUT.search(message)
-    if limit is None or given is None:
-        return None
-    return int(limit.group(1)) - int(next(g for g in given.groups() if g is not None))
 
 
 MAX_REMEMBERED = 100_000  # request ids remembered as sent (in flight, or aborted and not back)
@@ -317,7 +275,7 @@ class VllmEngine:
                 "start vLLM with VLLM_SERVER_DEV_MODE=1 and --enable-sleep-mode",
             )
         if resp.status_code >= 400:
-            raise self._fail(f"{method} {path} answered {resp.status_code}", _message(resp))
+            raise self._fail(f"{method} {path} answered {resp.status_code}", error_message(resp))
         return resp
 
     # --- the Engine protocol -------------------------------------------------------------------------
@@ -332,12 +290,12 @@ class VllmEngine:
         if missing:
             raise self._fail("models not served", f"{sorted(missing)}; serves {list(served)}")
         families = await self._metrics()
-        cap = _cache_capacity_tokens(families)
-        offload = _offload_gb(families)
+        cap = cache_capacity_tokens(families)
+        offload = offload_gb(families)
         info = await self.server_info()
         seqs = self.max_num_seqs
         if seqs is None and info is not None:
-            told = _dig(info, "scheduler_config", "max_num_seqs")
+            told = dig(info, "scheduler_config", "max_num_seqs")
             seqs = told if isinstance(told, int) and told > 0 else None
         sleep, self.sleep_probe = await self.probe_sleep(info)
         log.info("%s (%s): %s", self.name, self.base_url, self.sleep_probe)
@@ -381,8 +339,8 @@ class VllmEngine:
             asleep = bool((await self._call("GET", "/is_sleeping")).json().get("is_sleeping"))
         except (EngineError, ValueError, AttributeError) as exc:
             return False, f"no sleep mode (GET /is_sleeping: {exc})"
-        enabled = None if info is None else _dig(info, "model_config", "enable_sleep_mode")
-        device = None if info is None else _dig(info, "device_config", "device")
+        enabled = None if info is None else dig(info, "model_config", "enable_sleep_mode")
+        device = None if info is None else dig(info, "device_config", "device")
         on = f" on {device}" if device else ""
         if enabled is False:
             return False, (
@@ -464,7 +422,7 @@ class VllmEngine:
     async def complete(self, request: EngineRequest, *, timeout_s: float = 3600.0) -> EngineOutput:
         """Run ``request`` without streaming (one answer when it ends): what profiling uses, so
         that the time it measures is the server's, not the client's parsing of every token."""
-        path = _path(request)
+        path = endpoint_path(request)
         if request.prompt is None and request.messages is None and self.token_ids is None:
             await self.load_token_ids()
         while True:
@@ -488,7 +446,7 @@ class VllmEngine:
         except (ValueError, KeyError, IndexError, TypeError) as exc:
             raise self._fail(f"POST {path} sent a bad answer", repr(exc)) from exc
         finish = self._finish_reason(choice.get("finish_reason") or "stop", [choice])
-        return EngineOutput(request.request_id, _choice_text(choice), tokens, finish)
+        return EngineOutput(request.request_id, choice_text(choice), tokens, finish)
 
     async def abort(self, request_id: str) -> EngineOutput:
         flight = self._flights.get(request_id)
@@ -512,15 +470,18 @@ class VllmEngine:
 
         def total(*names: str) -> float:
             return sum(
-                v for n in names for v in _values(families, n, self.models) if not math.isnan(v)
+                v
+                for n in names
+                for v in metric_values(families, n, self.models)
+                if not math.isnan(v)
             )
 
-        kv = _values(families, "vllm:kv_cache_usage_perc", self.models) or _values(
+        kv = metric_values(families, "vllm:kv_cache_usage_perc", self.models) or metric_values(
             families, "vllm:gpu_cache_usage_perc", self.models
         )
         kv_fraction = sum(kv) / len(kv) if kv else 0.0
-        cap = _cache_capacity_tokens(families) or 0
-        offload = _offload_gb(families)
+        cap = cache_capacity_tokens(families) or 0
+        offload = offload_gb(families)
         active = next((m for m, t in self._tiers.items() if t is ModelTier.ACTIVE), None)
         return EngineStats(
             running=int(total("vllm:num_requests_running")),
@@ -736,7 +697,7 @@ class VllmEngine:
 
     async def _stream_once(self, flight: _Flight, on_chunk: ChunkCallback | None) -> EngineOutput:
         rid = flight.request.request_id
-        path = _path(flight.request)
+        path = endpoint_path(flight.request)
         what = f"POST {path}"
         timeout = httpx.Timeout(self.timeout_s, read=None)  # a queued request may wait long
         finish: FinishReason | None = None
@@ -756,9 +717,9 @@ class VllmEngine:
                     await resp.aread()
                     detail = f"{what} answered {resp.status_code}"
                     if resp.status_code in REJECTED:  # the request is at fault, not the server
-                        raise RequestRejected(str(self._fail(detail, _message(resp))))
-                    raise self._fail(detail, _message(resp))
-                async for data in _sse_data(resp):
+                        raise RequestRejected(str(self._fail(detail, error_message(resp))))
+                    raise self._fail(detail, error_message(resp))
+                async for data in sse_data(resp):
                     finish = self._take(flight, json.loads(data), on_chunk) or finish
         except httpx.HTTPError as exc:
             raise self._failed(f"{what} failed for {rid!r}", exc) from exc
@@ -776,12 +737,10 @@ class VllmEngine:
         length / stop / abort (vLLM's ``error``) fails this request alone, with vLLM's message:
         the server is up."""
         if "error" in event:
-            raise RequestRejected(str(self._fail("the stream sent an error", _error_text(event))))
+            raise RequestRejected(str(self._fail("the stream sent an error", error_text(event))))
         usage = event.get("usage") or {}
         choices = event.get("choices") or []
-        text, ids, prompt_ids, calls, raw = _one_token(event, choices) or _event_parts(
-            event, choices
-        )
+        text, ids, prompt_ids, calls, raw = one_token(event, choices) or event_parts(event, choices)
         if prompt_ids and flight.base == 0 and flight.first_prompt_ids is None:
             # (a chat says them on its first chunk, which has no token yet)
             flight.prompt_ids = flight.first_prompt_ids = prompt_ids
@@ -818,7 +777,7 @@ class VllmEngine:
         return finish
 
     def _finish_reason(self, raw: object, choices: list[Any]) -> FinishReason:
-        finish = _FINISH.get(str(raw))
+        finish = FINISH.get(str(raw))
         if finish is None:
             stop = next((c.get("stop_reason") for c in choices if c.get("stop_reason")), None)
             detail = f"finish_reason {raw!r}" + (f" ({stop})" if stop else "")
@@ -830,8 +789,8 @@ class VllmEngine:
         latencies (seconds, from arrival to the last token, as the server timed them) and their
         count, from ``vllm:e2e_request_latency_seconds``; None when it does not export it."""
         families = await self._metrics()
-        sums = _values(families, "vllm:e2e_request_latency_seconds_sum", self.models)
-        counts = _values(families, "vllm:e2e_request_latency_seconds_count", self.models)
+        sums = metric_values(families, "vllm:e2e_request_latency_seconds_sum", self.models)
+        counts = metric_values(families, "vllm:e2e_request_latency_seconds_count", self.models)
         if not sums or not counts:
             return None
         return sum(sums), round(sum(counts))
@@ -846,155 +805,3 @@ class VllmEngine:
         except ValueError as exc:
             raise self._fail("GET /metrics is not Prometheus text", exc) from exc
         return families
-
-
-def engine_request_id(request: EngineRequest, wire_id: str) -> str:
-    """vLLM's own id of a request sent with ``X-Request-Id: wire_id``, which
-    ``/abort_requests`` wants: ``cmpl-<id>-0`` (a completion; ``-<n>`` numbers its prompts) or
-    ``chatcmpl-<id>`` (a chat)."""
-    return f"cmpl-{wire_id}-0" if request.messages is None else f"chatcmpl-{wire_id}"
-
-
-async def _sse_data(resp: httpx.Response) -> AsyncIterator[bytes]:
-    """The ``data:`` fields of a server-sent event stream, as bytes, up to ``[DONE]``. Lines
-    are split here, in bytes (a newline byte never occurs inside a UTF-8 character), rather
-    than through httpx's text and line decoders: a stream has one event per token, and their
-    layers were most of what reading it cost."""
-    rest = b""
-    async for piece in resp.aiter_bytes():
-        lines = (rest + piece).split(b"\n") if rest else piece.split(b"\n")
-        rest = lines.pop()
-        for line in lines:
-            if line.startswith(b"data:"):
-                data = line[5:].strip()
-                if data == b"[DONE]":
-                    return
-                yield data
-    if rest.startswith(b"data:"):  # (a last line without its newline)
-        data = rest[5:].strip()
-        if data != b"[DONE]":
-            yield data
-
-
-_EventParts = tuple[
-    str, tuple[int, ...] | None, tuple[int, ...] | None, list[dict[str, Any]], object
-]
-"""What ``VllmEngine._take`` reads of an SSE event: its text, its new tokens' ids, the prompt's
-ids, its tool-call deltas and its finish reason (None without one)."""
-
-
-def _event_parts(event: dict[str, Any], choices: list[Any]) -> _EventParts:
-    """``_EventParts`` of any event of either endpoint, its choices (``choices``) in order."""
-    text = "".join(_choice_text(c) for c in choices)
-    ids = _token_ids(c.get("token_ids") for c in choices)
-    prompt_ids = _token_ids(
-        [event.get("prompt_token_ids"), *(c.get("prompt_token_ids") for c in choices)]
-    )
-    calls = [d for c in choices for d in _choice_calls(c)]
-    raw = next((c.get("finish_reason") for c in choices if c.get("finish_reason")), None)
-    return text, ids, prompt_ids, calls, raw
-
-
-def _one_token(event: dict[str, Any], choices: object) -> _EventParts | None:
-    """``_EventParts`` of the event most of a completion's stream is made of — one choice with
-    its text and token ids, no prompt ids, no tool calls — read without ``_event_parts``'s
-    general walk (the same parts); None for any other event."""
-    if type(choices) is not list or len(choices) != 1 or event.get("prompt_token_ids") is not None:
-        return None
-    choice = choices[0]
-    if (
-        type(choice) is not dict
-        or "text" not in choice
-        or "delta" in choice
-        or choice.get("prompt_token_ids") is not None
-    ):
-        return None
-    ids = choice.get("token_ids")
-    if ids is not None and type(ids) is not list:
-        return None
-    text = str(choice["text"] or "")
-    new = None if ids is None else tuple([int(t) for t in ids])
-    return text, new, None, [], choice.get("finish_reason") or None
-
-
-def _token_ids(lists: Iterable[object]) -> tuple[int, ...] | None:
-    """The token ids of the lists given, in order (None for a chunk that carries none)."""
-    out: list[int] = []
-    seen = False
-    for ids in lists:
-        if isinstance(ids, list):
-            seen = True
-            out.extend(int(t) for t in ids)
-    return tuple(out) if seen else None
-
-
-def _dig(data: Any, *keys: str) -> Any:
-    """``data[k1][k2]...``, or None where a level is missing or not a mapping."""
-    for key in keys:
-        if not isinstance(data, dict):
-            return None
-        data = data.get(key)
-    return data
-
-
-def _values(
-    families: dict[str, list[tuple[dict[str, str], float]]], name: str, models: Sequence[str]
-) -> list[float]:
-    """Sample values of ``name`` for our models (all engines of a data-parallel server). vLLM
-    labels them with the first of its served model names only: when none carries one of
-    ``models`` (the instance is known by another of its names), all of them are the server's."""
-    samples = families.get(name, [])
-    ours = [v for labels, v in samples if labels.get("model_name", models[0]) in models]
-    return ours or [v for _, v in samples]
-
-
-def _cache_capacity_tokens(families: dict[str, list[tuple[dict[str, str], float]]]) -> int | None:
-    """KV capacity from ``vllm:cache_config_info`` (num_gpu_blocks x block_size), if known. With
-    data parallelism every engine's sample carries the blocks of all of them (vLLM sums them at
-    startup, ``wait_for_engine_startup``): one sample, not their sum."""
-    best = 0
-    for labels, _ in families.get("vllm:cache_config_info", []):
-        try:
-            best = max(best, int(labels["num_gpu_blocks"]) * int(labels["block_size"]))
-        except (KeyError, ValueError):
-            return None
-    return best or None
-
-
-def _offload_gb(families: dict[str, list[tuple[dict[str, str], float]]]) -> float | None:
-    """The CPU memory (GiB) of vLLM's KV offloading (``--kv-offloading-size``), from
-    ``vllm:cache_config_info``, when it is on with prefix caching: where a parked request's KV
-    cache waits (``VllmEngine.swap_out``). None without it: a parked request's blocks would stay
-    only as long as the GPU cache does not need them — for the room a preemption makes, not
-    long — so the planner is not offered KV swap there."""
-    for labels, _ in families.get("vllm:cache_config_info", []):
-        if labels.get("enable_prefix_caching") != "True":
-            return None
-        try:
-            size = float(labels.get("kv_offloading_size", "None"))
-        except ValueError:
-            return None
-        return size if size > 0 else None
-    return None
-
-
-def _error_text(body: object) -> str:
-    """The message of a vLLM error body, ``{"error": {"message", ...}}`` or ``{"message"}``."""
-    if isinstance(body, dict):
-        err = body.get("error", body)
-        if isinstance(err, dict) and "message" in err:
-            return str(err["message"])
-        if isinstance(err, str):
-            return err
-    return str(body)[:300]
-
-
-def _message(resp: httpx.Response) -> str:
-    """The error message of a vLLM error body (either of its JSON shapes), else the raw text."""
-    try:
-        body = resp.json()
-    except ValueError:
-        return resp.text[:300] or resp.reason_phrase
-    if isinstance(body, dict) and "detail" in body and "error" not in body:
-        return str(body["detail"])
-    return _error_text(body)

@@ -30,7 +30,8 @@ from qlm.planner.books import AdmissionState, AgentBooks, Inflight
 from qlm.planner.budget import Clock
 from qlm.planner.config import PlannerConfig
 from qlm.planner.policy import InstanceLoad, has_room, prompt_tokens
-from qlm.rct.estimator import EstimatorInstance, Queued, RCTEstimator
+from qlm.rct.estimator import RCTEstimator
+from qlm.rct.inputs import EstimatorInstance, Queued
 from qlm.virtual_queues import VirtualQueueSet
 
 MAX_LINE = 64

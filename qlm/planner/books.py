@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from qlm.domain import Request
 from qlm.planner.concurrency import Fluid
-from qlm.rct.estimator import Queued
+from qlm.rct.inputs import Queued
 
 RECENT_FINISHES = 16
 """Completions per instance whose pace predicts when its next slots free (``qlm.planner.act``)."""

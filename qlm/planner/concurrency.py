@@ -20,7 +20,8 @@ from qlm.planner.config import PlannerConfig
 from qlm.planner.family import ProblemFamily
 from qlm.planner.policy import InstanceLoad
 from qlm.planner.program import FloatArray
-from qlm.rct.estimator import RCTEstimator, prompt_bin
+from qlm.rct.beliefs import prompt_bin
+from qlm.rct.estimator import RCTEstimator
 from qlm.rct.profile import HardwareProfile
 
 

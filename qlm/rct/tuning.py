@@ -39,15 +39,15 @@ PREEMPT_PRIOR = 10.0
 """Weight of "no preemptions" in an instance's preemptions per completed request, in
 completions."""
 
-# --- the estimator (qlm.rct.estimator) ----------------------------------------------------------
+# --- the estimator (qlm.rct.estimator, qlm.rct.beliefs, qlm.rct.loads) --------------------------
 
 FILL_SHARE = 0.75
 """An instance is filling its batch while fewer than this share of the batch it will hold run
 (and requests wait to be admitted): such requests learn a decode-speed factor of their own."""
 
 GROUP_SUMS_MAX = 100_000
-"""Groups whose sums ``RCTEstimator.group_load`` keeps at most (``keep_group_loads`` prunes
-them; past this, nobody did, and they are all dropped)."""
+"""Groups whose sums ``GroupLoader`` (``qlm.rct.loads``) keeps at most (``keep`` prunes them;
+past this, nobody did, and they are all dropped)."""
 
 PROMPT_BIN_WIDTH = 0.125
 """With ``by_prompt``, output beliefs are kept per bin of ``log(1 + prompt tokens)``: bins 13 %

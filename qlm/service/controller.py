@@ -44,8 +44,9 @@ from qlm.errors import check_setting
 from qlm.global_queue import Delivery, GlobalQueue, QueuedRequest
 from qlm.service.backlog_gc import BacklogGC
 from qlm.service.hub import ResultEvent, ResultHub
+from qlm.service.jobs import Job, resume_point
 from qlm.service.publishing import PredictionWrites, publish_wait, snapshot_dict
-from qlm.service.runtime import AgentRuntime, Job, RuntimeListener, resume_point
+from qlm.service.runtime import AgentRuntime, RuntimeListener
 from qlm.service.upkeep import OrphanSweep, new_request, prune, reap_dead
 from qlm.service.writes import Settle, StoreWriter
 from qlm.store import RequestRow, Store, StoreError

@@ -58,7 +58,7 @@ def bucket_of(seconds: float) -> float:
 
 
 @dataclass(slots=True)
-class Tally:
+class LatencyTally:
     """Observations of one transaction, by (histogram, tier, model, bucket): [count, sum]."""
 
     cells: dict[tuple[str, int, str, float], list[float]] = field(default_factory=dict)
@@ -89,11 +89,11 @@ class Tally:
             self.observe("queue", tier, model, dispatched_at - submitted_at)
 
 
-def tally(session: Session) -> Tally:
+def tally(session: Session) -> LatencyTally:
     """The observations ``session``'s transaction will write when it commits."""
     found = session.info.get(_TALLY)
-    if not isinstance(found, Tally):
-        found = session.info[_TALLY] = Tally()
+    if not isinstance(found, LatencyTally):
+        found = session.info[_TALLY] = LatencyTally()
     return found
 
 
@@ -102,7 +102,7 @@ def write_tally(session: Session) -> None:
     ``before_commit`` hook; a transaction rolled back takes its session, and its tally, with
     it)."""
     pending = session.info.pop(_TALLY, None)
-    if not isinstance(pending, Tally) or not pending.cells:
+    if not isinstance(pending, LatencyTally) or not pending.cells:
         return
     dialect = session.get_bind().dialect.name
     insert = postgresql.insert if dialect == "postgresql" else sqlite.insert

@@ -104,7 +104,7 @@ API = ApiSettings(
     poll_interval_s=0.05,
 )
 """The served app's settings. Its limits that are settings (``max_tokens``, labels, prompt size)
-are in its schema (``qlm.api.schemas.with_limits``)."""
+are in its schema (``qlm.api.schemas.common.with_limits``)."""
 
 # The schema as the app serves it (``/openapi.json``); loaded at collection time to parametrize by
 # operation. Schemathesis' own pytest plugin (``from_fixture``) does not run on pytest 9.

@@ -30,7 +30,8 @@ from qlm.engines.base import Engine, EngineRequest, TokenChunk
 from qlm.engines.vllm import VllmEngine
 from qlm.engines.wallclock import filler_text
 from qlm.errors import EngineError, RequestRejected, UnknownRequest
-from qlm.service.runtime import AgentRuntime, Job
+from qlm.service.jobs import Job
+from qlm.service.runtime import AgentRuntime
 
 MODEL = "llama-3-8b"
 DEADLINE_S = 60.0

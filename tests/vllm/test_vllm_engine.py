@@ -17,7 +17,8 @@ import pytest
 from services import free_port
 
 from qlm.engines.base import EngineOutput, EngineRequest, TokenChunk
-from qlm.engines.vllm import VllmEngine, context_room
+from qlm.engines.vllm import VllmEngine
+from qlm.engines.vllm_wire import context_room
 from qlm.errors import RequestRejected, UnknownRequest
 
 from .conftest import KV_CACHE_BYTES, MODEL, SERVER_FLAGS, VllmEnv, VllmServer

@@ -17,7 +17,8 @@ from qlm.controller import Controller
 from qlm.domain import SLO, InstanceSpec, Request, Tier
 from qlm.engines.base import EngineRequest, TokenChunk
 from qlm.engines.vllm import VllmEngine
-from qlm.service.runtime import AgentRuntime, Job
+from qlm.service.jobs import Job
+from qlm.service.runtime import AgentRuntime
 
 from .conftest import MODEL
 

@@ -15,16 +15,14 @@ from qlm.api.context import ApiContext
 from qlm.api.control import SnapshotDoc
 from qlm.api.deps import AdminDep, ContextDep
 from qlm.api.errors import documented, invalid, not_found
-from qlm.api.schemas import (
-    NO_NUL,
+from qlm.api.schemas.common import NO_NUL, GroupIdPath, InstanceNamePath
+from qlm.api.schemas.operator import (
     AttainmentOut,
     ControllerOut,
     ControllersOut,
     GroupDetailOut,
-    GroupIdPath,
     GroupOut,
     GroupsOut,
-    InstanceNamePath,
     InstanceOut,
     InstancesOut,
     PlanOut,

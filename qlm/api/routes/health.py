@@ -19,7 +19,7 @@ from qlm.api.auth import require_admin
 from qlm.api.context import ApiContext
 from qlm.api.deps import ContextDep, bearer
 from qlm.api.errors import UNAVAILABLE, ErrorDetail, documented
-from qlm.api.schemas import CheckOut, HealthOut, ReadyOut
+from qlm.api.schemas.operator import CheckOut, HealthOut, ReadyOut
 from qlm.store import StoreError
 
 router = APIRouter(tags=["health"])

@@ -45,7 +45,8 @@ from qlm.api.errors import (
 from qlm.api.intake import Submission, admit
 from qlm.api.results import Chunk, Final, Restart
 from qlm.api.routes.requests import EventStream, IdempotencyKey, cancel
-from qlm.api.schemas import (
+from qlm.api.schemas.common import ModelPath, TierName, tier_of
+from qlm.api.schemas.openai import (
     GUIDED,
     ChatCompletionIn,
     ChatCompletionOut,
@@ -53,9 +54,6 @@ from qlm.api.schemas import (
     CompletionOut,
     ModelListOut,
     ModelOut,
-    ModelPath,
-    TierName,
-    tier_of,
 )
 from qlm.domain import MAX_API_SLO_S, MIN_SLO_S, RequestStatus
 from qlm.store import RequestRow

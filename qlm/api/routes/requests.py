@@ -17,17 +17,8 @@ from qlm.api.deps import ContextDep, JsonBodyDep, PrincipalDep
 from qlm.api.errors import CONFLICT, PERMISSION, ApiError, documented, invalid, not_found
 from qlm.api.intake import Submission, admit
 from qlm.api.results import Chunk, Final, Restart
-from qlm.api.schemas import (
-    NO_NUL,
-    RequestIdPath,
-    RequestListOut,
-    RequestOut,
-    StatusName,
-    SubmitIn,
-    SubmitOut,
-    status_name,
-    tier_of,
-)
+from qlm.api.schemas.common import NO_NUL, RequestIdPath, StatusName, status_name, tier_of
+from qlm.api.schemas.native import RequestListOut, RequestOut, SubmitIn, SubmitOut
 from qlm.domain import RequestStatus
 from qlm.outcomes import log_outcome
 from qlm.store import RequestRow

@@ -18,7 +18,8 @@ from qlm.api.auth import Authenticator
 from qlm.api.control import assess
 from qlm.api.limits import RateLimiter, retry_after
 from qlm.api.prompts import estimate_tokens, render_chat
-from qlm.api.schemas import MAX_JSON_DEPTH, SHALLOW, SubmitIn, shallow
+from qlm.api.schemas.common import MAX_JSON_DEPTH, SHALLOW, shallow
+from qlm.api.schemas.native import SubmitIn
 from qlm.api.submission import Submitter
 from qlm.cli import app
 from qlm.domain import RequestStatus

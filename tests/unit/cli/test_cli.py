@@ -12,7 +12,8 @@ import pytest
 from typer.testing import CliRunner
 
 from qlm.cli import app, ops
-from qlm.rct.estimator import EstimatorInstance, Queued, RCTEstimator
+from qlm.rct.estimator import RCTEstimator
+from qlm.rct.inputs import EstimatorInstance, Queued
 from qlm.settings import ApiSettings
 from tests.builders import make_request
 

@@ -16,7 +16,7 @@ from qlm.engines.base import EngineRequest
 from qlm.errors import EngineError, RequestRejected
 from qlm.global_queue.message import MessageError, QueuedRequest
 from qlm.service.hub import ResultEvent
-from qlm.service.runtime import Job
+from qlm.service.jobs import Job
 from qlm.structured import SchemaUnsupported, document_pieces, resumable, schema_problem
 from tests.unit.api.test_api import FakeController, Harness, busy_snapshot, error, published
 from tests.unit.api.test_api import run as run_api

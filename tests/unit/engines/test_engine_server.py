@@ -16,7 +16,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from qlm.engines.base import EngineRequest, TokenChunk
 from qlm.engines.server import SchedulingPolicy, _stream, create_app
-from qlm.engines.vllm import VllmEngine, context_room
+from qlm.engines.vllm import VllmEngine
+from qlm.engines.vllm_wire import context_room
 from qlm.engines.wallclock import VOCAB_SIZE, WallClockEngine, filler_text
 from qlm.errors import ConfigError, RequestRejected
 

@@ -14,16 +14,9 @@ from typer.testing import CliRunner
 from qlm.cli import app
 from qlm.domain import ModelTier
 from qlm.engines.base import Engine, EngineRequest, TokenChunk, UnsupportedOperation
-from qlm.engines.vllm import (
-    OPENING,
-    VllmEngine,
-    _event_parts,
-    _one_token,
-    context_room,
-    engine_request_id,
-    filler_prompt,
-)
+from qlm.engines.vllm import OPENING, VllmEngine, filler_prompt
 from qlm.engines.vllm_launch import vllm_serve_command
+from qlm.engines.vllm_wire import context_room, engine_request_id, event_parts, one_token
 from qlm.errors import EngineError, EngineTimeout, RequestRejected, UnknownRequest
 
 METRICS = """\
@@ -988,11 +981,11 @@ def test_a_stream_cut_anywhere_into_pieces_gives_the_same_output() -> None:
 def test_an_events_common_shape_is_read_as_the_general_reading_reads_it(
     event: dict[str, Any],
 ) -> None:
-    """``_one_token`` reads the events most of a stream is made of (or declines: None), and
-    what it reads is what ``_event_parts`` reads of them."""
+    """``one_token`` reads the events most of a stream is made of (or declines: None), and
+    what it reads is what ``event_parts`` reads of them."""
     choices = event.get("choices") or []
-    quick = _one_token(event, choices)
-    assert quick is None or quick == _event_parts(event, choices)
+    quick = one_token(event, choices)
+    assert quick is None or quick == event_parts(event, choices)
     one_plain_completion = (
         len(choices) == 1
         and isinstance(choices[0], dict)

@@ -13,14 +13,14 @@ from builders import make_catalog, make_profile, make_request
 from qlm.domain import SLO, Decision, Evict, InstanceSpec, Pull, Request, RequestStatus, Tier
 from qlm.errors import ConfigError
 from qlm.planner import PlannerConfig, QlmPolicy, create_policy
-from qlm.planner.baselines import (
+from qlm.planner.baselines import create_baseline
+from qlm.planner.baselines.edf import SlackEdfPolicy
+from qlm.planner.baselines.priority import PriorityPolicy
+from qlm.planner.baselines.proserve import ProservePolicy
+from qlm.planner.baselines.shepherd import (
     AUTO_BATCH_SIZES,
     BatchPlanInput,
-    PriorityPolicy,
-    ProservePolicy,
     ShepherdPolicy,
-    SlackEdfPolicy,
-    create_baseline,
     solve_batch_ilp,
 )
 from qlm.planner.policy import Completion, DispatchContext, InstanceLoad, Policy

@@ -18,8 +18,10 @@ from qlm.domain import SLO, Request
 from qlm.engines.perf_model import default_catalog
 from qlm.errors import ConfigError
 from qlm.profiling.sim import profile_sim_hardware
+from qlm.rct.batch import sustained_batch
 from qlm.rct.distribution import CompletionDistribution
-from qlm.rct.estimator import EstimatorInstance, Queued, RCTEstimator, _sustained
+from qlm.rct.estimator import RCTEstimator
+from qlm.rct.inputs import EstimatorInstance, Queued
 from qlm.rct.output_model import HIST_BINS, NIG, LengthHistogram, length_bin
 from qlm.rct.profile import HardwareProfile, RctProfile, dump_profile, parse_profile
 from qlm.rct.tuning import POOL_STRENGTH, PREEMPT_PRIOR, RATE_FORGETTING, SPEED_PRIOR_SD
@@ -246,7 +248,7 @@ def test_a_queue_extending_the_last_one_is_estimated_as_if_scanned_afresh() -> N
     # A running request forgotten (cancelled) and seen running again is noted again: the
     # censored outputs the next completion counts include it.
     def noted() -> set[str]:
-        return {rid for seen in est._inflight.values() for rid in seen}
+        return {rid for seen in est.beliefs.inflight.values() for rid in seen}
 
     assert reqs[1].id in noted()
     est.forget([reqs[1].id])
@@ -450,16 +452,16 @@ def test_a_group_load_follows_the_beliefs_and_the_members_of_an_unchanged_snapsh
 def test_group_load_walks_a_snapshot_once_until_its_group_ends(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import qlm.rct.estimator as module
+    import qlm.rct.loads as module
 
     walked: list[int] = []
-    real = module._group_sums
+    real = module.group_sums
 
     def counting(requests: Any, key: Any) -> Any:
         walked.append(len(requests))
         return real(requests, key)
 
-    monkeypatch.setattr(module, "_group_sums", counting)
+    monkeypatch.setattr(module, "group_sums", counting)
     est = estimator()
     members = tuple(make_request(i) for i in range(4))
     for _ in range(3):
@@ -620,7 +622,7 @@ def test_requests_seen_running_count_as_censored_outputs_at_the_next_completion(
     # Once they complete they count once, as what they produced.
     for item in running:
         est.observe(item.request, output_tokens=310)
-    assert est._inflight[("m", make_request(0).slo_class, 0)] == {}  # one bin: no by_prompt
+    assert est.beliefs.inflight[("m", make_request(0).slo_class, 0)] == {}  # one bin: no by_prompt
 
 
 def test_the_location_scale_model_remains_available() -> None:
@@ -1041,8 +1043,8 @@ def test_the_batch_a_token_budget_sustains_is_the_budget_over_one_plus_prompt_pe
     step: each step decodes B tokens and prefills B · 1155 / 211 of the prompts replacing them."""
     hw = hardware(max_num_batched_tokens=2048)
     refill = 1155 * hw.input_token_work_s / 211
-    assert _sustained(hw, refill) == pytest.approx(2048 / (1 + 1155 / 211), rel=1e-12)
-    assert _sustained(hardware(), refill) == math.inf  # budget unknown
+    assert sustained_batch(hw, refill) == pytest.approx(2048 / (1 + 1155 / 211), rel=1e-12)
+    assert sustained_batch(hardware(), refill) == math.inf  # budget unknown
 
 
 def test_a_busy_instance_whose_budget_goes_to_prompts_runs_fewer_requests_than_its_slots() -> None:
@@ -1057,7 +1059,7 @@ def test_a_busy_instance_whose_budget_goes_to_prompts_runs_fewer_requests_than_i
     hw = hardware()
     m, _ = free_est.output_moments(queue[-1].request)
     refill = 1000 * hw.input_token_work_s / m
-    assert int(_sustained(hardware(max_num_batched_tokens=64), refill)) == 4
+    assert int(sustained_batch(hardware(max_num_batched_tokens=64), refill)) == 4
     assert free.per_token_s == pytest.approx(
         (hw.decode_s(8) + 8 * refill) * hw.inefficiency, rel=1e-9
     )
@@ -1116,18 +1118,18 @@ def test_a_scan_cut_short_by_an_error_is_not_reused() -> None:
     running = [Queued(r, 3, running=True) for r in reqs[:3]]
     est = estimator()
     est.estimate_requests(instance(), running, NOW)
-    real = est.output_moments
+    real = est.beliefs.output_moments
 
     def failing(request: Request, generated: int = 0) -> tuple[float, float]:
         if request is reqs[3]:
             raise RuntimeError("no belief")
         return real(request, generated)
 
-    est.output_moments = failing  # type: ignore[method-assign]
+    est.beliefs.output_moments = failing  # type: ignore[method-assign]
     queue = [*running, Queued(reqs[3]), Queued(reqs[4])]
     with pytest.raises(RuntimeError):
         est.estimate_requests(instance(), queue, NOW)
-    del est.output_moments
+    del est.beliefs.output_moments
     assert est.estimate_requests(instance(), queue, NOW) == estimator().estimate_requests(
         instance(), queue, NOW
     )
@@ -1151,7 +1153,7 @@ def test_the_censored_belief_built_when_read_is_the_one_built_at_each_completion
                 out = int(rng.integers(1, 900))
                 lazy.observe(done, output_tokens=out)
                 eager.observe(done, output_tokens=out)
-                eager._censor_all()
+                eager.beliefs.censor_all()
             elif running:
                 gone = running.pop(int(rng.integers(0, len(running))))
                 lazy.forget([gone.id])

@@ -12,17 +12,12 @@ import numpy as np
 import pytest
 
 from qlm.domain import SLO
+from qlm.rct.batch import context_tokens, output_work_scale, sustained_batch
 from qlm.rct.calibration import shrunk
 from qlm.rct.distribution import CompletionDistribution, GroupEstimate
-from qlm.rct.estimator import (
-    EstimatorInstance,
-    GroupLoad,
-    Queued,
-    RCTEstimator,
-    _context,
-    _output_work_scale,
-    _sustained,
-)
+from qlm.rct.estimator import RCTEstimator
+from qlm.rct.inputs import EstimatorInstance, Queued
+from qlm.rct.loads import GroupLoad
 from qlm.rct.output_model import NIG
 from qlm.rct.profile import RctProfile
 from qlm.rct.tuning import PROMPT_BIN_WIDTH
@@ -41,7 +36,7 @@ def reference(
 ) -> list[GroupEstimate]:
     """``estimate_queue`` as it was, one group at a time."""
     est._epoch += 1  # (the running requests' tokens noted here may differ from a scan's)
-    est._prefetch_moments(running)
+    est.beliefs.prefetch(running)
     est.watch(instance)
     cal = est._cal(instance.name)
     wf, ef = cal.wait_factor(), cal.eps_factor()
@@ -54,7 +49,7 @@ def reference(
     mix_prompt = mix_output = 0.0
     # Sums over the running requests (the hot loop after a completion: thousands of them).
     work_in: dict[str, float] = {}
-    moments, versions, by_prompt = est._moments, est._versions, est.by_prompt
+    moments, versions, by_prompt = est.beliefs.moments, est.beliefs.versions, est.by_prompt
     for item in running:
         req = item.request
         w_in = work_in.get(req.model)
@@ -97,7 +92,7 @@ def reference(
     for pos, g in enumerate(groups):
         hw = est.profile.hardware_for(g.model, instance.gpu, instance.gpu_count)
         slots = est.slots(hw, total_tokens / max(total_count, 1))
-        full = int(min(slots, _sustained(hw, refill)))
+        full = int(min(slots, sustained_batch(hw, refill)))
         if free is None:
             free = max(slots - n_running, 0)
         if g.model != model:
@@ -105,7 +100,7 @@ def reference(
             model = g.model
         theta = theta_by_model.get(g.model)
         if theta is None:
-            scale = _output_work_scale(hw, slots, footprint)
+            scale = output_work_scale(hw, slots, footprint)
             theta = theta_by_model[g.model] = hw.throughput_tps / scale
         # Everything of the group but its last request ...
         own_out = (g.output_mean - g.last_output_mean) / theta
@@ -119,7 +114,7 @@ def reference(
         wait_var = (waiting_var + own_var - exempt_var - share * own_var) * wf * wf
         refilling = before_last - n_running >= 1
         batch = min(before_last + 1, full if refilling else slots)
-        dec = hw.decode_s(batch, _context(hw, batch, slots, ctx_per))
+        dec = hw.decode_s(batch, context_tokens(hw, batch, slots, ctx_per))
         d = shrunk(
             (dec + (batch * refill if refilling else 0.0)) * hw.inefficiency * ef, center, slope
         )
@@ -232,7 +227,7 @@ def test_the_queue_scanned_as_arrays_gives_the_group_by_group_numbers_to_the_las
         expected = reference(twin, inst, groups, now, running=running)
         got = est.estimate_queue(inst, groups, now, running=running)
         assert got == expected, step
-        assert est._inflight == twin._inflight
+        assert est.beliefs.inflight == twin.beliefs.inflight
     assert len({e.completion.mean for e in got}) == len(groups)  # (not all alike)
     # The aggregates as arrays (what a plan takes), or one queue's part of them: the same.
     # (the beliefs moved since ``groups`` were aggregated: both aggregate again)
@@ -275,7 +270,7 @@ def test_many_queues_at_once_are_each_queue_alone() -> None:
             reference(twin, i, g, 50.0, running=r) for i, g, r in queues
         ], step
         assert together[0].groups() == []
-        assert est._inflight == twin._inflight
+        assert est.beliefs.inflight == twin.beliefs.inflight
         done = queues[1 + step % 4][2][0].request
         est.observe(done, output_tokens=40 + step)
         twin.observe(done, output_tokens=40 + step)

@@ -23,11 +23,11 @@ from qlm.errors import EngineError, EngineTimeout
 from qlm.planner import PlannerConfig, create_policy
 from qlm.planner.policy import DispatchContext, Policy, PolicyBase
 from qlm.service import runtime
+from qlm.service.jobs import Job
 from qlm.service.runtime import (
     DOWN_AFTER_HEALTH_TIMEOUTS,
     MAX_STREAM_FAILURES,
     AgentRuntime,
-    Job,
     RuntimeListener,
 )
 

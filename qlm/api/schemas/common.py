@@ -1,11 +1,7 @@
-"""HTTP bodies: what clients send (``*In``), what the API answers (``*Out``). Stored rows
-(``qlm.store.RequestRow``) never leave the process as they are; ``RequestOut.of`` shapes them.
-
-Native bodies forbid unknown fields (a typo gets a 422 naming it). OpenAI-compatible bodies ignore
-the fields QLM does not use, as OpenAI-compatible servers do, but refuse the ones whose meaning it
-cannot honour (``n`` > 1, ``logprobs``, ``tools``, ...), naming them. A ``response_format``
-(structured output) is passed through on every endpoint.
-"""
+"""What the API's bodies share: text and identifier rules, tiers and statuses by name, the
+JSON nesting bound, chat messages and tools, structured output (``response_format``), sampling and
+SLO fields; and ``with_limits``, which writes the limits that are settings into the bodies' JSON
+schemas."""
 
 from __future__ import annotations
 
@@ -32,7 +28,6 @@ from pydantic_core import CoreSchema, PydanticCustomError
 from qlm.api.prompts import CHARS_PER_TOKEN
 from qlm.domain import MAX_API_SLO_S, MIN_SLO_S, RequestStatus, Tier
 from qlm.settings import ApiSettings
-from qlm.store import RequestRow
 from qlm.structured import schema_problem
 
 TierName = Literal["interactive", "standard", "batch"]
@@ -236,7 +231,7 @@ class ToolCall(BaseModel):
     function: FunctionCall
 
 
-def _rule(schema: dict[str, Any], rule: dict[str, Any]) -> None:
+def add_rule(schema: dict[str, Any], rule: dict[str, Any]) -> None:
     """Add ``rule`` to a model's JSON schema (every rule must hold)."""
     schema.setdefault("allOf", []).append(copy.deepcopy(rule))
 
@@ -247,7 +242,7 @@ NOT_NULL = {"not": NULL}
 
 def _message_rules(schema: dict[str, Any]) -> None:
     """``ChatMessage``'s validator as JSON Schema, one branch per role."""
-    _rule(
+    add_rule(
         schema,
         {
             "oneOf": [
@@ -381,7 +376,7 @@ def _unclean_text(value: Any) -> str | None:
 
 
 def _format_rules(schema: dict[str, Any]) -> None:
-    _rule(
+    add_rule(
         schema,
         {
             "oneOf": [
@@ -542,11 +537,11 @@ class NamedToolChoice(BaseModel):
     function: ChosenFunction
 
 
-def _tools_rules(schema: dict[str, Any]) -> None:
+def tools_rules(schema: dict[str, Any]) -> None:
     """A ``tool_choice`` other than ``none`` needs tools. (That a named choice names one of
     them, and that no two have one name, JSON Schema cannot say: codes
     ``tool_choice_not_offered``, ``duplicate_function_name``.)"""
-    _rule(
+    add_rule(
         schema,
         {
             "anyOf": [
@@ -564,7 +559,7 @@ class ToolsIn(BaseModel):
     """Functions a chat's model may call (OpenAI's ``tools``, ``tool_choice``,
     ``parallel_tool_calls``), passed to vLLM with the sampling parameters (docs/api.md)."""
 
-    model_config = ConfigDict(json_schema_extra=_tools_rules)
+    model_config = ConfigDict(json_schema_extra=tools_rules)
 
     tools: list[Tool] | None = Field(
         default=None, max_length=128, description="Functions the model may call (a chat only)."
@@ -615,380 +610,6 @@ class ToolsIn(BaseModel):
         return out
 
 
-# --- native API --------------------------------------------------------------------------------
-
-
-def _submit_rules(schema: dict[str, Any]) -> None:
-    """A prompt or messages, not both; tools with messages only."""
-    _tools_rules(schema)
-    _rule(
-        schema,
-        {
-            "oneOf": [
-                {
-                    "properties": {
-                        "prompt": {"type": "string"},
-                        "messages": NULL,
-                        "tools": {"type": ["array", "null"], "maxItems": 0},
-                    },
-                    "required": ["prompt"],
-                },
-                {
-                    "properties": {"messages": {"type": "array"}, "prompt": NULL},
-                    "required": ["messages"],
-                },
-            ]
-        },
-    )
-
-
-class SubmitIn(JsonBody, SamplingIn, SloIn, ToolsIn):
-    """A request to queue: a prompt or chat messages, the output cap, sampling, tools (with
-    messages) and SLO."""
-
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, json_schema_extra=_submit_rules)
-
-    model: Name = Field(description="A model some instance serves (GET /v1/models).")
-    prompt: Text | None = Field(
-        default=None, min_length=1, description="The prompt (or give `messages`)."
-    )
-    messages: list[ChatMessage] | None = Field(
-        default=None, min_length=1, max_length=4096, description="Chat messages (or `prompt`)."
-    )
-    max_tokens: int = Field(
-        ge=1, le=2**31 - 1, description="Most output tokens (<= QLM_API__MAX_TOKENS_LIMIT)."
-    )
-
-    def sampling(self) -> dict[str, Any]:
-        """The sampling parameters, and the tools (passed to vLLM with them)."""
-        return super().sampling() | self.tool_parameters()
-
-
-class SubmitOut(BaseModel):
-    """A request the broker confirmed and the store recorded."""
-
-    id: str = Field(description="The request's id; GET /v1/requests/{id} follows it.")
-    object: Literal["request"] = "request"
-    status: StatusName = Field(description="`queued` when new.")
-    model: str
-    submitted_at: float = Field(description="Unix seconds on the control plane's clock.")
-    deadline_at: float = Field(description="submitted_at + slo_seconds.")
-    at_risk: bool = Field(description="The plan expects the deadline to be missed.")
-    replayed: bool = Field(
-        description="True when an earlier call with the same Idempotency-Key made it."
-    )
-
-
-class OutputOut(BaseModel):
-    text: str = Field(description="The generated text (so far, for a cancelled request).")
-    tokens: int = Field(description="Output tokens generated.")
-    tool_calls: list[dict[str, Any]] | None = Field(
-        default=None, description="The tools the answer called (a chat with `tools`)."
-    )
-
-
-class RequestOut(BaseModel):
-    """Everything QLM knows of a request (its prompt excepted)."""
-
-    id: str
-    object: Literal["request"] = "request"
-    tenant: str
-    model: str
-    status: StatusName
-    tier: TierName
-    labels: dict[str, str]
-    prompt_tokens: int = Field(description="Estimated prompt length the planner used.")
-    max_tokens: int
-    slo_seconds: float
-    ttft_slo_seconds: float | None
-    submitted_at: float = Field(description="Unix seconds.")
-    deadline_at: float
-    dispatched_at: float | None = Field(description="First sent to an instance.")
-    first_token_at: float | None
-    finished_at: float | None
-    predicted_completion_at: float | None = Field(
-        description="The estimator's latest prediction while the request waits or runs."
-    )
-    at_risk: bool = Field(description="Predicted to miss its deadline.")
-    instance: str | None
-    cancel_requested: bool
-    evictions: int
-    swaps: int
-    attempts: int
-    output: OutputOut | None = Field(description="Set once the request is final.")
-    slo_met: bool | None = Field(description="Finished within every deadline; null until final.")
-    ttft_met: bool | None
-    error: str | None = Field(description="Why it failed.")
-
-    @classmethod
-    def of(cls, row: RequestRow) -> RequestOut:
-        output = None
-        if row.is_final:
-            output = OutputOut(
-                text=row.output_text or "",
-                tokens=row.output_tokens,
-                tool_calls=row.output_tool_calls,
-            )
-        return cls(
-            id=row.id,
-            tenant=row.tenant,
-            model=row.model,
-            status=status_name(row.status),
-            tier=tier_name(row.tier),
-            labels=dict(row.labels),
-            prompt_tokens=row.prompt_tokens,
-            max_tokens=row.max_tokens,
-            slo_seconds=row.slo_e2e_s,
-            ttft_slo_seconds=row.slo_ttft_s,
-            submitted_at=row.submitted_at,
-            deadline_at=row.deadline_at,
-            dispatched_at=row.dispatched_at,
-            first_token_at=row.first_token_at,
-            finished_at=row.finished_at,
-            predicted_completion_at=row.predicted_completion_at,
-            at_risk=row.at_risk,
-            instance=row.instance,
-            cancel_requested=row.cancel_requested,
-            evictions=row.evictions,
-            swaps=row.swaps,
-            attempts=row.attempts,
-            output=output,
-            slo_met=row.slo_met,
-            ttft_met=row.ttft_met,
-            error=row.error,
-        )
-
-
-class RequestListOut(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[RequestOut]
-    next_cursor: str | None = Field(description="Pass as `cursor` for the next page; null: last.")
-
-
-# --- OpenAI-compatible API --------------------------------------------------------------------
-
-
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    include_usage: bool = False
-
-
-ONLY_NULL: dict[str, Any] = {"type": "null"}
-"""The JSON schema of a field refused whatever its value."""
-Prompt = Annotated[str, AfterValidator(clean_text), JsonSchemaRules(pattern=NO_NUL, minLength=1)]
-"""An OpenAI completion's prompt: refused empty by the route (``empty_prompt``)."""
-
-
-class _OpenAiIn(JsonBody, SamplingIn, SloIn):
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
-
-    model: Name
-    max_tokens: int | None = Field(
-        default=None, ge=1, le=2**31 - 1, description="Default: QLM_API__DEFAULT_MAX_TOKENS."
-    )
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    # Fields QLM cannot honour are refused by ``unhonoured`` and the routes (a 422 naming
-    # them); the schema says which values are accepted.
-    n: int | None = Field(
-        default=None, description="Only 1 is supported.", json_schema_extra={"enum": [1, None]}
-    )
-    user: str | None = Field(default=None, max_length=256, description="Ignored.")
-    structured_outputs: Any = Field(
-        default=None, description="vLLM's; not supported (422).", json_schema_extra=ONLY_NULL
-    )
-    guided_json: Any = Field(
-        default=None, description="vLLM's (old); not supported (422).", json_schema_extra=ONLY_NULL
-    )
-    guided_regex: Any = Field(
-        default=None, description="vLLM's (old); not supported (422).", json_schema_extra=ONLY_NULL
-    )
-    guided_choice: Any = Field(
-        default=None, description="vLLM's (old); not supported (422).", json_schema_extra=ONLY_NULL
-    )
-    guided_grammar: Any = Field(
-        default=None, description="vLLM's (old); not supported (422).", json_schema_extra=ONLY_NULL
-    )
-    logit_bias: dict[str, Any] | None = Field(
-        default=None,
-        description="Not supported (422 when set).",
-        json_schema_extra={"maxProperties": 0},
-    )
-    top_logprobs: int | None = Field(
-        default=None, description="Not supported (422 when set).", json_schema_extra=ONLY_NULL
-    )
-    min_tokens: int | None = Field(
-        default=None,
-        description="vLLM's; not supported (422 unless 0).",
-        json_schema_extra={"enum": [0, None]},
-    )
-    min_p: float | None = Field(
-        default=None,
-        description="vLLM's; not supported (422 unless 0).",
-        json_schema_extra={"enum": [0, None]},
-    )
-    ignore_eos: bool | None = Field(
-        default=None,
-        description="vLLM's; not supported (422 when true).",
-        json_schema_extra={"enum": [False, None]},
-    )
-    modalities: list[str] | None = Field(
-        default=None,
-        description='Only ["text"] is supported.',
-        json_schema_extra={"enum": [["text"], None]},
-    )
-    audio: Any = Field(
-        default=None, description="Not supported (422 when set).", json_schema_extra=ONLY_NULL
-    )
-
-    def unhonoured(self) -> tuple[str, str] | None:
-        """The first field set to something QLM would silently drop: (name, message)."""
-        if self.logit_bias:
-            return "logit_bias", "logit_bias is not supported"
-        if self.top_logprobs is not None:
-            return "top_logprobs", "top_logprobs is not supported (nor logprobs)"
-        if self.min_tokens:
-            return "min_tokens", "min_tokens is not supported"
-        if self.min_p:
-            return "min_p", "min_p is not supported"
-        if self.ignore_eos:
-            return "ignore_eos", "ignore_eos is not supported"
-        if self.modalities is not None and self.modalities != ["text"]:
-            return "modalities", "only text output is supported"
-        if self.audio is not None:
-            return "audio", "audio output is not supported"
-        return None
-
-
-GUIDED = ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
-"""vLLM's own output constraints, refused rather than ignored (``response_format`` is the way)."""
-
-
-class CompletionIn(_OpenAiIn):
-    """OpenAI's ``POST /v1/completions`` body, plus QLM's SLO fields."""
-
-    prompt: Prompt | Annotated[list[Prompt], JsonSchemaRules(minItems=1, maxItems=1)] = Field(
-        description="One prompt, not empty (or a list of exactly one)."
-    )
-    echo: bool | None = Field(
-        default=None,
-        description="Not supported (422 when true).",
-        json_schema_extra={"enum": [False, None]},
-    )
-    logprobs: int | None = Field(
-        default=None, description="Not supported (422 when set).", json_schema_extra=ONLY_NULL
-    )
-    best_of: int | None = Field(
-        default=None, description="Only 1 is supported.", json_schema_extra={"enum": [1, None]}
-    )
-    suffix: str | None = Field(
-        default=None, description="Not supported (422 when set).", json_schema_extra=ONLY_NULL
-    )
-
-
-class ChatCompletionIn(_OpenAiIn, ToolsIn):
-    """OpenAI's ``POST /v1/chat/completions`` body, plus QLM's SLO fields."""
-
-    messages: list[ChatMessage] = Field(min_length=1, max_length=4096)
-    max_completion_tokens: int | None = Field(
-        default=None, ge=1, le=2**31 - 1, description="Same as max_tokens (newer name)."
-    )
-    logprobs: bool | None = Field(
-        default=None,
-        description="Not supported (422 when true).",
-        json_schema_extra={"enum": [False, None]},
-    )
-    functions: list[Any] | None = Field(
-        default=None, description="Legacy: use tools (422).", json_schema_extra=ONLY_NULL
-    )
-    function_call: Any = Field(
-        default=None, description="Legacy: use tool_choice (422).", json_schema_extra=ONLY_NULL
-    )
-
-    def sampling(self) -> dict[str, Any]:
-        """The sampling parameters, and the tools (passed to vLLM with them)."""
-        return super().sampling() | self.tool_parameters()
-
-
-class Usage(BaseModel):
-    prompt_tokens: int = Field(description="Estimated (about 4 characters per token).")
-    completion_tokens: int
-    total_tokens: int
-
-
-class OutcomeOut(BaseModel):
-    """QLM's extension of an OpenAI answer (``qlm``): how the request fared against its SLO,
-    so that a caller needs no second call to know (``GET /v1/requests/{id}`` has the rest)."""
-
-    request_id: str = Field(description="The request's id in QLM.")
-    deadline_at: float = Field(description="Unix seconds: submission + slo_seconds.")
-    slo_met: bool | None = Field(
-        description="Finished within every deadline (null only if not judged)."
-    )
-    ttft_met: bool | None = Field(
-        description="The first token came within ttft_slo_seconds; null without a TTFT SLO."
-    )
-    queue_seconds: float | None = Field(
-        description="Wait in the queue: submission to first dispatch to an instance (ms "
-        "resolution); null if never dispatched."
-    )
-
-
-class CompletionChoice(BaseModel):
-    index: int
-    text: str
-    logprobs: None = None
-    finish_reason: Literal["stop", "length"] | None
-
-
-class CompletionOut(BaseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage | None = None
-    qlm: OutcomeOut
-
-
-class AssistantMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
-    content: str | None
-    tool_calls: list[ToolCall] | None = Field(
-        default=None, description="The tools it called (a chat with `tools`); content may be null."
-    )
-
-
-class ChatChoice(BaseModel):
-    index: int
-    message: AssistantMessage
-    logprobs: None = None
-    finish_reason: Literal["stop", "length", "tool_calls"] | None
-
-
-class ChatCompletionOut(BaseModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
-    choices: list[ChatChoice]
-    usage: Usage
-    qlm: OutcomeOut
-
-
-class ModelOut(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int = 0
-    owned_by: str = "qlm"
-
-
-class ModelListOut(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelOut]
-
-
 def with_limits(components: dict[str, Any], settings: ApiSettings) -> None:
     """Write the limits that are settings into the bodies' JSON schemas (``components`` of the
     OpenAPI schema), so that the app's schema says what it accepts: ``max_tokens`` (and
@@ -1019,233 +640,3 @@ def with_limits(components: dict[str, Any], settings: ApiSettings) -> None:
                     branch.update(limit)
                 if "maxLength" in limit and branch.get("type") == "array":
                     branch.get("items", {}).update(limit)
-
-
-# --- operator API -----------------------------------------------------------------------------
-
-
-class GroupOut(BaseModel):
-    """One request group in a virtual queue."""
-
-    model_config = ConfigDict(extra="allow")
-
-    id: str
-    model: str
-    size: int = Field(description="Requests in the group.")
-    tier: str
-    slo_class: str | None = None
-    earliest_deadline_at: float | None = None
-    latest_deadline_at: float | None = None
-    predicted_completion_at: float | None = None
-    p_meet_slo: float | None = Field(default=None, description="P(group meets its SLO).")
-    at_risk: bool = Field(
-        default=False, description="Predicted to miss its SLO (P(meet SLO) below the planner's Δ)."
-    )
-    missed: int | None = Field(
-        default=None,
-        description="Its requests already past their deadline when the state was published.",
-    )
-    tenants: dict[str, int] | None = Field(
-        default=None, description="Its requests per tenant, most first."
-    )
-    instance: str | None = Field(default=None, description="The virtual queue holding it.")
-    position: int | None = Field(default=None, description="0 = the head of its queue.")
-
-
-class VirtualQueueOut(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-    instance: str
-    predicted_drain_at: float | None = None
-    size: int = Field(description="Requests in the queue (the sum of its groups).")
-    at_risk_requests: int = Field(description="Requests of its groups at risk.")
-    missed_requests: int = Field(
-        default=0, description="Requests already past their deadline (their groups are at risk)."
-    )
-    groups: list[GroupOut]
-
-
-class QueuesOut(BaseModel):
-    controller: str | None = Field(description="The controller that published this state.")
-    at: float | None = Field(description="When it was published (unix seconds).")
-    policy: str | None = None
-    queues: list[VirtualQueueOut]
-
-
-class GroupsOut(BaseModel):
-    controller: str | None
-    at: float | None
-    data: list[GroupOut]
-
-
-class RequestBriefOut(BaseModel):
-    """A request as an operator scans it in a list: who, when due, where it is."""
-
-    id: str
-    tenant: str
-    model: str
-    tier: TierName
-    status: StatusName
-    submitted_at: float
-    deadline_at: float
-    dispatched_at: float | None
-    first_token_at: float | None
-    predicted_completion_at: float | None
-    at_risk: bool = Field(description="Predicted to miss its deadline.")
-    missed: bool = Field(
-        description="Past its deadline and not final yet, or final without meeting its SLO."
-    )
-    instance: str | None
-    tokens: int = Field(description="Output tokens generated so far (all of them once final).")
-    evictions: int
-
-    @classmethod
-    def of(cls, row: RequestRow, now: float) -> RequestBriefOut:
-        return cls(
-            id=row.id,
-            tenant=row.tenant,
-            model=row.model,
-            tier=tier_name(row.tier),
-            status=status_name(row.status),
-            submitted_at=row.submitted_at,
-            deadline_at=row.deadline_at,
-            dispatched_at=row.dispatched_at,
-            first_token_at=row.first_token_at,
-            predicted_completion_at=row.predicted_completion_at,
-            at_risk=row.at_risk,
-            missed=row.slo_met is False if row.is_final else now > row.deadline_at,
-            instance=row.instance,
-            tokens=row.output_tokens if row.is_final else row.partial_tokens,
-            evictions=row.evictions,
-        )
-
-
-class GroupDetailOut(BaseModel):
-    """One group and the requests it holds, as the controller last published them."""
-
-    controller: str | None
-    at: float | None = Field(description="When the state was published (unix seconds).")
-    group: GroupOut
-    requests: list[RequestBriefOut] = Field(
-        description="Its requests in FCFS order (the first ``listed`` of them, as the store has them)."
-    )
-    listed: int = Field(
-        description="How many of its requests the controller named: all of them unless its "
-        "queues held more than 5,000 requests."
-    )
-
-
-class RunningOut(BaseModel):
-    """The requests one instance runs."""
-
-    instance: str
-    max_running: int | None = Field(description="Its concurrency limit.")
-    requests: list[RequestBriefOut]
-
-
-class RunningListOut(BaseModel):
-    controller: str | None
-    at: float | None = Field(description="When the state was published (unix seconds).")
-    data: list[RunningOut]
-
-
-class InstanceOut(BaseModel):
-    name: str
-    url: str
-    gpu: str
-    gpu_count: int
-    models: list[str]
-    state: Literal["up", "down", "draining"] = Field(description="As recorded in the store.")
-    tiers: dict[str, Literal["active", "warm", "cold"]] = Field(
-        description="Where each model's weights are."
-    )
-    active_model: str | None = None
-    outstanding: int | None = Field(default=None, description="Requests it runs now.")
-    max_running: int | None = None
-    up: bool | None = Field(default=None, description="The controller's latest health check.")
-    updated_at: float
-
-
-class InstancesOut(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[InstanceOut]
-
-
-class PlanOut(BaseModel):
-    """One planning event and why it happened."""
-
-    id: int
-    controller: str
-    at: float
-    trigger: str = Field(description="Why the planner ran (violation, instance change, ...).")
-    groups: int
-    status: str = Field(description="Solver status (optimal, timeout, infeasible, ...).")
-    method: str = Field(description="milp, or the heuristic it fell back to.")
-    objective: float = Field(description="Expected weighted SLO violation of the plan.")
-    edf_objective: float = Field(description="The same for plain EDF: what planning gained.")
-    at_risk: list[str] = Field(description="Groups expected to miss their SLO anyway.")
-    capacity_needed: float | None = Field(
-        description="Fleet multiple needed to meet every SLO (null: beyond what was searched)."
-    )
-    solve_s: float
-    evaluations: int
-    concurrency: dict[str, int]
-    deferred: int = Field(
-        default=0,
-        description="Groups cost-aware admission put behind the others (served as capacity allows).",
-    )
-
-
-class PlansOut(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[PlanOut]
-
-
-class ControllerOut(BaseModel):
-    name: str
-    active: bool
-    updated_at: float
-    age_s: float = Field(description="Seconds since it last published its state.")
-    stopped_at: float | None = Field(
-        default=None, description="When it stopped cleanly; null while it runs (or if it died)."
-    )
-
-
-class ControllersOut(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ControllerOut]
-
-
-class SloBucketOut(BaseModel):
-    start: float = Field(description="Submitted at or after (unix seconds).")
-    end: float = Field(description="Submitted before (unix seconds).")
-    requests: int
-    finished: int
-    failed: int
-    cancelled: int
-    pending: int = Field(description="Not final yet: queued or running.")
-    slo_met: int
-    attainment: float | None = Field(
-        description="slo_met / (finished + failed): failures count as misses, cancelled and "
-        "pending requests are left out; null when none is decided."
-    )
-
-
-class AttainmentOut(BaseModel):
-    object: Literal["list"] = "list"
-    step: float = Field(description="Seconds per bucket (the last may be shorter).")
-    data: list[SloBucketOut] = Field(description="Every bucket, oldest first, empty ones too.")
-
-
-class CheckOut(BaseModel):
-    ok: bool
-    detail: str
-
-
-class ReadyOut(BaseModel):
-    status: Literal["ready", "unavailable"]
-    checks: dict[str, CheckOut] = Field(description="broker, store, controller")
-
-
-class HealthOut(BaseModel):
-    status: Literal["ok"] = "ok"
