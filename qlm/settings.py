@@ -183,7 +183,7 @@ class ApiSettings(BaseModel):
     max_prompt_tokens: int = Field(default=131_072, ge=1)
     """The largest estimated prompt (422 above it)."""
     default_max_tokens: int = Field(default=256, ge=1)
-    """``max_tokens`` of an OpenAI-style request that gives none."""
+    """``max_tokens`` of a request that gives none (native and OpenAI-style alike)."""
     max_labels: int = Field(default=16, ge=0)
     rate_per_s: float = Field(default=200.0, gt=0)
     """Sustained submissions per second per tenant (per API replica), 429 beyond."""

@@ -107,7 +107,7 @@ async def submit(
         )
     submission = Submission(
         model=body.model,
-        max_tokens=body.max_tokens,
+        max_tokens=body.max_tokens or ctx.settings.default_max_tokens,
         prompt=body.prompt,
         messages=[m.model_dump(exclude_none=True) for m in body.messages]
         if body.messages is not None

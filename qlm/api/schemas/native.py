@@ -63,8 +63,12 @@ class SubmitIn(JsonBody, SamplingIn, SloIn, ToolsIn):
     messages: list[ChatMessage] | None = Field(
         default=None, min_length=1, max_length=4096, description="Chat messages (or `prompt`)."
     )
-    max_tokens: int = Field(
-        ge=1, le=2**31 - 1, description="Most output tokens (<= QLM_API__MAX_TOKENS_LIMIT)."
+    max_tokens: int | None = Field(
+        default=None,
+        ge=1,
+        le=2**31 - 1,
+        description="Most output tokens (<= QLM_API__MAX_TOKENS_LIMIT); default: "
+        "QLM_API__DEFAULT_MAX_TOKENS, as on the OpenAI endpoints.",
     )
 
     def sampling(self) -> dict[str, Any]:

@@ -139,6 +139,27 @@ def test_a_submission_is_stored_published_and_readable() -> None:
     run(scenario)
 
 
+def test_without_max_tokens_a_submission_gets_the_default_the_openai_endpoints_use() -> None:
+    async def scenario(h: Harness) -> None:
+        native = await h.client.post(
+            "/v1/requests", json={"model": "m", "prompt": "hello"}, headers=h.auth()
+        )
+        assert native.status_code == 202, native.text
+        nulled = await h.client.post(
+            "/v1/requests",
+            json={"model": "m", "prompt": "hello", "max_tokens": None},
+            headers=h.auth(),
+        )
+        assert nulled.status_code == 202, nulled.text
+        assert [m.max_tokens for m in published(h.queue)] == [48, 48]
+        got = await h.client.get(f"/v1/requests/{native.json()['id']}", headers=h.auth())
+        assert got.json()["max_tokens"] == 48
+        schema = (await h.client.get("/openapi.json")).json()["components"]["schemas"]
+        assert "max_tokens" not in schema["SubmitIn"].get("required", [])
+
+    run(scenario, default_max_tokens=48)
+
+
 def test_chat_messages_are_kept_and_rendered_for_the_engine() -> None:
     async def scenario(h: Harness) -> None:
         messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
