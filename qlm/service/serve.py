@@ -20,7 +20,7 @@ from qlm.service import (
     open_queue,
     open_store,
 )
-from qlm.service.replay import ReplayResult, replay
+from qlm.service.replay import ReplayProgress, ReplayResult, replay
 from qlm.service.sim_servers import SimServers
 from qlm.settings import Settings
 from qlm.sim.traces import load_trace, scale_rate, window
@@ -28,6 +28,32 @@ from qlm.sim.workload import create_workload
 from qlm.wiring import rct_profile
 
 log = logging.getLogger(__name__)
+
+REPLAY_PROGRESS_S = 5.0
+"""How often ``qlm serve --replay`` logs where its replay stands."""
+
+
+class ProgressLog:
+    """Logs a replay's progress: its first report, then at most one every ``every_s`` seconds,
+    and the one that finds every request final."""
+
+    def __init__(self, every_s: float) -> None:
+        self.every_s = every_s
+        self.logged_at: float | None = None
+
+    def __call__(self, p: ReplayProgress) -> None:
+        last = p.final == p.total and p.submitted == p.total
+        if not last and self.logged_at is not None and p.wall_s < self.logged_at + self.every_s:
+            return
+        self.logged_at = p.wall_s
+        log.info(
+            "replay: %d of %d requests submitted, %d of them done, after %.0f s",
+            p.submitted,
+            p.total,
+            p.final,
+            p.wall_s,
+            extra={"submitted": p.submitted, "done": p.final, "total": p.total},
+        )
 
 
 async def serve(settings: Settings, *, replay_s: float | None = None) -> ReplayResult | None:
@@ -80,6 +106,7 @@ async def _serve(
             store,
             service.runtime.clock,
             time_scale=settings.controller.sim_time_scale,
+            progress=ProgressLog(REPLAY_PROGRESS_S),
         )
     app = create_app(
         settings, queue=queue, store=store, controller=service, clock=service.runtime.clock.now

@@ -115,6 +115,9 @@ def test_demo_compares_fcfs_and_qlm_on_embedded_defaults_and_reads_its_settings(
     assert out["difference"]["SLO attainment"] == pytest.approx(gain)
     table = runner.invoke(app, ["demo"])
     assert table.exit_code == 0 and "qlm − fcfs" in table.stdout and " pt" in table.stdout
+    for slo_class in fcfs["slo_attainment_by_class"]:  # each class side by side, its difference
+        [row] = [line for line in table.stdout.splitlines() if f"class {slo_class} (" in line]
+        assert row.count("%") == 2 and row.rstrip("│ ").endswith(" pt"), row
     monkeypatch.setenv("QLM_DEMO__POLICIES", "fcfs")
     alone = json.loads(runner.invoke(app, ["demo", "--json"]).stdout)
     assert list(alone["policies"]) == ["fcfs"] and alone["difference"] == {}
@@ -335,3 +338,30 @@ def test_ops_reaches_a_server_on_every_address_through_the_loopback() -> None:
 
 def stop_the_command() -> None:
     raise SystemExit(0)
+
+
+def test_serve_replay_prints_its_summary_as_json(monkeypatch: pytest.MonkeyPatch) -> None:
+    from qlm.service.replay import ReplayResult
+
+    async def replayed(settings: object, *, replay_s: float | None) -> ReplayResult:
+        assert replay_s == 12.0
+        return ReplayResult(requests=10, finished=9, slo_met=8, failed=1, wall_s=3.5)
+
+    monkeypatch.setattr("qlm.service.serve.serve", replayed)
+    monkeypatch.setattr("qlm.cli.service.configure_logging", lambda: None)
+    result = runner.invoke(app, ["serve", "--replay", "12", "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout) == {
+        "command": "qlm serve --replay 12",
+        "requests": 10,
+        "finished": 9,
+        "failed": 1,
+        "slo_met": 8,
+        "slo_attainment": 0.8,
+        "wall_s": 3.5,
+    }
+    served = runner.invoke(app, ["serve", "--json"])
+    assert served.exit_code == 1
+    assert served.stderr.strip() == (
+        "error: --json is for the summary of a replay: give --replay SECONDS too"
+    )
