@@ -362,8 +362,8 @@ def _requests_table(
     table.add_column("running (s)" if running else "waited (s)", justify="right")
     table.add_column("deadline")
     if running:
-        table.add_column("completion (predicted)")
-        table.add_column("tokens", justify="right")
+        table.add_column("completion (predicted while queued)")
+        table.add_column("tokens (so far)", justify="right")
     table.add_column("state")
     for r in requests:
         since = r.get("dispatched_at") if running else r.get("submitted_at")

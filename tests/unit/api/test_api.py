@@ -716,7 +716,7 @@ def test_operators_see_one_group_s_requests_and_what_each_instance_runs() -> Non
     [group] = snapshot["queues"][0]["groups"]
     group |= {"size": 3, "missed": 1, "tenants": {"acme": 2, "globex": 1}}
     group["request_ids"] = ["r2", "r0", "r1"]
-    snapshot["instances"][0]["running"] = ["r3"]
+    snapshot["instances"][0] |= {"running": ["r3"], "tokens": {"r3": 17}}
 
     async def scenario(h: Harness) -> None:
         for i, (tenant, slo) in enumerate((("acme", 900.0), ("acme", 10.0), ("globex", 900.0))):
@@ -754,6 +754,7 @@ def test_operators_see_one_group_s_requests_and_what_each_instance_runs() -> Non
         [running] = i0["requests"]
         assert (running["id"], running["status"], running["instance"]) == ("r3", "running", "i0")
         assert running["dispatched_at"] == now - 50 and running["missed"] is True
+        assert running["tokens"] == 17  # as the controller counts them (the store: when it ends)
         r = await h.client.get("/v1/admin/running", params={"instance": "i9"}, headers=admin)
         assert r.status_code == 404 and "'i9'" in r.json()["error"]["message"]
         r = await h.client.get("/v1/admin/running", headers=h.auth())
