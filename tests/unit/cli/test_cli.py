@@ -169,9 +169,17 @@ def test_profile_commands_write_a_profile_the_estimator_loads(tmp_path: Path) ->
         app, ["profile", "hardware", "--model", "llama-3-8b", "--gpu", "H100", "--out", str(out)]
     )
     assert hw.exit_code == 0, hw.output
-    wl = runner.invoke(app, ["profile", "workload", "--trace", "azure-conv", "--out", str(out)])
+    wl = runner.invoke(
+        app, ["profile", "workload", "--trace", "azure-conv", "--out", str(out), "--json"]
+    )
     assert wl.exit_code == 0, wl.output
     profile = parse_profile(out.read_text())
+    written = json.loads(wl.stdout)  # what was written, as the file holds it
+    assert written["out"] == str(out)
+    assert (
+        written["output_priors"]["default"]
+        == json.loads(out.read_text())["output_priors"]["default"]
+    )
     assert ("llama-3-8b", "H100", 1) in profile.hardware
     assert set(profile.output_priors) == {
         "default"
@@ -192,6 +200,12 @@ def test_profile_commands_write_a_profile_the_estimator_loads(tmp_path: Path) ->
     )
     assert mine.exit_code == 0, mine.output
     assert set(parse_profile(out.read_text()).output_priors) == {"default", "llama-3-8b"}
+    args = ["profile", "hardware", "--model", "llama-3-8b", "--gpu", "A100", "--json"]
+    again = runner.invoke(app, [*args, "--out", str(out)])
+    assert again.exit_code == 0, again.output
+    [entry] = json.loads(again.stdout)["hardware"]
+    assert (entry["model"], entry["gpu"], entry["gpu_count"]) == ("llama-3-8b", "A100", 1)
+    assert entry in json.loads(out.read_text())["hardware"]
     bad = runner.invoke(
         app,
         [
@@ -223,9 +237,15 @@ def test_the_shipped_estimator_profile_is_what_qlm_profile_all_produces(tmp_path
     from importlib import resources
 
     out = tmp_path / "rct_profile.json"
-    result = runner.invoke(app, ["profile", "all", "--out", str(out)])
+    result = runner.invoke(app, ["profile", "all", "--out", str(out), "--json"])
     assert result.exit_code == 0, result.output
     shipped = resources.files("qlm").joinpath("data/rct_profile.json").read_text(encoding="utf-8")
+    doc = json.loads(shipped)
+    assert json.loads(result.stdout) == {
+        "out": str(out),
+        "hardware": len(doc["hardware"]),
+        "output_priors": len(doc["output_priors"]),
+    }
     assert out.read_text(encoding="utf-8") == shipped, (
         "regenerate: qlm profile all --out qlm/data/rct_profile.json"
     )
