@@ -560,8 +560,10 @@ def request_view(doc: Mapping[str, Any]) -> Table:
     final = doc["status"] in ("finished", "failed", "cancelled")
     predicted = doc.get("predicted_completion_at")
     late = predicted is not None and not final and predicted > doc["deadline_at"]
+    missed = bool(doc.get("missed")) and not final  # (a final one: "SLO met" says it)
     rows = [
-        ("status", doc["status"] + (f" ({doc['error']})" if doc.get("error") else "")),
+        ("status", doc["status"] + (f" ({doc['error']})" if doc.get("error") else "")
+            + (", missed: its deadline passed" if missed else "")),
         ("tenant / model / tier", f"{doc['tenant']} / {doc['model']} / {doc['tier']}"),
         ("SLO", f"{doc['slo_seconds']:g} s" + _ttft(doc.get("ttft_slo_seconds"))),
         ("submitted", time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(sub))),
@@ -572,7 +574,8 @@ def request_view(doc: Mapping[str, Any]) -> Table:
             + (" (past its deadline)" if late else " (at risk)" if doc.get("at_risk") else "")),
         ("instance", doc.get("instance") or "-"),
         ("evictions / swaps / attempts", f"{doc['evictions']} / {doc['swaps']} / {doc['attempts']}"),
-        ("SLO met", "-" if met is None else ("yes" if met else "NO")),
+        ("SLO met", ("NO (its deadline passed)" if missed else "-") if met is None
+            else ("yes" if met else "NO")),
     ]  # fmt: skip
     for name, value in rows:
         table.add_row(name, value)

@@ -122,6 +122,10 @@ class RequestOut(BaseModel):
         description="The estimator's latest prediction while the request waits or runs."
     )
     at_risk: bool = Field(description="Predicted to miss its deadline.")
+    missed: bool = Field(
+        description="Its deadline passed without it finishing: final without meeting its SLO, "
+        "or not final yet (it can no longer meet it)."
+    )
     instance: str | None
     cancel_requested: bool
     evictions: int
@@ -133,7 +137,8 @@ class RequestOut(BaseModel):
     error: str | None = Field(description="Why it failed.")
 
     @classmethod
-    def of(cls, row: RequestRow) -> RequestOut:
+    def of(cls, row: RequestRow, now: float) -> RequestOut:
+        """``row`` as answered at ``now`` (the API's clock: whether it is missed yet)."""
         output = None
         if row.is_final:
             output = OutputOut(
@@ -159,6 +164,7 @@ class RequestOut(BaseModel):
             finished_at=row.finished_at,
             predicted_completion_at=row.predicted_completion_at,
             at_risk=row.at_risk,
+            missed=row.slo_met is False if row.is_final else now > row.deadline_at,
             instance=row.instance,
             cancel_requested=row.cancel_requested,
             evictions=row.evictions,

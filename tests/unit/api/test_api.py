@@ -160,6 +160,30 @@ def test_without_max_tokens_a_submission_gets_the_default_the_openai_endpoints_u
     run(scenario, default_max_tokens=48)
 
 
+def test_a_request_past_its_deadline_reads_as_missed_while_it_waits_and_once_final() -> None:
+    now = [1000.0]
+
+    async def scenario(h: Harness) -> None:
+        late, met = [(await h.submit(slo_seconds=s)).json()["id"] for s in (10, 100)]
+
+        async def missed() -> list[bool]:
+            got = [await h.client.get(f"/v1/requests/{i}", headers=h.auth()) for i in (late, met)]
+            listed = (await h.client.get("/v1/requests", headers=h.auth())).json()["data"]
+            assert {r["id"]: r["missed"] for r in listed} == {
+                r.json()["id"]: r.json()["missed"] for r in got
+            }
+            return [r.json()["missed"] for r in got]
+
+        assert await missed() == [False, False]
+        now[0] = 1050.0  # past the first one's deadline, before the second's
+        assert await missed() == [True, False]
+        h.store.record_outcome(met, status=RequestStatus.FINISHED, at=1050.0, slo_met=True)
+        now[0] = 2000.0
+        assert await missed() == [True, False]  # (met: final within its deadline)
+
+    run(scenario, clock=lambda: now[0])
+
+
 def test_chat_messages_are_kept_and_rendered_for_the_engine() -> None:
     async def scenario(h: Harness) -> None:
         messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]

@@ -122,6 +122,19 @@ def test_a_waiting_request_predicted_past_its_deadline_says_so() -> None:
     }  # fmt: skip
     out = text(ops.request_view(doc))
     assert "+60.00 s" in out and "+90.00 s (past its deadline)" in out
+    assert "missed" not in out and "NO" not in out  # (its deadline is still ahead)
+
+
+def test_a_waiting_request_past_its_deadline_is_missed_not_only_at_risk() -> None:
+    doc = {
+        "id": "req_a", "status": "queued", "tenant": "acme", "model": "m", "tier": "batch",
+        "slo_seconds": 60.0, "ttft_slo_seconds": None, "submitted_at": 1000.0,
+        "deadline_at": 1060.0, "predicted_completion_at": 1200.0, "at_risk": True,
+        "missed": True, "evictions": 0, "swaps": 0, "attempts": 0, "slo_met": None,
+    }  # fmt: skip
+    out = text(ops.request_view(doc))
+    assert "queued, missed: its deadline passed" in out
+    assert "NO (its deadline passed)" in out
 
 
 @pytest.mark.parametrize(
