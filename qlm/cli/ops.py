@@ -57,7 +57,10 @@ def _call(target: Target, method: str, path: str, params: Mapping[str, Any] | No
         with httpx.Client(base_url=target.url, timeout=30.0) as c:
             resp = c.request(method, path, params=params, headers=headers)
     except httpx.HTTPError as exc:
-        _fail(f"cannot reach QLM at {target.url} ({type(exc).__name__}: {exc})")
+        _fail(
+            f"cannot reach QLM at {target.url} ({type(exc).__name__}: {exc}); is `qlm serve` "
+            "or `qlm api` running there? Give its address with --url or QLM_URL"
+        )
     if resp.status_code >= 400:
         try:
             message = resp.json()["error"]["message"]
@@ -115,7 +118,7 @@ def ops_main(
     """Inspect and steer a running QLM through its admin endpoints."""
     url = url or default_url(os.environ)
     if not re.match(r"^https?://", url):
-        _fail(f"--url must start with http:// or https://, got {url!r}")
+        _fail(f"--url (QLM_URL) must start with http:// or https://, got {url!r}")
     ctx.obj = Target(url.rstrip("/"), key or None, as_json)
 
 

@@ -385,3 +385,23 @@ def test_serve_replay_prints_its_summary_as_json(monkeypatch: pytest.MonkeyPatch
     assert served.stderr.strip() == (
         "error: --json is for the summary of a replay: give --replay SECONDS too"
     )
+
+
+def test_ops_without_a_qlm_to_reach_says_where_it_looked_and_how_to_point_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    port = 1  # where nothing listens
+    monkeypatch.setenv("QLM_URL", f"http://127.0.0.1:{port}")
+    result = runner.invoke(app, ["ops", "queues"])
+    assert result.exit_code == 1
+    [line] = result.stderr.strip().splitlines()
+    assert line.startswith(f"error: cannot reach QLM at http://127.0.0.1:{port} (ConnectError")
+    assert line.endswith(
+        "is `qlm serve` or `qlm api` running there? Give its address with --url or QLM_URL"
+    )
+    monkeypatch.setenv("QLM_URL", f"127.0.0.1:{port}")
+    result = runner.invoke(app, ["ops", "queues"])
+    assert result.exit_code == 1
+    assert result.stderr.strip() == (
+        f"error: --url (QLM_URL) must start with http:// or https://, got '127.0.0.1:{port}'"
+    )
