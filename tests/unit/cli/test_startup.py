@@ -21,13 +21,12 @@ NO_BROKER = "amqp://guest:secret@127.0.0.1:1/"
 
 
 def start(
-    command: str, cwd: Path, env: dict[str, str], *, before: str = ""
+    command: str | list[str], cwd: Path, env: dict[str, str], *, before: str = ""
 ) -> subprocess.CompletedProcess[str]:
     """``qlm COMMAND`` in ``cwd`` with ``env`` over the QLM_* settings' defaults (the API on
     any free port); ``before``: Python run first, in the same process."""
-    code = (
-        f"import sys\n{before}\nfrom qlm.cli import main\nsys.argv = ['qlm', {command!r}]\nmain()"
-    )
+    args = [command] if isinstance(command, str) else command
+    code = f"import sys\n{before}\nfrom qlm.cli import main\nsys.argv = ['qlm', *{args!r}]\nmain()"
     clean = {k: v for k, v in os.environ.items() if not k.startswith("QLM_")}
     return subprocess.run(
         [sys.executable, "-c", code],
@@ -130,6 +129,17 @@ def test_a_port_in_use_is_one_line_and_nothing_is_written(
         "or another server listens there); choose another with QLM_API__PORT"
     )
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_simulated_instance_on_a_port_in_use_is_one_line_naming_the_option(
+    tmp_path: Path, listener: int
+) -> None:
+    args = ["sim-engine", "serve", "--model", "llama-3-8b", "--gpu", "A100"]
+    line = one_line(start([*args, "--port", str(listener)], tmp_path, {}))
+    assert line == (
+        f"error: port {listener} is in use on 127.0.0.1 (Address already in use: another QLM "
+        "or another server listens there); choose another with --port"
+    )
 
 
 def test_an_unprofiled_instance_stops_serve_before_the_store_is_opened(tmp_path: Path) -> None:
