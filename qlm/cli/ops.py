@@ -265,51 +265,80 @@ def _watch(
         return
 
 
-@ops_app.command("queues")
-def queues_cmd(
+WatchOption = Annotated[
+    bool, typer.Option("--watch", "-w", help="Redraw every --interval until Ctrl-C.")
+]
+IntervalOption = Annotated[
+    float, typer.Option(min=0.1, max=3600.0, help="Seconds between redraws (--watch).")
+]
+CountOption = Annotated[
+    int | None, typer.Option(min=1, help="Stop after this many draws (--watch).")
+]
+
+
+def _show_or_watch(
     ctx: typer.Context,
-    watch: Annotated[
-        bool, typer.Option("--watch", "-w", help="Redraw every --interval until Ctrl-C.")
-    ] = False,
-    interval: Annotated[
-        float, typer.Option(min=0.1, max=3600.0, help="Seconds between redraws (--watch).")
-    ] = 2.0,
-    count: Annotated[
-        int | None, typer.Option(min=1, help="Stop after this many draws (--watch).")
-    ] = None,
-    as_json: JsonOption = False,
+    path: str,
+    params: Mapping[str, Any] | None,
+    view: Callable[[Any], list[RenderableType]],
+    *,
+    as_json: bool,
+    watch: bool,
+    interval: float,
+    count: int | None,
 ) -> None:
-    """The virtual queue of every instance: its groups in order, their predicted completion and
-    risk (requests past their deadline: missed)."""
+    """``GET path`` shown by ``view`` once, or redrawn (``--watch``, or ``--count``)."""
     target = _target(ctx, as_json)
     if watch or count is not None:
         _watch(
-            lambda: _call(target, "GET", "/v1/admin/queues"),
-            queues_view,
+            lambda: _call(target, "GET", path, params),
+            view,
             raw=target.raw,
             interval=interval,
             count=count,
         )
         return
-    doc = _fetch(ctx, "GET", "/v1/admin/queues", as_json=as_json)
+    doc = _fetch(ctx, "GET", path, params, as_json=as_json)
     if doc is not None:
-        _show(queues_view(doc))
+        _show(view(doc))
+
+
+@ops_app.command("queues")
+def queues_cmd(
+    ctx: typer.Context,
+    watch: WatchOption = False,
+    interval: IntervalOption = 2.0,
+    count: CountOption = None,
+    as_json: JsonOption = False,
+) -> None:
+    """The virtual queue of every instance: its groups in order, their predicted completion and
+    risk (requests past their deadline: missed)."""
+    _show_or_watch(
+        ctx, "/v1/admin/queues", None, queues_view,
+        as_json=as_json, watch=watch, interval=interval, count=count,
+    )  # fmt: skip
+
+
+def groups_view(doc: Mapping[str, Any]) -> list[RenderableType]:
+    """``GET /v1/admin/groups``: the state's age and one table of groups."""
+    return [_stale(doc), _group_table(_n(len(doc["data"]), "group"), doc["data"], doc.get("at"))]
 
 
 @ops_app.command("groups")
 def groups_cmd(
     ctx: typer.Context,
     at_risk: Annotated[bool, typer.Option("--at-risk", help="Only groups at risk.")] = False,
+    watch: WatchOption = False,
+    interval: IntervalOption = 2.0,
+    count: CountOption = None,
     as_json: JsonOption = False,
 ) -> None:
-    """Every request group, across the virtual queues (qlm ops group ID: one of them)."""
-    doc = _fetch(
-        ctx, "GET", "/v1/admin/groups", {"at_risk": True} if at_risk else None, as_json=as_json
-    )
-    if doc is None:
-        return
-    console.print(_stale(doc))
-    console.print(_group_table(_n(len(doc["data"]), "group"), doc["data"], doc.get("at")))
+    """Every request group, across the virtual queues, most urgent deadline first (qlm ops
+    group ID: one of them)."""
+    _show_or_watch(
+        ctx, "/v1/admin/groups", {"at_risk": True} if at_risk else None, groups_view,
+        as_json=as_json, watch=watch, interval=interval, count=count,
+    )  # fmt: skip
 
 
 def _request_state(r: Mapping[str, Any]) -> str:
@@ -446,13 +475,16 @@ def running_view(doc: Mapping[str, Any]) -> list[RenderableType]:
 def running_cmd(
     ctx: typer.Context,
     instance: Annotated[str | None, typer.Option(help="Only this instance's.")] = None,
+    watch: WatchOption = False,
+    interval: IntervalOption = 2.0,
+    count: CountOption = None,
     as_json: JsonOption = False,
 ) -> None:
     """The requests each instance runs: tenant, time running, deadline, tokens so far."""
-    params = {"instance": instance} if instance else None
-    doc = _fetch(ctx, "GET", "/v1/admin/running", params, as_json=as_json)
-    if doc is not None:
-        _show(running_view(doc))
+    _show_or_watch(
+        ctx, "/v1/admin/running", {"instance": instance} if instance else None, running_view,
+        as_json=as_json, watch=watch, interval=interval, count=count,
+    )  # fmt: skip
 
 
 def _steer(ctx: typer.Context, name: str, action: str, as_json: bool) -> None:
