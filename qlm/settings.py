@@ -57,10 +57,17 @@ class BrokerSettings(BaseModel):
         return self.model_dump()
 
 
+PolicyName = Literal[
+    "fcfs", "fcfs-rr", "edf", "sedf", "priority", "proserve", "shepherd", "qlm", "qlm-rr"
+]
+"""The policies ``qlm.planner.create_policy`` makes (``qlm.planner.POLICIES``): checked with the
+other settings, before a service opens anything."""
+
+
 class ControllerSettings(BaseModel):
     """The controller service (``qlm controller``, ``qlm serve``)."""
 
-    policy: str = "qlm"
+    policy: PolicyName = "qlm"
     name: str | None = None  # default: host-pid
     sim_instances: str = "2xA100:llama-3-8b"  # in-process simulated instances without a file
     sim_time_scale: float = Field(default=1.0, gt=0)

@@ -131,6 +131,16 @@ def test_a_port_in_use_is_one_line_and_nothing_is_written(
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("command", ["controller", "serve"])
+def test_an_unknown_policy_is_one_line_naming_the_setting_and_nothing_is_written(
+    command: str, tmp_path: Path
+) -> None:
+    line = one_line(start(command, tmp_path, {"QLM_CONTROLLER__POLICY": "lifo"}))
+    assert line.startswith("error: setting QLM_CONTROLLER__POLICY: Input should be 'fcfs', ")
+    assert line.endswith("'qlm' or 'qlm-rr'")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_simulated_instance_on_a_port_in_use_is_one_line_naming_the_option(
     tmp_path: Path, listener: int
 ) -> None:
