@@ -13,6 +13,8 @@ import socket
 
 from qlm.api.app import create_app
 from qlm.api.server import ApiServer, bind, until_signalled
+from qlm.domain import Request
+from qlm.errors import ConfigError, WorkloadError
 from qlm.service import (
     build_controller,
     check_profiled,
@@ -72,6 +74,21 @@ async def serve(settings: Settings, *, replay_s: float | None = None) -> ReplayR
             sock.close()  # a no-op once the server closed it
 
 
+def replayed(settings: Settings, replay_s: float) -> list[Request]:
+    """The first ``replay_s`` seconds of the demo trace (``QLM_DEMO__*``) as requests; a trace
+    or workload that cannot be had is one line naming its setting."""
+    demo = settings.demo
+    try:
+        trace = load_trace(demo.trace, seed=demo.seed)
+    except WorkloadError as exc:
+        raise ConfigError(f"setting QLM_DEMO__TRACE: {exc}") from None
+    trace = window(scale_rate(trace, demo.rate_scale), 0.0, replay_s)
+    try:
+        return create_workload(demo.workload, trace, seed=demo.seed)
+    except WorkloadError as exc:
+        raise ConfigError(f"setting QLM_DEMO__WORKLOAD: {exc}") from None
+
+
 async def _serve(
     settings: Settings,
     stack: contextlib.AsyncExitStack,
@@ -80,6 +97,7 @@ async def _serve(
 ) -> ReplayResult | None:
     configs = instance_configs(settings)
     check_profiled(settings.controller.policy, rct_profile(settings), configs)
+    requests = None if replay_s is None else replayed(settings, replay_s)
     queue = open_queue(settings)
     await queue.reach()
     stack.push_async_callback(queue.close)
@@ -93,13 +111,8 @@ async def _serve(
     service = build_controller(settings, queue=queue, store=store, configs=configs)
     await service.start()
     stack.push_async_callback(service.stop)
-    if replay_s is not None:
-        demo = settings.demo
-        trace = window(
-            scale_rate(load_trace(demo.trace, seed=demo.seed), demo.rate_scale), 0.0, replay_s
-        )
-        requests = create_workload(demo.workload, trace, seed=demo.seed)
-        log.info("replaying %d requests of %s", len(requests), demo.trace)
+    if requests is not None:
+        log.info("replaying %d requests of %s", len(requests), settings.demo.trace)
         return await replay(
             requests,
             queue,

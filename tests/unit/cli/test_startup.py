@@ -141,6 +141,25 @@ def test_an_unknown_policy_is_one_line_naming_the_setting_and_nothing_is_written
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize(
+    ("command", "setting", "value", "says"),
+    [
+        (["serve"], "QLM_CONTROLLER__SIM_INSTANCES", "garbage",
+         "item 'garbage' is not COUNTxGPU[/GPUS]:MODEL[+MODEL], e.g. 2xA100:llama-3-8b"),
+        (["serve"], "QLM_SIM__PERF_MODEL", "nope",
+         "'nope' is neither default nor splitwise nor a CSV file"),
+        (["serve", "--replay", "10"], "QLM_DEMO__TRACE", "nope", "unknown trace 'nope'"),
+        (["serve", "--replay", "10"], "QLM_DEMO__WORKLOAD", "nope", "unknown workload 'nope'"),
+    ],
+)  # fmt: skip
+def test_a_bad_simulation_setting_is_one_line_naming_it_and_nothing_is_written(
+    command: list[str], setting: str, value: str, says: str, tmp_path: Path
+) -> None:
+    line = one_line(start(command, tmp_path, {setting: value}))
+    assert line.startswith(f"error: setting {setting}: {says}"), line
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_simulated_instance_on_a_port_in_use_is_one_line_naming_the_option(
     tmp_path: Path, listener: int
 ) -> None:
