@@ -57,10 +57,17 @@ class BrokerSettings(BaseModel):
         return self.model_dump()
 
 
+PolicyName = Literal[
+    "fcfs", "fcfs-rr", "edf", "sedf", "priority", "proserve", "shepherd", "qlm", "qlm-rr"
+]
+"""The policies ``qlm.planner.create_policy`` makes (``qlm.planner.POLICIES``): checked with the
+other settings, before a service opens anything."""
+
+
 class ControllerSettings(BaseModel):
     """The controller service (``qlm controller``, ``qlm serve``)."""
 
-    policy: str = "qlm"
+    policy: PolicyName = "qlm"
     name: str | None = None  # default: host-pid
     sim_instances: str = "2xA100:llama-3-8b"  # in-process simulated instances without a file
     sim_time_scale: float = Field(default=1.0, gt=0)
@@ -183,7 +190,7 @@ class ApiSettings(BaseModel):
     max_prompt_tokens: int = Field(default=131_072, ge=1)
     """The largest estimated prompt (422 above it)."""
     default_max_tokens: int = Field(default=256, ge=1)
-    """``max_tokens`` of an OpenAI-style request that gives none."""
+    """``max_tokens`` of a request that gives none (native and OpenAI-style alike)."""
     max_labels: int = Field(default=16, ge=0)
     rate_per_s: float = Field(default=200.0, gt=0)
     """Sustained submissions per second per tenant (per API replica), 429 beyond."""

@@ -83,10 +83,14 @@ class _Server(uvicorn.Server):
         yield  # the owner of the loop handles signals
 
 
-def bind(host: str, port: int) -> socket.socket:
+def bind(
+    host: str, port: int, *, settings: tuple[str, str] = ("QLM_API__HOST", "QLM_API__PORT")
+) -> socket.socket:
     """A socket bound to ``host:port`` (0: any free port), not yet listening: connections are
     refused until the server starts on it. A start-up binds before it opens the store or
-    writes anything, so that a port in use stops it with one line and nothing written."""
+    writes anything, so that a port in use stops it with one line and nothing written;
+    ``settings`` name what sets the host and the port, for that line."""
+    host_setting, port_setting = settings
     try:
         sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
     except OSError as exc:
@@ -100,11 +104,11 @@ def bind(host: str, port: int) -> socket.socket:
         if exc.errno == errno.EADDRINUSE:
             raise ConfigError(
                 f"port {port} is in use on {host} ({reason}: another QLM or another server "
-                "listens there); choose another with QLM_API__PORT"
+                f"listens there); choose another with {port_setting}"
             ) from None
         raise ConfigError(
-            f"cannot listen on {host}:{port} ({reason}); check QLM_API__HOST (an address of "
-            "this machine) and QLM_API__PORT (below 1024 needs privileges)"
+            f"cannot listen on {host}:{port} ({reason}); check {host_setting} (an address of "
+            f"this machine) and {port_setting} (below 1024 needs privileges)"
         ) from None
     return sock
 

@@ -103,6 +103,7 @@ def keys_list_cmd(
 @keys_app.command("revoke")
 def keys_revoke_cmd(
     key_id: Annotated[int, typer.Argument(help="The key's id (qlm keys list).")],
+    as_json: Annotated[bool, typer.Option("--json", help="Print as JSON.")] = False,
 ) -> None:
     """Revoke a key: calls with it fail within QLM_API__KEY_CACHE_S seconds."""
 
@@ -113,4 +114,7 @@ def keys_revoke_cmd(
 
     if not guard(revoke):
         fail(f"no active key with id {key_id} (qlm keys list)")
+    if as_json:
+        sys.stdout.write(json.dumps({"id": key_id, "revoked": True}) + "\n")
+        return
     console.print(f"revoked key {key_id}", highlight=False)

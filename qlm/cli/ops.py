@@ -57,7 +57,10 @@ def _call(target: Target, method: str, path: str, params: Mapping[str, Any] | No
         with httpx.Client(base_url=target.url, timeout=30.0) as c:
             resp = c.request(method, path, params=params, headers=headers)
     except httpx.HTTPError as exc:
-        _fail(f"cannot reach QLM at {target.url} ({type(exc).__name__}: {exc})")
+        _fail(
+            f"cannot reach QLM at {target.url} ({type(exc).__name__}: {exc}); is `qlm serve` "
+            "or `qlm api` running there? Give its address with --url or QLM_URL"
+        )
     if resp.status_code >= 400:
         try:
             message = resp.json()["error"]["message"]
@@ -115,7 +118,7 @@ def ops_main(
     """Inspect and steer a running QLM through its admin endpoints."""
     url = url or default_url(os.environ)
     if not re.match(r"^https?://", url):
-        _fail(f"--url must start with http:// or https://, got {url!r}")
+        _fail(f"--url (QLM_URL) must start with http:// or https://, got {url!r}")
     ctx.obj = Target(url.rstrip("/"), key or None, as_json)
 
 
@@ -262,51 +265,80 @@ def _watch(
         return
 
 
-@ops_app.command("queues")
-def queues_cmd(
+WatchOption = Annotated[
+    bool, typer.Option("--watch", "-w", help="Redraw every --interval until Ctrl-C.")
+]
+IntervalOption = Annotated[
+    float, typer.Option(min=0.1, max=3600.0, help="Seconds between redraws (--watch).")
+]
+CountOption = Annotated[
+    int | None, typer.Option(min=1, help="Stop after this many draws (--watch).")
+]
+
+
+def _show_or_watch(
     ctx: typer.Context,
-    watch: Annotated[
-        bool, typer.Option("--watch", "-w", help="Redraw every --interval until Ctrl-C.")
-    ] = False,
-    interval: Annotated[
-        float, typer.Option(min=0.1, max=3600.0, help="Seconds between redraws (--watch).")
-    ] = 2.0,
-    count: Annotated[
-        int | None, typer.Option(min=1, help="Stop after this many draws (--watch).")
-    ] = None,
-    as_json: JsonOption = False,
+    path: str,
+    params: Mapping[str, Any] | None,
+    view: Callable[[Any], list[RenderableType]],
+    *,
+    as_json: bool,
+    watch: bool,
+    interval: float,
+    count: int | None,
 ) -> None:
-    """The virtual queue of every instance: its groups in order, their predicted completion and
-    risk (requests past their deadline: missed)."""
+    """``GET path`` shown by ``view`` once, or redrawn (``--watch``, or ``--count``)."""
     target = _target(ctx, as_json)
     if watch or count is not None:
         _watch(
-            lambda: _call(target, "GET", "/v1/admin/queues"),
-            queues_view,
+            lambda: _call(target, "GET", path, params),
+            view,
             raw=target.raw,
             interval=interval,
             count=count,
         )
         return
-    doc = _fetch(ctx, "GET", "/v1/admin/queues", as_json=as_json)
+    doc = _fetch(ctx, "GET", path, params, as_json=as_json)
     if doc is not None:
-        _show(queues_view(doc))
+        _show(view(doc))
+
+
+@ops_app.command("queues")
+def queues_cmd(
+    ctx: typer.Context,
+    watch: WatchOption = False,
+    interval: IntervalOption = 2.0,
+    count: CountOption = None,
+    as_json: JsonOption = False,
+) -> None:
+    """The virtual queue of every instance: its groups in order, their predicted completion and
+    risk (requests past their deadline: missed)."""
+    _show_or_watch(
+        ctx, "/v1/admin/queues", None, queues_view,
+        as_json=as_json, watch=watch, interval=interval, count=count,
+    )  # fmt: skip
+
+
+def groups_view(doc: Mapping[str, Any]) -> list[RenderableType]:
+    """``GET /v1/admin/groups``: the state's age and one table of groups."""
+    return [_stale(doc), _group_table(_n(len(doc["data"]), "group"), doc["data"], doc.get("at"))]
 
 
 @ops_app.command("groups")
 def groups_cmd(
     ctx: typer.Context,
     at_risk: Annotated[bool, typer.Option("--at-risk", help="Only groups at risk.")] = False,
+    watch: WatchOption = False,
+    interval: IntervalOption = 2.0,
+    count: CountOption = None,
     as_json: JsonOption = False,
 ) -> None:
-    """Every request group, across the virtual queues (qlm ops group ID: one of them)."""
-    doc = _fetch(
-        ctx, "GET", "/v1/admin/groups", {"at_risk": True} if at_risk else None, as_json=as_json
-    )
-    if doc is None:
-        return
-    console.print(_stale(doc))
-    console.print(_group_table(_n(len(doc["data"]), "group"), doc["data"], doc.get("at")))
+    """Every request group, across the virtual queues, most urgent deadline first (qlm ops
+    group ID: one of them)."""
+    _show_or_watch(
+        ctx, "/v1/admin/groups", {"at_risk": True} if at_risk else None, groups_view,
+        as_json=as_json, watch=watch, interval=interval, count=count,
+    )  # fmt: skip
 
 
 def _request_state(r: Mapping[str, Any]) -> str:
@@ -362,8 +394,8 @@ def _requests_table(
     table.add_column("running (s)" if running else "waited (s)", justify="right")
     table.add_column("deadline")
     if running:
-        table.add_column("completion (predicted)")
-        table.add_column("tokens", justify="right")
+        table.add_column("completion (predicted while queued)")
+        table.add_column("tokens (so far)", justify="right")
     table.add_column("state")
     for r in requests:
         since = r.get("dispatched_at") if running else r.get("submitted_at")
@@ -443,13 +475,16 @@ def running_view(doc: Mapping[str, Any]) -> list[RenderableType]:
 def running_cmd(
     ctx: typer.Context,
     instance: Annotated[str | None, typer.Option(help="Only this instance's.")] = None,
+    watch: WatchOption = False,
+    interval: IntervalOption = 2.0,
+    count: CountOption = None,
     as_json: JsonOption = False,
 ) -> None:
     """The requests each instance runs: tenant, time running, deadline, tokens so far."""
-    params = {"instance": instance} if instance else None
-    doc = _fetch(ctx, "GET", "/v1/admin/running", params, as_json=as_json)
-    if doc is not None:
-        _show(running_view(doc))
+    _show_or_watch(
+        ctx, "/v1/admin/running", {"instance": instance} if instance else None, running_view,
+        as_json=as_json, watch=watch, interval=interval, count=count,
+    )  # fmt: skip
 
 
 def _steer(ctx: typer.Context, name: str, action: str, as_json: bool) -> None:
@@ -560,8 +595,10 @@ def request_view(doc: Mapping[str, Any]) -> Table:
     final = doc["status"] in ("finished", "failed", "cancelled")
     predicted = doc.get("predicted_completion_at")
     late = predicted is not None and not final and predicted > doc["deadline_at"]
+    missed = bool(doc.get("missed")) and not final  # (a final one: "SLO met" says it)
     rows = [
-        ("status", doc["status"] + (f" ({doc['error']})" if doc.get("error") else "")),
+        ("status", doc["status"] + (f" ({doc['error']})" if doc.get("error") else "")
+            + (", missed: its deadline passed" if missed else "")),
         ("tenant / model / tier", f"{doc['tenant']} / {doc['model']} / {doc['tier']}"),
         ("SLO", f"{doc['slo_seconds']:g} s" + _ttft(doc.get("ttft_slo_seconds"))),
         ("submitted", time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(sub))),
@@ -572,7 +609,8 @@ def request_view(doc: Mapping[str, Any]) -> Table:
             + (" (past its deadline)" if late else " (at risk)" if doc.get("at_risk") else "")),
         ("instance", doc.get("instance") or "-"),
         ("evictions / swaps / attempts", f"{doc['evictions']} / {doc['swaps']} / {doc['attempts']}"),
-        ("SLO met", "-" if met is None else ("yes" if met else "NO")),
+        ("SLO met", ("NO (its deadline passed)" if missed else "-") if met is None
+            else ("yes" if met else "NO")),
     ]  # fmt: skip
     for name, value in rows:
         table.add_row(name, value)

@@ -3,8 +3,11 @@ them to a profile file (``qlm.profiling``)."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -12,6 +15,11 @@ from qlm.cli.common import console, fail, guard
 
 if TYPE_CHECKING:
     from qlm.rct.profile import HardwareProfile
+
+JsonOption = Annotated[
+    bool,
+    typer.Option("--json", help="Print what was written as JSON (the file's fields) instead."),
+]
 
 
 profile_app = typer.Typer(
@@ -31,6 +39,7 @@ def profile_hardware_cmd(
     ] = None,
     input_tokens: Annotated[int, typer.Option(help="Prompt length of the profiling batch.")] = 1024,
     output_tokens: Annotated[int, typer.Option(help="Output length of the profiling batch.")] = 256,
+    as_json: JsonOption = False,
 ) -> None:
     """Run profiling batches on a simulated instance and fit its hardware parameters."""
     from qlm.profiling import merge_into, profile_hardware
@@ -38,7 +47,7 @@ def profile_hardware_cmd(
 
     hw = guard(lambda: profile_hardware(model, gpu, gpus, input_tokens, output_tokens))
     guard(lambda: merge_into(out, RctProfile(hardware={hw.key: hw})))
-    _print_hardware(hw, out)
+    _print_hardware(hw, out, as_json)
 
 
 @profile_app.command("server")
@@ -69,6 +78,7 @@ def profile_server_cmd(
             help="Server seconds per real second: 1 for vLLM (a simulated server's --time-scale)."
         ),
     ] = 1.0,
+    as_json: JsonOption = False,
 ) -> None:
     """Run profiling batches on a vLLM server over its HTTP API and fit its hardware parameters
     (prompts are random, so its prefix cache cannot help; a few minutes on a GPU)."""
@@ -115,10 +125,17 @@ def profile_server_cmd(
         )
     )
     guard(lambda: merge_into(out, RctProfile(hardware={hw.key: hw})))
-    _print_hardware(hw, out)
+    _print_hardware(hw, out, as_json)
 
 
-def _print_hardware(hw: HardwareProfile, out: Path) -> None:
+def _print_json(doc: dict[str, Any]) -> None:
+    sys.stdout.write(json.dumps(doc, indent=2, sort_keys=True) + "\n")
+
+
+def _print_hardware(hw: HardwareProfile, out: Path, as_json: bool) -> None:
+    if as_json:
+        _print_json({"out": str(out), "hardware": [dataclasses.asdict(hw)]})
+        return
     console.print(
         f"{hw.model} on {hw.gpu_count}x{hw.gpu}: prefill {hw.prefill_base_s * 1000:.1f} ms + "
         f"{hw.prefill_per_token_s * 1e6:.1f} µs/token, d {hw.decode_alone_s * 1000:.1f} ms alone / "
@@ -141,6 +158,7 @@ def profile_workload_cmd(
             "model without a prior of its own)."
         ),
     ] = "default",
+    as_json: JsonOption = False,
 ) -> None:
     """Fit the output-length prior of a workload from a trace (the estimator looks a request's
     prior up by its model, then 'default')."""
@@ -151,6 +169,9 @@ def profile_workload_cmd(
 
     key, prior = name, guard(lambda: workload_prior(trace))
     guard(lambda: merge_into(out, RctProfile(output_priors={key: prior})))
+    if as_json:
+        _print_json({"out": str(out), "output_priors": {key: dataclasses.asdict(prior)}})
+        return
     console.print(
         f"prior {key!r}: log-mean {prior.mu:.3f}, predictive log-sd {prior.predictive_log_sd:.3f} -> {out}",
         highlight=False,
@@ -161,6 +182,10 @@ def profile_workload_cmd(
 @profile_app.command("all")
 def profile_all_cmd(
     out: Annotated[Path, typer.Option(help="Profile file to write (replaced).")],
+    as_json: Annotated[
+        bool,
+        typer.Option("--json", help="Print what was written as JSON (counts and the file)."),
+    ] = False,
 ) -> None:
     """Profile every shipped (model, GPU) combination and every shipped workload; this is how
     qlm/data/rct_profile.json is made."""
@@ -171,6 +196,15 @@ def profile_all_cmd(
     profile = guard(profile_shipped)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(dump_profile(profile), encoding="utf-8")
+    if as_json:
+        _print_json(
+            {
+                "out": str(out),
+                "hardware": len(profile.hardware),
+                "output_priors": len(profile.output_priors),
+            }
+        )
+        return
     console.print(
         f"{len(profile.hardware)} hardware profiles and {len(profile.output_priors)} priors -> {out}",
         highlight=False,

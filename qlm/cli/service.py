@@ -3,11 +3,13 @@ and ``qlm api`` (``qlm.service``, ``qlm.api.server``)."""
 
 from __future__ import annotations
 
+import json
+import sys
 from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from qlm.cli.common import console, guard
+from qlm.cli.common import console, fail, guard
 from qlm.cli.logs import configure_logging
 
 if TYPE_CHECKING:
@@ -52,6 +54,9 @@ def serve_cmd(
             help="Run the simulated instances as `qlm sim-engine serve` processes driven over vLLM's HTTP API (QLM_CONTROLLER__SIM_OVER_HTTP).",
         ),
     ] = False,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print the replay's summary as JSON (with --replay).")
+    ] = False,
 ) -> None:
     """The all-in-one process: controller, agents and the REST API (QLM_API__HOST:QLM_API__PORT,
     default 127.0.0.1:8080) on one queue. With no settings: in-process queue, SQLite (./qlm.db)
@@ -60,21 +65,37 @@ def serve_cmd(
     from qlm.service.serve import serve
     from qlm.settings import get_settings
 
+    if as_json and replay is None:
+        fail("--json is for the summary of a replay: give --replay SECONDS too")
     configure_logging()
     settings = traced(get_settings())
     if sim_http:
         controller = settings.controller.model_copy(update={"sim_over_http": True})
         settings = settings.model_copy(update={"controller": controller})
     result = guard(lambda: run(serve(settings, replay_s=replay)))
-    if result is not None:
+    if result is None:
+        return
+    flag = " --sim-http" if settings.controller.sim_over_http else ""
+    command = f"qlm serve --replay {replay:g}{flag}"
+    if as_json:
+        summary = {
+            "command": command,
+            "requests": result.requests,
+            "finished": result.finished,
+            "failed": result.failed,
+            "slo_met": result.slo_met,
+            "slo_attainment": result.attainment,
+            "wall_s": result.wall_s,
+        }
+        sys.stdout.write(json.dumps(summary, indent=2, sort_keys=True) + "\n")
+    else:
         console.print(
             f"replayed {result.requests} requests in {result.wall_s:.1f} s: "
             f"{result.finished} finished, {result.failed} failed, "
             f"SLO attainment {100 * result.attainment:.1f} %",
             highlight=False,
         )
-        flag = " --sim-http" if settings.controller.sim_over_http else ""
-        console.print(f"reproduce: qlm serve --replay {replay:g}{flag}", highlight=False)
+        console.print(f"reproduce: {command}", highlight=False)
 
 
 def api_cmd() -> None:

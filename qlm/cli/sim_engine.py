@@ -91,6 +91,9 @@ def sim_engine_serve_cmd(
     if stream_interval < 1:
         fail(f"--stream-interval must be >= 1, got {stream_interval}")
     policy: SchedulingPolicy = "priority" if scheduling_policy == "priority" else "fcfs"
+    from qlm.api.server import bind
+
+    sock = guard(lambda: bind(host, port, settings=("--host", "--port")))
     configure_logging()
     catalog = guard(lambda: sim_catalog(None, perf_model, kv_memory))
 
@@ -108,7 +111,7 @@ def sim_engine_serve_cmd(
         f"{gpus}x" if gpus else "",
         gpu,
         host,
-        port,
+        sock.getsockname()[1],
         time_scale,
         policy,
         ", dev mode" if dev_mode else "",
@@ -128,5 +131,6 @@ def sim_engine_serve_cmd(
             scheduling_policy=policy,
             stream_interval=stream_interval,
             catalog=catalog,
+            sock=sock,
         )
     )

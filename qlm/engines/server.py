@@ -41,6 +41,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import socket
 import time
 import uuid
 import zlib
@@ -714,10 +715,12 @@ def serve(
     scheduling_policy: SchedulingPolicy = "fcfs",
     stream_interval: int = 1,
     catalog: HardwareCatalog | None = None,
+    sock: socket.socket | None = None,
 ) -> None:
     """Run the server until interrupted (``qlm sim-engine serve``). ``eos_lengths``: the output
     lengths a request without ``ignore_eos`` ends after (drawn per request; empty: at
-    ``max_tokens``); ``catalog``: the performance models (default: the shipped ones)."""
+    ``max_tokens``); ``catalog``: the performance models (default: the shipped ones); ``sock``:
+    bound to ``host:port`` already (the command binds it before anything else)."""
     import uvicorn
 
     engine = WallClockEngine.from_catalog(
@@ -738,7 +741,7 @@ def serve(
         stream_interval=stream_interval,
     )
     # Its lines go to the process's handler, in QLM's format (qlm.cli.logs).
-    uvicorn.run(
+    config = uvicorn.Config(
         app,
         host=host,
         port=port,
@@ -746,3 +749,4 @@ def serve(
         log_config=None,
         timeout_keep_alive=SERVER_KEEPALIVE_S,  # as QLM starts vLLM (qlm.engines.vllm_launch)
     )
+    uvicorn.Server(config).run(sockets=None if sock is None else [sock])

@@ -56,7 +56,21 @@ def sim_catalog(settings: Settings) -> HardwareCatalog | None:
     sim = settings.sim
     if sim.perf_model == "default" and sim.kv_memory == "vllm":
         return None
-    return load_catalog(sim.perf_model, sim.kv_memory)
+    try:
+        return load_catalog(sim.perf_model, sim.kv_memory)
+    except ConfigError as exc:
+        raise named_setting("QLM_SIM__PERF_MODEL", "--perf-model", exc) from None
+
+
+def named_setting(setting: str, flag: str, exc: Exception) -> ConfigError:
+    """An error in a value the commands share with ``qlm simulate``, whose message names its
+    flag, as one naming the setting the service read it from."""
+    message = str(exc)
+    for prefix in (f"{flag}: ", f"{flag} "):
+        if message.startswith(prefix):
+            message = message[len(prefix) :]
+            break
+    return ConfigError(f"setting {setting}: {message}")
 
 
 def instance_configs(settings: Settings) -> list[InstanceConfig]:
@@ -66,7 +80,10 @@ def instance_configs(settings: Settings) -> list[InstanceConfig]:
 def _configs(settings: Settings, catalog: HardwareCatalog | None) -> list[InstanceConfig]:
     if settings.instances_file is not None:
         return load_instances(settings.instances_file, catalog)
-    return default_instances(settings.controller.sim_instances, catalog)
+    try:
+        return default_instances(settings.controller.sim_instances, catalog)
+    except ConfigError as exc:
+        raise named_setting("QLM_CONTROLLER__SIM_INSTANCES", "--instances", exc) from None
 
 
 def simulated_profile(

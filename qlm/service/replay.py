@@ -8,6 +8,7 @@ here through the broker, the controller service, the agents and the engines in r
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -56,6 +57,17 @@ def to_message(request: Request, submitted_at: float, run: str) -> QueuedRequest
     )
 
 
+@dataclass(frozen=True, slots=True)
+class ReplayProgress:
+    """Where a replay stands: requests published so far, those of them with an outcome
+    recorded (finished, failed or cancelled), of ``total``, ``wall_s`` seconds after it began."""
+
+    submitted: int
+    final: int
+    total: int
+    wall_s: float
+
+
 async def replay(
     requests: Sequence[Request],
     queue: GlobalQueue,
@@ -63,32 +75,38 @@ async def replay(
     clock: Clock,
     *,
     time_scale: float = 1.0,
-    progress: Callable[[int, int], None] | None = None,
+    progress: Callable[[ReplayProgress], None] | None = None,
     poll_s: float = 0.5,
 ) -> ReplayResult:
     """Publish ``requests`` at their arrival offsets (real seconds = trace seconds /
     ``time_scale``, stamped with the service's ``clock``), wait until every one is final in the
-    store, and count what it says."""
+    store, and count what it says. ``progress`` is told where it stands every ``poll_s``
+    while it publishes and while it waits, and once more when every request is final."""
     run = uuid.uuid4().hex[:8]
     ordered = sorted(requests, key=lambda r: r.arrival_s)
     t0 = time.monotonic()
-    origin = ordered[0].arrival_s if ordered else 0.0
     ids: list[str] = []
-    for req in ordered:
-        delay = (req.arrival_s - origin) / time_scale - (time.monotonic() - t0)
-        if delay > 0:
-            await asyncio.sleep(delay)
-        msg = to_message(req, clock.now(), run)
-        await queue.publish(msg)
-        ids.append(msg.id)
-    total = len(ids)
-    while True:
-        done = await asyncio.to_thread(store.final_ids, ids)
-        if progress is not None:
-            progress(len(done), total)
-        if len(done) == total:
-            break
-        await asyncio.sleep(poll_s)
+    publishing = asyncio.create_task(_publish(ordered, queue, clock, run, ids, t0, time_scale))
+    total = len(ordered)
+    try:
+        while True:
+            published = publishing.done()
+            if published:
+                publishing.result()  # (a publish that failed stops the replay)
+            final = len(await asyncio.to_thread(store.final_ids, list(ids)))
+            if progress is not None:
+                progress(ReplayProgress(len(ids), final, total, time.monotonic() - t0))
+            if published and final == total:
+                break
+            if published:
+                await asyncio.sleep(poll_s)
+            else:
+                await asyncio.wait({publishing}, timeout=poll_s)
+    finally:
+        if not publishing.done():
+            publishing.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await publishing
     rows = [await asyncio.to_thread(store.get, rid) for rid in ids]
     return ReplayResult(
         requests=total,
@@ -97,3 +115,24 @@ async def replay(
         failed=sum(r is not None and r.status.name == "FAILED" for r in rows),
         wall_s=time.monotonic() - t0,
     )
+
+
+async def _publish(
+    ordered: Sequence[Request],
+    queue: GlobalQueue,
+    clock: Clock,
+    run: str,
+    ids: list[str],
+    t0: float,
+    time_scale: float,
+) -> None:
+    """Publish each request at its arrival offset, appending its id to ``ids`` once the
+    queue took it."""
+    origin = ordered[0].arrival_s if ordered else 0.0
+    for req in ordered:
+        delay = (req.arrival_s - origin) / time_scale - (time.monotonic() - t0)
+        if delay > 0:
+            await asyncio.sleep(delay)
+        msg = to_message(req, clock.now(), run)
+        await queue.publish(msg)
+        ids.append(msg.id)

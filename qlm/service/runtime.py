@@ -387,10 +387,16 @@ class AgentRuntime:
 
     def instance_states(self) -> list[dict[str, Any]]:
         """Each instance as operators see it (the controller's snapshot), with the ids of the
-        requests it runs (sent to it and not back: at most its concurrency limit)."""
+        requests it runs (sent to it and not back: at most its concurrency limit) and the
+        output tokens each has so far (before an eviction and in its stream now); the store
+        counts a request's tokens only once it ends or is evicted."""
         running: dict[str, list[str]] = {name: [] for name in self._instances}
+        tokens: dict[str, dict[str, int]] = {name: {} for name in self._instances}
         for rid, name in self.controller.running_on().items():
             running.setdefault(name, []).append(rid)
+            flight = self._flights.get(rid)
+            so_far = self.controller.track(rid).output_tokens
+            tokens.setdefault(name, {})[rid] = so_far + (flight.tokens if flight else 0)
         out = []
         for name, inst in self._instances.items():
             view = self._view(inst)
@@ -407,6 +413,7 @@ class AgentRuntime:
                     "outstanding": self.controller.outstanding(name),
                     "max_running": view.max_running,
                     "running": running[name],
+                    "tokens": tokens[name],
                 }
             )
         return out

@@ -13,6 +13,8 @@ import socket
 
 from qlm.api.app import create_app
 from qlm.api.server import ApiServer, bind, until_signalled
+from qlm.domain import Request
+from qlm.errors import ConfigError, WorkloadError
 from qlm.service import (
     build_controller,
     check_profiled,
@@ -20,7 +22,7 @@ from qlm.service import (
     open_queue,
     open_store,
 )
-from qlm.service.replay import ReplayResult, replay
+from qlm.service.replay import ReplayProgress, ReplayResult, replay
 from qlm.service.sim_servers import SimServers
 from qlm.settings import Settings
 from qlm.sim.traces import load_trace, scale_rate, window
@@ -28,6 +30,32 @@ from qlm.sim.workload import create_workload
 from qlm.wiring import rct_profile
 
 log = logging.getLogger(__name__)
+
+REPLAY_PROGRESS_S = 5.0
+"""How often ``qlm serve --replay`` logs where its replay stands."""
+
+
+class ProgressLog:
+    """Logs a replay's progress: its first report, then at most one every ``every_s`` seconds,
+    and the one that finds every request final."""
+
+    def __init__(self, every_s: float) -> None:
+        self.every_s = every_s
+        self.logged_at: float | None = None
+
+    def __call__(self, p: ReplayProgress) -> None:
+        last = p.final == p.total and p.submitted == p.total
+        if not last and self.logged_at is not None and p.wall_s < self.logged_at + self.every_s:
+            return
+        self.logged_at = p.wall_s
+        log.info(
+            "replay: %d of %d requests submitted, %d of them done, after %.0f s",
+            p.submitted,
+            p.total,
+            p.final,
+            p.wall_s,
+            extra={"submitted": p.submitted, "done": p.final, "total": p.total},
+        )
 
 
 async def serve(settings: Settings, *, replay_s: float | None = None) -> ReplayResult | None:
@@ -46,6 +74,21 @@ async def serve(settings: Settings, *, replay_s: float | None = None) -> ReplayR
             sock.close()  # a no-op once the server closed it
 
 
+def replayed(settings: Settings, replay_s: float) -> list[Request]:
+    """The first ``replay_s`` seconds of the demo trace (``QLM_DEMO__*``) as requests; a trace
+    or workload that cannot be had is one line naming its setting."""
+    demo = settings.demo
+    try:
+        trace = load_trace(demo.trace, seed=demo.seed)
+    except WorkloadError as exc:
+        raise ConfigError(f"setting QLM_DEMO__TRACE: {exc}") from None
+    trace = window(scale_rate(trace, demo.rate_scale), 0.0, replay_s)
+    try:
+        return create_workload(demo.workload, trace, seed=demo.seed)
+    except WorkloadError as exc:
+        raise ConfigError(f"setting QLM_DEMO__WORKLOAD: {exc}") from None
+
+
 async def _serve(
     settings: Settings,
     stack: contextlib.AsyncExitStack,
@@ -54,6 +97,7 @@ async def _serve(
 ) -> ReplayResult | None:
     configs = instance_configs(settings)
     check_profiled(settings.controller.policy, rct_profile(settings), configs)
+    requests = None if replay_s is None else replayed(settings, replay_s)
     queue = open_queue(settings)
     await queue.reach()
     stack.push_async_callback(queue.close)
@@ -67,19 +111,15 @@ async def _serve(
     service = build_controller(settings, queue=queue, store=store, configs=configs)
     await service.start()
     stack.push_async_callback(service.stop)
-    if replay_s is not None:
-        demo = settings.demo
-        trace = window(
-            scale_rate(load_trace(demo.trace, seed=demo.seed), demo.rate_scale), 0.0, replay_s
-        )
-        requests = create_workload(demo.workload, trace, seed=demo.seed)
-        log.info("replaying %d requests of %s", len(requests), demo.trace)
+    if requests is not None:
+        log.info("replaying %d requests of %s", len(requests), settings.demo.trace)
         return await replay(
             requests,
             queue,
             store,
             service.runtime.clock,
             time_scale=settings.controller.sim_time_scale,
+            progress=ProgressLog(REPLAY_PROGRESS_S),
         )
     app = create_app(
         settings, queue=queue, store=store, controller=service, clock=service.runtime.clock.now

@@ -9,6 +9,7 @@ context slope is not compared. No assertion is about how long anything took."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -52,10 +53,11 @@ def test_a_server_profiled_over_http_matches_the_engine_profiled_directly(
 ) -> None:
     out = tmp_path / "profile.json"
     code, text = profile(
-        server, out, "--max-num-seqs", str(SEQS), "--max-num-batched-tokens", "2048"
+        server, out, "--max-num-seqs", str(SEQS), "--max-num-batched-tokens", "2048", "--json"
     )
     assert code == 0, text
     (hw,) = parse_profile(out.read_text(encoding="utf-8")).hardware.values()
+    assert json.loads(text)["hardware"] == json.loads(out.read_text())["hardware"]
     config = SimEngineConfig.for_gpu(80, "A100", max_num_seqs=SEQS)
     perf = default_catalog().perf_model(MODEL, "A100", 1)
     ref = profile_sim_hardware(perf, config=config, input_tokens=512, output_tokens=256)

@@ -34,7 +34,7 @@ from qlm.api.schemas.operator import (
     SloBucketOut,
     VirtualQueueOut,
 )
-from qlm.store import InstanceState, PlanRow
+from qlm.store import InstanceState, PlanRow, RequestRow
 from qlm.store.requests import MAX_SERIES_BUCKETS
 
 router = APIRouter(prefix="/v1/admin", tags=["admin"])
@@ -163,7 +163,7 @@ async def running(
             instance=str(i.get("name")),
             max_running=i.get("max_running"),
             requests=[
-                RequestBriefOut.of(rows[str(rid)], now)
+                _running(rows[str(rid)], now, (i.get("tokens") or {}).get(str(rid)))
                 for rid in i.get("running") or []
                 if str(rid) in rows
             ],
@@ -171,6 +171,15 @@ async def running(
         for i in states
     ]
     return RunningListOut(controller=(doc or {}).get("controller"), at=at, data=data)
+
+
+def _running(row: RequestRow, now: float, tokens: object) -> RequestBriefOut:
+    """A running request with the output tokens the controller counts for it now (the
+    store's count moves only when it ends or is evicted)."""
+    brief = RequestBriefOut.of(row, now)
+    if isinstance(tokens, int) and not row.is_final:
+        brief.tokens = max(tokens, brief.tokens)
+    return brief
 
 
 @router.get("/instances", response_model=InstancesOut, responses=_ERRORS, summary="Instances")

@@ -107,7 +107,7 @@ async def submit(
         )
     submission = Submission(
         model=body.model,
-        max_tokens=body.max_tokens,
+        max_tokens=body.max_tokens or ctx.settings.default_max_tokens,
         prompt=body.prompt,
         messages=[m.model_dump(exclude_none=True) for m in body.messages]
         if body.messages is not None
@@ -171,7 +171,7 @@ async def get_request(
     if wait > 0 and not row.is_final:
         final = await ctx.results.wait(row, min(wait, ctx.settings.max_long_poll_s))
         row = final.row
-    return RequestOut.of(row)
+    return RequestOut.of(row, ctx.clock())
 
 
 @router.get(
@@ -219,7 +219,7 @@ async def _events(ctx: ApiContext, row: RequestRow) -> AsyncIterator[bytes]:
             if final.is_final and len(text) > len(sent) and text.startswith(sent):
                 rest = {"text": text[len(sent) :], "tokens": final.output_tokens}
                 yield sse.event(rest, "token")
-            body = RequestOut.of(final).model_dump(mode="json")
+            body = RequestOut.of(final, ctx.clock()).model_dump(mode="json")
             yield sse.event(body, "timeout" if event.timed_out else "done")
             return
 
@@ -290,6 +290,7 @@ async def list_requests(
     for name, text in (("model", model), ("label", label), ("tenant", tenant), ("cursor", cursor)):
         if text is not None and "\x00" in text:
             raise invalid(name, f"{name} must not contain the NUL character", code="nul_character")
+    now = ctx.clock()
     rows, next_cursor = await ctx.threads.run(
         ctx.store.list_requests,
         tenant=scope,
@@ -301,7 +302,7 @@ async def list_requests(
         limit=limit,
         cursor=cursor,
     )
-    return RequestListOut(data=[RequestOut.of(r) for r in rows], next_cursor=next_cursor)
+    return RequestListOut(data=[RequestOut.of(r, now) for r in rows], next_cursor=next_cursor)
 
 
 @router.delete(
@@ -331,9 +332,9 @@ async def cancel_request(
             code="already_final",
         )
     if row.status is RequestStatus.CANCELLED:
-        return RequestOut.of(row)
+        return RequestOut.of(row, ctx.clock())
     response.status_code = 202
-    return RequestOut.of(row)
+    return RequestOut.of(row, ctx.clock())
 
 
 async def cancel(ctx: ApiContext, request_id: str) -> RequestStatus | None:

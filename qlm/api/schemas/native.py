@@ -63,8 +63,12 @@ class SubmitIn(JsonBody, SamplingIn, SloIn, ToolsIn):
     messages: list[ChatMessage] | None = Field(
         default=None, min_length=1, max_length=4096, description="Chat messages (or `prompt`)."
     )
-    max_tokens: int = Field(
-        ge=1, le=2**31 - 1, description="Most output tokens (<= QLM_API__MAX_TOKENS_LIMIT)."
+    max_tokens: int | None = Field(
+        default=None,
+        ge=1,
+        le=2**31 - 1,
+        description="Most output tokens (<= QLM_API__MAX_TOKENS_LIMIT); default: "
+        "QLM_API__DEFAULT_MAX_TOKENS, as on the OpenAI endpoints.",
     )
 
     def sampling(self) -> dict[str, Any]:
@@ -118,6 +122,10 @@ class RequestOut(BaseModel):
         description="The estimator's latest prediction while the request waits or runs."
     )
     at_risk: bool = Field(description="Predicted to miss its deadline.")
+    missed: bool = Field(
+        description="Its deadline passed without it finishing: final without meeting its SLO, "
+        "or not final yet (it can no longer meet it)."
+    )
     instance: str | None
     cancel_requested: bool
     evictions: int
@@ -129,7 +137,8 @@ class RequestOut(BaseModel):
     error: str | None = Field(description="Why it failed.")
 
     @classmethod
-    def of(cls, row: RequestRow) -> RequestOut:
+    def of(cls, row: RequestRow, now: float) -> RequestOut:
+        """``row`` as answered at ``now`` (the API's clock: whether it is missed yet)."""
         output = None
         if row.is_final:
             output = OutputOut(
@@ -155,6 +164,7 @@ class RequestOut(BaseModel):
             finished_at=row.finished_at,
             predicted_completion_at=row.predicted_completion_at,
             at_risk=row.at_risk,
+            missed=row.slo_met is False if row.is_final else now > row.deadline_at,
             instance=row.instance,
             cancel_requested=row.cancel_requested,
             evictions=row.evictions,

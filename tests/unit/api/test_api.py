@@ -139,6 +139,51 @@ def test_a_submission_is_stored_published_and_readable() -> None:
     run(scenario)
 
 
+def test_without_max_tokens_a_submission_gets_the_default_the_openai_endpoints_use() -> None:
+    async def scenario(h: Harness) -> None:
+        native = await h.client.post(
+            "/v1/requests", json={"model": "m", "prompt": "hello"}, headers=h.auth()
+        )
+        assert native.status_code == 202, native.text
+        nulled = await h.client.post(
+            "/v1/requests",
+            json={"model": "m", "prompt": "hello", "max_tokens": None},
+            headers=h.auth(),
+        )
+        assert nulled.status_code == 202, nulled.text
+        assert [m.max_tokens for m in published(h.queue)] == [48, 48]
+        got = await h.client.get(f"/v1/requests/{native.json()['id']}", headers=h.auth())
+        assert got.json()["max_tokens"] == 48
+        schema = (await h.client.get("/openapi.json")).json()["components"]["schemas"]
+        assert "max_tokens" not in schema["SubmitIn"].get("required", [])
+
+    run(scenario, default_max_tokens=48)
+
+
+def test_a_request_past_its_deadline_reads_as_missed_while_it_waits_and_once_final() -> None:
+    now = [1000.0]
+
+    async def scenario(h: Harness) -> None:
+        late, met = [(await h.submit(slo_seconds=s)).json()["id"] for s in (10, 100)]
+
+        async def missed() -> list[bool]:
+            got = [await h.client.get(f"/v1/requests/{i}", headers=h.auth()) for i in (late, met)]
+            listed = (await h.client.get("/v1/requests", headers=h.auth())).json()["data"]
+            assert {r["id"]: r["missed"] for r in listed} == {
+                r.json()["id"]: r.json()["missed"] for r in got
+            }
+            return [r.json()["missed"] for r in got]
+
+        assert await missed() == [False, False]
+        now[0] = 1050.0  # past the first one's deadline, before the second's
+        assert await missed() == [True, False]
+        h.store.record_outcome(met, status=RequestStatus.FINISHED, at=1050.0, slo_met=True)
+        now[0] = 2000.0
+        assert await missed() == [True, False]  # (met: final within its deadline)
+
+    run(scenario, clock=lambda: now[0])
+
+
 def test_chat_messages_are_kept_and_rendered_for_the_engine() -> None:
     async def scenario(h: Harness) -> None:
         messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
@@ -695,7 +740,7 @@ def test_operators_see_one_group_s_requests_and_what_each_instance_runs() -> Non
     [group] = snapshot["queues"][0]["groups"]
     group |= {"size": 3, "missed": 1, "tenants": {"acme": 2, "globex": 1}}
     group["request_ids"] = ["r2", "r0", "r1"]
-    snapshot["instances"][0]["running"] = ["r3"]
+    snapshot["instances"][0] |= {"running": ["r3"], "tokens": {"r3": 17}}
 
     async def scenario(h: Harness) -> None:
         for i, (tenant, slo) in enumerate((("acme", 900.0), ("acme", 10.0), ("globex", 900.0))):
@@ -733,6 +778,7 @@ def test_operators_see_one_group_s_requests_and_what_each_instance_runs() -> Non
         [running] = i0["requests"]
         assert (running["id"], running["status"], running["instance"]) == ("r3", "running", "i0")
         assert running["dispatched_at"] == now - 50 and running["missed"] is True
+        assert running["tokens"] == 17  # as the controller counts them (the store: when it ends)
         r = await h.client.get("/v1/admin/running", params={"instance": "i9"}, headers=admin)
         assert r.status_code == 404 and "'i9'" in r.json()["error"]["message"]
         r = await h.client.get("/v1/admin/running", headers=h.auth())

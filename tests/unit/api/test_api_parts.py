@@ -185,7 +185,9 @@ def test_keys_are_created_listed_and_revoked_from_the_cli(tmp_path: Any, monkeyp
     assert '"tenant": "acme"' in made.stdout and '"admin": true' in made.stdout
     listed = runner.invoke(app, ["keys", "list", "--json"])
     assert '"prefix": "qlm_' in listed.stdout
-    assert runner.invoke(app, ["keys", "revoke", "1"]).exit_code == 0
+    revoked = runner.invoke(app, ["keys", "revoke", "1", "--json"])
+    assert revoked.exit_code == 0 and json.loads(revoked.stdout) == {"id": 1, "revoked": True}
+    assert json.loads(runner.invoke(app, ["keys", "list", "--json"]).stdout)[0]["revoked_at"]
     again = runner.invoke(app, ["keys", "revoke", "1"])
     assert again.exit_code == 1 and "no active key with id 1" in again.output
 

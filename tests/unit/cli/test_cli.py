@@ -115,6 +115,9 @@ def test_demo_compares_fcfs_and_qlm_on_embedded_defaults_and_reads_its_settings(
     assert out["difference"]["SLO attainment"] == pytest.approx(gain)
     table = runner.invoke(app, ["demo"])
     assert table.exit_code == 0 and "qlm − fcfs" in table.stdout and " pt" in table.stdout
+    for slo_class in fcfs["slo_attainment_by_class"]:  # each class side by side, its difference
+        [row] = [line for line in table.stdout.splitlines() if f"class {slo_class} (" in line]
+        assert row.count("%") == 2 and row.rstrip("│ ").endswith(" pt"), row
     monkeypatch.setenv("QLM_DEMO__POLICIES", "fcfs")
     alone = json.loads(runner.invoke(app, ["demo", "--json"]).stdout)
     assert list(alone["policies"]) == ["fcfs"] and alone["difference"] == {}
@@ -166,9 +169,17 @@ def test_profile_commands_write_a_profile_the_estimator_loads(tmp_path: Path) ->
         app, ["profile", "hardware", "--model", "llama-3-8b", "--gpu", "H100", "--out", str(out)]
     )
     assert hw.exit_code == 0, hw.output
-    wl = runner.invoke(app, ["profile", "workload", "--trace", "azure-conv", "--out", str(out)])
+    wl = runner.invoke(
+        app, ["profile", "workload", "--trace", "azure-conv", "--out", str(out), "--json"]
+    )
     assert wl.exit_code == 0, wl.output
     profile = parse_profile(out.read_text())
+    written = json.loads(wl.stdout)  # what was written, as the file holds it
+    assert written["out"] == str(out)
+    assert (
+        written["output_priors"]["default"]
+        == json.loads(out.read_text())["output_priors"]["default"]
+    )
     assert ("llama-3-8b", "H100", 1) in profile.hardware
     assert set(profile.output_priors) == {
         "default"
@@ -189,6 +200,12 @@ def test_profile_commands_write_a_profile_the_estimator_loads(tmp_path: Path) ->
     )
     assert mine.exit_code == 0, mine.output
     assert set(parse_profile(out.read_text()).output_priors) == {"default", "llama-3-8b"}
+    args = ["profile", "hardware", "--model", "llama-3-8b", "--gpu", "A100", "--json"]
+    again = runner.invoke(app, [*args, "--out", str(out)])
+    assert again.exit_code == 0, again.output
+    [entry] = json.loads(again.stdout)["hardware"]
+    assert (entry["model"], entry["gpu"], entry["gpu_count"]) == ("llama-3-8b", "A100", 1)
+    assert entry in json.loads(out.read_text())["hardware"]
     bad = runner.invoke(
         app,
         [
@@ -220,9 +237,15 @@ def test_the_shipped_estimator_profile_is_what_qlm_profile_all_produces(tmp_path
     from importlib import resources
 
     out = tmp_path / "rct_profile.json"
-    result = runner.invoke(app, ["profile", "all", "--out", str(out)])
+    result = runner.invoke(app, ["profile", "all", "--out", str(out), "--json"])
     assert result.exit_code == 0, result.output
     shipped = resources.files("qlm").joinpath("data/rct_profile.json").read_text(encoding="utf-8")
+    doc = json.loads(shipped)
+    assert json.loads(result.stdout) == {
+        "out": str(out),
+        "hardware": len(doc["hardware"]),
+        "output_priors": len(doc["output_priors"]),
+    }
     assert out.read_text(encoding="utf-8") == shipped, (
         "regenerate: qlm profile all --out qlm/data/rct_profile.json"
     )
@@ -335,3 +358,50 @@ def test_ops_reaches_a_server_on_every_address_through_the_loopback() -> None:
 
 def stop_the_command() -> None:
     raise SystemExit(0)
+
+
+def test_serve_replay_prints_its_summary_as_json(monkeypatch: pytest.MonkeyPatch) -> None:
+    from qlm.service.replay import ReplayResult
+
+    async def replayed(settings: object, *, replay_s: float | None) -> ReplayResult:
+        assert replay_s == 12.0
+        return ReplayResult(requests=10, finished=9, slo_met=8, failed=1, wall_s=3.5)
+
+    monkeypatch.setattr("qlm.service.serve.serve", replayed)
+    monkeypatch.setattr("qlm.cli.service.configure_logging", lambda: None)
+    result = runner.invoke(app, ["serve", "--replay", "12", "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout) == {
+        "command": "qlm serve --replay 12",
+        "requests": 10,
+        "finished": 9,
+        "failed": 1,
+        "slo_met": 8,
+        "slo_attainment": 0.8,
+        "wall_s": 3.5,
+    }
+    served = runner.invoke(app, ["serve", "--json"])
+    assert served.exit_code == 1
+    assert served.stderr.strip() == (
+        "error: --json is for the summary of a replay: give --replay SECONDS too"
+    )
+
+
+def test_ops_without_a_qlm_to_reach_says_where_it_looked_and_how_to_point_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    port = 1  # where nothing listens
+    monkeypatch.setenv("QLM_URL", f"http://127.0.0.1:{port}")
+    result = runner.invoke(app, ["ops", "queues"])
+    assert result.exit_code == 1
+    [line] = result.stderr.strip().splitlines()
+    assert line.startswith(f"error: cannot reach QLM at http://127.0.0.1:{port} (ConnectError")
+    assert line.endswith(
+        "is `qlm serve` or `qlm api` running there? Give its address with --url or QLM_URL"
+    )
+    monkeypatch.setenv("QLM_URL", f"127.0.0.1:{port}")
+    result = runner.invoke(app, ["ops", "queues"])
+    assert result.exit_code == 1
+    assert result.stderr.strip() == (
+        f"error: --url (QLM_URL) must start with http:// or https://, got '127.0.0.1:{port}'"
+    )

@@ -164,6 +164,9 @@ def test_a_qlm_serve_process_logs_only_json_lines(tmp_path: Path) -> None:
     replayed = int(done.stdout.split()[1])
     outcomes = [d for d in docs if d["logger"] == "qlm.outcomes"]
     assert len(outcomes) == len({d["request_id"] for d in outcomes}) == replayed > 0
+    # Where the replay stands, as it goes: the last line once every request is done.
+    progress = [d for d in docs if d["message"].startswith("replay: ")]
+    assert progress and progress[-1]["done"] == progress[-1]["total"] == replayed
     for d in outcomes:
         assert d["status"] in ("finished", "failed") and d["e2e_s"] >= 0, d
         assert d["message"].startswith(f"request {d['request_id']} {d['status']}: tenant="), d

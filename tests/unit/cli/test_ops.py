@@ -4,6 +4,7 @@ tenants and its requests; ``--json`` and the key are taken where an operator put
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -122,6 +123,19 @@ def test_a_waiting_request_predicted_past_its_deadline_says_so() -> None:
     }  # fmt: skip
     out = text(ops.request_view(doc))
     assert "+60.00 s" in out and "+90.00 s (past its deadline)" in out
+    assert "missed" not in out and "NO" not in out  # (its deadline is still ahead)
+
+
+def test_a_waiting_request_past_its_deadline_is_missed_not_only_at_risk() -> None:
+    doc = {
+        "id": "req_a", "status": "queued", "tenant": "acme", "model": "m", "tier": "batch",
+        "slo_seconds": 60.0, "ttft_slo_seconds": None, "submitted_at": 1000.0,
+        "deadline_at": 1060.0, "predicted_completion_at": 1200.0, "at_risk": True,
+        "missed": True, "evictions": 0, "swaps": 0, "attempts": 0, "slo_met": None,
+    }  # fmt: skip
+    out = text(ops.request_view(doc))
+    assert "queued, missed: its deadline passed" in out
+    assert "NO (its deadline passed)" in out
 
 
 @pytest.mark.parametrize(
@@ -160,3 +174,35 @@ def test_the_older_key_variable_still_works_and_watch_draws_count_times(
     result = CliRunner().invoke(app, args, env={"QLM_KEY": "", "QLM_API_KEY": "old"})
     assert result.exit_code == 0, result.output
     assert keys == ["old"] * 3 and result.stdout.count("every 0.5 s (Ctrl-C to stop)") == 3
+
+
+@pytest.mark.parametrize(
+    ("command", "path", "doc"),
+    [
+        (["groups", "--at-risk"], "/v1/admin/groups", {"at": 1.0, "controller": "c0", "data": []}),
+        (
+            ["running", "--instance", "i0"],
+            "/v1/admin/running",
+            {"at": 1.0, "controller": "c0", "data": [
+                {"instance": "i0", "max_running": 4, "requests": []}]},
+        ),
+    ],
+)  # fmt: skip
+def test_groups_and_running_redraw_too(
+    command: list[str], path: str, doc: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[tuple[str, Any]] = []
+
+    def call(target: ops.Target, method: str, path: str, params: Any = None) -> Any:
+        calls.append((path, params))
+        return doc
+
+    monkeypatch.setattr(ops, "_call", call)
+    monkeypatch.setattr(ops.time, "sleep", lambda s: None)
+    args = ["ops", *command, "--watch", "--count", "2", "--interval", "0.5"]
+    result = CliRunner().invoke(app, args, env={"QLM_KEY": "k", "QLM_API_KEY": ""})
+    assert result.exit_code == 0, result.output
+    assert [p for p, _ in calls] == [path, path] and calls[0][1]  # (its filter, each time)
+    assert result.stdout.count("every 0.5 s (Ctrl-C to stop)") == 2
+    lines = CliRunner().invoke(app, [*args, "--json"], env={"QLM_KEY": "k", "QLM_API_KEY": ""})
+    assert [json.loads(line) for line in lines.stdout.splitlines()] == [doc, doc]

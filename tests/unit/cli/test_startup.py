@@ -21,13 +21,12 @@ NO_BROKER = "amqp://guest:secret@127.0.0.1:1/"
 
 
 def start(
-    command: str, cwd: Path, env: dict[str, str], *, before: str = ""
+    command: str | list[str], cwd: Path, env: dict[str, str], *, before: str = ""
 ) -> subprocess.CompletedProcess[str]:
     """``qlm COMMAND`` in ``cwd`` with ``env`` over the QLM_* settings' defaults (the API on
     any free port); ``before``: Python run first, in the same process."""
-    code = (
-        f"import sys\n{before}\nfrom qlm.cli import main\nsys.argv = ['qlm', {command!r}]\nmain()"
-    )
+    args = [command] if isinstance(command, str) else command
+    code = f"import sys\n{before}\nfrom qlm.cli import main\nsys.argv = ['qlm', *{args!r}]\nmain()"
     clean = {k: v for k, v in os.environ.items() if not k.startswith("QLM_")}
     return subprocess.run(
         [sys.executable, "-c", code],
@@ -130,6 +129,46 @@ def test_a_port_in_use_is_one_line_and_nothing_is_written(
         "or another server listens there); choose another with QLM_API__PORT"
     )
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("command", ["controller", "serve"])
+def test_an_unknown_policy_is_one_line_naming_the_setting_and_nothing_is_written(
+    command: str, tmp_path: Path
+) -> None:
+    line = one_line(start(command, tmp_path, {"QLM_CONTROLLER__POLICY": "lifo"}))
+    assert line.startswith("error: setting QLM_CONTROLLER__POLICY: Input should be 'fcfs', ")
+    assert line.endswith("'qlm' or 'qlm-rr'")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("command", "setting", "value", "says"),
+    [
+        (["serve"], "QLM_CONTROLLER__SIM_INSTANCES", "garbage",
+         "item 'garbage' is not COUNTxGPU[/GPUS]:MODEL[+MODEL], e.g. 2xA100:llama-3-8b"),
+        (["serve"], "QLM_SIM__PERF_MODEL", "nope",
+         "'nope' is neither default nor splitwise nor a CSV file"),
+        (["serve", "--replay", "10"], "QLM_DEMO__TRACE", "nope", "unknown trace 'nope'"),
+        (["serve", "--replay", "10"], "QLM_DEMO__WORKLOAD", "nope", "unknown workload 'nope'"),
+    ],
+)  # fmt: skip
+def test_a_bad_simulation_setting_is_one_line_naming_it_and_nothing_is_written(
+    command: list[str], setting: str, value: str, says: str, tmp_path: Path
+) -> None:
+    line = one_line(start(command, tmp_path, {setting: value}))
+    assert line.startswith(f"error: setting {setting}: {says}"), line
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_simulated_instance_on_a_port_in_use_is_one_line_naming_the_option(
+    tmp_path: Path, listener: int
+) -> None:
+    args = ["sim-engine", "serve", "--model", "llama-3-8b", "--gpu", "A100"]
+    line = one_line(start([*args, "--port", str(listener)], tmp_path, {}))
+    assert line == (
+        f"error: port {listener} is in use on 127.0.0.1 (Address already in use: another QLM "
+        "or another server listens there); choose another with --port"
+    )
 
 
 def test_an_unprofiled_instance_stops_serve_before_the_store_is_opened(tmp_path: Path) -> None:

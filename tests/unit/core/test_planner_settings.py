@@ -124,3 +124,13 @@ def test_the_maximum_wait_is_set_per_tier_and_unset_by_default(
     assert config.max_wait_s == {Tier.BATCH: 600.0, Tier.STANDARD: 120.5}
     with pytest.raises(ConfigError, match=r"planner\.max_wait_s\.batch"):
         PlannerConfig(max_wait_s={Tier.BATCH: 0.0})
+
+
+def test_the_policy_setting_names_every_policy_the_planner_makes_and_only_those() -> None:
+    from typing import get_args
+
+    from qlm.cli.simulate import POLICIES as CLI_POLICIES
+    from qlm.planner import POLICIES
+    from qlm.settings import PolicyName
+
+    assert get_args(PolicyName) == POLICIES == CLI_POLICIES

@@ -240,6 +240,51 @@ def test_an_evicted_request_resumes_with_its_partial_output_and_the_right_token_
     run(scenario)
 
 
+class CountsOnDispatch(Recorder):
+    """Takes the runtime's instance states each time a request is sent to its instance."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.runtime: AgentRuntime | None = None
+        self.states: list[dict[str, int]] = []
+
+    def dispatched(self, request_id: str, instance: str, at: float) -> None:
+        super().dispatched(request_id, instance, at)
+        assert self.runtime is not None
+        [state] = self.runtime.instance_states()
+        self.states.append(dict(state["tokens"]))
+
+
+def test_an_instance_s_state_counts_a_running_request_s_tokens_before_and_since_its_eviction() -> (
+    None
+):
+    """What ``qlm ops running`` shows: the store counts output only when a request ends or is
+    evicted, the controller's snapshot as it streams."""
+
+    async def scenario() -> None:
+        rec = CountsOnDispatch()
+        e = engine("i0")
+        rt = rec.runtime = start(EvictOnce("r0000"), [e], rec)
+        await rt.start()
+        rt.submit(
+            make_request(0, arrival_s=rt.clock.now(), replay_output_tokens=7000, max_tokens=7000)
+        )
+        await eventually(lambda: len(rec.states) == 2, "r0000 was evicted and sent again")
+        before = rec.back[0][1]
+        assert before > 0 and rec.states == [{"r0000": 0}, {"r0000": before}]
+
+        def tokens() -> int:
+            [state] = rt.instance_states()
+            return int(state["tokens"].get("r0000", 0))
+
+        await eventually(lambda: tokens() > before, "r0000 streams again")
+        assert tokens() < 7000
+        await rt.stop()
+        await e.close()
+
+    run(scenario)
+
+
 class Seen:
     """An engine that keeps every request it was asked to run."""
 
