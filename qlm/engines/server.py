@@ -198,6 +198,19 @@ class _SimCollector(Collector):
             gauge = GaugeMetricFamily(name, doc, labels=labels)
             gauge.add_metric(values, float(value))
             yield gauge
+        # vLLM 0.32: awake = 1 while awake; asleep, weights_offloaded = 1 (level 1) or
+        # discard_all = 1 (level 2)
+        level = self.engine.sleep_level
+        sleep_state = GaugeMetricFamily(
+            "vllm:engine_sleep_state",
+            "Engine sleep state; awake = 0 means engine is sleeping; awake = 1 means engine is "
+            "awake; weights_offloaded = 1 means sleep level 1; discard_all = 1 means sleep level 2.",
+            labels=[*labels, "sleep_state"],
+        )
+        for state, on in (("awake", level is None), ("weights_offloaded", level == 1),
+                          ("discard_all", level == 2)):  # fmt: skip
+            sleep_state.add_metric([*values, state], float(on))
+        yield sleep_state
         counter = CounterMetricFamily(
             "vllm:num_preemptions",
             "Cumulative number of preemption from the engine.",

@@ -56,12 +56,12 @@ def qlm_executable() -> str:
 
 
 @contextmanager
-def sim_engine(log: Path, time_scale: str = TIME_SCALE) -> Iterator[str]:
-    """A ``qlm sim-engine serve`` process (output to ``log``), healthy; its URL."""
+def sim_engine(log: Path, time_scale: str = TIME_SCALE, model: str = MODEL) -> Iterator[str]:
+    """A ``qlm sim-engine serve`` process of ``model`` (output to ``log``), healthy; its URL."""
     port = free_port()
     with log.open("ab") as out:
         proc = subprocess.Popen(
-            [qlm_executable(), "sim-engine", "serve", "--model", MODEL, "--gpu", "A100",
+            [qlm_executable(), "sim-engine", "serve", "--model", model, "--gpu", "A100",
              "--port", str(port), "--time-scale", time_scale, "--dev-mode",
              "--scheduling-policy", "priority"],
             stdout=out,
