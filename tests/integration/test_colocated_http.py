@@ -33,12 +33,20 @@ from qlm.domain import SLO, ModelTier
 from qlm.engines.base import EngineOutput, EngineRequest
 from qlm.engines.colocated import ColocatedEngine
 from qlm.engines.vllm import VllmEngine
+from qlm.engines.vllm_launch import (
+    ColocatedServer,
+    VllmCommand,
+    servers_entry,
+    start_asleep,
+    stop_all,
+)
+from qlm.errors import EngineError
 from qlm.planner import PlannerConfig, create_policy
 from qlm.rct.profile import default_profile
 from qlm.service.instances import build_engines, cpu_caches, load_instances, model_weights
 from qlm.service.runtime import AgentRuntime
 
-from .test_vllm_client import sim_engine
+from .test_vllm_client import free_port, qlm_executable, sim_engine
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -167,3 +175,50 @@ def test_the_agents_keep_one_model_awake_the_next_warm_and_the_rest_cold(
     assert told["llama-2-13b"][0] is ModelTier.COLD and "discard_all" in seen["llama-2-13b"]
     # a model put to sleep after serving goes to level 1 (warm) first
     assert any(ModelTier.WARM in told[m] for m in MODELS[:2]), told
+
+
+def sim_server(model: str, port: int) -> ColocatedServer:
+    """One of a GPU's servers as ``qlm instance launch`` starts them, here the emulator."""
+    argv = (qlm_executable(), "sim-engine", "serve", "--model", model, "--gpu", "A100",
+            "--port", str(port), "--time-scale", str(SCALE), "--dev-mode",
+            "--scheduling-policy", "priority")  # fmt: skip
+    return ColocatedServer(model, f"http://127.0.0.1:{port}", VllmCommand(argv, ()))
+
+
+def test_a_gpus_servers_start_one_at_a_time_each_asleep_before_the_next(tmp_path: Path) -> None:
+    """``qlm instance launch --model A --model B``: each server answers, is put to sleep and
+    says so before the next starts; the ``servers`` line it prints is an instances file's, and
+    QLM attaches to the servers asleep. A server that exits at start-up stops those started."""
+    servers = [sim_server(m, free_port()) for m in MODELS[:2]]
+    said: list[str] = []
+    procs = start_asleep(servers, timeout_s=DEADLINE_S, say=said.append)
+    try:
+        assert all(p.poll() is None for p in procs)
+        for s in servers:
+            assert httpx.get(f"{s.url}/is_sleeping", timeout=30).json() == {"is_sleeping": True}
+            assert sleep_state(s.url) == "weights_offloaded"
+        assert [line.split(" at ")[0] for line in said] == [
+            "starting llama-3-8b", "llama-3-8b", "starting llama-2-7b", "llama-2-7b",
+        ]  # fmt: skip
+        instances = tmp_path / "instances.toml"
+        entry = servers_entry(servers)
+        instances.write_text(f'[[instances]]\nname = "g0"\ngpu = "A100"\n{entry}\n')
+        (engine,) = build_engines(load_instances(instances))
+
+        async def attach() -> dict[str, ModelTier]:
+            try:
+                assert (await engine.capabilities()).supports_sleep
+                return dict((await engine.stats()).model_tiers)
+            finally:
+                await engine.close()
+
+        assert asyncio.run(attach()) == dict.fromkeys(MODELS[:2], ModelTier.WARM)
+    finally:
+        stop_all(procs)
+
+    broken = sim_server("no-such-model", free_port())
+    first = sim_server(MODELS[0], free_port())
+    with pytest.raises(EngineError, match=r"server of no-such-model \(http.*\) exited"):
+        start_asleep([first, broken], timeout_s=DEADLINE_S)
+    with pytest.raises(httpx.HTTPError):  # the first was stopped
+        httpx.get(f"{first.url}/health", timeout=5)
