@@ -182,6 +182,10 @@ def _eos_length(request_id: str, max_tokens: int, lengths: Sequence[int], seed: 
     return max(1, min(max_tokens, int(lengths[i])))
 
 
+SLEEP_WAIT_POLL_S = 0.01
+"""How often ``/sleep?mode=wait`` looks whether the requests in flight have finished."""
+
+
 class OffloadTier:
     """vLLM's CPU KV offloading (``--kv-offloading-size``) as this server models it: the token
     ids of every request that ended (finished or aborted: vLLM stores each computed block to CPU
@@ -552,12 +556,27 @@ def create_app(
     if dev_mode:
 
         @app.post("/sleep")
-        async def sleep(level: Annotated[int, Query()] = 1) -> Response:
+        async def sleep(
+            level: Annotated[int, Query(ge=0, le=2)] = 1,
+            mode: Annotated[Literal["abort", "wait", "keep"], Query()] = "abort",
+        ) -> Response:
+            """vLLM 0.32: ``mode`` says what becomes of the requests in flight — ``abort`` (the
+            default) aborts them (their answers end ``abort``), ``wait`` lets them finish
+            first; ``keep`` (vLLM pauses them until the wake-up) is not simulated: with
+            requests in flight it is refused (409). Level 0 (pause only) is not simulated."""
+            if level == 0:
+                return _error(400, "sleep level 0 (pause only) is not simulated; use 1 or 2")
+            if mode == "abort":
+                for rid, _ in list(live.values()):
+                    _abort_quietly(engine, rid)
+            elif mode == "wait":
+                while engine.sim.queue_view():
+                    await asyncio.sleep(SLEEP_WAIT_POLL_S)
             try:
                 engine.sleep(level)
             except EngineError as exc:
-                return _error(409 if level in (1, 2) else 400, str(exc))
-            return Response(status_code=200)
+                return _error(409, str(exc))
+            return JSONResponse({"status": "sleeping", "level": level})
 
         @app.post("/wake_up")
         async def wake_up(tags: Annotated[list[str] | None, Query()] = None) -> Response:
@@ -565,13 +584,13 @@ def create_app(
             # loaded in place by POST /collective_rpc reload_weights (between a wake_up of
             # tags=weights and one of tags=kv_cache). Woken without that, vLLM answers
             # nonsense; this server answers 500 (``WEIGHTS_EMPTY``) so that the mistake shows.
-            if tags and "kv_cache" not in tags:
-                return Response(status_code=200)  # weights memory back; nothing to simulate
+            if tags and "kv_cache" not in tags:  # weights memory back; nothing to simulate
+                return JSONResponse({"status": "sleeping", "tags": tags})
             if engine.sleep_level == 2 and not weights["reloaded"]:
                 weights["empty"] = True
             weights["reloaded"] = False
             await engine.wake_up()
-            return Response(status_code=200)
+            return JSONResponse({"status": "awake", "tags": tags})
 
         @app.post("/collective_rpc")
         async def collective_rpc(request: Request) -> Response:

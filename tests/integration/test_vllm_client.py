@@ -541,3 +541,38 @@ def test_with_kv_offloading_a_swapped_request_goes_on_from_the_blocks_the_server
     assert reused >= (len(prompt) + engine.parked_at - 1) // 16 * 16 > 0, reused
     record, text = ended.done["swap-1"]
     assert record.output_tokens == tokens and text == filler_text(tokens)
+
+
+def test_sleep_aborts_the_requests_in_flight_unless_told_to_wait_as_vllm_032(
+    server_url: str,
+) -> None:
+    """``POST /sleep`` as vLLM 0.32: by default (``mode=abort``) the requests in flight are
+    aborted (their answers end ``abort``); with ``mode=wait`` they finish first, whole."""
+
+    async def scenario() -> None:
+        engine = VllmEngine("sim-0", server_url, MODEL, timeout_s=LOADED_HOST_S)
+        http = httpx.AsyncClient(base_url=server_url, timeout=LOADED_HOST_S)
+        try:
+            for mode, tokens in (("abort", 4000), ("wait", 300)):
+                started = asyncio.Event()
+
+                def seen(chunk: TokenChunk, started: asyncio.Event = started) -> None:
+                    started.set()
+
+                task = asyncio.create_task(engine.submit(request(f"sleep-{mode}", tokens), seen))
+                await asyncio.wait_for(started.wait(), DEADLINE_S)
+                params = {"level": 1} | ({"mode": mode} if mode == "wait" else {})
+                slept = await http.post("/sleep", params=params)
+                assert slept.json() == {"status": "sleeping", "level": 1}
+                out = await asyncio.wait_for(task, DEADLINE_S)
+                if mode == "abort":
+                    assert out.aborted and out.tokens < tokens
+                else:
+                    assert (out.tokens, out.finish_reason) == (tokens, "length")
+                assert (await http.get("/is_sleeping")).json() == {"is_sleeping": True}
+                assert (await http.post("/wake_up")).json()["status"] == "awake"
+        finally:
+            await http.aclose()
+            await engine.close()
+
+    asyncio.run(scenario())

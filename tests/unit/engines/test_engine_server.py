@@ -209,13 +209,16 @@ def test_dev_mode_endpoints_exist_only_in_dev_mode() -> None:
 
 def test_sleep_and_wake_up_as_in_vllm_dev_mode(client: TestClient) -> None:
     assert client.get("/is_sleeping").json() == {"is_sleeping": False}
-    assert client.post("/sleep", params={"level": 1}).status_code == 200
+    slept = client.post("/sleep", params={"level": 1})
+    assert slept.json() == {"status": "sleeping", "level": 1}  # vLLM 0.32's answer
     assert client.get("/is_sleeping").json() == {"is_sleeping": True}
     assert client.post("/v1/completions", json={"prompt": "x"}).status_code == 503
-    assert client.post("/wake_up").status_code == 200
+    assert client.post("/wake_up").json() == {"status": "awake", "tags": None}
     assert client.get("/is_sleeping").json() == {"is_sleeping": False}
     assert complete(client, max_tokens=2)["usage"]["completion_tokens"] == 2
-    assert client.post("/sleep", params={"level": 3}).status_code == 400
+    assert client.post("/sleep", params={"level": 3}).status_code == 422  # as vLLM (0..2)
+    assert client.post("/sleep", params={"mode": "later"}).status_code == 422
+    assert client.post("/sleep", params={"level": 0}).status_code == 400  # not simulated
 
 
 def test_level_2_sleep_needs_the_weights_reloaded_as_vllm_does(client: TestClient) -> None:
