@@ -5,6 +5,7 @@ machine (the ``vllm`` command, or ``python -m`` where the CPU build's entry poin
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -12,7 +13,7 @@ import subprocess
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import IO, Any
 
 from qlm.errors import EngineError
 
@@ -201,19 +202,27 @@ def start_asleep(
     *,
     timeout_s: float = START_TIMEOUT_S,
     say: Callable[[str], None] = lambda line: None,
+    output: IO[bytes] | None = None,
 ) -> list[subprocess.Popen[bytes]]:
     """Start a GPU's servers one at a time: each must answer ``/health``, is put to sleep at
     level 1 (``POST /sleep?level=1&mode=wait``) and must say so (``/is_sleeping``) before the
     next starts — vLLM takes its GPU memory share at start-up and refuses to start when that
     much is not free, so the one before must have released its share. The agents wake the
     model they need. A server that exits, never answers or does not sleep stops them all, and
-    the error names it."""
+    the error names it. ``output``: where the servers write (default: this process's
+    output)."""
     procs: list[subprocess.Popen[bytes]] = []
     try:
         for server in servers:
             env = {**os.environ, **dict(server.command.env)}
             say(f"starting {server.model} at {server.url}: {server.command.shell()}")
-            proc = subprocess.Popen(list(server.command.argv), env=env)
+            proc = subprocess.Popen(
+                list(server.command.argv),
+                env=env,
+                stdout=output,
+                stderr=None if output is None else subprocess.STDOUT,
+                start_new_session=True,  # stopped on its own, not by a terminal's signals
+            )
             procs.append(proc)
             _wait_healthy(server, proc, timeout_s)
             _put_to_sleep(server)
@@ -267,7 +276,10 @@ def _put_to_sleep(server: ColocatedServer) -> None:
 
 
 def stop_all(procs: Sequence[subprocess.Popen[bytes]], timeout_s: float = 60.0) -> None:
-    """Stop these servers (SIGTERM, then SIGKILL after ``timeout_s``)."""
+    """Stop these servers (SIGTERM, then SIGKILL of each one's process group — vLLM's engine
+    processes with it — after ``timeout_s``)."""
+    import signal
+
     for proc in procs:
         if proc.poll() is None:
             proc.terminate()
@@ -275,5 +287,6 @@ def stop_all(procs: Sequence[subprocess.Popen[bytes]], timeout_s: float = 60.0) 
         try:
             proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            proc.kill()
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
