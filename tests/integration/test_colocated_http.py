@@ -175,8 +175,8 @@ def test_the_agents_keep_one_model_awake_the_next_warm_and_the_rest_cold(
     assert runtime.model_switches >= 3, told  # each model woken for its requests
     assert all(ModelTier.ACTIVE in t for t in told.values()), told
     # the 13B never fits in the CPU memory left: it is put to level 2 while the others are
-    # served, and woken from there (the emulator refuses a bare wake-up from level 2)
-    assert told["llama-2-13b"][0] is ModelTier.COLD and "discard_all" in seen["llama-2-13b"]
+    # served (and, served after, woken from there: the emulator refuses a bare wake-up then)
+    assert ModelTier.COLD in told["llama-2-13b"] and "discard_all" in seen["llama-2-13b"]
     # a model put to sleep after serving goes to level 1 (warm) first
     assert any(ModelTier.WARM in told[m] for m in MODELS[:2]), told
 
