@@ -113,6 +113,10 @@ def bind(
     return sock
 
 
+API_KEEPALIVE_S = 60
+"""How long the API keeps an idle client connection open (uvicorn's default is 5 s)."""
+
+
 class ApiServer:
     """``app`` served by uvicorn on ``host:port`` (0: any free port; see ``port`` once bound),
     or on ``sock``, bound already (``bind``)."""
@@ -141,6 +145,10 @@ class ApiServer:
             access_log=access_log,
             lifespan="on",
             timeout_graceful_shutdown=5,
+            # An idle connection is kept well past a client's reuse of it (httpx: 5 s, uvicorn's
+            # own default too): at equal times a request written on a connection the server is
+            # closing gets a reset, seen by clients polling the API on a busy host.
+            timeout_keep_alive=API_KEEPALIVE_S,
         )
         self._server = _Server(self._config)
         self._task: asyncio.Task[None] | None = None

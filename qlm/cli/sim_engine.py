@@ -65,6 +65,14 @@ def sim_engine_serve_cmd(
             help="Tokens per streamed chunk after the first (vLLM's --stream-interval; 1: each)."
         ),
     ] = 1,
+    kv_offloading_size: Annotated[
+        float | None,
+        typer.Option(
+            help="vLLM's --kv-offloading-size (GiB): CPU memory that keeps the KV blocks of "
+            "ended requests, so a prompt that begins with them is computed only past them "
+            "(what QLM's KV swap uses). Default: none."
+        ),
+    ] = None,
     perf_model: Annotated[
         str | None,
         typer.Option(
@@ -90,6 +98,8 @@ def sim_engine_serve_cmd(
         fail(f"--scheduling-policy must be fcfs or priority, got {scheduling_policy!r}")
     if stream_interval < 1:
         fail(f"--stream-interval must be >= 1, got {stream_interval}")
+    if kv_offloading_size is not None and kv_offloading_size <= 0:
+        fail(f"--kv-offloading-size must be > 0, got {kv_offloading_size}")
     policy: SchedulingPolicy = "priority" if scheduling_policy == "priority" else "fcfs"
     from qlm.api.server import bind
 
@@ -130,6 +140,7 @@ def sim_engine_serve_cmd(
             max_num_seqs=max_num_seqs,
             scheduling_policy=policy,
             stream_interval=stream_interval,
+            kv_offloading_gb=kv_offloading_size,
             catalog=catalog,
             sock=sock,
         )

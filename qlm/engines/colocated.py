@@ -185,18 +185,21 @@ class ColocatedEngine:
         await self.servers[model].set_model_tier(model, ModelTier.WARM)
 
     async def _drained(self, model: str) -> None:
-        """Wait until ``model``'s server runs and holds nothing (the agents switch models only
-        once the running batch is done, but a server's gauges may lag)."""
+        """Wait until ``model``'s server runs and holds nothing, by its gauges and by what was
+        sent to it from here (the agents switch models only once the running batch is done,
+        but a server's gauges lag: one sent a moment ago may not be counted yet)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.drain_timeout_s
         while True:
             st = await self.servers[model].stats()
-            if st.running == 0 and st.waiting == 0:
+            sent = [r for r, m in self._where.items() if m == model and r not in self._queued]
+            if st.running == 0 and st.waiting == 0 and not sent:
                 return
             if loop.time() > deadline:
                 raise EngineError(
                     f"{self.name}: the server of {model!r} did not drain within "
-                    f"{self.drain_timeout_s:g} s ({st.running} running, {st.waiting} waiting)"
+                    f"{self.drain_timeout_s:g} s ({st.running} running, {st.waiting} waiting, "
+                    f"{len(sent)} sent from here)"
                 )
             await asyncio.sleep(0.05)
 

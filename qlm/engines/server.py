@@ -40,11 +40,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import socket
 import time
 import uuid
 import zlib
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import replace
@@ -180,12 +182,79 @@ def _eos_length(request_id: str, max_tokens: int, lengths: Sequence[int], seed: 
     return max(1, min(max_tokens, int(lengths[i])))
 
 
+SLEEP_WAIT_POLL_S = 0.01
+"""How often ``/sleep?mode=wait`` looks whether the requests in flight have finished."""
+
+
+class OffloadTier:
+    """vLLM's CPU KV offloading (``--kv-offloading-size``) as this server models it: the token
+    ids of every request that ended (finished or aborted: vLLM stores each computed block to CPU
+    memory as it goes) are kept, the least recently used dropped first, within ``gb`` of KV
+    memory; a later prompt that begins with whole blocks of one is computed only past them —
+    vLLM loads those blocks from CPU memory instead (here that takes no time) — and at least
+    its last token is computed, as in vLLM. ``queries`` and ``hits`` count prompt tokens, as
+    vLLM's ``vllm:external_prefix_cache_queries`` / ``_hits`` do."""
+
+    def __init__(self, gb: float, kv_bytes_per_token: float, block_size: int) -> None:
+        self.gb = gb
+        self.block_size = block_size
+        self.capacity_tokens = int(gb * 2**30 / kv_bytes_per_token)
+        self.kept: OrderedDict[tuple[int, ...], None] = OrderedDict()
+        self.held = 0  # tokens kept
+        self.queries = 0
+        self.hits = 0
+
+    def lookup(self, prompt: Sequence[int]) -> int:
+        """The prompt's tokens found in whole kept blocks (counted as queried and hit)."""
+        best, match = 0, None
+        for ids in self.kept:
+            n = 0
+            for a, b in zip(ids, prompt, strict=False):
+                if a != b:
+                    break
+                n += 1
+            if n > best:
+                best, match = n, ids
+        hit = min(best, len(prompt) - 1) // self.block_size * self.block_size
+        if match is not None and hit:
+            self.kept.move_to_end(match)
+        self.queries += len(prompt)
+        self.hits += hit
+        return hit
+
+    def store(self, ids: tuple[int, ...]) -> None:
+        """Keep these tokens' blocks (whole blocks only), dropping the oldest to make room."""
+        ids = ids[: len(ids) // self.block_size * self.block_size]
+        if not ids or len(ids) > self.capacity_tokens:
+            return
+        if ids in self.kept:
+            self.kept.move_to_end(ids)
+            return
+        self.kept[ids] = None
+        self.held += len(ids)
+        while self.held > self.capacity_tokens:
+            old, _ = self.kept.popitem(last=False)
+            self.held -= len(old)
+
+    def store_output(self, prompt: tuple[int, ...], done: asyncio.Future[EngineOutput]) -> None:
+        """Keep a request that ended: its prompt's ids and those of what it wrote."""
+        if done.cancelled() or done.exception() is not None:
+            return
+        out = done.result()
+        written = tokenize(out.text) if out.text else []
+        if len(written) == out.tokens:  # (a structured answer's pieces do not count back)
+            self.store((*prompt, *written))
+
+
 class _SimCollector(Collector):
     """vLLM's gauges and counters, read from the engine at scrape time."""
 
-    def __init__(self, engine: WallClockEngine, model: str) -> None:
+    def __init__(
+        self, engine: WallClockEngine, model: str, offload: OffloadTier | None = None
+    ) -> None:
         self.engine = engine
         self.model = model
+        self.offload = offload
 
     def collect(self) -> Iterator[Metric]:
         stats = self.engine.stats_nowait()
@@ -198,6 +267,19 @@ class _SimCollector(Collector):
             gauge = GaugeMetricFamily(name, doc, labels=labels)
             gauge.add_metric(values, float(value))
             yield gauge
+        # vLLM 0.32: awake = 1 while awake; asleep, weights_offloaded = 1 (level 1) or
+        # discard_all = 1 (level 2)
+        level = self.engine.sleep_level
+        sleep_state = GaugeMetricFamily(
+            "vllm:engine_sleep_state",
+            "Engine sleep state; awake = 0 means engine is sleeping; awake = 1 means engine is "
+            "awake; weights_offloaded = 1 means sleep level 1; discard_all = 1 means sleep level 2.",
+            labels=[*labels, "sleep_state"],
+        )
+        for state, on in (("awake", level is None), ("weights_offloaded", level == 1),
+                          ("discard_all", level == 2)):  # fmt: skip
+            sleep_state.add_metric([*values, state], float(on))
+        yield sleep_state
         counter = CounterMetricFamily(
             "vllm:num_preemptions",
             "Cumulative number of preemption from the engine.",
@@ -224,6 +306,19 @@ class _SimCollector(Collector):
             "num_gpu_blocks": str(blocks),
             "engine": "0",
         }
+        if self.offload is not None:
+            info["enable_prefix_caching"] = "True"  # (the offloading tier's)
+            info["kv_offloading_size"] = f"{self.offload.gb:g}"
+            info["kv_offloading_backend"] = "native"
+            for name, value, doc in (
+                ("vllm:external_prefix_cache_queries", self.offload.queries,
+                 "External prefix cache queries from KV connector cross-instance cache sharing, in terms of number of queried tokens."),
+                ("vllm:external_prefix_cache_hits", self.offload.hits,
+                 "External prefix cache hits from KV connector cross-instance cache sharing, in terms of number of cached tokens."),
+            ):  # fmt: skip
+                counter = CounterMetricFamily(name, doc, labels=labels)
+                counter.add_metric(values, float(value))
+                yield counter
         gauge = GaugeMetricFamily(
             "vllm:cache_config_info", "Information of the LLMEngine CacheConfig", labels=list(info)
         )
@@ -245,8 +340,10 @@ def create_app(
     seed: int = 0,
     scheduling_policy: SchedulingPolicy = "fcfs",
     stream_interval: int = 1,
+    kv_offloading_gb: float | None = None,
 ) -> FastAPI:
     """The HTTP face of one simulated instance. The engine's driver runs in the app's lifespan.
+    ``kv_offloading_gb``: vLLM's ``--kv-offloading-size`` (``OffloadTier``).
     ``scheduling_policy`` is vLLM's ``--scheduling-policy``, with its default: under ``fcfs`` a
     ``priority`` other than 0 is refused (``PRIORITY_REFUSED``). QLM sends priorities, so whatever
     serves it passes ``priority``, as ``vllm serve`` for QLM gets ``--scheduling-policy priority``."""
@@ -258,6 +355,13 @@ def create_app(
     started = int(time.time())
     # Level-2 sleep: reload_weights seen since, and weights woken without it (answers refused).
     weights = {"reloaded": False, "empty": False}
+    offload = None
+    if kv_offloading_gb is not None:
+        check_setting(kv_offloading_gb > 0, "kv_offloading_gb", "> 0", kv_offloading_gb)
+        pm = next(iter(engine.sim.perf_models.values()))
+        offload = OffloadTier(
+            kv_offloading_gb, pm.model.kv_bytes_per_token, engine.sim.config.block_size
+        )
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -266,7 +370,7 @@ def create_app(
 
     app = FastAPI(title=f"QLM simulated vLLM ({', '.join(models)})", lifespan=lifespan)
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_SimCollector(engine, models[0]))
+    registry.register(_SimCollector(engine, models[0], offload))
 
     @app.get("/health")
     async def health() -> Response:
@@ -349,10 +453,12 @@ def create_app(
                 return StreamingResponse(events, media_type="text/event-stream", headers=headers)
             return _error(400, refused)
         output = max_tokens if body.ignore_eos else _eos_length(rid, max_tokens, eos_lengths, seed)
+        ids = None if offload is None else tokenize(prompt) if isinstance(prompt, str) else prompt
+        cached = 0 if offload is None or ids is None else offload.lookup(ids)
         req = EngineRequest(
             request_id=rid,
             model=model,
-            prompt_tokens=prompt_tokens,
+            prompt_tokens=prompt_tokens - cached,  # computed; the rest loaded from CPU memory
             max_tokens=max_tokens,
             priority=body.priority,
             output_tokens=output,
@@ -366,6 +472,8 @@ def create_app(
             return _error(400, str(exc))
         # vLLM numbers the prompts of one completion request (``-0``: its only one)
         track(fmt.id_prefix + rid + ("-0" if fmt.role is None else ""), rid, done)
+        if offload is not None and ids is not None:
+            done.add_done_callback(functools.partial(offload.store_output, tuple(ids)))
         prompt_ids: list[int] | None = None
         if body.return_token_ids:
             prompt_ids = tokenize(prompt) if isinstance(prompt, str) else list(prompt)
@@ -386,6 +494,7 @@ def create_app(
                 fmt,
                 stream_interval,
                 prompt_ids=prompt_ids,
+                prompt_tokens=prompt_tokens,
             )
             return StreamingResponse(events, media_type="text/event-stream", headers=headers)
         result = await _wait_or_abort(engine, request, rid, done)
@@ -399,7 +508,7 @@ def create_app(
             token_ids=None if prompt_ids is None else _drained_ids(chunks),
             prompt_ids=prompt_ids,
         )
-        answer = {**meta, "choices": [choice], "usage": _usage(req.prompt_tokens, result.tokens)}
+        answer = {**meta, "choices": [choice], "usage": _usage(prompt_tokens, result.tokens)}
         if fmt.role is not None:
             answer["prompt_token_ids"] = prompt_ids
         return JSONResponse(answer, headers=headers)
@@ -447,12 +556,27 @@ def create_app(
     if dev_mode:
 
         @app.post("/sleep")
-        async def sleep(level: Annotated[int, Query()] = 1) -> Response:
+        async def sleep(
+            level: Annotated[int, Query(ge=0, le=2)] = 1,
+            mode: Annotated[Literal["abort", "wait", "keep"], Query()] = "abort",
+        ) -> Response:
+            """vLLM 0.32: ``mode`` says what becomes of the requests in flight — ``abort`` (the
+            default) aborts them (their answers end ``abort``), ``wait`` lets them finish
+            first; ``keep`` (vLLM pauses them until the wake-up) is not simulated: with
+            requests in flight it is refused (409). Level 0 (pause only) is not simulated."""
+            if level == 0:
+                return _error(400, "sleep level 0 (pause only) is not simulated; use 1 or 2")
+            if mode == "abort":
+                for rid, _ in list(live.values()):
+                    _abort_quietly(engine, rid)
+            elif mode == "wait":
+                while engine.sim.queue_view():
+                    await asyncio.sleep(SLEEP_WAIT_POLL_S)
             try:
                 engine.sleep(level)
             except EngineError as exc:
-                return _error(409 if level in (1, 2) else 400, str(exc))
-            return Response(status_code=200)
+                return _error(409, str(exc))
+            return JSONResponse({"status": "sleeping", "level": level})
 
         @app.post("/wake_up")
         async def wake_up(tags: Annotated[list[str] | None, Query()] = None) -> Response:
@@ -460,13 +584,13 @@ def create_app(
             # loaded in place by POST /collective_rpc reload_weights (between a wake_up of
             # tags=weights and one of tags=kv_cache). Woken without that, vLLM answers
             # nonsense; this server answers 500 (``WEIGHTS_EMPTY``) so that the mistake shows.
-            if tags and "kv_cache" not in tags:
-                return Response(status_code=200)  # weights memory back; nothing to simulate
+            if tags and "kv_cache" not in tags:  # weights memory back; nothing to simulate
+                return JSONResponse({"status": "sleeping", "tags": tags})
             if engine.sleep_level == 2 and not weights["reloaded"]:
                 weights["empty"] = True
             weights["reloaded"] = False
             await engine.wake_up()
-            return Response(status_code=200)
+            return JSONResponse({"status": "awake", "tags": tags})
 
         @app.post("/collective_rpc")
         async def collective_rpc(request: Request) -> Response:
@@ -491,7 +615,7 @@ def create_app(
         ) -> dict[str, Any]:
             """vLLM's configuration as this server runs it: the fields of vLLM's ``VllmConfig``
             that the simulated engine has, with its values (JSON, or vLLM's one-line text)."""
-            config = _vllm_config(engine, scheduling_policy, stream_interval)
+            config = _vllm_config(engine, scheduling_policy, stream_interval, offload)
             shown = config if config_format == "json" else _config_text(config)
             return {"vllm_config": shown, "vllm_env": {}, "system_env": {}}
 
@@ -560,12 +684,14 @@ async def _stream(
     interval: int = 1,
     *,
     prompt_ids: Sequence[int] | None = None,
+    prompt_tokens: int | None = None,
 ) -> AsyncIterator[str]:
     """SSE events as vLLM sends them; aborts the engine request if the client goes away.
     ``interval`` > 1 (vLLM's ``--stream-interval``): the first token goes at once, then the
     tokens wait until ``interval`` of them (or the end) make one event. ``prompt_ids`` (asked
     for with ``return_token_ids``): the prompt's ids go on the first event (``AnswerFormat``) and
     every event says its new tokens' ids."""
+    prompt_count = req.prompt_tokens if prompt_tokens is None else prompt_tokens
     include_usage = bool(options and options.include_usage)
     continuous = include_usage and bool(options and options.continuous_usage_stats)
     finished = False
@@ -577,7 +703,7 @@ async def _stream(
         if opening is not None:
             first: dict[str, Any] = {**meta, "choices": [opening]}
             if continuous:
-                first["usage"] = _usage(req.prompt_tokens, 0)
+                first["usage"] = _usage(prompt_count, 0)
             first["prompt_token_ids"] = None if prompt_ids is None else list(prompt_ids)
             yield f"data: {json.dumps(first)}\n\n"
         while True:
@@ -605,12 +731,12 @@ async def _stream(
             sent_tokens, first_event = chunk.tokens, False
             event: dict[str, Any] = {**meta, "choices": [choice]}
             if continuous:
-                event["usage"] = _usage(req.prompt_tokens, chunk.tokens)
+                event["usage"] = _usage(prompt_count, chunk.tokens)
             yield f"data: {json.dumps(event)}\n\n"
             if chunk.finish_reason is not None:
                 finished = True
                 if include_usage:
-                    last = {**meta, "choices": [], "usage": _usage(req.prompt_tokens, chunk.tokens)}
+                    last = {**meta, "choices": [], "usage": _usage(prompt_count, chunk.tokens)}
                     yield f"data: {json.dumps(last)}\n\n"
                 yield "data: [DONE]\n\n"
                 return
@@ -652,7 +778,10 @@ def _drained_ids(chunks: asyncio.Queue[TokenChunk]) -> list[int]:
 
 
 def _vllm_config(
-    engine: WallClockEngine, scheduling_policy: SchedulingPolicy, stream_interval: int
+    engine: WallClockEngine,
+    scheduling_policy: SchedulingPolicy,
+    stream_interval: int,
+    offload: OffloadTier | None = None,
 ) -> dict[str, Any]:
     """The sections of vLLM's ``VllmConfig`` (``/server_info``) that the simulated engine has,
     with its values: the model, the KV cache (``num_gpu_blocks`` x ``block_size`` tokens), the
@@ -673,7 +802,9 @@ def _vllm_config(
         "cache_config": {
             "block_size": cfg.block_size,
             "gpu_memory_utilization": cfg.gpu_memory_utilization,
-            "enable_prefix_caching": False,  # not simulated
+            "enable_prefix_caching": offload is not None,  # only the offloading tier's
+            "kv_offloading_size": None if offload is None else offload.gb,
+            "kv_offloading_backend": "native",
             "num_gpu_blocks": capacity // cfg.block_size,
             "kv_cache_size_tokens": capacity,
         },
@@ -714,6 +845,7 @@ def serve(
     max_num_seqs: int | None = None,
     scheduling_policy: SchedulingPolicy = "fcfs",
     stream_interval: int = 1,
+    kv_offloading_gb: float | None = None,
     catalog: HardwareCatalog | None = None,
     sock: socket.socket | None = None,
 ) -> None:
@@ -739,6 +871,7 @@ def serve(
         seed=seed,
         scheduling_policy=scheduling_policy,
         stream_interval=stream_interval,
+        kv_offloading_gb=kv_offloading_gb,
     )
     # Its lines go to the process's handler, in QLM's format (qlm.cli.logs).
     config = uvicorn.Config(

@@ -299,6 +299,7 @@ class VllmEngine:
             seqs = told if isinstance(told, int) and told > 0 else None
         sleep, self.sleep_probe = await self.probe_sleep(info)
         log.info("%s (%s): %s", self.name, self.base_url, self.sleep_probe)
+        await self._read_tiers()
         self._abort_endpoint = await self._serves_abort_requests()
         await self.load_token_ids()
         return EngineCapabilities(
@@ -367,6 +368,27 @@ class VllmEngine:
         if not (slept and woke):
             return False, f"no sleep mode: put to sleep it said asleep={slept}, woken awake={woke}"
         return True, f"sleep mode on{on}: slept (level 1) and woke when probed"
+
+    async def _read_tiers(self) -> None:
+        """Take the server's sleep state as it is (it may have been put to sleep before QLM
+        attached: colocated servers are started one at a time, each put to sleep before the
+        next starts): awake is ``ACTIVE``; asleep, vLLM 0.32's ``vllm:engine_sleep_state`` says
+        the level (``weights_offloaded`` = 1: level 1, ``WARM``), and a server asleep that does
+        not say is taken as ``COLD`` (waking it then follows the level-2 recipe, which also
+        wakes a level-1 sleep). Without ``/is_sleeping`` (no dev mode) it is awake."""
+        try:
+            asleep = await self.is_sleeping()
+        except (EngineError, ValueError, AttributeError):
+            asleep = False
+        tier = ModelTier.ACTIVE
+        if asleep:
+            samples = (await self._metrics()).get("vllm:engine_sleep_state", [])
+            level1 = any(
+                v == 1 for lab, v in samples if lab.get("sleep_state") == "weights_offloaded"
+            )
+            tier = ModelTier.WARM if level1 else ModelTier.COLD
+        for m in self.models:
+            self._tiers[m] = tier
 
     async def _serves_abort_requests(self) -> bool:
         """Whether ``POST /abort_requests`` is served (vLLM 0.32 in dev mode): probed with an id
@@ -512,6 +534,13 @@ class VllmEngine:
             await self._call("POST", "/wake_up", params={"tags": "kv_cache"}, timeout=t)
         elif tier is ModelTier.ACTIVE:
             await self._call("POST", "/wake_up", timeout=self.tier_timeout_s)
+        elif tier is ModelTier.WARM and self._tiers.get(model) is ModelTier.COLD:
+            # Asleep at level 2, the weights are gone: vLLM cannot bring them back to CPU
+            # memory without waking (which needs the GPU memory another model holds). It stays
+            # cold, and is woken by the level-2 recipe above (a level-1 sleep asked now would
+            # change nothing, and a bare wake_up would then run on empty weights).
+            log.debug("%s: %s stays asleep at level 2 (cannot be warmed asleep)", self.name, model)
+            return
         else:
             level = 1 if tier is ModelTier.WARM else 2
             # vLLM >= 0.32 aborts what is in flight unless told to wait (``mode``; older

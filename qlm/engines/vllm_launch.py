@@ -5,10 +5,15 @@ machine (the ``vllm`` command, or ``python -m`` where the CPU build's entry poin
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
 import shutil
-from collections.abc import Sequence
+import subprocess
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import IO, Any
 
 from qlm.errors import EngineError
 
@@ -130,3 +135,158 @@ def vllm_launcher(python: str | None = None) -> tuple[str, str | None] | None:
         if candidate and works([candidate, "-c", check]):
             return "module", candidate
     return None
+
+
+START_TIMEOUT_S = 1800.0
+"""How long a server QLM starts may take to answer ``/health`` (a large model loads for minutes)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ColocatedServer:
+    """One of a GPU's servers: its model (served name), URL and command."""
+
+    model: str
+    url: str
+    command: VllmCommand
+
+
+def colocated_servers(
+    models: Sequence[str],
+    *,
+    port: int = 8000,
+    host: str | None = None,
+    served_model_names: Sequence[str] = (),
+    gpu_share: float = 0.85,
+    **flags: Any,
+) -> list[ColocatedServer]:
+    """The servers of one GPU that switches models with warm starts: one per model, on ports
+    ``port``, ``port + 1``, ..., each in sleep mode (dev mode) with ``--gpu-memory-utilization
+    gpu_share`` (its share of the GPU when it is the one awake). ``flags``: the rest of
+    ``vllm_serve_command``'s options, the same for every server."""
+    if len(models) < 2:
+        raise EngineError("colocated servers need two models or more (give --model twice)")
+    if served_model_names and len(served_model_names) != len(models):
+        raise EngineError(
+            f"--served-model-name: give one per --model ({len(models)}), "
+            f"got {len(served_model_names)}"
+        )
+    if not 0 < gpu_share <= 1:
+        raise EngineError(f"--gpu-share must be in (0, 1], got {gpu_share}")
+    if flags.get("dev_mode") is False:
+        raise EngineError("colocated servers sleep through dev mode's /sleep: drop --no-dev-mode")
+    names = list(served_model_names) or list(models)
+    extra = (*flags.pop("extra", ()), "--gpu-memory-utilization", f"{gpu_share:g}")
+    where = host if host and host not in ("0.0.0.0", "::") else "127.0.0.1"
+    out = []
+    for i, (model, name) in enumerate(zip(models, names, strict=True)):
+        command = vllm_serve_command(
+            model,
+            port=port + i,
+            host=host,
+            served_model_name=name if name != model else None,
+            sleep_mode=True,
+            extra=extra,
+            **flags,
+        )
+        out.append(ColocatedServer(name, f"http://{where}:{port + i}", command))
+    return out
+
+
+def servers_entry(servers: Sequence[ColocatedServer]) -> str:
+    """The instances file's ``servers`` table of these servers."""
+    return "servers = { " + ", ".join(f'"{s.model}" = "{s.url}"' for s in servers) + " }"
+
+
+def start_asleep(
+    servers: Sequence[ColocatedServer],
+    *,
+    timeout_s: float = START_TIMEOUT_S,
+    say: Callable[[str], None] = lambda line: None,
+    output: IO[bytes] | None = None,
+) -> list[subprocess.Popen[bytes]]:
+    """Start a GPU's servers one at a time: each must answer ``/health``, is put to sleep at
+    level 1 (``POST /sleep?level=1&mode=wait``) and must say so (``/is_sleeping``) before the
+    next starts — vLLM takes its GPU memory share at start-up and refuses to start when that
+    much is not free, so the one before must have released its share. The agents wake the
+    model they need. A server that exits, never answers or does not sleep stops them all, and
+    the error names it. ``output``: where the servers write (default: this process's
+    output)."""
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        for server in servers:
+            env = {**os.environ, **dict(server.command.env)}
+            say(f"starting {server.model} at {server.url}: {server.command.shell()}")
+            proc = subprocess.Popen(
+                list(server.command.argv),
+                env=env,
+                stdout=output,
+                stderr=None if output is None else subprocess.STDOUT,
+                start_new_session=True,  # stopped on its own, not by a terminal's signals
+            )
+            procs.append(proc)
+            _wait_healthy(server, proc, timeout_s)
+            _put_to_sleep(server)
+            say(f"{server.model} at {server.url} is asleep (level 1)")
+    except BaseException:
+        stop_all(procs)
+        raise
+    return procs
+
+
+def _wait_healthy(server: ColocatedServer, proc: subprocess.Popen[bytes], timeout_s: float) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc.poll() is not None:
+            raise EngineError(
+                f"the server of {server.model} ({server.url}) exited with {proc.returncode} "
+                "at start-up"
+            )
+        try:
+            if httpx.get(f"{server.url}/health", timeout=5.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise EngineError(
+                f"the server of {server.model} ({server.url}) did not answer /health within "
+                f"{timeout_s:g} s"
+            )
+        time.sleep(0.5)
+
+
+def _put_to_sleep(server: ColocatedServer) -> None:
+    import httpx
+
+    try:
+        resp = httpx.post(
+            f"{server.url}/sleep", params={"level": 1, "mode": "wait"}, timeout=START_TIMEOUT_S
+        )
+        asleep = httpx.get(f"{server.url}/is_sleeping", timeout=30.0).json().get("is_sleeping")
+    except (httpx.HTTPError, ValueError, AttributeError) as exc:
+        raise EngineError(
+            f"the server of {server.model} ({server.url}) did not sleep: {exc}"
+        ) from exc
+    if resp.status_code != 200 or asleep is not True:
+        raise EngineError(
+            f"the server of {server.model} ({server.url}) did not sleep: POST /sleep answered "
+            f"{resp.status_code}, /is_sleeping says {asleep!r}"
+        )
+
+
+def stop_all(procs: Sequence[subprocess.Popen[bytes]], timeout_s: float = 60.0) -> None:
+    """Stop these servers (SIGTERM, then SIGKILL of each one's process group — vLLM's engine
+    processes with it — after ``timeout_s``)."""
+    import signal
+
+    for proc in procs:
+        if proc.poll() is None:
+            proc.terminate()
+    for proc in procs:
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()

@@ -21,15 +21,17 @@ from typing import Any
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from resume_helpers import Ended, EvictOnceAt, Watched
 
 from qlm.clock import WallClock
 from qlm.controller import Controller
-from qlm.domain import SLO, InstanceSpec, ModelTier, Request
+from qlm.domain import SLO, Decision, InstanceSpec, ModelTier, Pull, Request, SwapIn, SwapOut
 from qlm.engines.base import Engine, EngineRequest, TokenChunk
 from qlm.engines.vllm import VllmEngine
 from qlm.engines.wallclock import filler_text
 from qlm.errors import EngineError, RequestRejected, UnknownRequest
+from qlm.planner.policy import DispatchContext, PolicyBase
 from qlm.service.jobs import Job
 from qlm.service.runtime import AgentRuntime
 
@@ -56,14 +58,17 @@ def qlm_executable() -> str:
 
 
 @contextmanager
-def sim_engine(log: Path, time_scale: str = TIME_SCALE) -> Iterator[str]:
-    """A ``qlm sim-engine serve`` process (output to ``log``), healthy; its URL."""
+def sim_engine(
+    log: Path, time_scale: str = TIME_SCALE, model: str = MODEL, extra: tuple[str, ...] = ()
+) -> Iterator[str]:
+    """A ``qlm sim-engine serve`` process of ``model`` (output to ``log``; ``extra``: more
+    flags), healthy; its URL."""
     port = free_port()
     with log.open("ab") as out:
         proc = subprocess.Popen(
-            [qlm_executable(), "sim-engine", "serve", "--model", MODEL, "--gpu", "A100",
+            [qlm_executable(), "sim-engine", "serve", "--model", model, "--gpu", "A100",
              "--port", str(port), "--time-scale", time_scale, "--dev-mode",
-             "--scheduling-policy", "priority"],
+             "--scheduling-policy", "priority", *extra],
             stdout=out,
             stderr=subprocess.STDOUT,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
@@ -429,3 +434,145 @@ def test_an_evicted_chat_resumes_from_the_token_ids_the_server_said(server_url: 
     record, text = ended.done["chat-1"]
     assert (record.output_tokens, record.evictions) == (tokens, 1)
     assert text == filler_text(tokens)
+
+
+class SwapOnceAt(PolicyBase):
+    """Pulls everything onto ``instance``; swaps ``rid`` out once, when ``ready()`` — only where
+    the instance offers swap space, as the planner does — and in again once it is parked."""
+
+    name = "swap-once-at"
+
+    def __init__(self, rid: str, instance: str, ready: Callable[[], bool], parked: asyncio.Event):
+        self.rid, self.instance, self.ready, self.parked = rid, instance, ready, parked
+        self.out = self.back = False
+        self.swap_space_gb = 0.0
+
+    def decide(self, ctx: DispatchContext) -> list[Decision]:
+        out: list[Decision] = [Pull(r.id, self.instance) for r in ctx.arrived]
+        (load,) = ctx.instances
+        if not self.out and self.ready() and load.swap_free_gb > 0:
+            self.out, self.swap_space_gb = True, load.swap_free_gb
+            out.append(SwapOut(self.rid, self.instance))
+        elif self.out and not self.back and self.parked.is_set():
+            self.back = True
+            out.append(SwapIn(self.rid, self.instance))
+        return out
+
+
+class Parking(Watched):
+    """The watched engine, saying when a request has been parked."""
+
+    def __init__(self, inner: VllmEngine) -> None:
+        super().__init__(inner)
+        self.parked = asyncio.Event()
+        self.parked_at = 0  # tokens streamed when it was parked
+
+    async def swap_out(self, request_id: str) -> None:
+        await self.inner.swap_out(request_id)
+        self.parked_at = self.written()
+        self.parked.set()
+
+
+def external_hits(url: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=LOADED_HOST_S).text
+    return sum(
+        s.value
+        for f in text_string_to_metric_families(text)
+        if f.name == "vllm:external_prefix_cache_hits"
+        for s in f.samples
+        if s.name.endswith("_total")
+    )
+
+
+def test_with_kv_offloading_a_swapped_request_goes_on_from_the_blocks_the_server_kept(
+    tmp_path: Path,
+) -> None:
+    """KV swap through the agents' runtime over HTTP, where the server offloads KV to CPU
+    memory (``--kv-offloading-size``, as vLLM's flag): the client offers swap with that memory
+    as swap space, the policy swaps a running request out (parked: its stream ends) and in
+    (sent again from its exact token ids), and the server's own counter shows its prompt found
+    in the CPU tier — at least the whole blocks of what it had — instead of computed again.
+    The answer comes whole, to its full length, under one submission."""
+    tokens, swap_at = 1000, 200
+
+    async def scenario(url: str) -> tuple[Parking, SwapOnceAt, Ended]:
+        engine = Parking(VllmEngine("sim-0", url, MODEL, timeout_s=LOADED_HOST_S))
+        caps = await engine.inner.capabilities()
+        assert caps.supports_swap and (await engine.inner.stats()).swap_free_gb == 4.0
+        policy = SwapOnceAt("swap-1", "sim-0", lambda: engine.written() >= swap_at, engine.parked)
+        ended = Ended()
+        runtime = AgentRuntime(
+            Controller(policy, [InstanceSpec("sim-0", "A100", (MODEL,))]),
+            [engine],  # type: ignore[list-item]
+            clock=WallClock(),
+            listener=ended,
+            tick_s=0.01,
+        )
+        await runtime.start()
+        try:
+            request = Request(
+                id="swap-1", model=MODEL, arrival_s=runtime.clock.now(), input_tokens=300,
+                max_tokens=tokens, slo=SLO(e2e_s=3600.0), replay_output_tokens=tokens,
+            )  # fmt: skip
+            runtime.submit(request, Job(prompt=filler_text(300)))
+            deadline = time.monotonic() + DEADLINE_S
+            while not runtime.idle:
+                assert time.monotonic() < deadline, "the request did not finish"
+                await asyncio.sleep(0.02)
+        finally:
+            await runtime.stop()
+            await engine.inner.close()
+        return engine, policy, ended
+
+    with sim_engine(tmp_path / "server.log", extra=("--kv-offloading-size", "4")) as url:
+        hits = external_hits(url)
+        engine, policy, ended = asyncio.run(scenario(url))
+        reused = external_hits(url) - hits
+    assert not ended.errors, ended.errors
+    assert policy.back and policy.swap_space_gb == 4.0
+    assert len(engine.sent) == 1  # parked and sent again inside the one submission
+    (chunks,) = engine.chunks
+    prompt = chunks[0].prompt_token_ids
+    assert prompt is not None and engine.parked_at >= swap_at
+    counts = [c.tokens for c in chunks]
+    assert counts == sorted(counts) and counts[-1] == tokens
+    # sent again as prompt + what it had written: whole blocks of it (the server's are 16
+    # tokens) were found in CPU memory, not computed again
+    assert reused >= (len(prompt) + engine.parked_at - 1) // 16 * 16 > 0, reused
+    record, text = ended.done["swap-1"]
+    assert record.output_tokens == tokens and text == filler_text(tokens)
+
+
+def test_sleep_aborts_the_requests_in_flight_unless_told_to_wait_as_vllm_032(
+    server_url: str,
+) -> None:
+    """``POST /sleep`` as vLLM 0.32: by default (``mode=abort``) the requests in flight are
+    aborted (their answers end ``abort``); with ``mode=wait`` they finish first, whole."""
+
+    async def scenario() -> None:
+        engine = VllmEngine("sim-0", server_url, MODEL, timeout_s=LOADED_HOST_S)
+        http = httpx.AsyncClient(base_url=server_url, timeout=LOADED_HOST_S)
+        try:
+            for mode, tokens in (("abort", 4000), ("wait", 300)):
+                started = asyncio.Event()
+
+                def seen(chunk: TokenChunk, started: asyncio.Event = started) -> None:
+                    started.set()
+
+                task = asyncio.create_task(engine.submit(request(f"sleep-{mode}", tokens), seen))
+                await asyncio.wait_for(started.wait(), DEADLINE_S)
+                params = {"level": 1} | ({"mode": mode} if mode == "wait" else {})
+                slept = await http.post("/sleep", params=params)
+                assert slept.json() == {"status": "sleeping", "level": 1}
+                out = await asyncio.wait_for(task, DEADLINE_S)
+                if mode == "abort":
+                    assert out.aborted and out.tokens < tokens
+                else:
+                    assert (out.tokens, out.finish_reason) == (tokens, "length")
+                assert (await http.get("/is_sleeping")).json() == {"is_sleeping": True}
+                assert (await http.post("/wake_up")).json()["status"] == "awake"
+        finally:
+            await http.aclose()
+            await engine.close()
+
+    asyncio.run(scenario())

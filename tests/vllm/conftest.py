@@ -71,6 +71,7 @@ class VllmServer:
     port: int
     log: Path
     extra: tuple[str, ...] = SERVER_FLAGS
+    kv_offload_gb: float | None = None  # CPU KV offloading, as `qlm instance launch` asks it
     proc: subprocess.Popen[bytes] | None = None
     started_s: list[float] = field(default_factory=list)  # how long each start took
 
@@ -88,12 +89,20 @@ class VllmServer:
             host="127.0.0.1",
             served_model_name=MODEL,
             python=self.env.python,
+            kv_offload_gb=self.kv_offload_gb,
             extra=self.extra,
         )
 
     def start(self) -> None:
         """Start it and wait until ``/health`` answers 200 (failing with its log if it exits
         or never does)."""
+        code = self.start_or_exit()
+        if code is not None:
+            pytest.fail(f"vLLM exited with {code} at start-up:\n{self.tail()}")
+
+    def start_or_exit(self) -> int | None:
+        """Start it and wait until ``/health`` answers 200 (None) or it exits (its exit
+        code); failing with its log if neither happens in time."""
         env = {
             **os.environ,
             **dict(self.serve_command().env),  # as qlm instance launch starts it
@@ -115,7 +124,7 @@ class VllmServer:
         deadline = t0 + START_TIMEOUT_S
         while True:
             if self.proc.poll() is not None:
-                pytest.fail(f"vLLM exited with {self.proc.returncode} at start-up:\n{self.tail()}")
+                return self.proc.returncode
             if self.healthy():
                 break
             if time.monotonic() > deadline:
@@ -125,6 +134,7 @@ class VllmServer:
                 )
             time.sleep(1.0)
         self.started_s.append(time.monotonic() - t0)
+        return None
 
     def healthy(self) -> bool:
         try:

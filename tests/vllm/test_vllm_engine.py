@@ -16,6 +16,7 @@ import httpx
 import pytest
 from services import free_port
 
+from qlm.domain import ModelTier
 from qlm.engines.base import EngineOutput, EngineRequest, TokenChunk
 from qlm.engines.vllm import VllmEngine
 from qlm.engines.vllm_wire import context_room
@@ -380,3 +381,37 @@ async def _counter(url: str, name: str, **labels: str) -> float:
         if all(f'{k}="{v}"' in head for k, v in labels.items()):
             total += float(value)
     return total
+
+
+def test_a_server_asleep_at_attach_is_taken_as_asleep_at_the_level_vllm_says(
+    vllm_url: str,
+) -> None:
+    """QLM reads a server's sleep state when it attaches (colocated servers are started and put
+    to sleep before QLM attaches): ``/is_sleeping``, and vLLM 0.32's ``vllm:engine_sleep_state``
+    for the level. The CPU build only pauses, but says both as a sleeping GPU build does."""
+
+    async def scenario() -> None:
+        e = engine(vllm_url)
+        http = httpx.AsyncClient(base_url=vllm_url, timeout=DEADLINE_S)
+        try:
+            for level, tier in ((1, ModelTier.WARM), (2, ModelTier.COLD)):
+                resp = await http.post("/sleep", params={"level": level, "mode": "wait"})
+                assert resp.status_code == 200, resp.text
+                try:
+                    await e.capabilities()
+                    assert dict((await e.stats()).model_tiers) == {MODEL: tier}, level
+                finally:
+                    assert (await http.post("/wake_up")).status_code == 200
+                await eventually(lambda: _awake(http), "the server says it is awake")
+            await e.capabilities()
+            assert dict((await e.stats()).model_tiers) == {MODEL: ModelTier.ACTIVE}
+            assert (await e.submit(text_request("after-sleep", 4))).tokens == 4
+        finally:
+            await http.aclose()
+            await e.close()
+
+    run(scenario)
+
+
+async def _awake(http: httpx.AsyncClient) -> bool:
+    return (await http.get("/is_sleeping")).json() == {"is_sleeping": False}

@@ -1,16 +1,20 @@
 """An evicted request resumes from its exact tokens on a real vLLM server (the CPU build, a tiny
-random Llama: tests/vllm/conftest.py): the agents' runtime runs a chat, evicts it mid-answer
-and sends it again as a completion of exactly the prompt vLLM made from the chat (its template
-applied) and the tokens it had written — which vLLM counts as such — and the answer comes whole,
-to its full length. Waits poll conditions; nothing is timed."""
+random Llama: tests/vllm/conftest.py): the agents' runtime runs a chat or a completion, evicts
+it mid-answer and sends it again as a completion of exactly the prompt vLLM made of it (a chat
+with its template applied) and the tokens it had written — which vLLM counts as such — and the
+answer comes whole, to its full length. A parked request goes on from the KV blocks vLLM kept;
+KV offloading, which would keep them in CPU memory, the CPU build refuses. Waits poll
+conditions; nothing is timed."""
 
 from __future__ import annotations
 
 import asyncio
 import time
 
+import httpx
 import pytest
 from resume_helpers import Ended, EvictOnceAt, Watched
+from services import free_port
 
 from qlm.clock import WallClock
 from qlm.controller import Controller
@@ -20,7 +24,7 @@ from qlm.engines.vllm import VllmEngine
 from qlm.service.jobs import Job
 from qlm.service.runtime import AgentRuntime
 
-from .conftest import MODEL
+from .conftest import MODEL, VllmEnv, VllmServer
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
@@ -30,17 +34,22 @@ EVICT_AT = 40  # tokens streamed before the eviction
 LONG = 1800  # a parked request's length: ~2 s alone on the tiny model
 
 
-def test_an_evicted_chat_resumes_from_the_exact_tokens_vllm_made_and_wrote(vllm_url: str) -> None:
-    """(On a loaded host the eviction may reach vLLM after the chat ended: it is tried again
-    under a new id, three times at most.)"""
+@pytest.mark.parametrize("chat", [True, False], ids=["chat", "completion"])
+def test_an_evicted_request_resumes_from_the_exact_tokens_vllm_made_and_wrote(
+    vllm_url: str, chat: bool
+) -> None:
+    """A chat (its prompt: vLLM's rendering of the messages with the model's template) and a
+    completion (its prompt text, tokenized by vLLM). (On a loaded host the eviction may reach
+    vLLM after the request ended: it is tried again under a new id, three times at most.)"""
+    kind = "chat" if chat else "completion"
     for attempt in range(3):
-        if asyncio.run(evicted_chat(vllm_url, f"chat-{attempt}")):
+        if asyncio.run(evicted(vllm_url, f"{kind}-{attempt}", chat=chat)):
             return
-    pytest.fail("the chat ended before its eviction reached vLLM, three times")
+    pytest.fail(f"the {kind} ended before its eviction reached vLLM, three times")
 
 
-async def evicted_chat(vllm_url: str, rid: str) -> bool:
-    """One try: False when the chat ended before it was evicted."""
+async def evicted(vllm_url: str, rid: str, *, chat: bool) -> bool:
+    """One try: False when the request ended before it was evicted."""
     engine = Watched(VllmEngine("cpu-0", vllm_url, MODEL, timeout_s=DEADLINE_S))
     policy = EvictOnceAt(rid, "cpu-0", lambda: engine.written() >= EVICT_AT)
     done = Ended()
@@ -58,8 +67,9 @@ async def evicted_chat(vllm_url: str, rid: str) -> bool:
             id=rid, model=MODEL, arrival_s=now, input_tokens=20, max_tokens=TOKENS,
             slo=SLO(e2e_s=3600.0), tier=Tier.STANDARD, replay_output_tokens=TOKENS,
         )  # fmt: skip
-        messages = [{"role": "user", "content": "Which queue serves me first, and why?"}]
-        runtime.submit(request, Job(prompt="Which queue", messages=messages,
+        question = "Which queue serves me first, and why?"
+        messages = [{"role": "user", "content": question}] if chat else None
+        runtime.submit(request, Job(prompt=question, messages=messages,
                                     sampling={"temperature": 0.0, "logprobs": True}))  # fmt: skip
         deadline = time.monotonic() + DEADLINE_S
         while not runtime.idle:
@@ -72,10 +82,15 @@ async def evicted_chat(vllm_url: str, rid: str) -> bool:
     if len(engine.sent) == 1:
         return False
     first, resumed = engine.sent  # evicted once, sent again once
-    assert first.messages is not None and isinstance(resumed.prompt, tuple)
+    assert (first.messages is not None) == chat and isinstance(resumed.prompt, tuple)
     before, after = engine.chunks
     template = before[0].prompt_token_ids
-    assert template is not None and len(template) > 10  # the chat, templated by vLLM
+    assert template is not None and len(template) > (10 if chat else 2)  # vLLM's prompt ids
+    if not chat:
+        async with httpx.AsyncClient(base_url=vllm_url, timeout=DEADLINE_S) as http:
+            body = {"model": MODEL, "prompt": first.prompt}
+            tokenized = (await http.post("/tokenize", json=body)).json()["tokens"]
+        assert tuple(tokenized) == template
     written = [t for c in before for t in (c.token_ids or ())]
     kept = len(resumed.prompt) - len(template)
     assert kept >= EVICT_AT and resumed.prompt == template + tuple(written[:kept])
@@ -139,3 +154,25 @@ def test_a_parked_request_goes_on_from_the_kv_cache_vllm_kept(vllm_url: str) -> 
             await engine.close()
 
     asyncio.run(scenario())
+
+
+OFFLOAD_REFUSED = "CPU Offloading is currently only supported on CUDA-alike and XPU GPUs"
+
+
+def test_the_cpu_build_refuses_kv_offloading_at_start_up(
+    vllm_env: VllmEnv, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Why KV swap is not offered on the CPU build: started as ``qlm instance launch
+    --kv-offload-gb`` starts vLLM (``--kv-offloading-size G --kv-offloading-backend native``,
+    vLLM's ``OffloadingConnector``), its engine fails at start-up — the CPU offloading worker
+    exists for CUDA-alike and XPU GPUs only (``vllm/v1/kv_offload/cpu/spec.py``). Should a
+    later CPU build serve it, this fails: then test swap with offloading on."""
+    log = tmp_path_factory.mktemp("vllm-offload") / "vllm.log"
+    server = VllmServer(vllm_env, free_port(), log, kv_offload_gb=0.0625)
+    assert "--kv-offloading-size" in server.command()
+    try:
+        code = server.start_or_exit()
+    finally:
+        server.stop()
+    assert code is not None, "vLLM's CPU build served with KV offloading on"
+    assert code != 0 and OFFLOAD_REFUSED in server.tail(10**7), server.tail()

@@ -99,6 +99,8 @@ def test_sim_engine_serve_schedules_as_vllm_serve_does(monkeypatch) -> None:  # 
     assert seen == ["fcfs", "priority"]
     bad = runner.invoke(app, [*serve, "--scheduling-policy", "lifo"])
     assert bad.exit_code == 1 and "--scheduling-policy must be fcfs or priority" in bad.stderr
+    bad = runner.invoke(app, [*serve, "--kv-offloading-size", "0"])
+    assert bad.exit_code == 1 and "--kv-offloading-size must be > 0, got 0.0" in bad.stderr
 
 
 def test_demo_compares_fcfs_and_qlm_on_embedded_defaults_and_reads_its_settings(

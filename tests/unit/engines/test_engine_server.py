@@ -15,7 +15,7 @@ from builders import make_catalog, simulated_vllm
 from prometheus_client.parser import text_string_to_metric_families
 
 from qlm.engines.base import EngineRequest, TokenChunk
-from qlm.engines.server import SchedulingPolicy, _stream, create_app
+from qlm.engines.server import OffloadTier, SchedulingPolicy, _stream, create_app
 from qlm.engines.vllm import VllmEngine
 from qlm.engines.vllm_wire import context_room
 from qlm.engines.wallclock import VOCAB_SIZE, WallClockEngine, filler_text
@@ -209,13 +209,16 @@ def test_dev_mode_endpoints_exist_only_in_dev_mode() -> None:
 
 def test_sleep_and_wake_up_as_in_vllm_dev_mode(client: TestClient) -> None:
     assert client.get("/is_sleeping").json() == {"is_sleeping": False}
-    assert client.post("/sleep", params={"level": 1}).status_code == 200
+    slept = client.post("/sleep", params={"level": 1})
+    assert slept.json() == {"status": "sleeping", "level": 1}  # vLLM 0.32's answer
     assert client.get("/is_sleeping").json() == {"is_sleeping": True}
     assert client.post("/v1/completions", json={"prompt": "x"}).status_code == 503
-    assert client.post("/wake_up").status_code == 200
+    assert client.post("/wake_up").json() == {"status": "awake", "tags": None}
     assert client.get("/is_sleeping").json() == {"is_sleeping": False}
     assert complete(client, max_tokens=2)["usage"]["completion_tokens"] == 2
-    assert client.post("/sleep", params={"level": 3}).status_code == 400
+    assert client.post("/sleep", params={"level": 3}).status_code == 422  # as vLLM (0..2)
+    assert client.post("/sleep", params={"mode": "later"}).status_code == 422
+    assert client.post("/sleep", params={"level": 0}).status_code == 400  # not simulated
 
 
 def test_level_2_sleep_needs_the_weights_reloaded_as_vllm_does(client: TestClient) -> None:
@@ -795,3 +798,21 @@ def test_abort_requests_takes_vllms_own_ids_as_vllm_032_does() -> None:
         await engine.close()
 
     asyncio.run(scenario())
+
+
+def test_the_offloading_tier_finds_whole_kept_blocks_and_drops_the_oldest() -> None:
+    """``--kv-offloading-size``: an ended request's blocks are kept in CPU memory; a prompt
+    that begins with them is computed only past its whole kept blocks (and at least its last
+    token); the least recently used go first when the memory is full."""
+    tier = OffloadTier(gb=48 * 100 / 2**30, kv_bytes_per_token=100, block_size=16)  # 48 tokens
+    assert tier.capacity_tokens == 48
+    a = tuple(range(40))
+    tier.store(a)  # 32 tokens kept: whole blocks only
+    assert tier.held == 32
+    assert tier.lookup((*a, 7, 8)) == 32
+    assert tier.lookup(a[:32]) == 16  # its last token is computed: one block short
+    assert tier.lookup((99, *a)) == 0  # the first block differs: nothing
+    assert (tier.queries, tier.hits) == (42 + 32 + 41, 48)
+    tier.store(tuple(range(100, 132)))  # 64 > 48: the oldest goes
+    assert tier.held == 32 and tier.lookup((*a, 7)) == 0
+    assert tier.lookup((*range(100, 132), 1)) == 32

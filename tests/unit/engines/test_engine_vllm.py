@@ -995,3 +995,27 @@ def test_an_events_common_shape_is_read_as_the_general_reading_reads_it(
         and "prompt_token_ids" not in event
     )
     assert (quick is not None) == one_plain_completion
+
+
+def test_instance_launch_of_several_models_prints_a_server_each_and_the_servers_line() -> None:
+    """One GPU's servers for warm starts: one per model, consecutive ports, sleep mode, the
+    GPU share each takes when awake; the instances file's ``servers`` line."""
+    args = ["instance", "launch", "--model", "org/A", "--model", "org/B", "--served-model-name",
+            "a", "--served-model-name", "b", "--port", "8001", "--gpu-share", "0.4",
+            "--print-only"]  # fmt: skip
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    a, b, _, entry = result.stdout.splitlines()
+    for line, model, port in ((a, "org/A a", 8001), (b, "org/B b", 8002)):
+        m, name = model.split()
+        assert f"vllm serve {m} --port {port} --served-model-name {name}" in line
+        assert "--enable-sleep-mode" in line and line.endswith("--gpu-memory-utilization 0.4")
+    assert entry == '# servers = { "a" = "http://127.0.0.1:8001", "b" = "http://127.0.0.1:8002" }'
+    for bad, message in (
+        (["--served-model-name", "a"], "give one per --model (2), got 1"),
+        (["--gpu-share", "1.5"], "--gpu-share must be in (0, 1]"),
+        (["--no-dev-mode"], "drop --no-dev-mode"),
+    ):
+        base = ["instance", "launch", "--model", "A", "--model", "B", "--print-only"]
+        result = CliRunner().invoke(app, [*base, *bad])
+        assert result.exit_code == 1 and message in result.stderr, result.output
