@@ -162,6 +162,11 @@ class RequestRow:
     def deadline_at(self) -> float:
         return self.submitted_at + self.slo_e2e_s
 
+    def missed(self, now: float) -> bool:
+        """Whether the request missed its deadline: a final one that did not meet its SLO, or one
+        still queued or running at ``now``, past its deadline (not merely "at risk")."""
+        return self.slo_met is False if self.is_final else now > self.deadline_at
+
     def to_request(self) -> Request:
         """The domain request, e.g. for a controller rebuilding its queues from the store."""
         return Request(

@@ -164,7 +164,7 @@ class RequestOut(BaseModel):
             finished_at=row.finished_at,
             predicted_completion_at=row.predicted_completion_at,
             at_risk=row.at_risk,
-            missed=row.slo_met is False if row.is_final else now > row.deadline_at,
+            missed=row.missed(now),
             instance=row.instance,
             cancel_requested=row.cancel_requested,
             evictions=row.evictions,

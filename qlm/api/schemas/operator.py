@@ -100,7 +100,7 @@ class RequestBriefOut(BaseModel):
             first_token_at=row.first_token_at,
             predicted_completion_at=row.predicted_completion_at,
             at_risk=row.at_risk,
-            missed=row.slo_met is False if row.is_final else now > row.deadline_at,
+            missed=row.missed(now),
             instance=row.instance,
             tokens=row.output_tokens if row.is_final else row.partial_tokens,
             evictions=row.evictions,

@@ -214,17 +214,24 @@ def test_openai_streams_chunks_then_finish_reason_usage_and_done() -> None:
     run(scenario)
 
 
+async def two_running_one_waiting(h: Harness) -> tuple[list[str], str]:
+    """Three long requests on the harness's two instances: the ids of the two that run (once
+    both have started) and of the one that waits."""
+    long = {"max_tokens": 8000, "slo_seconds": 86400}
+    running = [(await h.submit(**long)).json()["id"] for _ in range(2)]
+    waiting = (await h.submit(**long)).json()["id"]
+
+    def started() -> bool:
+        rows = [h.store.get(rid) for rid in running]
+        return all(r is not None and r.first_token_at is not None for r in rows)
+
+    await eventually(started, "both instances run one request")
+    return running, waiting
+
+
 def test_cancel_dequeues_a_waiting_request_and_aborts_a_running_one() -> None:
     async def scenario(h: Harness, _service: ControllerService) -> None:
-        long = {"max_tokens": 8000, "slo_seconds": 86400}
-        running = [(await h.submit(**long)).json()["id"] for _ in range(2)]
-        waiting = (await h.submit(**long)).json()["id"]
-
-        def started() -> bool:
-            rows = [h.store.get(rid) for rid in running]
-            return all(r is not None and r.first_token_at is not None for r in rows)
-
-        await eventually(started, "both instances run one request")
+        running, waiting = await two_running_one_waiting(h)
         r = await h.client.delete(f"/v1/requests/{waiting}", headers=h.auth())
         assert r.status_code == 200 and r.json()["status"] == "cancelled"
         r = await h.client.delete(f"/v1/requests/{running[0]}", headers=h.auth())

@@ -139,19 +139,12 @@ def test_a_request_cancelled_in_the_queue_or_while_it_runs_is_logged_once(
     """The API ends a queued request itself and logs its line; a running one is ended, and
     logged, by the controller. Neither twice."""
     from tests.unit.service.test_api_service import run as run_api
+    from tests.unit.service.test_api_service import two_running_one_waiting
 
     caplog.set_level(logging.INFO, logger="qlm.outcomes")
 
     async def scenario(h: Any, _service: Any) -> None:
-        long = {"max_tokens": 8000, "slo_seconds": 86400}
-        running = [(await h.submit(**long)).json()["id"] for _ in range(2)]
-        waiting = (await h.submit(**long)).json()["id"]
-
-        def started() -> bool:
-            rows = [h.store.get(rid) for rid in running]
-            return all(r is not None and r.first_token_at is not None for r in rows)
-
-        await eventually(started, "both instances run one request")
+        running, waiting = await two_running_one_waiting(h)
         r = await h.client.delete(f"/v1/requests/{waiting}", headers=h.auth())
         assert r.status_code == 200 and r.json()["status"] == "cancelled"
         for rid in running:
