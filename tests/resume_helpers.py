@@ -1,17 +1,23 @@
 """What the resume-by-token-ids tests share (against ``qlm sim-engine serve`` in
 tests/integration/ and against real vLLM in tests/vllm/): an engine that keeps what it was sent
-and streamed, a policy that evicts one request once, and a listener of how requests ended."""
+and streamed, a policy that evicts one request once, a listener of how requests ended, and the
+agents' runtime serving one request over one engine until it is idle."""
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import Callable
 from typing import Any
 
-from qlm.domain import Decision, Evict, Pull, RequestRecord
+from qlm.clock import WallClock
+from qlm.controller import Controller
+from qlm.domain import Decision, Evict, InstanceSpec, Pull, Request, RequestRecord
 from qlm.engines.base import EngineOutput, EngineRequest, TokenChunk
 from qlm.engines.vllm import VllmEngine
 from qlm.planner.policy import DispatchContext, PolicyBase
-from qlm.service.runtime import RuntimeListener
+from qlm.service.jobs import Job
+from qlm.service.runtime import AgentRuntime, RuntimeListener
 
 
 class Watched:
@@ -76,3 +82,36 @@ class Ended(RuntimeListener):
 
     def failed(self, request_id: str, error: str) -> None:
         self.errors[request_id] = error
+
+
+async def serve_one(
+    engine: Any,
+    policy: PolicyBase,
+    instance: InstanceSpec,
+    request: Callable[[float], Request],
+    job: Job,
+    listener: RuntimeListener,
+    *,
+    deadline_s: float,
+    poll_s: float = 0.02,
+) -> None:
+    """Run the agents' runtime over ``engine`` (the ``instance``) with ``policy``, submit the
+    request ``request(now)`` with ``job`` and wait until the runtime is idle (at most
+    ``deadline_s``); the runtime is stopped and the engine's client closed whatever happens."""
+    runtime = AgentRuntime(
+        Controller(policy, [instance]),
+        [engine],
+        clock=WallClock(),
+        listener=listener,
+        tick_s=0.01,
+    )
+    await runtime.start()
+    try:
+        runtime.submit(request(runtime.clock.now()), job)
+        deadline = time.monotonic() + deadline_s
+        while not runtime.idle:
+            assert time.monotonic() < deadline, f"the request did not finish in {deadline_s:g} s"
+            await asyncio.sleep(poll_s)
+    finally:
+        await runtime.stop()
+        await engine.inner.close()

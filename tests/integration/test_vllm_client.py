@@ -22,10 +22,8 @@ from typing import Any
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from resume_helpers import Ended, EvictOnceAt, Watched
+from resume_helpers import Ended, EvictOnceAt, Watched, serve_one
 
-from qlm.clock import WallClock
-from qlm.controller import Controller
 from qlm.domain import SLO, Decision, InstanceSpec, ModelTier, Pull, Request, SwapIn, SwapOut
 from qlm.engines.base import Engine, EngineRequest, TokenChunk
 from qlm.engines.vllm import VllmEngine
@@ -33,7 +31,6 @@ from qlm.engines.wallclock import filler_text
 from qlm.errors import EngineError, RequestRejected, UnknownRequest
 from qlm.planner.policy import DispatchContext, PolicyBase
 from qlm.service.jobs import Job
-from qlm.service.runtime import AgentRuntime
 
 MODEL = "llama-3-8b"
 DEADLINE_S = 60.0
@@ -394,27 +391,14 @@ def test_an_evicted_chat_resumes_from_the_token_ids_the_server_said(server_url: 
         engine = Watched(VllmEngine("sim-0", server_url, MODEL, timeout_s=LOADED_HOST_S))
         policy = EvictOnceAt("chat-1", "sim-0", lambda: engine.written() >= evict_at)
         ended = Ended()
-        runtime = AgentRuntime(
-            Controller(policy, [InstanceSpec("sim-0", "A100", (MODEL,))]),
-            [engine],
-            clock=WallClock(),
-            listener=ended,
-            tick_s=0.01,
-        )
-        await runtime.start()
-        try:
-            request = Request(
-                id="chat-1", model=MODEL, arrival_s=runtime.clock.now(), input_tokens=7,
-                max_tokens=tokens, slo=SLO(e2e_s=3600.0), replay_output_tokens=tokens,
-            )  # fmt: skip
-            runtime.submit(request, Job(prompt="Which queue", messages=messages))
-            deadline = time.monotonic() + DEADLINE_S
-            while not runtime.idle:
-                assert time.monotonic() < deadline, "the chat did not finish"
-                await asyncio.sleep(0.02)
-        finally:
-            await runtime.stop()
-            await engine.inner.close()
+        await serve_one(
+            engine, policy, InstanceSpec("sim-0", "A100", (MODEL,)),
+            lambda now: Request(
+                id="chat-1", model=MODEL, arrival_s=now, input_tokens=7, max_tokens=tokens,
+                slo=SLO(e2e_s=3600.0), replay_output_tokens=tokens,
+            ),
+            Job(prompt="Which queue", messages=messages), ended, deadline_s=DEADLINE_S,
+        )  # fmt: skip
         first, resumed = engine.sent  # evicted once, sent again once
         assert first.messages is not None and isinstance(resumed.prompt, tuple)
         assert resumed.messages is None and not resumed.continue_final_message
@@ -501,27 +485,14 @@ def test_with_kv_offloading_a_swapped_request_goes_on_from_the_blocks_the_server
         assert caps.supports_swap and (await engine.inner.stats()).swap_free_gb == 4.0
         policy = SwapOnceAt("swap-1", "sim-0", lambda: engine.written() >= swap_at, engine.parked)
         ended = Ended()
-        runtime = AgentRuntime(
-            Controller(policy, [InstanceSpec("sim-0", "A100", (MODEL,))]),
-            [engine],  # type: ignore[list-item]
-            clock=WallClock(),
-            listener=ended,
-            tick_s=0.01,
-        )
-        await runtime.start()
-        try:
-            request = Request(
-                id="swap-1", model=MODEL, arrival_s=runtime.clock.now(), input_tokens=300,
-                max_tokens=tokens, slo=SLO(e2e_s=3600.0), replay_output_tokens=tokens,
-            )  # fmt: skip
-            runtime.submit(request, Job(prompt=filler_text(300)))
-            deadline = time.monotonic() + DEADLINE_S
-            while not runtime.idle:
-                assert time.monotonic() < deadline, "the request did not finish"
-                await asyncio.sleep(0.02)
-        finally:
-            await runtime.stop()
-            await engine.inner.close()
+        await serve_one(
+            engine, policy, InstanceSpec("sim-0", "A100", (MODEL,)),
+            lambda now: Request(
+                id="swap-1", model=MODEL, arrival_s=now, input_tokens=300, max_tokens=tokens,
+                slo=SLO(e2e_s=3600.0), replay_output_tokens=tokens,
+            ),
+            Job(prompt=filler_text(300)), ended, deadline_s=DEADLINE_S,
+        )  # fmt: skip
         return engine, policy, ended
 
     with sim_engine(tmp_path / "server.log", extra=("--kv-offloading-size", "4")) as url:

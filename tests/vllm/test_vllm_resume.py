@@ -9,20 +9,16 @@ conditions; nothing is timed."""
 from __future__ import annotations
 
 import asyncio
-import time
 
 import httpx
 import pytest
-from resume_helpers import Ended, EvictOnceAt, Watched
+from resume_helpers import Ended, EvictOnceAt, Watched, serve_one
 from services import free_port
 
-from qlm.clock import WallClock
-from qlm.controller import Controller
 from qlm.domain import SLO, InstanceSpec, Request, Tier
 from qlm.engines.base import EngineRequest, TokenChunk
 from qlm.engines.vllm import VllmEngine
 from qlm.service.jobs import Job
-from qlm.service.runtime import AgentRuntime
 
 from .conftest import MODEL, VllmEnv, VllmServer
 
@@ -53,31 +49,17 @@ async def evicted(vllm_url: str, rid: str, *, chat: bool) -> bool:
     engine = Watched(VllmEngine("cpu-0", vllm_url, MODEL, timeout_s=DEADLINE_S))
     policy = EvictOnceAt(rid, "cpu-0", lambda: engine.written() >= EVICT_AT)
     done = Ended()
-    runtime = AgentRuntime(
-        Controller(policy, [InstanceSpec("cpu-0", "cpu", (MODEL,))]),
-        [engine],
-        clock=WallClock(),
-        listener=done,
-        tick_s=0.01,
-    )
-    await runtime.start()
-    try:
-        now = runtime.clock.now()
-        request = Request(
+    question = "Which queue serves me first, and why?"
+    messages = [{"role": "user", "content": question}] if chat else None
+    await serve_one(
+        engine, policy, InstanceSpec("cpu-0", "cpu", (MODEL,)),
+        lambda now: Request(
             id=rid, model=MODEL, arrival_s=now, input_tokens=20, max_tokens=TOKENS,
             slo=SLO(e2e_s=3600.0), tier=Tier.STANDARD, replay_output_tokens=TOKENS,
-        )  # fmt: skip
-        question = "Which queue serves me first, and why?"
-        messages = [{"role": "user", "content": question}] if chat else None
-        runtime.submit(request, Job(prompt=question, messages=messages,
-                                    sampling={"temperature": 0.0, "logprobs": True}))  # fmt: skip
-        deadline = time.monotonic() + DEADLINE_S
-        while not runtime.idle:
-            assert time.monotonic() < deadline, "the chat did not finish"
-            await asyncio.sleep(0.05)
-    finally:
-        await runtime.stop()
-        await engine.inner.close()
+        ),
+        Job(prompt=question, messages=messages, sampling={"temperature": 0.0, "logprobs": True}),
+        done, deadline_s=DEADLINE_S, poll_s=0.05,
+    )  # fmt: skip
     assert not done.errors, done.errors
     if len(engine.sent) == 1:
         return False
