@@ -249,9 +249,13 @@ class Engine(Protocol):
         """Load now: running, waiting, KV usage, preemptions. HTTP engines read gauges that lag."""
         ...
 
-    async def set_model_tier(self, model: str, tier: ModelTier) -> None:
+    async def set_model_tier(self, model: str, tier: ModelTier) -> ModelTier:
         """``ACTIVE``: wake up / load; ``WARM``: sleep level 1 (weights to CPU memory);
-        ``COLD``: sleep level 2 (weights dropped). Returns once the change is done."""
+        ``COLD``: sleep level 2 (weights dropped). Returns once the change is made, with the
+        tier ``model`` is in then: ``tier``, or the one it stays in when the engine cannot
+        make that change alone (vLLM: a model asleep at level 2 asked ``WARM`` stays ``COLD``,
+        its weights gone until it is woken). The caller records that tier, not the one it
+        asked for."""
         ...
 
     async def swap_out(self, request_id: str) -> None:

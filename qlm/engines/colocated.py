@@ -8,7 +8,9 @@ models are its servers' — and turns the planner's model tiers into sleep level
 - ``ACTIVE``: every other awake server is put to sleep at level 1 first (its weights go to CPU
   memory: warm), then this model's server wakes (from level 1: the weights come back from CPU
   memory; from level 2: they are loaded again — ``VllmEngine.set_model_tier``);
-- ``WARM``: sleep level 1; ``COLD``: sleep level 2 (the weights are dropped).
+- ``WARM``: sleep level 1; ``COLD``: sleep level 2 (the weights are dropped). A server asleep
+  at level 2 stays there when asked ``WARM`` (vLLM cannot bring the weights back to CPU memory
+  without waking it), and ``set_model_tier`` says so: the model is still ``COLD``.
 
 The GPU holds one model's weights and KV cache at a time, so every server should be started
 with the GPU memory share it needs when it is the one awake. Requests go to their model's
@@ -157,7 +159,9 @@ class ColocatedEngine:
             else min(f for f in free if f is not None),
         )
 
-    async def set_model_tier(self, model: str, tier: ModelTier) -> None:
+    async def set_model_tier(self, model: str, tier: ModelTier) -> ModelTier:
+        """The tier ``model``'s server says it is in once asked (a server asleep at level 2
+        asked ``WARM`` stays ``COLD``)."""
         server = self._server(model)
         if tier is ModelTier.ACTIVE:
             for other in await self._awake():
@@ -166,9 +170,10 @@ class ColocatedEngine:
         else:
             self._woken[model].clear()
             await self._drained(model)
-        await server.set_model_tier(model, tier)
-        if tier is ModelTier.ACTIVE:
+        now = await server.set_model_tier(model, tier)
+        if now is ModelTier.ACTIVE:
             self._woken[model].set()
+        return now
 
     async def _awake(self) -> list[str]:
         """The models whose servers are awake, in the servers' order."""

@@ -520,7 +520,7 @@ class VllmEngine:
             swap_free_gb=offload,
         )
 
-    async def set_model_tier(self, model: str, tier: ModelTier) -> None:
+    async def set_model_tier(self, model: str, tier: ModelTier) -> ModelTier:
         if model not in self.models:
             raise self._fail("unknown model", f"{model!r}; serves {list(self.models)}")
         if tier is ModelTier.ACTIVE and self._tiers.get(model) is ModelTier.COLD:
@@ -540,7 +540,7 @@ class VllmEngine:
             # cold, and is woken by the level-2 recipe above (a level-1 sleep asked now would
             # change nothing, and a bare wake_up would then run on empty weights).
             log.debug("%s: %s stays asleep at level 2 (cannot be warmed asleep)", self.name, model)
-            return
+            return ModelTier.COLD
         else:
             level = 1 if tier is ModelTier.WARM else 2
             # vLLM >= 0.32 aborts what is in flight unless told to wait (``mode``; older
@@ -549,6 +549,7 @@ class VllmEngine:
             await self._call("POST", "/sleep", params=params, timeout=self.tier_timeout_s)
         for m in self.models:  # one vLLM process: all its served names sleep and wake together
             self._tiers[m] = tier
+        return tier
 
     async def is_sleeping(self) -> bool:
         return bool((await self._call("GET", "/is_sleeping")).json().get("is_sleeping"))

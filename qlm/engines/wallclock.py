@@ -247,7 +247,11 @@ class WallClockEngine:
     async def stats(self) -> EngineStats:
         return self.stats_nowait()
 
-    async def set_model_tier(self, model: str, tier: ModelTier) -> None:
+    async def set_model_tier(self, model: str, tier: ModelTier) -> ModelTier:
+        """As vLLM's sleep mode for the model it runs (a sleep at level 2 stays at level 2
+        when asked level 1: ``COLD``), as the simulated engine's tiers for its others.
+        ``ACTIVE`` is said at once: the switch is under way and requests for the model wait in
+        the engine until it has loaded."""
         if model not in self.sim.perf_models:
             raise EngineError(f"{self.name}: model {model!r} is not served here")
         if tier is ModelTier.ACTIVE:
@@ -255,12 +259,14 @@ class WallClockEngine:
             now = self._advance()
             self.sim.set_model_tier(model, tier, now)
             self._wake_driver()
-        elif model in (self.sim.active_model, self._sleeping_model):
+            return tier
+        if model in (self.sim.active_model, self._sleeping_model):
             self.sleep(1 if tier is ModelTier.WARM else 2)
-        else:
-            now = self._advance()
-            self.sim.set_model_tier(model, tier, now)
-            self._wake_driver()
+            return ModelTier.WARM if self._sleep_level == 1 else ModelTier.COLD
+        now = self._advance()
+        self.sim.set_model_tier(model, tier, now)
+        self._wake_driver()
+        return self.sim.tiers[model]
 
     async def swap_out(self, request_id: str) -> None:
         now = self._advance()

@@ -15,7 +15,9 @@ task of its own:
 - ``Abort`` (an ``Evict``): ``Engine.abort``; the partial output is kept and the request goes back
   to the policy.
 - ``Swap`` (``SwapOut`` / ``SwapIn``): the engine's KV swap.
-- ``ChangeTier`` (``SetModelTier``): sleep / wake-up, one change at a time per instance.
+- ``ChangeTier`` (``SetModelTier``): sleep / wake-up, one change at a time per instance; the
+  instance's tiers, as the policy reads them, are those the engine says its models are in after
+  it (a model vLLM cannot warm stays cold, and the change counts as refused).
 
 **Fault isolation.** An instance is marked down on evidence that it is dead: its health check
 answers that it is not serving, or cannot reach it (connection refused or reset: its process is
@@ -740,24 +742,36 @@ class AgentRuntime:
         return DONE
 
     async def _set_tier(self, op: ChangeTier) -> Outcome:
-        """Change a model's tier; this instance's record of its tiers follows what it accepted."""
+        """Change a model's tier; this instance's record of its tiers follows what the engine
+        says it did, which may be less than asked (vLLM: a model asleep at level 2 asked warm
+        stays cold): the policy then plans with the tier the model is really in — its load
+        time, and no CPU memory taken for weights that are not there. A change the engine did
+        not make is refused (the next step plans with the tiers as they are) and wakes no step
+        of its own: the policy, seeing the model where it was, may ask again, and a step woken
+        by each refusal would ask again at once, without end."""
         inst = self._instances[op.instance]
         async with inst.lock:
             try:
-                await inst.engine.set_model_tier(op.model, op.tier)
+                tier = await inst.engine.set_model_tier(op.model, op.tier)
             except EngineError as exc:
                 log.warning("%s: %s -> %s failed: %s", inst.spec.name, op.model, op.tier, exc)
                 return Refused(str(exc))
-            switched = op.tier is ModelTier.ACTIVE and op.model != inst.active_model
-            if op.tier is ModelTier.ACTIVE:
-                for model, tier in inst.tiers.items():
-                    if tier is ModelTier.ACTIVE and model != op.model:
+            before = (dict(inst.tiers), inst.active_model)
+            switched = tier is ModelTier.ACTIVE and op.model != inst.active_model
+            if tier is ModelTier.ACTIVE:
+                for model, was in inst.tiers.items():
+                    if was is ModelTier.ACTIVE and model != op.model:
                         inst.tiers[model] = ModelTier.WARM
                 inst.active_model = op.model
             elif inst.active_model == op.model:
                 inst.active_model = None
-            inst.tiers[op.model] = op.tier
-        self._kick.set()
+            inst.tiers[op.model] = tier
+            changed = before != (inst.tiers, inst.active_model)
+        if changed or tier is op.tier:
+            self._kick.set()
+        if tier is not op.tier:
+            log.debug("%s: %s asked %s stays %s", inst.spec.name, op.model, op.tier, tier)
+            return Refused(f"{op.model} stays {tier.name.lower()} on {inst.spec.name}")
         return Done(switched)
 
     # --- health -----------------------------------------------------------------------------------

@@ -92,9 +92,9 @@ class Sent:
         self.refused = refused
         self.tiers: list[ModelTier] = []  # the tiers it was told, in order
 
-    async def set_model_tier(self, model: str, tier: ModelTier) -> None:
+    async def set_model_tier(self, model: str, tier: ModelTier) -> ModelTier:
         self.tiers.append(tier)
-        await self.inner.set_model_tier(model, tier)
+        return await self.inner.set_model_tier(model, tier)
 
     def __getattr__(self, item: str) -> Any:
         return getattr(self.inner, item)

@@ -14,12 +14,14 @@ from builders import make_catalog, make_profile, make_request
 
 from qlm.clock import WallClock
 from qlm.controller import Controller
-from qlm.domain import SLO, InstanceSpec, ModelTier
+from qlm.domain import SLO, Decision, InstanceSpec, ModelTier, SetModelTier
 from qlm.engines.base import EngineCapabilities, EngineRequest
 from qlm.engines.colocated import ColocatedEngine
 from qlm.engines.wallclock import WallClockEngine
 from qlm.errors import EngineError, UnknownRequest
 from qlm.planner import PlannerConfig, create_policy
+from qlm.planner.act import estimator_instance
+from qlm.planner.policy import DispatchContext, InstanceLoad, PolicyBase
 from qlm.service.runtime import AgentRuntime, RuntimeListener
 
 SCALE = 50.0
@@ -152,3 +154,75 @@ def test_the_agents_switch_models_on_colocated_servers_and_serve_both() -> None:
         assert runtime.model_switches >= 1
 
     run(scenario)
+
+
+class DropsThenWarms(PolicyBase):
+    """Puts ``n`` to sleep at level 2 (cold), then asks for it warm; keeps every load of the
+    instance it is shown."""
+
+    name = "drops-then-warms"
+
+    def __init__(self) -> None:
+        self.asked: list[ModelTier] = []
+        self.seen: list[InstanceLoad] = []
+
+    def decide(self, ctx: DispatchContext) -> list[Decision]:
+        loads = [i for i in ctx.instances if i.up]
+        if not loads:
+            return []
+        self.seen += loads
+        n = dict(loads[0].model_tiers).get("n")
+        if not self.asked and n is ModelTier.WARM:
+            self.asked.append(ModelTier.COLD)
+            return [SetModelTier("g0", "n", ModelTier.COLD)]
+        if self.asked == [ModelTier.COLD] and n is ModelTier.COLD:
+            self.asked.append(ModelTier.WARM)
+            return [SetModelTier("g0", "n", ModelTier.WARM)]
+        return []
+
+
+def test_a_model_asleep_at_level_2_asked_warm_stays_cold_where_the_policy_reads_it() -> None:
+    """vLLM cannot bring a level-2 sleep's weights back to CPU memory without waking the
+    server: asked warm, the model stays cold, and the agents' runtime reports it cold — the
+    policy plans its cold load time and counts no CPU memory for its weights."""
+
+    async def scenario() -> None:
+        n = server("g0/n", "n")
+        engine = ColocatedEngine("g0", {"m": server("g0/m", "m"), "n": n})
+        policy = DropsThenWarms()
+        runtime = AgentRuntime(
+            Controller(policy, [InstanceSpec("g0", "G", ("m", "n"))]),
+            [engine],
+            clock=WallClock(SCALE),
+            listener=RuntimeListener(),
+            tick_s=0.02,
+            health_interval_s=0.02,
+            weights_gb={"g0": (("m", 16.0), ("n", 16.0))},
+            cpu_cache_gb={"g0": 64.0},
+        )
+        await runtime.start()
+        try:
+            await until(lambda: len(policy.asked) == 2 and runtime.operations == 0)
+            after = len(policy.seen)
+            await until(lambda: len(policy.seen) > after)  # a step since the change
+        finally:
+            await runtime.stop()
+            await engine.close()
+        assert n.sleep_level == 2  # the server is still asleep at level 2
+        (state,) = runtime.instance_states()
+        assert state["tiers"] == {"m": "active", "n": "cold"}
+        load = policy.seen[-1]
+        assert dict(load.model_tiers) == {"m": ModelTier.ACTIVE, "n": ModelTier.COLD}
+        weights = dict(load.model_weights_gb)
+        warm_gb = sum(weights[m] for m, t in load.model_tiers if t is ModelTier.WARM)
+        assert warm_gb == 0.0  # no CPU memory counted for weights that are not there
+        assert estimator_instance(load).warm_models == frozenset()  # a cold load, not warm
+
+    run(scenario)
+
+
+async def until(check: Callable[[], bool]) -> None:
+    deadline = asyncio.get_running_loop().time() + 30.0
+    while not check():
+        assert asyncio.get_running_loop().time() < deadline, "timed out"
+        await asyncio.sleep(0.01)

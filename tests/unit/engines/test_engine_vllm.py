@@ -93,15 +93,19 @@ def test_model_tiers_map_to_vllm_sleep_levels_and_wake_up() -> None:
         calls.append(f"{request.method} {request.url.path}?{request.url.query.decode()}")
         return httpx.Response(200)
 
-    async def scenario() -> None:
-        engine = engine_with(handler)
-        await engine.set_model_tier("llama", ModelTier.WARM)
-        await engine.set_model_tier("llama", ModelTier.ACTIVE)
-        await engine.set_model_tier("llama", ModelTier.COLD)
-        await engine.set_model_tier("llama", ModelTier.ACTIVE)
-        await engine.close()
+    asked = [ModelTier.WARM, ModelTier.ACTIVE, ModelTier.COLD, ModelTier.WARM, ModelTier.ACTIVE]
 
-    asyncio.run(scenario())
+    async def scenario() -> list[ModelTier]:
+        engine = engine_with(handler)
+        said = [await engine.set_model_tier("llama", tier) for tier in asked]
+        await engine.close()
+        return said
+
+    said = asyncio.run(scenario())
+    # Asleep at level 2, asked warm, the model stays cold (vLLM cannot bring the weights back
+    # to CPU memory asleep): nothing is sent, and the client says so.
+    assert said == [ModelTier.WARM, ModelTier.ACTIVE, ModelTier.COLD, ModelTier.COLD,
+                    ModelTier.ACTIVE]  # fmt: skip
     # Level 1 keeps the weights in CPU memory: a wake_up brings them back. Level 2 discarded
     # them: reallocate, reload in place, then the KV cache (vLLM's sleep-mode recipe).
     assert calls == [

@@ -157,16 +157,21 @@ def test_sleep_needs_a_drained_instance_refuses_work_and_wake_up_restores_it() -
             await engine.set_model_tier("m", ModelTier.WARM)
         await engine.abort("long")
         await task
-        await engine.set_model_tier("m", ModelTier.WARM)
+        assert await engine.set_model_tier("m", ModelTier.WARM) is ModelTier.WARM
         assert engine.is_sleeping
         stats = await engine.stats()
         assert stats.sleeping and stats.active_model is None
         assert dict(stats.model_tiers)["m"] is ModelTier.WARM
         with pytest.raises(EngineError, match="sleeping"):
             await engine.submit(req("a", 4))
-        await engine.set_model_tier("m", ModelTier.ACTIVE)
+        assert await engine.set_model_tier("m", ModelTier.ACTIVE) is ModelTier.ACTIVE
         assert not engine.is_sleeping
         assert (await engine.submit(req("a", 4))).tokens == 4
+        # Level 2 dropped the weights: asked warm, asleep, it stays cold, as vLLM does.
+        assert await engine.set_model_tier("m", ModelTier.COLD) is ModelTier.COLD
+        assert await engine.set_model_tier("m", ModelTier.WARM) is ModelTier.COLD
+        assert engine.sleep_level == 2
+        assert dict((await engine.stats()).model_tiers)["m"] is ModelTier.COLD
 
     run(scenario)
 
