@@ -170,11 +170,13 @@ def _n(count: int, unit: str) -> str:
 
 def risk(group: Mapping[str, Any]) -> str:
     """What a group's risk column says: its requests already past their deadline ("missed"),
-    else whether it is predicted to miss its SLO ("at risk")."""
+    else whether it is predicted to miss its SLO ("at risk"); ", deferred" when the latest
+    plan's admission put it behind the others."""
     missed = int(group.get("missed") or 0)
-    if missed:
-        return f"{missed:,} missed"
-    return "at risk" if group.get("at_risk") else ""
+    said = f"{missed:,} missed" if missed else "at risk" if group.get("at_risk") else ""
+    if group.get("deferred"):
+        said = f"{said}, deferred" if said else "deferred"
+    return said
 
 
 def _group_table(title: str, groups: Sequence[Mapping[str, Any]], now: float | None) -> Table:
@@ -211,20 +213,35 @@ def _stale(doc: Mapping[str, Any]) -> str:
     return f"controller {doc.get('controller')}, state of {time.time() - at:,.1f} s ago"
 
 
+QUEUES_LEGEND = (
+    "at risk: requests not past their deadline in groups the planner's model gives, now, less "
+    "than Δ of meeting their SLO; every group in the queue counts, deferred and not yet planned "
+    "ones too (qlm ops plans counts groups instead: the planned ones each plan left at risk when "
+    "it was made). missed: requests past their deadline. deferred: put behind the others by the "
+    "latest plan's admission, served as capacity allows."
+)
+
+
 def queue_title(q: Mapping[str, Any], now: float | None) -> str:
-    """``i0: 12 requests in 3 groups, 4 at risk, 2 missed, drained in 30 s``: "at risk"
-    counts the requests of groups at risk that are not past their deadline yet."""
+    """``i0: 12 requests in 3 groups; at risk now: 2 groups (1 deferred), 4 requests; missed:
+    2 requests; drained in 30 s``: the groups at risk, how many of them the latest plan
+    deferred, and their requests not past their deadline yet; then the requests past it."""
     groups = q.get("groups") or []
     missed = int(q.get("missed_requests") or 0)
-    at_risk = sum(int(g["size"]) - int(g.get("missed") or 0) for g in groups if g.get("at_risk"))
+    risky = [g for g in groups if g.get("at_risk")]
+    deferred = sum(1 for g in risky if g.get("deferred"))
+    at_risk = sum(int(g["size"]) - int(g.get("missed") or 0) for g in risky)
     return (
-        f"{q['instance']}: {_n(int(q['size']), 'request')} in {_n(len(groups), 'group')}, "
-        f"{at_risk:,} at risk, {missed:,} missed, drained {_in(q.get('predicted_drain_at'), now)}"
+        f"{q['instance']}: {_n(int(q['size']), 'request')} in {_n(len(groups), 'group')}; "
+        f"at risk now: {_n(len(risky), 'group')} ({deferred:,} deferred), "
+        f"{_n(at_risk, 'request')}; missed: {_n(missed, 'request')}; "
+        f"drained {_in(q.get('predicted_drain_at'), now)}"
     )
 
 
 def queues_view(doc: Mapping[str, Any]) -> list[RenderableType]:
-    """``GET /v1/admin/queues`` as a line on the state's age and a table per virtual queue."""
+    """``GET /v1/admin/queues`` as a line on the state's age, a table per virtual queue and
+    the legend of its counts."""
     out: list[RenderableType] = [f"{_stale(doc)}; policy {doc.get('policy') or '-'}"]
     now = doc.get("at")
     for q in doc["queues"]:
@@ -232,6 +249,8 @@ def queues_view(doc: Mapping[str, Any]) -> list[RenderableType]:
         out.append(_group_table(title, q["groups"], now) if q["groups"] else f"{title}: empty")
     if not doc["queues"]:
         out.append("no virtual queues")
+    else:
+        out.append(QUEUES_LEGEND)
     return out
 
 
@@ -515,21 +534,26 @@ def undrain_cmd(
 
 
 PLANS_LEGEND = (
-    "violation: the plan's objective, its expected lateness in seconds (end to end, and to the "
-    "first token) weighted by tier and requests, plus 10,000 times that weight for each group "
-    "short of its chance of meeting its SLO, in proportion to the shortfall (docs/planner.md); "
-    "EDF's: the same for plain earliest-deadline-first. "
-    "at risk: groups left below that chance. deferred: groups cost-aware admission put behind "
-    "the others on their instance, served as capacity allows."
+    "Each plan as it was made (see age). groups (planned): the groups it ordered and placed; "
+    "deferred groups are not among them. violation: the plan's objective, its expected lateness "
+    "in seconds (end to end, and to the first token) weighted by tier and requests, plus 10,000 "
+    "times that weight for each group short of its chance of meeting its SLO, in proportion to "
+    "the shortfall (docs/planner.md); EDF's: the same for plain earliest-deadline-first. "
+    "at risk (planned groups): the planned groups it left below that chance. deferred (groups): "
+    "groups cost-aware admission put behind the others on their instance, served as capacity "
+    "allows, not counted at risk whatever their chance. qlm ops queues counts at risk "
+    "otherwise: requests, now, in every queued group, deferred ones included."
 )
 
 
 def plans_view(doc: Mapping[str, Any], now: float) -> list[RenderableType]:
     """``GET /v1/admin/plans`` as a table and the legend of its columns."""
     table = Table(title=f"{_n(len(doc['data']), 'plan')}, newest first", title_justify="left")
-    for col in ("id", "age", "controller", "trigger", "groups", "method", "status"):
-        table.add_column(col, justify="right" if col in ("id", "groups") else "left")
-    for col in ("violation (s)", "EDF's (s)", "solve", "at risk (groups)", "deferred (groups)"):
+    for col in ("id", "age", "controller", "trigger", "groups (planned)", "method", "status"):
+        table.add_column(col, justify="right" if col in ("id", "groups (planned)") else "left")
+    for col in (
+        "violation (s)", "EDF's (s)", "solve", "at risk (planned groups)", "deferred (groups)"
+    ):  # fmt: skip
         table.add_column(col, justify="right")
     for p in doc["data"]:
         table.add_row(
@@ -562,22 +586,50 @@ def plans_cmd(
         _show(plans_view(doc, time.time()))
 
 
-@ops_app.command("controllers")
-def controllers_cmd(ctx: typer.Context, as_json: JsonOption = False) -> None:
-    """Controllers: which one is active, and how fresh its published state is."""
-    doc = _fetch(ctx, "GET", "/v1/admin/controllers", as_json=as_json)
-    if doc is None:
-        return
+ROLES = {
+    "starting": "starting (taking the lead)",
+    "active": "active",
+    "standby": "standby",
+    "stopping": "stopping",
+    "stopped": "stopped",
+}
+CONTROLLERS_LEGEND = (
+    "role, as each last published it: starting: taking the global queue's leader lock, not "
+    "yet leading; active: leads and serves the queue; standby: waits while another controller "
+    "leads; stopped: stopped cleanly. silent: it published nothing for longer than the API's "
+    "QLM_API__CONTROLLER_STALE_S, so its role is stale (it hangs, or is dead)."
+)
+
+
+def controller_role(c: Mapping[str, Any]) -> str:
+    """What a controller's role column says, ", silent" when its state is stale (an API
+    without ``role``: from ``active`` and ``stopped_at``)."""
+    role = c.get("role")
+    if role is None:
+        role = "active" if c["active"] else "stopped" if c.get("stopped_at") else "standby"
+    said = ROLES.get(str(role), str(role))
+    return f"{said}, silent" if c.get("silent") else said
+
+
+def controllers_view(doc: Mapping[str, Any]) -> list[RenderableType]:
+    """``GET /v1/admin/controllers`` as a table and the legend of its roles."""
     if not doc["data"]:
-        console.print("no controller has published its state yet")
-        return
+        return ["no controller has published its state yet"]
     table = Table(title="controllers", title_justify="left")
     for col in ("name", "role", "state age"):
         table.add_column(col)
     for c in doc["data"]:
-        role = "active" if c["active"] else "stopped" if c.get("stopped_at") else "standby"
-        table.add_row(c["name"], role, f"{c['age_s']:,.1f} s")
-    console.print(table)
+        table.add_row(c["name"], controller_role(c), f"{c['age_s']:,.1f} s")
+    return [table, CONTROLLERS_LEGEND]
+
+
+@ops_app.command("controllers")
+def controllers_cmd(ctx: typer.Context, as_json: JsonOption = False) -> None:
+    """Controllers: which one is active (or starting, standby, stopped), and how fresh its
+    published state is."""
+    doc = _fetch(ctx, "GET", "/v1/admin/controllers", as_json=as_json)
+    if doc is not None:
+        _show(controllers_view(doc))
 
 
 def request_view(doc: Mapping[str, Any]) -> Table:

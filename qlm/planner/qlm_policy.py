@@ -438,9 +438,10 @@ class QlmPolicy:
 
     def snapshot(self, now: float) -> VirtualQueuesSnapshot:
         """``Policy.snapshot``: the virtual queues with the planner's predictions
-        (``estimates``), a group at risk when its ``P(meet SLO)`` is below Δ."""
+        (``estimates``), a group at risk when its ``P(meet SLO)`` is below Δ, and deferred
+        when the latest plan's admission put it behind the others."""
         groups, drain = self.estimates(now)
-        queues = self.queues.snapshot(groups, drain, self.config.delta)
+        queues = self.queues.snapshot(groups, drain, self.config.delta, self.admission.deferred)
         return VirtualQueuesSnapshot(now, self.config.delta, tuple(queues))
 
     # --- planning --------------------------------------------------------------------------------

@@ -45,7 +45,7 @@ from qlm.global_queue import Delivery, GlobalQueue, QueuedRequest
 from qlm.service.backlog_gc import BacklogGC
 from qlm.service.hub import ResultEvent, ResultHub
 from qlm.service.jobs import Job, resume_point
-from qlm.service.publishing import PredictionWrites, publish_wait, snapshot_dict
+from qlm.service.publishing import PredictionWrites, Role, publish_wait, snapshot_dict
 from qlm.service.runtime import AgentRuntime, RuntimeListener
 from qlm.service.upkeep import OrphanSweep, new_request, prune, reap_dead
 from qlm.service.writes import Settle, StoreWriter
@@ -226,10 +226,21 @@ class ControllerService(RuntimeListener):
         self.backlog_gc.settled(0)  # what it held is the next controller's now
 
     @property
+    def role(self) -> Role:
+        """Where it stands, as the queue told it: ``starting`` until the queue says whether it
+        leads (it is taking the leader lock), ``active`` while it leads (with or without
+        requests), ``standby`` while another controller leads, ``stopping`` once stopping."""
+        if self._stopping:
+            return "stopping"
+        if self._standby:
+            return "standby"
+        return "active" if self._leader else "starting"
+
+    @property
     def active(self) -> bool:
-        """Serving the queue: it has received deliveries (a standby waiting behind the single
-        active consumer has received none)."""
-        return self.received > 0 and not self._stopping and not self._standby
+        """Leading the global queue (``role``): it serves whatever arrives, from the moment
+        the queue says so, not from its first delivery."""
+        return self.role == "active"
 
     @property
     def standby(self) -> bool:
@@ -789,6 +800,7 @@ class ControllerService(RuntimeListener):
                 "plans": self._plans,
             },
             self._latest_plan,
+            role=self.role,
         )
 
     def predictions_to_write(
@@ -799,11 +811,12 @@ class ControllerService(RuntimeListener):
         return self._predictions.to_write(queues, self.prediction_writes)
 
     async def _publish(self) -> None:
-        """Every ``publish_s``: the snapshot, and each waiting request's predicted completion
-        (its group's, from the planner's model) and risk, for ``GET /v1/requests/{id}``. Under
-        a backlog, where taking them costs more than a small share of the event loop, less
-        often (``publish_wait``)."""
-        wait = self.publish_s
+        """At once (operators see a controller from its start: ``starting`` while it takes the
+        lead), then every ``publish_s``: the snapshot, and each waiting request's predicted
+        completion (its group's, from the planner's model) and risk, for ``GET
+        /v1/requests/{id}``. Under a backlog, where taking them costs more than a small share
+        of the event loop, less often (``publish_wait``)."""
+        wait = 0.0
         while True:
             await asyncio.sleep(wait)
             started = work_seconds()

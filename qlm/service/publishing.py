@@ -1,5 +1,5 @@
-"""What the controller service shows of itself: its snapshot as JSON-ready data (virtual queues,
-instances, counters, the latest plan) and which waiting requests' stored predictions to rewrite
+"""What the controller service shows of itself: its snapshot as JSON-ready data (its role,
+virtual queues, instances, counters, the latest plan) and which waiting requests' stored predictions to rewrite
 (``PredictionWrites``). ``ControllerService`` publishes both every ``publish_s``, less often
 under a backlog (``publish_wait``)."""
 
@@ -9,7 +9,7 @@ import heapq
 import math
 from collections import Counter
 from operator import attrgetter, itemgetter
-from typing import Any
+from typing import Any, Literal
 
 from qlm.domain import PlanRecord
 from qlm.virtual_queues import QueueSnapshot, VirtualQueuesSnapshot
@@ -35,6 +35,10 @@ taken over), and the control steps and the intake need the loop."""
 PUBLISH_MAX_S = 5.0
 """The longest ``publish_wait`` makes it wait, whatever publishing costs: half the API's default
 ``controller_stale_s`` (10 s), past which ``/readyz`` says no active controller publishes."""
+
+Role = Literal["starting", "active", "standby", "stopping"]
+"""Where a controller stands (``ControllerService.role``): taking the leader lock, leading,
+waiting behind another controller that leads, stopping."""
 
 Prediction = tuple[float | None, bool]
 """A waiting request's predicted completion (None: not predicted) and whether it is at risk."""
@@ -113,8 +117,11 @@ def snapshot_dict(
     instances: list[dict[str, Any]],
     counters: dict[str, int],
     plan: PlanRecord | None,
+    *,
+    role: Role | None = None,
 ) -> dict[str, Any]:
-    """A controller's snapshot as JSON-ready data (``ControllerService.snapshot``)."""
+    """A controller's snapshot as JSON-ready data (``ControllerService.snapshot``), with its
+    ``role`` when given."""
     listed = LISTED_REQUESTS
     if queues is not None:
         groups = sum(len(q.groups) for q in queues.queues)
@@ -122,6 +129,7 @@ def snapshot_dict(
             listed = max(LISTED_PER_GROUP, LISTED_REQUESTS // max(groups, 1))
     return {
         "controller": controller,
+        "role": role,
         "at": at,
         "policy": policy,
         "queues": [] if queues is None else [_queue_dict(q, at, listed) for q in queues.queues],
@@ -153,6 +161,7 @@ def _queue_dict(q: QueueSnapshot, at: float, listed: int) -> dict[str, Any]:
                 "predicted_completion_at": g.predicted_completion_s,
                 "p_meet_slo": g.p_meet_slo,
                 "at_risk": g.at_risk,
+                "deferred": g.deferred,
                 "missed": missed,
                 "tenants": dict(Counter(map(_TENANT, g.requests)).most_common()),
                 "request_ids": list(map(_ID, g.requests[:listed])),

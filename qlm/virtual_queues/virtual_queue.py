@@ -11,7 +11,7 @@ lazily (on the next read of that queue) or at once through ``sync`` and ``remove
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -35,8 +35,8 @@ class GroupSnapshot:
 
     The prediction fields are set only when ``snapshot`` was given a prediction for this group;
     ``slo_risk`` is ``1 - p_meet_slo``, and ``at_risk`` says ``p_meet_slo`` is below the Δ
-    ``snapshot`` was given (the planner's chance constraint). ``requests`` are its members in
-    FCFS order.
+    ``snapshot`` was given (the planner's chance constraint); ``deferred`` says the latest
+    plan's admission put it behind the others. ``requests`` are its members in FCFS order.
     """
 
     id: str
@@ -51,6 +51,7 @@ class GroupSnapshot:
     p_meet_slo: float | None = None
     slo_risk: float | None = None
     at_risk: bool = False
+    deferred: bool = False
     requests: tuple[Request, ...] = field(default=(), repr=False, compare=False)
 
 
@@ -262,25 +263,33 @@ class VirtualQueueSet:
         predictions: Mapping[str, GroupPrediction] | None = None,
         drain: Mapping[str, float] | None = None,
         delta: float | None = None,
+        deferred: Collection[str] = (),
     ) -> list[QueueSnapshot]:
         """Every queue, head first, as plain data; ``predictions`` (by group id) fill the
         prediction fields of the groups they name, ``drain`` (by instance) each queue's
-        ``predicted_drain_s``, and a group whose ``p_meet_slo`` is below ``delta`` is at risk.
+        ``predicted_drain_s``, a group whose ``p_meet_slo`` is below ``delta`` is at risk, and
+        the groups ``deferred`` names are marked so.
         The groups in no queue (new, or handed back by an instance that went down) come last,
         oldest first, as a queue named ``UNASSIGNED``, when there are any."""
         predictions = predictions or {}
         drain = drain or {}
         result = [
-            QueueSnapshot(name, self._rows(self._live(name), predictions, delta), drain.get(name))
+            QueueSnapshot(
+                name, self._rows(self._live(name), predictions, delta, deferred), drain.get(name)
+            )
             for name in self._queues
         ]
-        waiting = self._rows(self.unassigned(), predictions, delta)
+        waiting = self._rows(self.unassigned(), predictions, delta, deferred)
         if waiting:
             result.append(QueueSnapshot(UNASSIGNED, waiting, None))
         return result
 
     def _rows(
-        self, gids: list[str], predictions: Mapping[str, GroupPrediction], delta: float | None
+        self,
+        gids: list[str],
+        predictions: Mapping[str, GroupPrediction],
+        delta: float | None,
+        deferred: Collection[str],
     ) -> tuple[GroupSnapshot, ...]:
         rows = []
         for position, gid in enumerate(gids):
@@ -301,6 +310,7 @@ class VirtualQueueSet:
                     p_meet_slo=p,
                     slo_risk=None if p is None else 1.0 - p,
                     at_risk=p is not None and delta is not None and p < delta,
+                    deferred=gid in deferred,
                     requests=group.requests,
                 )
             )

@@ -149,6 +149,40 @@ def test_operators_inspect_and_steer_a_running_qlm() -> None:
     run(scenario)
 
 
+def test_a_controller_that_leads_an_empty_queue_shows_active_not_standby() -> None:
+    """Before any request arrives, the only controller leads: ``qlm ops controllers`` says
+    active (it said standby until its first delivery)."""
+
+    async def main() -> None:
+        store = Store.open("sqlite://")
+        broker = MemoryBroker()
+        service = make_service(store, broker)
+        service.publish_s = 0.02
+        await service.start()
+        admin = store.create_api_key("ops", admin=True)
+        api = create_app(
+            Settings(), queue=MemoryGlobalQueue(broker=broker), store=store, controller=service
+        )
+        server = ApiServer(api, host="127.0.0.1", port=0, log_level="warning")
+        await server.start()
+        try:
+            deadline = time.monotonic() + 60
+            while not store.controller_states():
+                assert time.monotonic() < deadline, "the controller never published its state"
+                await asyncio.sleep(0.02)
+            r = await ops(server.url, admin, "controllers")
+            assert r.exit_code == 0, r.output
+            row = next(line for line in r.output.splitlines() if "c0" in line)
+            assert "active" in row and "standby" not in row, r.output
+            assert service.received == 0
+        finally:
+            await server.stop()
+            await service.stop()
+            store.close()
+
+    asyncio.run(main())
+
+
 def test_operators_see_a_group_s_requests_what_runs_and_what_is_already_missed() -> None:
     async def scenario(url: str, admin: str, tenant: str, ids: list[str]) -> None:
         r = await ops(url, admin, "groups", "--json")

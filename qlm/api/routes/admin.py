@@ -19,6 +19,7 @@ from qlm.api.schemas.common import NO_NUL, GroupIdPath, InstanceNamePath
 from qlm.api.schemas.operator import (
     AttainmentOut,
     ControllerOut,
+    ControllerRole,
     ControllersOut,
     GroupDetailOut,
     GroupOut,
@@ -295,21 +296,39 @@ async def plans(
 
 @router.get("/controllers", response_model=ControllersOut, responses=_ERRORS, summary="Controllers")
 async def controllers(ctx: ContextDep, _admin: AdminDep) -> ControllersOut:
-    """Each controller's last published state: which one is active, and how fresh."""
+    """Each controller's last published state: its role (starting, active, standby, stopping,
+    stopped), how fresh, and whether it has gone silent (``QLM_API__CONTROLLER_STALE_S``)."""
     rows = await ctx.threads.run(ctx.store.controller_states)
     now = time.time()
+    stale_s = ctx.settings.controller_stale_s
     return ControllersOut(
         data=[
             ControllerOut(
                 name=r.name,
+                role=controller_role(r.active, r.stopped_at, r.snapshot),
                 active=r.active,
                 updated_at=r.updated_at,
                 age_s=now - r.updated_at,
+                silent=r.stopped_at is None and now - r.updated_at > stale_s,
                 stopped_at=r.stopped_at,
             )
             for r in rows
         ]
     )
+
+
+def controller_role(
+    active: bool, stopped_at: float | None, snapshot: Mapping[str, Any]
+) -> ControllerRole:
+    """A controller's role from its published state: stopped once it said so, active while it
+    says it leads, else the role it published (a state without one, from an older controller
+    that published only whether it was active: standby)."""
+    if stopped_at is not None:
+        return "stopped"
+    if active:
+        return "active"
+    role = snapshot.get("role")
+    return role if role in ("starting", "standby", "stopping") else "standby"
 
 
 @router.get(

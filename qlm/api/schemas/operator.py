@@ -28,6 +28,11 @@ class GroupOut(BaseModel):
     at_risk: bool = Field(
         default=False, description="Predicted to miss its SLO (P(meet SLO) below the planner's Δ)."
     )
+    deferred: bool = Field(
+        default=False,
+        description="The latest plan's cost-aware admission put it behind the others on its "
+        "instance (served as capacity allows; counted in a plan's deferred, not its at_risk).",
+    )
     missed: int | None = Field(
         default=None,
         description="Its requests already past their deadline when the state was published.",
@@ -45,7 +50,10 @@ class VirtualQueueOut(BaseModel):
     instance: str
     predicted_drain_at: float | None = None
     size: int = Field(description="Requests in the queue (the sum of its groups).")
-    at_risk_requests: int = Field(description="Requests of its groups at risk.")
+    at_risk_requests: int = Field(
+        description="Requests of its groups at risk now (missed ones included), every group in "
+        "the queue counted, deferred ones too; a plan's at_risk lists groups instead."
+    )
     missed_requests: int = Field(
         default=0, description="Requests already past their deadline (their groups are at risk)."
     )
@@ -165,12 +173,17 @@ class PlanOut(BaseModel):
     controller: str
     at: float
     trigger: str = Field(description="Why the planner ran (violation, instance change, ...).")
-    groups: int
+    groups: int = Field(
+        description="Groups the plan ordered and placed (the deferred ones are not among them)."
+    )
     status: str = Field(description="Solver status (optimal, timeout, infeasible, ...).")
     method: str = Field(description="milp, or the heuristic it fell back to.")
     objective: float = Field(description="Expected weighted SLO violation of the plan.")
     edf_objective: float = Field(description="The same for plain EDF: what planning gained.")
-    at_risk: list[str] = Field(description="Groups expected to miss their SLO anyway.")
+    at_risk: list[str] = Field(
+        description="Planned groups the plan left below the chance constraint when it was made "
+        "(expected to miss their SLO anyway); deferred groups are never listed."
+    )
     capacity_needed: float | None = Field(
         description="Fleet multiple needed to meet every SLO (null: beyond what was searched)."
     )
@@ -179,7 +192,8 @@ class PlanOut(BaseModel):
     concurrency: dict[str, int]
     deferred: int = Field(
         default=0,
-        description="Groups cost-aware admission put behind the others (served as capacity allows).",
+        description="Groups cost-aware admission put behind the others (served as capacity "
+        "allows; not planned, not in at_risk).",
     )
 
 
@@ -188,11 +202,25 @@ class PlansOut(BaseModel):
     data: list[PlanOut]
 
 
+ControllerRole = Literal["starting", "active", "standby", "stopping", "stopped"]
+
+
 class ControllerOut(BaseModel):
     name: str
-    active: bool
+    role: ControllerRole = Field(
+        description="starting: taking the global queue's leader lock (it does not know yet "
+        "whether it leads); active: it leads and serves the queue; standby: another controller "
+        "leads; stopping: it is stopping; stopped: it stopped cleanly. As it last published: "
+        "see age_s."
+    )
+    active: bool = Field(description="It leads the global queue (role active).")
     updated_at: float
     age_s: float = Field(description="Seconds since it last published its state.")
+    silent: bool = Field(
+        default=False,
+        description="It published nothing for longer than QLM_API__CONTROLLER_STALE_S and did "
+        "not say it stopped: its role is what it was then (it may hang, or be dead).",
+    )
     stopped_at: float | None = Field(
         default=None, description="When it stopped cleanly; null while it runs (or if it died)."
     )

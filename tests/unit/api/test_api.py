@@ -979,6 +979,38 @@ def test_metrics_report_controllers_until_they_are_gone() -> None:
     run(scenario, metrics_public=True, controller_gone_s=900)
 
 
+def test_controllers_say_each_ones_role_as_it_published_it() -> None:
+    """A controller taking the leader lock is starting, not standby; a state without a role
+    (an older controller's) reads standby unless active or stopped; one whose state is older
+    than QLM_API__CONTROLLER_STALE_S is silent (a killed leader's last state says active)."""
+
+    async def scenario(h: Harness) -> None:
+        put = h.store.put_controller_state
+        put("taking", active=False, snapshot={"role": "starting"})
+        put("behind", active=False, snapshot={"role": "standby"})
+        put("leads", active=True, snapshot={"role": "active"})
+        put("left", active=False, snapshot={"role": "stopping"}, stopped=True)
+        put("older", active=False, snapshot={})
+        admin = (await h.client.get("/v1/admin/controllers", headers=h.auth("admin"))).json()
+        roles = {c["name"]: c["role"] for c in admin["data"]}
+        assert roles == {
+            "taking": "starting",
+            "behind": "standby",
+            "leads": "active",
+            "left": "stopped",
+            "older": "standby",
+        }
+        assert not any(c["silent"] for c in admin["data"])
+        h.store._clock = lambda: time.time() - 60.0  # past QLM_API__CONTROLLER_STALE_S
+        put("killed", active=True, snapshot={"role": "active"})
+        put("left", active=False, snapshot={"role": "stopping"}, stopped=True)
+        admin = (await h.client.get("/v1/admin/controllers", headers=h.auth("admin"))).json()
+        silent = {c["name"] for c in admin["data"] if c["silent"]}
+        assert silent == {"killed"}  # (one that said it stopped is not silent: it is gone)
+
+    run(scenario, controller_stale_s=10.0)
+
+
 def test_metrics_say_which_of_broker_and_store_is_down() -> None:
     """An alert must be able to name the part that is down: a store that does not answer
     leaves the scrape standing, with ``qlm_store_up`` 0 and nothing the store would give."""

@@ -50,12 +50,38 @@ def test_requests_past_their_deadline_are_missed_not_at_risk() -> None:
         "predicted_drain_at": 160.0,
         "groups": [grp(missed=3, p_meet_slo=0.0), grp(id="g2", size=2, position=1)],
     }
-    # g1's 4 requests are at risk, 3 of them already missed: 1 + g2's 2 are at risk.
+    # g1's 4 requests are at risk, 3 of them already missed: 1 + g2's 2 are at risk, in the
+    # two groups at risk; each count says what it counts.
     assert ops.queue_title(queue, 100.0) == (
-        "i0: 6 requests in 2 groups, 3 at risk, 3 missed, drained in 60 s"
+        "i0: 6 requests in 2 groups; at risk now: 2 groups (0 deferred), 3 requests; "
+        "missed: 3 requests; drained in 60 s"
     )
     out = text(ops.queues_view({"controller": "c0", "at": 100.0, "queues": [queue]}))
     assert "3 missed" in out and "10 s ago" in out and "in 30 s" in out and "25 %" in out
+
+
+def test_queues_mark_deferred_groups_and_say_how_their_count_differs_from_a_plans() -> None:
+    """Under overload a plan counts few groups at risk (the planned ones) while the queues
+    count many requests at risk (every group, the deferred ones too): two notions, and each
+    view says which it shows, so that an operator does not read them as disagreeing."""
+    assert ops.risk(grp(deferred=True)) == "at risk, deferred"
+    assert ops.risk(grp(missed=2, deferred=True)) == "2 missed, deferred"
+    assert ops.risk(grp(at_risk=False, deferred=True)) == "deferred"
+    queue = {
+        "instance": "i0",
+        "size": 10,
+        "at_risk_requests": 10,
+        "missed_requests": 0,
+        "predicted_drain_at": 160.0,
+        "groups": [grp(size=6, deferred=True), grp(id="g2", position=1, deferred=False)],
+    }
+    assert "at risk now: 2 groups (1 deferred), 10 requests;" in ops.queue_title(queue, 100.0)
+    out = " ".join(
+        text(ops.queues_view({"controller": "c0", "at": 100.0, "queues": [queue]})).split()
+    )
+    assert "at risk, deferred" in out
+    assert "every group in the queue counts, deferred and not yet planned ones too" in out
+    assert "qlm ops plans counts groups instead" in out
 
 
 def test_plans_show_the_violation_in_seconds_and_say_what_deferred_means() -> None:
@@ -67,7 +93,43 @@ def test_plans_show_the_violation_in_seconds_and_say_what_deferred_means() -> No
     out = text(ops.plans_view({"data": [plan]}, now=100.0))
     assert "violation (s)" in out and "40,412.3" in out and "4.04e+04" not in out
     assert "10 s" in out and "42 ms" in out
-    assert "deferred (groups)" in out and "deferred: groups cost-aware admission" in out
+    assert "deferred (groups)" in out and "groups cost-aware admission" in out
+
+
+def test_plans_say_their_at_risk_counts_planned_groups_not_the_queues_requests() -> None:
+    plan = {
+        "id": 7, "at": 90.0, "controller": "c0", "trigger": "violation", "groups": 12,
+        "method": "edf", "status": "fallback", "objective": 1.0, "edf_objective": 1.0,
+        "solve_s": 0.001, "at_risk": [], "deferred": 40,
+    }  # fmt: skip
+    out = " ".join(text(ops.plans_view({"data": [plan]}, now=100.0)).split())
+    assert "groups (planned)" in out and "at risk (planned groups)" in out
+    assert "at risk (groups)" not in out
+    assert "not counted at risk whatever their chance" in out
+    assert "qlm ops queues counts at risk otherwise: requests, now" in out
+
+
+def test_controllers_show_a_controller_taking_the_lead_as_starting_not_standby() -> None:
+    doc = {
+        "data": [
+            {"name": "c0", "role": "starting", "active": False, "age_s": 0.2},
+            {"name": "c1", "role": "standby", "active": False, "age_s": 0.4},
+            {"name": "c2", "role": "stopped", "active": False, "age_s": 9.0, "stopped_at": 1.0},
+        ]
+    }
+    out = text(ops.controllers_view(doc))
+    assert "c0   │ starting (taking the lead)" in out
+    assert "c1   │ standby" in out and "c2   │ stopped" in out
+    assert "starting: taking the global queue's leader lock" in out
+    # an API that says only whether it is active
+    assert ops.controller_role({"active": True}) == "active"
+    assert ops.controller_role({"active": False, "stopped_at": 5.0}) == "stopped"
+    assert ops.controller_role({"active": False}) == "standby"
+    # a killed leader's last state said active: the API says it went silent
+    assert ops.controller_role({"role": "active", "active": True, "silent": True}) == (
+        "active, silent"
+    )
+    assert text(ops.controllers_view({"data": []})).startswith("no controller has published")
 
 
 def test_a_group_lists_its_tenants_deadlines_and_requests_and_says_when_only_some_are_listed() -> (

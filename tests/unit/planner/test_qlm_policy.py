@@ -331,6 +331,20 @@ def test_under_overload_cost_aware_admission_defers_the_costliest_groups() -> No
     assert all(inputs.get(d.request_id, 200) == 200 for d in pulled)
 
 
+def test_the_snapshot_marks_the_groups_the_plan_deferred_which_its_at_risk_never_lists() -> None:
+    """What ``qlm ops queues`` and ``qlm ops plans`` count apart: the snapshot judges every
+    queued group (deferred ones too) against Δ now, the plan lists only the planned groups it
+    left at risk; the snapshot says which groups are deferred, so the two can be told apart."""
+    qlm, _ = overloaded()
+    record = qlm.plan(20.0, "test")
+    assert record.deferred > 0
+    groups = [g for q in qlm.snapshot(20.0).queues for g in q.groups]
+    marked = {g.id for g in groups if g.deferred}
+    assert marked == qlm.admission.deferred and len(marked) == record.deferred
+    assert not marked & set(record.at_risk)
+    assert record.groups == len(groups) - len(marked)  # the plan counts the planned ones
+
+
 def test_a_group_with_a_first_token_deadline_is_never_deferred() -> None:
     """Under the overload above, a new costly request is deferred behind the queue; the same
     request with a first-token deadline is placed at its deadline slot instead, by the placement

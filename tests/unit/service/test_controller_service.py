@@ -272,6 +272,71 @@ def test_a_request_published_twice_runs_once_and_both_deliveries_are_settled() -
     run(scenario)
 
 
+def test_a_leading_controller_is_active_before_its_first_request() -> None:
+    """The queue says at once who leads: a controller whose queue is still empty is active (it
+    serves whatever arrives) and publishes so, not standby until its first delivery; before
+    the queue told it, it is starting; the one behind it is standby."""
+
+    async def scenario(store: Store) -> None:
+        broker = MemoryBroker()
+        first, second = (make_service(store, broker, name=n) for n in ("c0", "c1"))
+        first.publish_s = second.publish_s = 0.02
+        assert first.role == "starting" and not first.active
+        await first.start()
+        await second.start()
+        assert first.role == "active" and first.active and first.received == 0
+        assert second.role == "standby" and not second.active
+
+        def published() -> dict[str, Any]:
+            return {s.name: s for s in store.controller_states()}
+
+        await eventually(lambda: set(published()) == {"c0", "c1"}, "both published")
+        states = published()
+        assert states["c0"].active and states["c0"].snapshot["role"] == "active"
+        assert not states["c1"].active and states["c1"].snapshot["role"] == "standby"
+        await second.stop()
+        await first.stop()
+        assert first.role == "stopping" and not first.active
+
+    run(scenario)
+
+
+class SlowLock(MemoryGlobalQueue):
+    """A queue whose consumer takes the lead only once ``granted`` is set (RabbitMQ's leader
+    lock, taken while another connection still holds it)."""
+
+    def __init__(self, broker: MemoryBroker) -> None:
+        super().__init__(broker=broker)
+        self.granted = asyncio.Event()
+
+    async def consume(self, handler: Any, *, on_leader: Any = None) -> None:
+        await self.granted.wait()
+        await super().consume(handler, on_leader=on_leader)
+
+
+def test_a_controller_taking_the_lead_publishes_starting_then_active() -> None:
+    async def scenario(store: Store) -> None:
+        broker = MemoryBroker()
+        queue = SlowLock(broker)
+        service = make_service(store, broker, queue=queue)
+        service.publish_s = 0.02
+        starting = asyncio.create_task(service.start())
+
+        def role() -> str | None:
+            states = store.controller_states()
+            return states[0].snapshot.get("role") if states else None
+
+        await eventually(lambda: role() == "starting", "it published that it is starting")
+        assert not store.controller_states()[0].active and not service.active
+        queue.granted.set()
+        await starting
+        await eventually(lambda: role() == "active", "it published that it leads")
+        assert store.controller_states()[0].active
+        await service.stop()
+
+    run(scenario)
+
+
 def test_a_standby_controller_takes_over_and_each_request_ends_once() -> None:
     async def scenario(store: Store) -> None:
         broker = MemoryBroker(delivery_limit=10)

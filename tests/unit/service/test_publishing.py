@@ -49,11 +49,18 @@ def test_a_group_names_its_tenants_deadlines_and_the_requests_already_past_their
     assert g["tenants"] == {"acme": 2, "globex": 1}
     assert list(g["tenants"]) == ["acme", "globex"]  # most first
     assert (g["earliest_deadline_at"], g["latest_deadline_at"]) == (7.0, 101.0)
-    assert g["missed"] == 2 and g["at_risk"] is True
+    assert g["missed"] == 2 and g["at_risk"] is True and g["deferred"] is False
     assert g["request_ids"] == ["r0000", "r0001", "r0002"]
     assert g["slo_class"] == "default"
     [early] = publish(0.0, group("g1", reqs))
     assert early["missed"] == 0
+    [held] = publish(0.0, group("g1", reqs, deferred=True))
+    assert held["deferred"] is True
+
+
+def test_the_snapshot_says_the_controllers_role() -> None:
+    doc = snapshot_dict("c0", 1.0, "qlm", None, [], {}, None, role="starting")
+    assert doc["role"] == "starting" and doc["controller"] == "c0"
 
 
 def test_a_large_backlog_names_only_the_first_requests_of_each_group() -> None:

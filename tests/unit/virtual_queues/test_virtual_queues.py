@@ -197,6 +197,9 @@ def test_snapshot_lists_each_queue_with_sizes_deadlines_and_estimates() -> None:
     assert (second.predicted_completion_s, second.predicted_completion_std_s) == (12.0, 3.0)
     assert second.p_meet_slo == 0.9
     assert second.slo_risk == pytest.approx(0.1)
+    assert not head.deferred and not second.deferred
+    marked = queues.snapshot({g1: (12.0, 3.0, 0.9)}, deferred={g1})
+    assert [g.deferred for g in marked[0].groups] == [False, True]
 
 
 # --- invariants under random operations -------------------------------------------------------
