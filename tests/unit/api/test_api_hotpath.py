@@ -198,3 +198,30 @@ def same_answer(response: httpx.Response) -> dict[str, Any]:
         if k not in ("content-length", "location", "date", "server")
     }
     return {"body": body, "headers": headers, "location": "location" in response.headers}
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        (
+            "req_0123456789abcdef01234567",
+            "queued",
+            "llama-3-8b",
+            1764278400.123456,
+            1764278430.1,
+            False,
+            False,
+        ),
+        ("req_1", "running", 'mödel ☃ "q" \\ \n', 0.0, 1e-7, True, True),
+        ("req_2", "succeeded", "m", 1.5e300, 2.0, False, True),
+        ("req_3", "queued", "m", 1764278400, 1764278430, True, False),  # ints: the encoder's way
+        ("req_4", "queued", "m", 1.0, float("inf"), False, False),  # not finite: the encoder's way
+    ],
+)
+def test_the_202_body_is_the_compact_encoders(values: tuple[Any, ...]) -> None:
+    from qlm.api.routes.requests import _COMPACT, submitted_body
+
+    names = ("id", "status", "model", "submitted_at", "deadline_at", "at_risk", "replayed")
+    out = dict(zip(names, values, strict=True))
+    out = {"id": out.pop("id"), "object": "request", **out}
+    assert submitted_body(*values) == _COMPACT.encode(out).encode()
