@@ -5,14 +5,17 @@ solving the dependency tree (context, bearer scheme, principal, header), its exc
 async-exit-stack middlewares, and re-parsing the content type. Profiled under load that was about
 a third of the API process (docs/api.md, "Ingest throughput"). This ASGI middleware serves a
 well-formed submission itself, doing exactly what the route does with the same code
-(``qlm.api.routes.requests.submit``): ``json.loads`` the body and validate it with ``SubmitIn``
-(what FastAPI does), read the bearer key as ``HTTPBearer`` does, check ``Idempotency-Key`` as
-the route's header declares it, then answer from the same function, its 202 sent as the two
-ASGI messages Starlette's ``Response`` would send (same headers), without building one. It
-is installed twice: in front of FastAPI's whole stack while FastAPI's telemetry is off
-(``qlm.api.app.Api``: none of FastAPI's own middlewares runs for a submission it serves), and
-as the innermost user middleware, which serves submissions when the front one is not open (a
-submission the front one declines reaches the inner one too, which declines it again).
+(``qlm.api.routes.requests.submit``): parse and validate the body with ``SubmitIn`` in one pass
+(``model_validate_json``, pydantic-core's JSON parser: what FastAPI's ``json.loads`` then
+``SubmitIn`` make of it, a test compares them; a body that parser refuses, such as UTF-16 text
+or a byte-order mark, goes to the route, which reads it with ``json.loads``), read the bearer
+key as ``HTTPBearer`` does, check ``Idempotency-Key`` as the route's header declares it, then
+answer from the same function, its 202 sent as the two ASGI messages Starlette's ``Response``
+would send (same headers), without building one. It is installed twice: in front of FastAPI's
+whole stack while FastAPI's telemetry is off (``qlm.api.app.Api``: none of FastAPI's own
+middlewares runs for a submission it serves), and as the innermost user middleware, which
+serves submissions when the front one is not open (a submission the front one declines reaches
+the inner one too, which declines it again).
 
 Anything it does not recognise as a well-formed call — another path or method, a content type
 other than ``application/json``, a body that does not parse or validate, a malformed or repeated
@@ -22,7 +25,6 @@ FastAPI's own, in the one error shape. The route stays the documented one (OpenA
 
 from __future__ import annotations
 
-import json
 import re
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -124,7 +126,7 @@ def _parse(
             return None
     try:
         context = SHALLOW if shallow(body) else None
-        submission = SubmitIn.model_validate(json.loads(body), context=context)
+        submission = SubmitIn.model_validate_json(body, context=context)
     except Exception:  # not JSON, not UTF-8, too deep, invalid: FastAPI's
         return None
     return submission, key

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import json.encoder
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Annotated
@@ -130,6 +131,50 @@ async def submit(
         row = accepted.stored
         request_id, model, submitted_at = row.id, row.model, row.submitted_at
         status, deadline_at, at_risk = status_name(row.status), row.deadline_at, row.at_risk
+    text = submitted_body(
+        request_id,
+        status,
+        model,
+        submitted_at,
+        deadline_at,
+        at_risk or not admitted.verdict.feasible,
+        accepted.replayed,
+    )
+    headers = [(b"location", f"/v1/requests/{request_id}".encode("latin-1"))]
+    if accepted.replayed:
+        headers.append((b"idempotent-replayed", b"true"))
+    return Submitted(text, headers)
+
+
+def submitted_body(
+    request_id: str,
+    status: str,
+    model: str,
+    submitted_at: float,
+    deadline_at: float,
+    at_risk: bool,
+    replayed: bool,
+) -> bytes:
+    """The 202's JSON (``SubmitOut``'s fields in order, compact): the text ``_COMPACT`` writes
+    for them, its constant parts written once. Values of other types than the usual ones (a
+    float that is not finite, a subclass) take ``_COMPACT`` itself; a test compares both."""
+    if (
+        type(request_id) is str
+        and type(status) is str
+        and type(model) is str
+        and type(submitted_at) is float
+        and type(deadline_at) is float
+        and -_INF < submitted_at < _INF
+        and -_INF < deadline_at < _INF
+        and type(at_risk) is bool
+        and type(replayed) is bool
+    ):
+        return (
+            f'{{"id":{_STRING(request_id)},"object":"request","status":{_STRING(status)},'
+            f'"model":{_STRING(model)},"submitted_at":{_FLOAT(submitted_at)},'
+            f'"deadline_at":{_FLOAT(deadline_at)},"at_risk":{_BOOLEAN[at_risk]},'
+            f'"replayed":{_BOOLEAN[replayed]}}}'
+        ).encode()
     out = {
         "id": request_id,
         "object": "request",
@@ -137,13 +182,16 @@ async def submit(
         "model": model,
         "submitted_at": submitted_at,
         "deadline_at": deadline_at,
-        "at_risk": at_risk or not admitted.verdict.feasible,
-        "replayed": accepted.replayed,
+        "at_risk": at_risk,
+        "replayed": replayed,
     }
-    headers = [(b"location", f"/v1/requests/{request_id}".encode("latin-1"))]
-    if accepted.replayed:
-        headers.append((b"idempotent-replayed", b"true"))
-    return Submitted(_COMPACT.encode(out).encode(), headers)
+    return _COMPACT.encode(out).encode()
+
+
+_STRING = json.encoder.encode_basestring_ascii  # what _COMPACT writes a string with
+_FLOAT = float.__repr__  # and a finite float
+_BOOLEAN = {True: "true", False: "false"}
+_INF = float("inf")
 
 
 @router.get(

@@ -198,3 +198,86 @@ def same_answer(response: httpx.Response) -> dict[str, Any]:
         if k not in ("content-length", "location", "date", "server")
     }
     return {"body": body, "headers": headers, "location": "location" in response.headers}
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        (
+            "req_0123456789abcdef01234567",
+            "queued",
+            "llama-3-8b",
+            1764278400.123456,
+            1764278430.1,
+            False,
+            False,
+        ),
+        ("req_1", "running", 'mödel ☃ "q" \\ \n', 0.0, 1e-7, True, True),
+        ("req_2", "succeeded", "m", 1.5e300, 2.0, False, True),
+        ("req_3", "queued", "m", 1764278400, 1764278430, True, False),  # ints: the encoder's way
+        ("req_4", "queued", "m", 1.0, float("inf"), False, False),  # not finite: the encoder's way
+    ],
+)
+def test_the_202_body_is_the_compact_encoders(values: tuple[Any, ...]) -> None:
+    from qlm.api.routes.requests import _COMPACT, submitted_body
+
+    names = ("id", "status", "model", "submitted_at", "deadline_at", "at_risk", "replayed")
+    out = dict(zip(names, values, strict=True))
+    out = {"id": out.pop("id"), "object": "request", **out}
+    assert submitted_body(*values) == _COMPACT.encode(out).encode()
+
+
+_PARSED = [
+    b'{"model":"m","prompt":"x","max_tokens":1.0,"temperature":"0.5","slo_seconds":1E1}',
+    b'{"model":"m","prompt":"x","max_tokens":"12","temperature":-0,"seed":true}',
+    b' {"model":"m","prompt":"\\u00e9 \\ud83d\\ude00 \\u2028 \xe2\x98\x83","tier":"batch"}\n',
+    b'{"model":"a","model":"m","prompt":"x","labels":{"b":"1","a":"2","b":"3"}}',
+    b'{"model":"m","prompt":"x","temperature":0.1000000000000000055511151231257827}',
+    b'{"model":"m","prompt":"x","stop":["a","b"],"ttft_slo_seconds":1}',
+    b'{"model":"m","messages":[{"role":"user","content":"hi"}],"tools":[{"type":"function",'
+    b'"function":{"name":"f","parameters":{"type":"object","z":1,"y":[1.5e-320,1e308,'
+    b'12345678901234567890123,{"q":1,"q":2}]}}}],"tool_choice":"auto"}',
+    b'{"model":"m","prompt":"x","response_format":{"type":"json_schema","json_schema":'
+    b'{"name":"n","schema":{"b":1,"a":2.50,"b":3,"c":{"z":[true,null,"\\"\\\\\\/"]}}}}}',
+    b'{"model":"m","prompt":"x","response_format":{"type":"json_schema","json_schema":'
+    b'{"name":"n","schema":{"big":1e400}}}}',
+]
+_REFUSED = [
+    b'{"model":"m","prompt":"a\x01b"}',  # a raw control character
+    b'{"model":"m","prompt":"a\\qb"}',  # an unknown escape
+    b'{"model":"m","prompt":"a\\ud800b"}',  # a lone surrogate
+    b'{"model":"m","prompt":"x","max_tokens":01}',
+    b'{"model":"m","prompt":"x",}',
+    b'{"model":"m","prompt":"x"} x',
+    b'{"model":"m","prompt":"\xff"}',
+    b'{"model":"m","prompt":"x","temperature":NaN}',
+    b'{"model":"m","prompt":"x","max_tokens":128.5}',
+    b'{"model":"m","prompt":"x","seed":1.5}',
+    b'\xef\xbb\xbf{"model":"m","prompt":"x"}',  # json.loads takes these two; the route answers
+    '{"model":"m","prompt":"x"}'.encode("utf-16"),
+    b"[" * 40 + b"]" * 40,
+]
+
+
+@pytest.mark.parametrize("body", _PARSED + _REFUSED)
+def test_the_fast_path_reads_a_body_as_json_loads_then_submitin(body: bytes) -> None:
+    """The fast path parses and validates in one pass; what it accepts is what ``json.loads``
+    and ``SubmitIn`` (the route's way) make of the body, value for value, key order included."""
+    import json
+
+    from qlm.api.schemas.native import SubmitIn
+
+    try:
+        expected: SubmitIn | None = SubmitIn.model_validate(json.loads(body))
+    except Exception:
+        expected = None
+    parsed = hotpath._parse(b"application/json", body, [])
+    if parsed is None:
+        assert body in _REFUSED
+        return
+    assert body in _PARSED
+    assert expected is not None, "the fast path took a body the route refuses"
+    got = parsed[0]
+    assert type(got) is type(expected)
+    assert repr(got.model_dump()) == repr(expected.model_dump())
+    assert json.dumps(got.model_dump()) == json.dumps(expected.model_dump())
