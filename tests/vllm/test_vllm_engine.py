@@ -370,19 +370,6 @@ def test_vllm_032_refuses_a_prompt_past_the_context_and_clamps_max_tokens(vllm_u
     run(scenario)
 
 
-async def _counter(url: str, name: str, **labels: str) -> float:
-    async with httpx.AsyncClient(base_url=url, timeout=30) as http:
-        text = (await http.get("/metrics")).text
-    total = 0.0
-    for line in text.splitlines():
-        if not line.startswith(name + "{"):
-            continue
-        head, value = line.rsplit(" ", 1)
-        if all(f'{k}="{v}"' in head for k, v in labels.items()):
-            total += float(value)
-    return total
-
-
 def test_a_server_asleep_at_attach_is_taken_as_asleep_at_the_level_vllm_says(
     vllm_url: str,
 ) -> None:
