@@ -134,9 +134,12 @@ def test_requests_go_through_the_service_to_vllm_and_survive_its_kill_9(
         pytest.skip("QLM_TEST_VLLM_URL: the server is not this session's to kill")
 
     # kill -9 of vLLM with requests in flight: submitted from a thread while the test watches
-    # them, vLLM is killed once several run (they return to the queue and wait). The random
-    # model ends some answers early: with one seen running, the others could all have ended in
-    # the moment before the kill, and the kill would test nothing.
+    # them, vLLM is killed once several run (they return to the queue and wait). vLLM's
+    # scheduler is held meanwhile (dev mode's /pause?mode=keep: what the agent sent stays in
+    # the engine, unanswered), so no answer can end before the kill: the random model ends
+    # some early, and on a starved host all of them ended between two looks of the test.
+    held = httpx.post(f"{vllm_server.url}/pause?mode=keep", timeout=60)
+    assert held.status_code == 200, held.text
     second: list[str] = []
     submitter = threading.Thread(target=lambda: Client(url, key).submit(16, "during", second))
     submitter.start()
