@@ -1,8 +1,17 @@
 """Accepting a request: record it in the store, publish it with a confirm, and only then say 202.
 
-**Order.** The row goes in first (idempotently: by id and by ``(tenant, Idempotency-Key)``), the
-message second. A publish that fails removes the row again (``Store.delete_requests``) and the
-client gets 503: a request is either both stored and confirmed by the broker, or neither.
+**Order.** A request with an ``Idempotency-Key`` is recorded first (idempotently: by id and by
+``(tenant, Idempotency-Key)``; the commit says whether the key was taken) and published second.
+A request without one has a fresh random id and needs nothing from the store before it is
+published: its message goes out while its row is written, and its caller is answered once both
+ended (the confirm and the commit overlap: the two round trips are most of a submission's
+latency). Either way, a publish that fails removes the row again (``Store.delete_requests``) and
+the client gets 503, and 202 means the broker confirmed the message and the row is written.
+When the store fails to write a batch whose messages the broker confirmed, those requests are
+accepted all the same (the broker holds them; the controller records each from its message,
+as it does for any message whose row is missing) and the failure is logged; from then on
+batches are committed before they are published until the store takes one again, so while the
+store is down submissions get 503 ``store_unavailable`` and nothing is published.
 
 **Group commit.** One store transaction per request would cap ingest at what the database does in
 single-row commits (a few hundred per second with fsync, plus a statement's CPU each). Instead
@@ -16,8 +25,10 @@ writes one transaction at a time anyway) spare a request the wait for the commit
 own. Each caller still gets its answer only after its own row is committed and its own message
 confirmed.
 
-**What can still go wrong** (docs/api.md, "Guarantees"): if the process dies between the commit
-and the confirm, the row stays ``queued`` without a message. A client that retries with the same
+**What can still go wrong** (docs/api.md, "Guarantees"): if the process dies between a
+confirm and its commit, the message is in the broker without a row, and the controller records
+it from the message. If it dies between a commit and its confirm, the row stays ``queued``
+without a message. A client that retries with the same
 ``Idempotency-Key`` repairs it: a replay of a request that is still queued and was never
 dispatched is published again (the controller keys requests by id, so a duplicate message is
 harmless). A publish that timed out may still have reached the broker; the row is removed and the
@@ -29,8 +40,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from qlm.api.prompts import render_chat
 from qlm.api.threads import StoreThreads
@@ -129,6 +141,7 @@ class Submitter:
         self._writing: set[asyncio.Task[None]] = set()
         self._publishes: set[asyncio.Task[None]] = set()
         self._closed = False
+        self._overlap = False  # see _write
         self.batches = 0
         self.recorded = 0
 
@@ -193,12 +206,29 @@ class Submitter:
             self._free.release()
 
     async def _write(self, batch: list[_Pending]) -> None:
+        # Requests without an Idempotency-Key need nothing from the store before they are
+        # published (ids are fresh): while the store took its last batch, their messages go
+        # out now and the commit and the confirm overlap (module docstring, "Order").
+        early = [p for p in batch if p.new.idempotency_key is None] if self._overlap else []
+        confirming = self._confirm_soon(early) if early else None
         try:
             created = await self._store.add_requests_async([p.new for p in batch])
         except StoreError as exc:
-            _fail(batch, exc)
+            self._overlap = False  # committed first until the store takes a batch again
+            if confirming is None:
+                _fail(batch, exc)
+                return
+            _fail([p for p in batch if p.new.idempotency_key is not None], exc)
+            self._track(self._answer(confirming, [(p, None) for p in early], unrecorded=exc))
             return
+        self._overlap = True
         self.batches += 1
+        if confirming is not None:
+            # A fresh id the store already holds was recorded from its message by a controller
+            # (the broker confirmed it first): the same request.
+            self.recorded += len(early)
+            self._track(self._answer(confirming, [(p, None) for p in early]))
+            batch = [p for p in batch if p.new.idempotency_key is not None]
         fresh: list[tuple[_Pending, RequestRow | None]] = [
             (p, None) for p in batch if p.new.id in created
         ]
@@ -226,9 +256,16 @@ class Submitter:
     def _publish_soon(self, created: list[tuple[_Pending, RequestRow | None]]) -> None:
         if created:
             self.recorded += len(created)
-            task = asyncio.create_task(self._publish(created), name="qlm-api-publish")
-            self._publishes.add(task)
-            task.add_done_callback(self._publishes.discard)
+            self._track(self._answer(self._confirm_soon([p for p, _ in created]), created))
+
+    def _confirm_soon(self, batch: list[_Pending]) -> asyncio.Task[Sequence[BaseException | None]]:
+        """Publish ``batch``'s messages now; the task's result is each one's outcome."""
+        return asyncio.create_task(self._confirm(batch), name="qlm-api-publish")
+
+    def _track(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(work, name="qlm-api-answer")
+        self._publishes.add(task)
+        task.add_done_callback(self._publishes.discard)
 
     def _lookup(self, news: Sequence[NewRequest]) -> list[tuple[RequestRow, bool] | StoreError]:
         """In a worker thread: the request holding each taken Idempotency-Key (or id), as
@@ -261,9 +298,7 @@ class Submitter:
             return
         if row.status is RequestStatus.QUEUED and row.attempts == 0:
             # Maybe never published (its API died between commit and confirm): publish again.
-            task = asyncio.create_task(self._republish(pending, row), name="qlm-api-republish")
-            self._publishes.add(task)
-            task.add_done_callback(self._publishes.discard)
+            self._track(self._republish(pending, row))
             return
         _settle(pending.future, Accepted(pending.new, True, row))
 
@@ -275,36 +310,57 @@ class Submitter:
         else:
             _settle(pending.future, Accepted(pending.new, True, row))
 
-    async def _publish(self, created: list[tuple[_Pending, RequestRow | None]]) -> None:
+    async def _confirm(self, batch: list[_Pending]) -> Sequence[BaseException | None]:
         try:
-            results: Sequence[BaseException | None] = await self._queue.publish_many(
-                [p.message for p, _ in created]
-            )
+            return await self._queue.publish_many([p.message for p in batch])
         except Exception as exc:  # a bug, not the broker: answer every caller all the same
-            log.exception("publishing %d requests failed", len(created))
-            results = [exc] * len(created)
+            log.exception("publishing %d requests failed", len(batch))
+            return [exc] * len(batch)
+
+    async def _answer(
+        self,
+        confirming: asyncio.Task[Sequence[BaseException | None]],
+        created: list[tuple[_Pending, RequestRow | None]],
+        *,
+        unrecorded: StoreError | None = None,
+    ) -> None:
+        """Answer each caller of ``created`` once its message's publish ended: accepted when
+        the broker confirmed it, else the rows go (unless ``unrecorded``: the store failed to
+        write them) and the caller gets 503."""
+        try:
+            results = await confirming
         except BaseException:  # cancelled (shutting down): nobody may be left waiting
             _fail([p for p, _ in created], QueueUnavailable("the API is shutting down"))
             raise
         failed: list[tuple[_Pending, BaseException]] = []
+        confirmed = 0
         for (pending, row), result in zip(created, results, strict=True):
             if result is not None:
                 failed.append((pending, result))
             else:
+                confirmed += 1
                 _settle(pending.future, Accepted(pending.new, False, row))
+        if unrecorded is not None and confirmed:
+            log.warning(
+                "%d requests were confirmed by the broker while the store failed to record them "
+                "(%s): accepted; the controller records each from its message",
+                confirmed,
+                unrecorded,
+            )
         if not failed:
             return
-        # Remove the rows before answering, so that a retry cannot find one that is going away.
-        ids = [pending.new.id for pending, _ in failed]
-        try:
-            await self._threads.run(self._store.delete_requests, ids)
-        except StoreError:
-            log.exception(
-                "could not remove %d requests whose publish failed; they stay queued without "
-                "a message until retried with their Idempotency-Key: %s",
-                len(ids),
-                ", ".join(ids[:20]),
-            )
+        if unrecorded is None:
+            # Remove the rows before answering, so that a retry cannot find one going away.
+            ids = [pending.new.id for pending, _ in failed]
+            try:
+                await self._threads.run(self._store.delete_requests, ids)
+            except StoreError:
+                log.exception(
+                    "could not remove %d requests whose publish failed; they stay queued "
+                    "without a message until retried with their Idempotency-Key: %s",
+                    len(ids),
+                    ", ".join(ids[:20]),
+                )
         for pending, error in failed:
             if not isinstance(error, QueueUnavailable):
                 error = QueueUnavailable(f"publish failed: {error!r}")

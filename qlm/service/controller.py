@@ -49,7 +49,7 @@ from qlm.service.publishing import PredictionWrites, Role, publish_wait, snapsho
 from qlm.service.runtime import AgentRuntime, RuntimeListener
 from qlm.service.upkeep import OrphanSweep, new_request, prune, reap_dead
 from qlm.service.writes import Settle, StoreWriter
-from qlm.store import RequestRow, Store, StoreError
+from qlm.store import NewRequest, RequestRow, Store, StoreError
 from qlm.store.rows import InstanceState
 from qlm.virtual_queues import VirtualQueuesSnapshot
 
@@ -410,7 +410,7 @@ class ControllerService(RuntimeListener):
         # Each request's domain form, made once for its row and for the policy.
         requests = [m.to_request(arrival_s=m.submitted_at) for m in _messages(fresh)]
         news = [new_request(m, r) for m, r in zip(_messages(fresh), requests, strict=True)]
-        rows = await asyncio.to_thread(self.store.ensure_requests, news)
+        rows, refused = await self._record(news)
         if lead != self._lead:
             return  # the lead was lost meanwhile: the broker handed these to the leader
         served = {m for spec in self.runtime.controller.specs.values() for m in spec.models}
@@ -422,8 +422,11 @@ class ControllerService(RuntimeListener):
             self.received += 1
             extra = copies.get(msg.id, [])
             row = rows.get(msg.id)
-            if row is None:  # the store did not take it (cannot happen with a working store)
-                await self._poison([d, *extra], f"request {msg.id!r} could not be recorded")
+            if row is None:  # the store refuses this request's row while it takes others'
+                reason = refused.get(msg.id, "the store did not record it")
+                await self._poison(
+                    [d, *extra], f"request {msg.id!r} could not be recorded: {reason}"
+                )
                 continue
             if row.is_final:
                 for each in (d, *extra):
@@ -449,6 +452,29 @@ class ControllerService(RuntimeListener):
             if self._spans is not None:
                 self._spans.held(msg.id, msg.trace, _span_attributes(msg))
             self._submit(msg, row, request)
+
+    async def _record(self, news: list[NewRequest]) -> tuple[dict[str, RequestRow], dict[str, str]]:
+        """The rows of ``news``, recorded if need be, and the reasons of those the store refused.
+
+        One transaction for the batch; if the store refuses it, one per request, so that a message
+        whose row the store cannot take (a value it refuses) is dead-lettered with the reason
+        instead of holding up every delivery behind it. A store that answers none of them is
+        down: ``StoreError`` (the batch is requeued)."""
+        try:
+            return await asyncio.to_thread(self.store.ensure_requests, news), {}
+        except StoreError as exc:
+            if len(news) > 1:
+                log.warning("recording %d requests failed (%s); one at a time", len(news), exc)
+        rows: dict[str, RequestRow] = {}
+        refused: dict[str, str] = {}
+        for new in news:
+            try:
+                rows.update(await asyncio.to_thread(self.store.ensure_requests, [new]))
+            except StoreError as exc:
+                refused[new.id] = str(exc)
+        if not rows:
+            await asyncio.to_thread(self.store.controller_states)  # StoreError: the store is down
+        return rows, refused
 
     async def _learn_history(self) -> None:
         """On becoming active (its first deliveries): the output lengths of the store's

@@ -23,9 +23,9 @@ from qlm.api.schemas.native import SubmitIn
 from qlm.api.submission import Submitter
 from qlm.cli import app
 from qlm.domain import RequestStatus
-from qlm.global_queue import MemoryGlobalQueue, QueuedRequest
+from qlm.global_queue import MemoryGlobalQueue, QueuedRequest, QueueUnavailable
 from qlm.settings import ApiSettings
-from qlm.store import NewRequest, Store
+from qlm.store import NewRequest, Store, StoreError
 from tests.unit.api.test_api import busy_snapshot
 
 
@@ -151,6 +151,139 @@ def test_several_batches_in_flight_record_each_request_once_and_publish_it() -> 
         # Replays of a key whose request is still queued are published again (by design).
         ids = {QueuedRequest.decode(s.raw).id for s in queue.broker._ready}
         assert ids == {row.id for row in rows}
+
+
+class GatedStore:
+    """A store whose ``add_requests_async`` writes only once ``gate`` is set, and can fail."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self.gate = asyncio.Event()
+        self.gate.set()
+        self.writing = asyncio.Event()
+        self.fail: StoreError | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.store, name)
+
+    async def add_requests_async(self, news: list[NewRequest]) -> set[str]:
+        self.writing.set()
+        await self.gate.wait()
+        if self.fail is not None:
+            raise self.fail
+        return await self.store.add_requests_async(news)
+
+
+def queued_ids(queue: MemoryGlobalQueue) -> set[str]:
+    return {QueuedRequest.decode(s.raw).id for s in queue.broker._ready}
+
+
+def test_a_request_without_a_key_is_published_while_its_row_is_written() -> None:
+    with Store.open("sqlite://") as store:
+        queue = MemoryGlobalQueue()
+        gated = GatedStore(store)
+
+        async def main() -> None:
+            submitter = Submitter(gated, queue)  # type: ignore[arg-type]
+            submitter.start()
+            try:
+                # The first batch is committed first (nothing known of the store yet).
+                gated.gate.clear()
+                first = asyncio.ensure_future(submitter.submit(new(0), message_of_new(new(0))))
+                await gated.writing.wait()
+                await asyncio.sleep(0)
+                assert queued_ids(queue) == set()
+                gated.gate.set()
+                await first
+                # Then a keyless request's message goes out before its commit ends, and its
+                # caller waits for both; a keyed one still waits for the commit.
+                gated.gate.clear()
+                gated.writing.clear()
+                keyless = asyncio.ensure_future(submitter.submit(new(1), message_of_new(new(1))))
+                keyed_new = new(2, idempotency_key="k")
+                keyed = asyncio.ensure_future(
+                    submitter.submit(keyed_new, message_of_new(keyed_new))
+                )
+                async with asyncio.timeout(20):  # committed first, it would never be
+                    while "req_1" not in queued_ids(queue):
+                        await asyncio.sleep(0)
+                assert "req_2" not in queued_ids(queue)
+                assert not keyless.done() and store.get("req_1") is None
+                gated.gate.set()
+                assert not (await keyless).replayed and not (await keyed).replayed
+                assert store.get("req_1") is not None
+                assert queued_ids(queue) == {"req_0", "req_1", "req_2"}
+            finally:
+                gated.gate.set()
+                await submitter.close()
+
+        asyncio.run(main())
+
+
+def test_requests_confirmed_while_the_store_fails_are_accepted_then_the_store_goes_first(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with Store.open("sqlite://") as store:
+        queue = MemoryGlobalQueue()
+        gated = GatedStore(store)
+
+        async def main() -> None:
+            submitter = Submitter(gated, queue)  # type: ignore[arg-type]
+            submitter.start()
+            try:
+                await submitter.submit(new(0), message_of_new(new(0)))
+                gated.fail = StoreError("cannot record 2 requests: the database is gone")
+                keyed_new = new(2, idempotency_key="k")
+                keyless, keyed = await asyncio.gather(
+                    submitter.submit(new(1), message_of_new(new(1))),
+                    submitter.submit(keyed_new, message_of_new(keyed_new)),
+                    return_exceptions=True,
+                )
+                # The broker holds the keyless one: accepted, the controller records its row.
+                assert not isinstance(keyless, BaseException) and not keyless.replayed
+                assert isinstance(keyed, StoreError)
+                assert queued_ids(queue) == {"req_0", "req_1"}
+                assert store.get("req_1") is None
+                # While the store keeps failing, nothing more is published.
+                with pytest.raises(StoreError):
+                    await submitter.submit(new(3), message_of_new(new(3)))
+                assert queued_ids(queue) == {"req_0", "req_1"}
+                gated.fail = None
+                await submitter.submit(new(4), message_of_new(new(4)))
+                assert queued_ids(queue) == {"req_0", "req_1", "req_4"}
+            finally:
+                await submitter.close()
+
+        asyncio.run(main())
+        assert "confirmed by the broker while the store failed" in caplog.text
+
+
+def test_a_request_published_during_its_commit_and_refused_leaves_no_row() -> None:
+    class Refusing(MemoryGlobalQueue):
+        async def publish_many(self, messages: Any) -> list[QueueUnavailable | None]:
+            return [
+                QueueUnavailable("not confirmed") if m.id == "req_1" else None for m in messages
+            ]
+
+    with Store.open("sqlite://") as store:
+        queue = Refusing()
+
+        async def main() -> list[Any]:
+            submitter = Submitter(store, queue)
+            submitter.start()
+            try:
+                await submitter.submit(new(0), message_of_new(new(0)))  # the store goes first
+                assert submitter._overlap  # now published during the commit
+                return await asyncio.gather(
+                    *(submitter.submit(new(i), message_of_new(new(i))) for i in (1, 2)),
+                    return_exceptions=True,
+                )
+            finally:
+                await submitter.close()
+
+        refused, taken = asyncio.run(main())
+        assert isinstance(refused, QueueUnavailable) and not isinstance(taken, BaseException)
+        assert store.get("req_1") is None and store.get("req_2") is not None
 
 
 def test_add_requests_records_a_batch_and_reports_taken_idempotency_keys() -> None:

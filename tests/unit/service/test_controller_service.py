@@ -211,6 +211,56 @@ def test_a_request_already_final_is_acked_without_running_and_poison_is_dead_let
     run(scenario)
 
 
+def test_a_message_whose_row_the_store_refuses_is_dead_lettered_and_a_down_store_holds_all() -> (
+    None
+):
+    """A request the store cannot record (its row refused while the store records others) is
+    dead-lettered with the store's reason instead of holding the deliveries behind it; while
+    the store records nothing at all, every delivery waits in the queue."""
+
+    async def scenario(store: Store) -> None:
+        record = store.ensure_requests
+        down = threading.Event()
+        tried_while_down: list[str] = []
+
+        def refusing(news: list[NewRequest]) -> dict[str, Any]:
+            if down.is_set():
+                tried_while_down.extend(n.id for n in news)
+            if down.is_set() or any(n.id == "q0001" for n in news):
+                raise StoreError("cannot record requests: value refused")
+            return record(news)
+
+        def states() -> Any:
+            if down.is_set():
+                raise StoreError("the database is gone")
+            return []
+
+        store.ensure_requests = refusing  # type: ignore[method-assign]
+        store.controller_states = states  # type: ignore[method-assign]
+        broker = MemoryBroker()
+        service = make_service(store, broker, policy="fcfs")
+        producer = MemoryGlobalQueue(broker=broker)
+        now = service.runtime.clock.now()
+        for i in range(3):
+            await producer.publish(message(i, now))
+        await service.start()
+        await eventually(lambda: final(store, ["q0000", "q0002"]), "the others are final")
+        await eventually(lambda: len(broker.dead) == 1, "the refused one is dead-lettered")
+        assert b"q0001" in broker.dead[0].raw
+        assert "could not be recorded: cannot record requests: value refused" in (
+            broker.dead[0].reason
+        )
+        down.set()
+        await producer.publish(message(3, service.runtime.clock.now()))
+        await eventually(lambda: len(tried_while_down) >= 3, "the delivery is tried again")
+        assert len(broker.dead) == 1
+        down.clear()
+        await eventually(lambda: final(store, ["q0003"]), "recorded once the store is back")
+        await service.stop()
+
+    run(scenario)
+
+
 def test_a_request_the_policy_cannot_plan_fails_alone_and_the_service_goes_on() -> None:
     """An SLO of 1e-300 s (from a client older than the API's minimum, or a message already in
     the queue) breaks the deadline arithmetic: that request is recorded failed with the reason
