@@ -40,7 +40,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -83,9 +83,15 @@ class IdempotencyConflict(Exception):
 
 @dataclass(slots=True)
 class _Pending:
+    """A submission waiting for its outcome: ``future`` is its caller's (cancelled when the
+    caller goes away); ``followers`` are told the outcome all the same (replays of the same
+    Idempotency-Key in this process)."""
+
     new: NewRequest
     message: QueuedRequest
     future: asyncio.Future[Accepted]
+    followers: list[Callable[[Accepted | None, BaseException | None], None]] | None = None
+    outcome: tuple[Accepted | None, BaseException | None] | None = None
 
 
 def message_of(row: RequestRow) -> QueuedRequest:
@@ -135,7 +141,7 @@ class Submitter:
         self._max_batch = max_batch
         self._pending: list[_Pending] = []
         self._wake = asyncio.Event()
-        self._inflight: dict[str, asyncio.Future[Accepted]] = {}
+        self._inflight: dict[str, _Pending] = {}
         self._writer: asyncio.Task[None] | None = None
         self._free = asyncio.Semaphore(writers)
         self._writing: set[asyncio.Task[None]] = set()
@@ -160,8 +166,7 @@ class Submitter:
         if self._publishes:
             await asyncio.gather(*self._publishes, return_exceptions=True)
         for pending in self._pending:
-            if not pending.future.done():
-                pending.future.set_exception(QueueUnavailable("the API is shutting down"))
+            _resolve(pending, exc=QueueUnavailable("the API is shutting down"))
         self._pending.clear()
 
     async def submit(self, new: NewRequest, message: QueuedRequest) -> Accepted:
@@ -171,11 +176,12 @@ class Submitter:
             raise QueueUnavailable("the API is not accepting requests (shutting down)")
         future: asyncio.Future[Accepted] = asyncio.get_running_loop().create_future()
         future.add_done_callback(_retrieve)  # a caller that went away leaves no loose error
-        self._pending.append(_Pending(new, message, future))
-        self._inflight[new.id] = future
+        pending = _Pending(new, message, future)
+        self._pending.append(pending)
+        self._inflight[new.id] = pending
         self._wake.set()
         try:
-            return await asyncio.shield(future)
+            return await future  # cancelled with its caller; the batch goes on without it
         finally:
             self._inflight.pop(new.id, None)
 
@@ -199,6 +205,9 @@ class Submitter:
     async def _write_one(self, batch: list[_Pending]) -> None:
         try:
             await self._write(batch)
+        except StoreError as exc:
+            self._overlap = False  # committed first until the store takes a batch again
+            _fail(batch, exc)
         except Exception as exc:  # one batch failing must not stop the others
             log.exception("recording %d submissions failed", len(batch))
             _fail(batch, exc)
@@ -210,24 +219,31 @@ class Submitter:
         # published (ids are fresh): while the store took its last batch, their messages go
         # out now and the commit and the confirm overlap (module docstring, "Order").
         early = [p for p in batch if p.new.idempotency_key is None] if self._overlap else []
-        confirming = self._confirm_soon(early) if early else None
+        committed: asyncio.Future[BaseException | None] | None = None
+        if early:
+            committed = asyncio.get_running_loop().create_future()
+            self._track(self._answer([(p, None) for p in early], committed))
         try:
             created = await self._store.add_requests_async([p.new for p in batch])
-        except StoreError as exc:
-            self._overlap = False  # committed first until the store takes a batch again
-            if confirming is None:
-                _fail(batch, exc)
-                return
+        except BaseException as exc:
+            if committed is None:
+                raise
+            committed.set_result(exc)  # the broker may hold them: ``_answer`` decides
+            if isinstance(exc, StoreError):
+                self._overlap = False  # committed first until the store takes a batch again
+            elif not isinstance(exc, Exception):
+                raise
+            else:
+                log.exception("recording %d submissions failed", len(batch))
             _fail([p for p in batch if p.new.idempotency_key is not None], exc)
-            self._track(self._answer(confirming, [(p, None) for p in early], unrecorded=exc))
             return
         self._overlap = True
         self.batches += 1
-        if confirming is not None:
+        if committed is not None:
             # A fresh id the store already holds was recorded from its message by a controller
             # (the broker confirmed it first): the same request.
+            committed.set_result(None)
             self.recorded += len(early)
-            self._track(self._answer(confirming, [(p, None) for p in early]))
             batch = [p for p in batch if p.new.idempotency_key is not None]
         fresh: list[tuple[_Pending, RequestRow | None]] = [
             (p, None) for p in batch if p.new.id in created
@@ -246,7 +262,7 @@ class Submitter:
         made: list[tuple[_Pending, RequestRow | None]] = []
         for pending, result in zip(taken, found, strict=True):
             if isinstance(result, StoreError):
-                _settle(pending.future, exc=result)
+                _resolve(pending, exc=result)
             elif result[1]:
                 made.append((pending, result[0]))  # the holder went away meanwhile
             else:
@@ -256,14 +272,10 @@ class Submitter:
     def _publish_soon(self, created: list[tuple[_Pending, RequestRow | None]]) -> None:
         if created:
             self.recorded += len(created)
-            self._track(self._answer(self._confirm_soon([p for p, _ in created]), created))
-
-    def _confirm_soon(self, batch: list[_Pending]) -> asyncio.Task[Sequence[BaseException | None]]:
-        """Publish ``batch``'s messages now; the task's result is each one's outcome."""
-        return asyncio.create_task(self._confirm(batch), name="qlm-api-publish")
+            self._track(self._answer(created))
 
     def _track(self, work: Coroutine[Any, Any, None]) -> None:
-        task = asyncio.create_task(work, name="qlm-api-answer")
+        task = asyncio.create_task(work, name="qlm-api-publish")
         self._publishes.add(task)
         task.add_done_callback(self._publishes.discard)
 
@@ -282,56 +294,64 @@ class Submitter:
     def _replay(self, pending: _Pending, row: RequestRow) -> None:
         """An earlier request holds the Idempotency-Key: answer with it once it is confirmed."""
         if not same_request(row, pending.new):
-            _settle(pending.future, exc=IdempotencyConflict(row))
+            _resolve(pending, exc=IdempotencyConflict(row))
             return
         earlier = self._inflight.get(row.id)
-        if earlier is not None and earlier is not pending.future:
+        if earlier is not None and earlier is not pending:
             # Still being published by a call in this process: share its outcome.
-            def follow(done: asyncio.Future[Accepted]) -> None:
-                if done.cancelled() or done.exception() is not None:
-                    _settle(pending.future, exc=done.exception() or QueueUnavailable("cancelled"))
+            def follow(first: Accepted | None, exc: BaseException | None) -> None:
+                if first is None:
+                    _resolve(pending, exc=exc or QueueUnavailable("cancelled"))
                 else:
-                    first = done.result()
-                    _settle(pending.future, Accepted(pending.new, True, first.row))
+                    _resolve(pending, Accepted(pending.new, True, first.row))
 
-            earlier.add_done_callback(follow)
+            if earlier.outcome is not None:
+                follow(*earlier.outcome)
+            elif earlier.followers is None:
+                earlier.followers = [follow]
+            else:
+                earlier.followers.append(follow)
             return
         if row.status is RequestStatus.QUEUED and row.attempts == 0:
             # Maybe never published (its API died between commit and confirm): publish again.
             self._track(self._republish(pending, row))
             return
-        _settle(pending.future, Accepted(pending.new, True, row))
+        _resolve(pending, Accepted(pending.new, True, row))
 
     async def _republish(self, pending: _Pending, row: RequestRow) -> None:
         try:
             await self._queue.publish(message_of(row))
         except QueueUnavailable as exc:
-            _settle(pending.future, exc=exc)
+            _resolve(pending, exc=exc)
         else:
-            _settle(pending.future, Accepted(pending.new, True, row))
-
-    async def _confirm(self, batch: list[_Pending]) -> Sequence[BaseException | None]:
-        try:
-            return await self._queue.publish_many([p.message for p in batch])
-        except Exception as exc:  # a bug, not the broker: answer every caller all the same
-            log.exception("publishing %d requests failed", len(batch))
-            return [exc] * len(batch)
+            _resolve(pending, Accepted(pending.new, True, row))
 
     async def _answer(
         self,
-        confirming: asyncio.Task[Sequence[BaseException | None]],
         created: list[tuple[_Pending, RequestRow | None]],
-        *,
-        unrecorded: StoreError | None = None,
+        committed: asyncio.Future[BaseException | None] | None = None,
     ) -> None:
-        """Answer each caller of ``created`` once its message's publish ended: accepted when
-        the broker confirmed it, else the rows go (unless ``unrecorded``: the store failed to
-        write them) and the caller gets 503."""
+        """Publish ``created`` and answer each caller once its message's publish ended:
+        accepted when the broker confirmed it, else its row goes and the caller gets 503.
+        ``committed``: the outcome of the commit the publish overlaps (None: it ended before),
+        awaited before any answer; a failed one leaves the rows unwritten."""
         try:
-            results = await confirming
+            results: Sequence[BaseException | None] = await self._queue.publish_many(
+                [p.message for p, _ in created]
+            )
+        except Exception as exc:  # a bug, not the broker: answer every caller all the same
+            log.exception("publishing %d requests failed", len(created))
+            results = [exc] * len(created)
         except BaseException:  # cancelled (shutting down): nobody may be left waiting
             _fail([p for p, _ in created], QueueUnavailable("the API is shutting down"))
             raise
+        unrecorded: BaseException | None = None
+        if committed is not None:
+            try:
+                unrecorded = await committed
+            except BaseException:
+                _fail([p for p, _ in created], QueueUnavailable("the API is shutting down"))
+                raise
         failed: list[tuple[_Pending, BaseException]] = []
         confirmed = 0
         for (pending, row), result in zip(created, results, strict=True):
@@ -339,7 +359,7 @@ class Submitter:
                 failed.append((pending, result))
             else:
                 confirmed += 1
-                _settle(pending.future, Accepted(pending.new, False, row))
+                _resolve(pending, Accepted(pending.new, False, row))
         if unrecorded is not None and confirmed:
             log.warning(
                 "%d requests were confirmed by the broker while the store failed to record them "
@@ -364,22 +384,25 @@ class Submitter:
         for pending, error in failed:
             if not isinstance(error, QueueUnavailable):
                 error = QueueUnavailable(f"publish failed: {error!r}")
-            _settle(pending.future, exc=error)
+            _resolve(pending, exc=error)
 
 
-def _settle(
-    future: asyncio.Future[Accepted],
-    result: Accepted | None = None,
-    *,
-    exc: BaseException | None = None,
+def _resolve(
+    pending: _Pending, result: Accepted | None = None, *, exc: BaseException | None = None
 ) -> None:
-    if future.done():
+    """Give ``pending`` its outcome (the first one it gets), its followers too."""
+    if pending.outcome is not None:
         return
-    if exc is not None:
-        future.set_exception(exc)
-    else:
-        assert result is not None
-        future.set_result(result)
+    pending.outcome = (result, exc)
+    if not pending.future.done():  # else its caller went away
+        if exc is not None:
+            pending.future.set_exception(exc)
+        else:
+            assert result is not None
+            pending.future.set_result(result)
+    for follow in pending.followers or ():
+        follow(result, exc)
+    pending.followers = None
 
 
 def _retrieve(future: asyncio.Future[Accepted]) -> None:
@@ -389,4 +412,4 @@ def _retrieve(future: asyncio.Future[Accepted]) -> None:
 
 def _fail(batch: list[_Pending], exc: BaseException) -> None:
     for pending in batch:
-        _settle(pending.future, exc=exc)
+        _resolve(pending, exc=exc)

@@ -286,6 +286,48 @@ def test_a_request_published_during_its_commit_and_refused_leaves_no_row() -> No
         assert store.get("req_1") is None and store.get("req_2") is not None
 
 
+def test_a_replay_waiting_on_a_first_call_that_went_away_gets_its_outcome() -> None:
+    class Held(MemoryGlobalQueue):
+        def __init__(self) -> None:
+            super().__init__()
+            self.publishing = asyncio.Event()
+            self.go = asyncio.Event()
+
+        async def publish_many(self, messages: Any) -> list[QueueUnavailable | None]:
+            self.publishing.set()
+            await self.go.wait()
+            return await super().publish_many(messages)
+
+    with Store.open("sqlite://") as store:
+
+        async def main() -> Any:
+            queue = Held()
+            submitter = Submitter(store, queue)
+            submitter.start()
+            try:
+                first_new, again_new = new(1, idempotency_key="k"), new(2, idempotency_key="k")
+                first = asyncio.ensure_future(
+                    submitter.submit(first_new, message_of_new(first_new))
+                )
+                await queue.publishing.wait()  # recorded; its publish is under way
+                again = asyncio.ensure_future(
+                    submitter.submit(again_new, message_of_new(again_new))
+                )
+                async with asyncio.timeout(30):  # until the replay follows the first call
+                    while not submitter._inflight["req_1"].followers:
+                        await asyncio.sleep(0)
+                first.cancel()  # its client went away
+                queue.go.set()
+                async with asyncio.timeout(30):  # no outcome would leave it waiting
+                    return await again
+            finally:
+                queue.go.set()
+                await submitter.close()
+
+        replay = asyncio.run(main())
+        assert replay.replayed and replay.row.id == "req_1"
+
+
 def test_add_requests_records_a_batch_and_reports_taken_idempotency_keys() -> None:
     with Store.open("sqlite://") as store:
         store.add_request(new(0, idempotency_key="k"))
