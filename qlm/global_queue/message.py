@@ -192,6 +192,14 @@ def _templated(m: QueuedRequest) -> str | None:
         and (ttft is None or (type(ttft) is float and -_INF < ttft < _INF))
     ):
         return None
+    if m.attempt == 0 and m.partial_tokens == 0 and replay is None and not m.partial_text:
+        resumed = _NOT_RESUMED
+    else:
+        resumed = (
+            f'"attempt":{m.attempt},'
+            f'"partial_text":{_STRING(m.partial_text)},"partial_tokens":{m.partial_tokens},'
+            f'"replay_output_tokens":{"null" if replay is None else replay}'
+        )
     trace = ""
     if m.trace:
         trace = f',"trace":{_FLAT(m.trace, _STRING, ",", ":") or _ENCODER.encode(m.trace)}'
@@ -203,14 +211,14 @@ def _templated(m: QueuedRequest) -> str | None:
         f'"sampling":{_FLAT(m.sampling, _STRING, ",", ":") or _ENCODER.encode(m.sampling)},'
         f'"slo_ttft_s":{"null" if ttft is None else _FLOAT(ttft)},"tier":{m.tier},'
         f'"labels":{_FLAT(m.labels, _STRING, ",", ":") or _ENCODER.encode(m.labels)},'
-        f'"attempt":{m.attempt},'
-        f'"partial_text":{_STRING(m.partial_text)},"partial_tokens":{m.partial_tokens},'
-        f'"replay_output_tokens":{"null" if replay is None else replay},'
+        f"{resumed},"
         f'"messages":{"null" if m.messages is None else _ENCODER.encode(m.messages)}'
         f'{trace},"schema":{m.schema}}}'
     )
 
 
+_NOT_RESUMED = '"attempt":0,"partial_text":"","partial_tokens":0,"replay_output_tokens":null'
+"""The four fields of a request never evicted, as ``_templated`` writes them."""
 _FLAT = jsontext.flat_object
 _STRING = jsontext.STRING
 _FLOAT = jsontext.FLOAT
