@@ -20,6 +20,7 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
+from qlm import jsontext
 from qlm.domain import SLO, Request, Tier
 from qlm.errors import QLMError
 from qlm.structured import resumable
@@ -92,11 +93,12 @@ class QueuedRequest:
             object.__setattr__(self, "tier", int(self.tier))  # a plain int, as decode gives it
 
     def encode(self) -> bytes:
-        """Compact UTF-8 JSON with every field, ``schema`` included (``trace`` only when set)."""
-        body = {name: getattr(self, name) for name in _FIELD_NAMES}
-        if not self.trace:
-            del body["trace"]  # the body of an untraced request is as it always was
-        return _ENCODER.encode(body).encode()
+        """Compact UTF-8 JSON with every field, ``schema`` included (``trace`` only when set).
+
+        The text ``_ENCODER`` writes for the fields in order (``_encoded``), its constant parts
+        written once; values of other types than the usual ones take ``_ENCODER`` itself."""
+        text = _templated(self)
+        return (_encoded(self) if text is None else text).encode()
 
     @classmethod
     def decode(cls, body: bytes) -> QueuedRequest:
@@ -151,6 +153,76 @@ _ENCODER = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan
 """``json.dumps`` with these arguments makes this encoder anew at every call."""
 _FIELD_NAMES = tuple(f.name for f in fields(QueuedRequest))
 _FIELDS = frozenset(_FIELD_NAMES)
+
+
+def _encoded(m: QueuedRequest) -> str:
+    """``m``'s body as ``_ENCODER`` writes it from a dict of the fields: what ``_templated``
+    writes, for any values."""
+    body = {name: getattr(m, name) for name in _FIELD_NAMES}
+    if not m.trace:
+        del body["trace"]  # the body of an untraced request is as it always was
+    return _ENCODER.encode(body)
+
+
+def _templated(m: QueuedRequest) -> str | None:
+    """``m``'s body as ``_ENCODER`` writes it, or ``None`` when a field is not of the usual type
+    (an ``int`` or ``float`` subclass, a float that is not finite, a string subclass): the
+    top-level fields by a template, a nested value by ``jsontext.flat_object`` when flat, by
+    ``_ENCODER`` otherwise (its text of a nested value is its text of that value alone)."""
+    prompt = m.prompt
+    ttft = m.slo_ttft_s
+    replay = m.replay_output_tokens
+    if not (
+        type(m.id) is str
+        and type(m.model) is str
+        and type(m.tenant) is str
+        and (prompt is None or type(prompt) is str)
+        and type(m.partial_text) is str
+        and type(m.prompt_tokens) is int
+        and type(m.max_tokens) is int
+        and type(m.tier) is int
+        and type(m.attempt) is int
+        and type(m.partial_tokens) is int
+        and type(m.schema) is int
+        and (replay is None or type(replay) is int)
+        and type(m.slo_e2e_s) is float
+        and -_INF < m.slo_e2e_s < _INF
+        and type(m.submitted_at) is float
+        and -_INF < m.submitted_at < _INF
+        and (ttft is None or (type(ttft) is float and -_INF < ttft < _INF))
+    ):
+        return None
+    if m.attempt == 0 and m.partial_tokens == 0 and replay is None and not m.partial_text:
+        resumed = _NOT_RESUMED
+    else:
+        resumed = (
+            f'"attempt":{m.attempt},'
+            f'"partial_text":{_STRING(m.partial_text)},"partial_tokens":{m.partial_tokens},'
+            f'"replay_output_tokens":{"null" if replay is None else replay}'
+        )
+    trace = ""
+    if m.trace:
+        trace = f',"trace":{_FLAT(m.trace, _STRING, ",", ":") or _ENCODER.encode(m.trace)}'
+    return (
+        f'{{"id":{_STRING(m.id)},"model":{_STRING(m.model)},'
+        f'"prompt_tokens":{m.prompt_tokens},"max_tokens":{m.max_tokens},'
+        f'"slo_e2e_s":{m.slo_e2e_s!r},"submitted_at":{m.submitted_at!r},'
+        f'"tenant":{_STRING(m.tenant)},"prompt":{"null" if prompt is None else _STRING(prompt)},'
+        f'"sampling":{_FLAT(m.sampling, _STRING, ",", ":") or _ENCODER.encode(m.sampling)},'
+        f'"slo_ttft_s":{"null" if ttft is None else _FLOAT(ttft)},"tier":{m.tier},'
+        f'"labels":{_FLAT(m.labels, _STRING, ",", ":") or _ENCODER.encode(m.labels)},'
+        f"{resumed},"
+        f'"messages":{"null" if m.messages is None else _ENCODER.encode(m.messages)}'
+        f'{trace},"schema":{m.schema}}}'
+    )
+
+
+_NOT_RESUMED = '"attempt":0,"partial_text":"","partial_tokens":0,"replay_output_tokens":null'
+"""The four fields of a request never evicted, as ``_templated`` writes them."""
+_FLAT = jsontext.flat_object
+_STRING = jsontext.STRING
+_FLOAT = jsontext.FLOAT
+_INF = jsontext.INF
 
 
 def _check_fields(message: QueuedRequest) -> None:

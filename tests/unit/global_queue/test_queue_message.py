@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 from types import SimpleNamespace
 from typing import Any
@@ -213,3 +214,134 @@ def test_the_usual_messages_take_the_quick_check() -> None:
     assert message_module._plainly_valid(make_message())
     chat = make_message(prompt=None, messages=[{"role": "user", "content": "hi"}], tier=0)
     assert message_module._plainly_valid(chat)
+
+
+class _Float(float):
+    pass
+
+
+class _Text(str):
+    pass
+
+
+USUAL = [
+    make_message(),
+    make_message(prompt='ünïcode ✓ 😀 "quoted" \\ back\nslash\t\x00\x1f\u2028'),
+    make_message(prompt=None, messages=[{"role": "user", "content": "hï", "name": None}]),
+    make_message(prompt="", sampling={}, labels={}, slo_ttft_s=None),
+    make_message(
+        sampling={
+            "temperature": 0.0,
+            "top_p": 1e-07,
+            "seed": 2**70,
+            "logprobs": True,
+            "echo": False,
+            "user": None,
+            "stop": ["\n", "é"],
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
+            "response_format": {"type": "json_schema", "json_schema": {"strict": True}},
+            "tool_choice": "auto",
+            "ü": "ß",
+        }
+    ),
+    make_message(labels={"z": "1", "a": "é", "": ""}, tenant="tënant", model="m/ü"),
+    make_message(trace={"traceparent": "00-ab-cd-01", "tracestate": "k=v"}),
+    make_message(attempt=3, partial_text="Once ü", partial_tokens=2, replay_output_tokens=120),
+    make_message(slo_e2e_s=1e16, slo_ttft_s=5e-324, submitted_at=1_767_000_000.123456),
+    make_message(submitted_at=0.0, slo_e2e_s=0.1 + 0.2, slo_ttft_s=None),
+]
+"""Messages of every usual kind: each is written by the template (``_templated``)."""
+UNUSUAL = [
+    make_message(slo_e2e_s=30, submitted_at=1_700_000_000),  # ints as floats
+    make_message(slo_e2e_s=_Float(30.5)),
+    make_message(prompt=_Text("x")),
+    make_message(prompt_tokens=Tier.BATCH),
+]
+"""Messages of values of other types, written by ``_encoded`` (a dict through ``_ENCODER``)."""
+
+
+@pytest.mark.parametrize(
+    ("message", "usual"), [(m, True) for m in USUAL] + [(m, False) for m in UNUSUAL]
+)
+def test_the_template_writes_the_bytes_the_encoder_writes(
+    message: QueuedRequest, usual: bool
+) -> None:
+    assert (message_module._templated(message) is not None) == usual
+    raw = message.encode()
+    assert raw == message_module._encoded(message).encode()
+    assert QueuedRequest.decode(raw) == QueuedRequest.decode(json.dumps(json.loads(raw)).encode())
+    assert QueuedRequest.decode(raw) == message
+
+
+def _outcome(write: Any, message: Any) -> Any:
+    """What ``write`` gives for ``message``: its text, or the type of the error it raises."""
+    try:
+        return write(message)
+    except (ValueError, TypeError, OverflowError) as exc:
+        return type(exc)
+
+
+EDGE = st.one_of(
+    SCALARS,
+    st.sampled_from(
+        [math.nan, math.inf, -0.0, 1e300, 5e-324, 2**80, _Float(1.0), _Text("t"), *Tier]
+    ),
+)
+NESTED = st.dictionaries(
+    st.one_of(st.text(max_size=2), st.sampled_from([1, 2.5, None, True])),
+    st.one_of(EDGE, st.lists(EDGE, max_size=2), st.dictionaries(st.text(max_size=2), EDGE)),
+    max_size=3,
+)
+"""Nested values: mostly flat objects, with every kind of scalar and key."""
+ODDER = st.one_of(ODD, EDGE)
+TOP = sorted(set(VALID) - {"sampling", "labels", "trace", "messages"})
+
+
+@settings(max_examples=2000, deadline=None)
+@given(st.data())
+def test_the_template_writes_what_the_encoder_writes_for_any_values(data: st.DataObject) -> None:
+    """Any values, valid or not (``QueuedRequest`` would refuse some): the template writes
+    what the encoder writes, or gives way (``None``) to it; an error is the same error."""
+    changed = data.draw(st.lists(st.sampled_from(TOP), max_size=2))
+    fields = VALID | {name: data.draw(ODDER, label=name) for name in changed}
+    for name in ("sampling", "labels", "trace"):
+        fields[name] = data.draw(NESTED, label=name)
+    fields["messages"] = data.draw(st.one_of(st.none(), st.lists(NESTED, max_size=2)))
+    candidate = SimpleNamespace(**fields)
+    fast = _outcome(message_module._templated, candidate)
+    assert fast is None or fast == _outcome(message_module._encoded, candidate)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    prompt=st.one_of(st.none(), st.text()),
+    tenant=st.text(min_size=1),
+    floats=st.lists(st.floats(min_value=1e-300, max_value=1e300), min_size=3, max_size=3),
+    sampling=st.dictionaries(st.text(max_size=5), SCALARS.filter(lambda v: v == v), max_size=4),
+    labels=st.dictionaries(st.text(max_size=5), st.text(max_size=5), max_size=3),
+    trace=st.dictionaries(st.text(max_size=5), st.text(max_size=5), max_size=2),
+)
+def test_any_valid_message_is_written_by_the_template_and_decodes_to_itself(
+    prompt: str | None,
+    tenant: str,
+    floats: list[float],
+    sampling: dict[str, Any],
+    labels: dict[str, str],
+    trace: dict[str, str],
+) -> None:
+    e2e, ttft, at = sorted(floats, reverse=True)
+    sampling = {k: v for k, v in sampling.items() if v not in (math.inf, -math.inf)}
+    message = make_message(
+        prompt=prompt,
+        tenant=tenant,
+        slo_e2e_s=e2e,
+        slo_ttft_s=ttft,
+        submitted_at=at,
+        sampling=sampling,
+        labels=labels,
+        trace=trace,
+    )
+    raw = message.encode()
+    assert message_module._templated(message) is not None
+    assert raw == message_module._encoded(message).encode()
+    assert QueuedRequest.decode(raw) == message
