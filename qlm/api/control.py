@@ -30,6 +30,10 @@ class Verdict:
     predicted_start_at: float | None = None
 
 
+UNKNOWN = Verdict(True)
+"""Feasible, as far as nothing known says otherwise (no snapshot, no instance of the model)."""
+
+
 def assess(snapshot: SnapshotDoc | None, *, model: str, deadline_at: float, now: float) -> Verdict:
     """Admission from the controller's plan, EDF-style (pure; ``now`` on the snapshot's clock).
 
@@ -41,10 +45,10 @@ def assess(snapshot: SnapshotDoc | None, *, model: str, deadline_at: float, now:
     nothing is known and the request is feasible.
     """
     if not snapshot:
-        return Verdict(True)
+        return UNKNOWN
     instances = [i for i in snapshot.get("instances", []) if model in (i.get("models") or [])]
     if not instances:
-        return Verdict(True)  # the model check is the caller's; nothing known here
+        return UNKNOWN  # the model check is the caller's; nothing known here
     ready = [i for i in instances if i.get("up", True) and not i.get("draining", False)]
     if not ready:
         names = ", ".join(sorted(str(i.get("name")) for i in instances))

@@ -70,11 +70,11 @@ class SubmitFastPath:
         body = await _read_body(receive)
         if body is None:
             return  # the client went away
-        replay = _replaying(body, receive)
         ctx: ApiContext | None = getattr(scope["app"].state, "ctx", None)
         parsed = _parse(content_type, body, keys)
         if parsed is None or ctx is None:
-            await self.app(scope, replay, send)  # FastAPI answers, errors included
+            # FastAPI answers, errors included
+            await self.app(scope, _replaying(body, receive), send)
             return
         submission, key = parsed
         try:
@@ -84,7 +84,7 @@ class SubmitFastPath:
             response = errors.response_for(exc)
             if response is None:
                 raise  # ServerErrorMiddleware: 500, as for the route
-            await response(scope, replay, send)
+            await response(scope, _replaying(body, receive), send)
             return
         # The headers Starlette's Response would send, without building one.
         headers = [

@@ -191,17 +191,19 @@ async def admit(
             labels=tuple(sorted(labels.items())),
             idempotency_key=idempotency_key,
         )
-        accept = tracing.start(
-            "qlm.api.accept",
-            kind="producer",
-            attributes={
-                "qlm.request.id": request_id,
-                "qlm.tenant": tenant,
-                "qlm.model": sub.model,
-                "qlm.tier": int(tier),
-                "qlm.slo_seconds": slo_s,
-            },
-        )
+        accept = None
+        if tracing.enabled():  # off, there is no span and no trace context to make
+            accept = tracing.start(
+                "qlm.api.accept",
+                kind="producer",
+                attributes={
+                    "qlm.request.id": request_id,
+                    "qlm.tenant": tenant,
+                    "qlm.model": sub.model,
+                    "qlm.tier": int(tier),
+                    "qlm.slo_seconds": slo_s,
+                },
+            )
         message = QueuedRequest(
             id=request_id,
             model=sub.model,
@@ -216,7 +218,7 @@ async def admit(
             sampling=sampling,
             tier=int(tier),
             labels=labels,
-            trace=tracing.inject(accept),
+            trace={} if accept is None else tracing.inject(accept),
         )
         try:
             accepted = await ctx.submitter.submit(new, message)
@@ -232,7 +234,8 @@ async def admit(
                 param="Idempotency-Key",
                 code="idempotency_key_reused",
             ) from None
-        tracing.end(accept, {"qlm.replayed": accepted.replayed})
+        if accept is not None:
+            tracing.end(accept, {"qlm.replayed": accepted.replayed})
     except BaseException:
         ctx.queued.release(tenant)
         raise
