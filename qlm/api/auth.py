@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from qlm.api.errors import AUTHENTICATION, PERMISSION, ApiError
 from qlm.api.threads import StoreThreads
+from qlm.frozen import fast_init
 from qlm.settings import ApiSettings
 from qlm.store import ApiKey, Store
 
@@ -25,6 +26,7 @@ _MAX_CACHED = 10_000
 _CHALLENGE = {"WWW-Authenticate": "Bearer"}
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class Principal:
     """The caller: its tenant, whether it is an admin, and the key (None: no keys required)."""

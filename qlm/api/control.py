@@ -16,11 +16,13 @@ from typing import Any
 
 from qlm.api.ports import LocalController
 from qlm.api.threads import StoreThreads
+from qlm.frozen import fast_init
 from qlm.store import Store
 
 SnapshotDoc = Mapping[str, Any]
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class Verdict:
     """Whether a new request can meet its deadline, as far as the current plan tells."""

@@ -25,10 +25,12 @@ from qlm.api.limits import retry_after
 from qlm.api.prompts import estimate_tokens, render_chat
 from qlm.api.submission import Accepted, IdempotencyConflict
 from qlm.domain import Tier
+from qlm.frozen import fast_init
 from qlm.global_queue import QueuedRequest
 from qlm.store import NewRequest
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class Submission:
     """A request as a client asked for it, before any limit was checked. ``prompt_param`` is the
@@ -51,6 +53,7 @@ class Submission:
         return "messages" if self.messages is not None else "prompt"
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class Admitted:
     accepted: Accepted

@@ -22,6 +22,7 @@ from typing import Any, ClassVar
 
 from qlm.domain import SLO, Request, Tier
 from qlm.errors import QLMError
+from qlm.frozen import fast_init
 from qlm.structured import resumable
 
 SCHEMA_VERSION = 1
@@ -43,6 +44,7 @@ class MessageError(QLMError):
     """A queue message body cannot be decoded; the text names the offending field."""
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class QueuedRequest:
     """One accepted request as the global queue carries it (schema 1).

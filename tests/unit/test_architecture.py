@@ -13,8 +13,8 @@ QLM = Path(__file__).resolve().parents[2] / "qlm"
 
 LAYERS: tuple[tuple[str, ...], ...] = (
     # plain data, errors, time, what the MILP solvers need of the process, the services' event
-    # loop: nothing of QLM
-    ("errors", "clock", "domain", "structured", "solvers", "eventloop"),
+    # loop, the quick constructor of frozen dataclasses: nothing of QLM
+    ("errors", "clock", "domain", "structured", "solvers", "eventloop", "frozen"),
     # the parts: engines, the estimator, groups, agent decisions, the durable edges, settings,
     # tracing
     ("engines", "rct", "groups", "agents", "store", "global_queue", "settings", "tracing"),
