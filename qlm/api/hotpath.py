@@ -45,9 +45,14 @@ class SubmitFastPath:
     body whose Content-Length is declared and at most ``max_body_bytes``, and leaves the rest to
     ``app`` unread (``BodyLimit`` answers those)."""
 
-    def __init__(self, app: ASGIApp, *, max_body_bytes: int | None = None) -> None:
+    def __init__(
+        self, app: ASGIApp, *, max_body_bytes: int | None = None, ctx: ApiContext | None = None
+    ) -> None:
         self.app = app
         self.max_body_bytes = max_body_bytes
+        # The app's context when it is known for the middleware's life (the front door, opened
+        # once the context is made); otherwise read from ``app.state`` at each call.
+        self.ctx = ctx
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] != "POST" or _route_path(scope) != PATH:
@@ -70,7 +75,9 @@ class SubmitFastPath:
         body = await _read_body(receive)
         if body is None:
             return  # the client went away
-        ctx: ApiContext | None = getattr(scope["app"].state, "ctx", None)
+        ctx = self.ctx
+        if ctx is None:  # State has no such attribute until it is set: a raised AttributeError
+            ctx = getattr(scope["app"].state, "ctx", None)
         parsed = _parse(content_type, body, keys)
         if parsed is None or ctx is None:
             # FastAPI answers, errors included

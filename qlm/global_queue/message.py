@@ -235,7 +235,9 @@ def _plainly_valid(m: QueuedRequest) -> bool:
 
 
 def _plain_strings(value: object) -> bool:
-    return type(value) is dict and all(type(k) is str and type(v) is str for k, v in value.items())
+    return type(value) is dict and (
+        not value or all(type(k) is str and type(v) is str for k, v in value.items())
+    )
 
 
 def _plain_sampling(value: object) -> bool:

@@ -40,10 +40,11 @@ def clean_text(value: str) -> str:
     """Text the store can keep on every backend: no NUL character, valid Unicode."""
     if "\x00" in value:
         raise ValueError("must not contain the NUL character (\\u0000)")
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        raise ValueError("must be valid Unicode (no lone surrogates)") from None
+    if not value.isascii():  # ASCII text has no surrogate
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError("must be valid Unicode (no lone surrogates)") from None
     return value
 
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
+import secrets
 import threading
 import time
 from typing import Any
@@ -14,11 +16,12 @@ import pytest
 from pydantic import ValidationError
 from typer.testing import CliRunner
 
+from qlm.api import intake
 from qlm.api.auth import Authenticator
 from qlm.api.control import assess
 from qlm.api.limits import RateLimiter, retry_after
 from qlm.api.prompts import estimate_tokens, render_chat
-from qlm.api.schemas.common import MAX_JSON_DEPTH, SHALLOW, shallow
+from qlm.api.schemas.common import MAX_JSON_DEPTH, SHALLOW, clean_text, shallow
 from qlm.api.schemas.native import SubmitIn
 from qlm.api.submission import Submitter
 from qlm.cli import app
@@ -45,6 +48,29 @@ def new(i: int, **kw: Any) -> NewRequest:
 
 def test_tokens_are_estimated_at_four_characters_each() -> None:
     assert [estimate_tokens(t) for t in ("", "a", "abcd", "abcde")] == [1, 1, 1, 2]
+    for n in [*range(64), 4095, 4096, 4097, 10**6 + 1]:
+        assert estimate_tokens("x" * n) == max(1, math.ceil(n / 4))
+
+
+def test_request_ids_are_24_hex_digits_of_96_random_bits() -> None:
+    for seed in range(50):
+        intake._IDS.seed(seed)
+        got = intake.new_id()
+        intake._IDS.seed(seed)
+        assert got == f"req_{intake._IDS.getrandbits(96):024x}"
+    intake._IDS.seed(secrets.randbits(128))
+
+
+@pytest.mark.parametrize(
+    ("text", "refused"),
+    [("plain", None), ("été ☃ 😀", None), ("a\x00b", "NUL"), ("a\ud800b", "surrogates")],
+)
+def test_text_is_refused_with_a_nul_or_a_lone_surrogate(text: str, refused: str | None) -> None:
+    if refused is None:
+        assert clean_text(text) is text
+    else:
+        with pytest.raises(ValueError, match=refused):
+            clean_text(text)
 
 
 def test_chat_is_rendered_with_chatml_and_text_parts_are_joined() -> None:
