@@ -110,6 +110,10 @@ class ControlView:
 
     async def snapshot(self) -> SnapshotDoc | None:
         """The active controller's state document, None when no controller published one."""
+        if self.controller is None or not self.controller.active:  # the cache, when fresh
+            cached = self._snapshot
+            if cached is not None and self._clock() - cached[0] <= self._ttl_s:
+                return cached[1]
         doc, _ = await self.snapshot_with_time()
         return doc
 

@@ -23,6 +23,7 @@ from qlm.api.control import Verdict, assess
 from qlm.api.errors import CONFLICT, NOT_FOUND, RATE_LIMIT, ApiError, invalid, unavailable
 from qlm.api.limits import retry_after
 from qlm.api.prompts import estimate_tokens, render_chat
+from qlm.api.schemas.common import tier_of
 from qlm.api.submission import Accepted, IdempotencyConflict
 from qlm.domain import Tier
 from qlm.frozen import fast_init
@@ -72,11 +73,13 @@ def new_id() -> str:
 
 def default_slo(ctx: ApiContext, tier: Tier) -> float:
     s = ctx.settings
-    return {
-        Tier.INTERACTIVE: s.interactive_slo_s,
-        Tier.STANDARD: s.standard_slo_s,
-        Tier.BATCH: s.batch_slo_s,
-    }[tier]
+    if tier == Tier.INTERACTIVE:
+        return s.interactive_slo_s
+    if tier == Tier.STANDARD:
+        return s.standard_slo_s
+    if tier == Tier.BATCH:
+        return s.batch_slo_s
+    raise KeyError(tier)
 
 
 async def admit(
@@ -116,7 +119,7 @@ async def admit(
             f"{len(sub.labels)} labels, above the limit of {s.max_labels} (QLM_API__MAX_LABELS)",
             code="max_labels",
         )
-    tier = sub.tier if sub.tier is not None else Tier.parse(s.default_tier)
+    tier = sub.tier if sub.tier is not None else tier_of(s.default_tier)
     slo_s = sub.slo_s if sub.slo_s is not None else default_slo(ctx, tier)
     if sub.ttft_slo_s is not None and sub.ttft_slo_s > slo_s:
         raise invalid(
@@ -191,7 +194,7 @@ async def admit(
             prompt=sub.prompt,
             messages=sub.messages,
             sampling=sampling,
-            labels=tuple(sorted(labels.items())),
+            labels=tuple(sorted(labels.items()) if len(labels) > 1 else labels.items()),
             idempotency_key=idempotency_key,
         )
         accept = None

@@ -233,3 +233,31 @@ def test_a_body_whose_text_cannot_nest_too_deep_skips_the_walk_and_a_deep_one_is
     with pytest.raises(ValidationError, match="deeper than"):
         SubmitIn.model_validate(body)
     assert SubmitIn.model_validate(body | {"labels": {}}, context=SHALLOW).labels == {}
+
+
+def test_the_default_slo_is_its_tiers_setting() -> None:
+    from types import SimpleNamespace
+
+    from qlm.api.intake import default_slo
+    from qlm.domain import Tier
+
+    settings = ApiSettings(interactive_slo_s=5, standard_slo_s=50, batch_slo_s=500)
+    ctx: Any = SimpleNamespace(settings=settings)
+    for tier, expected in [(Tier.INTERACTIVE, 5.0), (Tier.STANDARD, 50.0), (Tier.BATCH, 500.0)]:
+        assert default_slo(ctx, tier) == default_slo(ctx, int(tier)) == expected  # type: ignore[arg-type]
+    with pytest.raises(KeyError):
+        default_slo(ctx, 3)  # type: ignore[arg-type]
+
+
+def test_a_submissions_labels_are_recorded_sorted_and_published_as_given() -> None:
+    from tests.unit.api.test_api import published, run
+
+    async def scenario(h: Any) -> None:
+        for labels in [{}, {"k": "v"}, {"z": "1", "a": "2", "m": "3"}]:
+            r = await h.submit(labels=labels)
+            assert r.status_code == 202, r.text
+            row = h.store.get(r.json()["id"])
+            assert row.labels == tuple(sorted(labels.items()))
+            assert list(published(h.queue)[-1].labels.items()) == list(labels.items())
+
+    run(scenario)
