@@ -131,6 +131,40 @@ def test_calls_that_find_a_key_uncached_together_ask_the_store_once() -> None:
         assert lookups == [key]
 
 
+def test_a_cached_key_names_the_principal_the_store_named() -> None:
+    from qlm.api.auth import Principal
+
+    with Store.open("sqlite://") as store:
+        keys = {
+            "acme": store.create_api_key("acme"),
+            "ops": store.create_api_key("ops", admin=True),
+        }
+        lookups: list[str] = []
+        lookup = store.lookup_api_key
+
+        def counted(token: str) -> Any:
+            lookups.append(token)
+            return lookup(token)
+
+        store.lookup_api_key = counted  # type: ignore[method-assign]
+        t = [0.0]
+        auth = Authenticator(store, ApiSettings(key_cache_s=5), clock=lambda: t[0])
+
+        async def main() -> None:
+            for tenant, key in keys.items():
+                found = store.lookup_api_key(key)
+                assert found is not None
+                expected = Principal(tenant, tenant == "ops", found.id)
+                assert await auth.authenticate(key) == expected  # asked the store
+                t[0] += 4.9
+                assert await auth.authenticate(key) == expected  # cached
+                t[0] += 0.2
+                assert await auth.authenticate(key) == expected  # expired: asked again
+
+        asyncio.run(main())
+        assert lookups == [keys["acme"]] * 3 + [keys["ops"]] * 3
+
+
 def message_of_new(n: NewRequest) -> QueuedRequest:
     return QueuedRequest(
         id=n.id,
