@@ -120,8 +120,9 @@ def _parse(
     content_type: bytes | None, body: bytes, keys: list[bytes]
 ) -> tuple[SubmitIn, str | None] | None:
     """The validated body and Idempotency-Key, or None for FastAPI to answer."""
-    if content_type is None or content_type.split(b";", 1)[0].strip().lower() != (
-        b"application/json"
+    if content_type != b"application/json" and (  # the usual header, as it is
+        content_type is None
+        or content_type.split(b";", 1)[0].strip().lower() != b"application/json"
     ):
         return None
     key: str | None = None
@@ -133,7 +134,8 @@ def _parse(
             return None
     try:
         context = SHALLOW if shallow(body) else None
-        submission = SubmitIn.model_validate_json(body, context=context)
+        # What model_validate_json does, without its wrapper (~0.5 µs of keywords and checks)
+        submission: SubmitIn = SubmitIn.__pydantic_validator__.validate_json(body, context=context)
     except Exception:  # not JSON, not UTF-8, too deep, invalid: FastAPI's
         return None
     return submission, key
