@@ -6,7 +6,8 @@ async-exit-stack middlewares, and re-parsing the content type. Profiled under lo
 a third of the API process (docs/api.md, "Ingest throughput"). This ASGI middleware serves a
 well-formed submission itself, doing exactly what the route does with the same code
 (``qlm.api.routes.requests.submit``): parse and validate the body with ``SubmitIn`` in one pass
-(``model_validate_json``, pydantic-core's JSON parser: what FastAPI's ``json.loads`` then
+(its validator's ``validate_json``, as ``model_validate_json`` calls it, with pydantic-core's JSON
+parser: what FastAPI's ``json.loads`` then
 ``SubmitIn`` make of it, a test compares them; a body that parser refuses, such as UTF-16 text
 or a byte-order mark, goes to the route, which reads it with ``json.loads``), read the bearer
 key as ``HTTPBearer`` does, check ``Idempotency-Key`` as the route's header declares it, then
