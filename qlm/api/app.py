@@ -154,13 +154,14 @@ class Api(FastAPI):
         """The call as FastAPI serves it: every middleware, the hot path among them."""
         await super().__call__(scope, receive, send)
 
-    def open_front_door(self, max_body_bytes: int) -> None:
-        """Put the hot path in front of the stack, unless FastAPI's native telemetry is on."""
+    def open_front_door(self, max_body_bytes: int, ctx: ApiContext | None = None) -> None:
+        """Put the hot path in front of the stack, unless FastAPI's native telemetry is on;
+        ``ctx``: the app's context (``app.state.ctx``) for as long as the door is open."""
         telemetry = getattr(self, "_native_telemetry", None)  # FastAPI >= 0.130
         if telemetry is not None and telemetry.enabled():
             return
         self.front_door = ServerErrorMiddleware(
-            SubmitFastPath(self.whole_stack, max_body_bytes=max_body_bytes),
+            SubmitFastPath(self.whole_stack, max_body_bytes=max_body_bytes, ctx=ctx),
             handler=self.exception_handlers.get(Exception),
             debug=self.debug,
         )
@@ -229,7 +230,7 @@ def create_app(
         )
         app.state.ctx = ctx
         ctx.start()
-        app.open_front_door(settings.api.max_body_bytes)
+        app.open_front_door(settings.api.max_body_bytes, ctx)
         if freeze_gc:
             freeze_startup_objects()
         try:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from qlm.api.errors import AUTHENTICATION, PERMISSION, ApiError
 from qlm.api.threads import StoreThreads
+from qlm.frozen import fast_init
 from qlm.settings import ApiSettings
 from qlm.store import ApiKey, Store
 
@@ -25,6 +26,7 @@ _MAX_CACHED = 10_000
 _CHALLENGE = {"WWW-Authenticate": "Bearer"}
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class Principal:
     """The caller: its tenant, whether it is an admin, and the key (None: no keys required)."""
@@ -47,7 +49,7 @@ class Authenticator:
         self._threads = threads if threads is not None else StoreThreads()
         self._settings = settings
         self._clock = clock
-        self._cache: dict[str, tuple[ApiKey, float]] = {}
+        self._cache: dict[str, tuple[Principal, float]] = {}  # a found key's, until when
         self._looking_up: dict[str, asyncio.Task[ApiKey | None]] = {}
         self._anonymous = Principal(settings.default_tenant, admin=True)
 
@@ -67,9 +69,8 @@ class Authenticator:
         now = self._clock()
         cached = self._cache.get(token)
         if cached is not None and cached[1] > now:
-            key: ApiKey | None = cached[0]
-        else:
-            key = await self._lookup(token, now)
+            return cached[0]
+        key = await self._lookup(token, now)
         if key is None:
             raise ApiError(
                 401,
@@ -97,7 +98,8 @@ class Authenticator:
         if key is not None:
             if len(self._cache) >= _MAX_CACHED:
                 self._cache.clear()
-            self._cache[token] = (key, now + self._settings.key_cache_s)
+            principal = Principal(key.tenant, key.admin, key.id)
+            self._cache[token] = (principal, now + self._settings.key_cache_s)
         else:
             self._cache.pop(token, None)
         return key

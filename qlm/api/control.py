@@ -16,11 +16,13 @@ from typing import Any
 
 from qlm.api.ports import LocalController
 from qlm.api.threads import StoreThreads
+from qlm.frozen import fast_init
 from qlm.store import Store
 
 SnapshotDoc = Mapping[str, Any]
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class Verdict:
     """Whether a new request can meet its deadline, as far as the current plan tells."""
@@ -28,6 +30,10 @@ class Verdict:
     feasible: bool
     reason: str = ""
     predicted_start_at: float | None = None
+
+
+UNKNOWN = Verdict(True)
+"""Feasible, as far as nothing known says otherwise (no snapshot, no instance of the model)."""
 
 
 def assess(snapshot: SnapshotDoc | None, *, model: str, deadline_at: float, now: float) -> Verdict:
@@ -41,10 +47,10 @@ def assess(snapshot: SnapshotDoc | None, *, model: str, deadline_at: float, now:
     nothing is known and the request is feasible.
     """
     if not snapshot:
-        return Verdict(True)
+        return UNKNOWN
     instances = [i for i in snapshot.get("instances", []) if model in (i.get("models") or [])]
     if not instances:
-        return Verdict(True)  # the model check is the caller's; nothing known here
+        return UNKNOWN  # the model check is the caller's; nothing known here
     ready = [i for i in instances if i.get("up", True) and not i.get("draining", False)]
     if not ready:
         names = ", ".join(sorted(str(i.get("name")) for i in instances))
@@ -104,6 +110,10 @@ class ControlView:
 
     async def snapshot(self) -> SnapshotDoc | None:
         """The active controller's state document, None when no controller published one."""
+        if self.controller is None or not self.controller.active:  # the cache, when fresh
+            cached = self._snapshot
+            if cached is not None and self._clock() - cached[0] <= self._ttl_s:
+                return cached[1]
         doc, _ = await self.snapshot_with_time()
         return doc
 

@@ -23,12 +23,15 @@ from qlm.api.control import Verdict, assess
 from qlm.api.errors import CONFLICT, NOT_FOUND, RATE_LIMIT, ApiError, invalid, unavailable
 from qlm.api.limits import retry_after
 from qlm.api.prompts import estimate_tokens, render_chat
+from qlm.api.schemas.common import tier_of
 from qlm.api.submission import Accepted, IdempotencyConflict
 from qlm.domain import Tier
+from qlm.frozen import fast_init
 from qlm.global_queue import QueuedRequest
 from qlm.store import NewRequest
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class Submission:
     """A request as a client asked for it, before any limit was checked. ``prompt_param`` is the
@@ -51,6 +54,7 @@ class Submission:
         return "messages" if self.messages is not None else "prompt"
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class Admitted:
     accepted: Accepted
@@ -64,16 +68,18 @@ def new_id() -> str:
     """A request id: ``req_`` and 24 random hex digits (96 bits), from a PRNG seeded by the OS.
     Ids need to be unique, not secret (another tenant's id answers 404 anyway), and
     ``os.urandom`` releases the GIL, which under load costs a wait for the store's thread."""
-    return f"req_{_IDS.getrandbits(96):024x}"
+    return "req_" + _IDS.getrandbits(96).to_bytes(12).hex()  # 24 hex digits, as ``:024x``
 
 
 def default_slo(ctx: ApiContext, tier: Tier) -> float:
     s = ctx.settings
-    return {
-        Tier.INTERACTIVE: s.interactive_slo_s,
-        Tier.STANDARD: s.standard_slo_s,
-        Tier.BATCH: s.batch_slo_s,
-    }[tier]
+    if tier == Tier.INTERACTIVE:
+        return s.interactive_slo_s
+    if tier == Tier.STANDARD:
+        return s.standard_slo_s
+    if tier == Tier.BATCH:
+        return s.batch_slo_s
+    raise KeyError(tier)
 
 
 async def admit(
@@ -113,7 +119,7 @@ async def admit(
             f"{len(sub.labels)} labels, above the limit of {s.max_labels} (QLM_API__MAX_LABELS)",
             code="max_labels",
         )
-    tier = sub.tier if sub.tier is not None else Tier.parse(s.default_tier)
+    tier = sub.tier if sub.tier is not None else tier_of(s.default_tier)
     slo_s = sub.slo_s if sub.slo_s is not None else default_slo(ctx, tier)
     if sub.ttft_slo_s is not None and sub.ttft_slo_s > slo_s:
         raise invalid(
@@ -188,20 +194,22 @@ async def admit(
             prompt=sub.prompt,
             messages=sub.messages,
             sampling=sampling,
-            labels=tuple(sorted(labels.items())),
+            labels=tuple(sorted(labels.items()) if len(labels) > 1 else labels.items()),
             idempotency_key=idempotency_key,
         )
-        accept = tracing.start(
-            "qlm.api.accept",
-            kind="producer",
-            attributes={
-                "qlm.request.id": request_id,
-                "qlm.tenant": tenant,
-                "qlm.model": sub.model,
-                "qlm.tier": int(tier),
-                "qlm.slo_seconds": slo_s,
-            },
-        )
+        accept = None
+        if tracing.enabled():  # off, there is no span and no trace context to make
+            accept = tracing.start(
+                "qlm.api.accept",
+                kind="producer",
+                attributes={
+                    "qlm.request.id": request_id,
+                    "qlm.tenant": tenant,
+                    "qlm.model": sub.model,
+                    "qlm.tier": int(tier),
+                    "qlm.slo_seconds": slo_s,
+                },
+            )
         message = QueuedRequest(
             id=request_id,
             model=sub.model,
@@ -216,7 +224,7 @@ async def admit(
             sampling=sampling,
             tier=int(tier),
             labels=labels,
-            trace=tracing.inject(accept),
+            trace={} if accept is None else tracing.inject(accept),
         )
         try:
             accepted = await ctx.submitter.submit(new, message)
@@ -232,7 +240,8 @@ async def admit(
                 param="Idempotency-Key",
                 code="idempotency_key_reused",
             ) from None
-        tracing.end(accept, {"qlm.replayed": accepted.replayed})
+        if accept is not None:
+            tracing.end(accept, {"qlm.replayed": accepted.replayed})
     except BaseException:
         ctx.queued.release(tenant)
         raise

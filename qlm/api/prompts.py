@@ -21,7 +21,6 @@ turn opened) only to estimate their tokens, and as the prompt of an engine witho
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -30,7 +29,7 @@ CHARS_PER_TOKEN = 4
 
 def estimate_tokens(text: str) -> int:
     """About how many tokens ``text`` is: ``ceil(len / 4)``, at least 1."""
-    return max(1, math.ceil(len(text) / CHARS_PER_TOKEN))
+    return (len(text) + CHARS_PER_TOKEN - 1) // CHARS_PER_TOKEN or 1  # ceil(len / 4), exactly
 
 
 def message_text(content: Any) -> str:

@@ -9,6 +9,7 @@ from enum import StrEnum
 from typing import Any
 
 from qlm.domain import SLO, InstanceSpec, ModelTier, PlanRecord, Request, RequestStatus, Tier
+from qlm.frozen import fast_init
 
 
 class InstanceState(StrEnum):
@@ -19,6 +20,7 @@ class InstanceState(StrEnum):
     DRAINING = "draining"
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class NewRequest:
     """A request as the API accepted it, before anything happened to it.

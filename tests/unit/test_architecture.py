@@ -13,8 +13,8 @@ QLM = Path(__file__).resolve().parents[2] / "qlm"
 
 LAYERS: tuple[tuple[str, ...], ...] = (
     # plain data, errors, time, what the MILP solvers need of the process, the services' event
-    # loop, JSON text written by hand: nothing of QLM
-    ("errors", "clock", "domain", "structured", "solvers", "eventloop", "jsontext"),
+    # loop, JSON text written by hand, the quick constructor of frozen dataclasses: nothing of QLM
+    ("errors", "clock", "domain", "structured", "solvers", "eventloop", "jsontext", "frozen"),
     # the parts: engines, the estimator, groups, agent decisions, the durable edges, settings,
     # tracing
     ("engines", "rct", "groups", "agents", "store", "global_queue", "settings", "tracing"),

@@ -21,6 +21,7 @@ from qlm.api.results import Chunk, Final, Restart
 from qlm.api.schemas.common import NO_NUL, RequestIdPath, StatusName, status_name, tier_of
 from qlm.api.schemas.native import RequestListOut, RequestOut, SubmitIn, SubmitOut
 from qlm.domain import RequestStatus
+from qlm.frozen import fast_init
 from qlm.outcomes import log_outcome
 from qlm.store import RequestRow
 
@@ -87,6 +88,7 @@ _COMPACT = json.JSONEncoder(separators=(",", ":"))
 """``json.dumps(..., separators=(",", ":"))`` without making an encoder per call."""
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class Submitted:
     """The 202 answer to a submission: its JSON body and its headers other than the content's

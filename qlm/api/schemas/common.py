@@ -9,7 +9,7 @@ import copy
 import functools
 import json
 import math
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 from fastapi import Path
 from pydantic import (
@@ -18,7 +18,9 @@ from pydantic import (
     ConfigDict,
     Field,
     GetJsonSchemaHandler,
+    PlainSerializer,
     ValidationInfo,
+    WrapSerializer,
     field_validator,
     model_validator,
 )
@@ -38,10 +40,11 @@ def clean_text(value: str) -> str:
     """Text the store can keep on every backend: no NUL character, valid Unicode."""
     if "\x00" in value:
         raise ValueError("must not contain the NUL character (\\u0000)")
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        raise ValueError("must be valid Unicode (no lone surrogates)") from None
+    if not value.isascii():  # ASCII text has no surrogate
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError("must be valid Unicode (no lone surrogates)") from None
     return value
 
 
@@ -130,7 +133,11 @@ ModelPath = Annotated[
 
 
 def tier_of(name: TierName) -> Tier:
-    return Tier.parse(name)
+    tier = _TIER_OF.get(name)
+    return tier if tier is not None else Tier.parse(name)
+
+
+_TIER_OF: dict[str, Tier] = {name: Tier.parse(name) for name in get_args(TierName)}
 
 
 def tier_name(tier: Tier) -> TierName:
@@ -453,11 +460,31 @@ class SamplingIn(BaseModel):
 
     def sampling(self) -> dict[str, Any]:
         """The parameters that were given, for the queue message and the store (a ``text``
-        response format is the default: left out)."""
+        response format is the default: left out). Given only as numbers and strings (the
+        usual call), they are read off the model as they are, which is what ``model_dump``
+        makes of them (a test compares both); anything else takes ``model_dump``."""
+        names = _plain_sampling_fields(type(self))
+        if names is None:
+            return self._dumped_sampling()
+        values = self.__dict__
+        out: dict[str, Any] = {}
+        for name in names:
+            value = values[name]
+            if value is not None:
+                if type(value) not in _PLAIN:
+                    return self._dumped_sampling()
+                out[name] = value
+        return out
+
+    def _dumped_sampling(self) -> dict[str, Any]:
         out = self.model_dump(include=_sampling_fields(), exclude_none=True, by_alias=True)
         if out.get("response_format") == {"type": "text"}:
             del out["response_format"]
         return out
+
+
+_PLAIN = frozenset({float, int, str, bool})
+"""Types whose values ``model_dump`` returns as they are."""
 
 
 @functools.cache
@@ -465,6 +492,24 @@ def _sampling_fields() -> set[str]:
     """``SamplingIn``'s fields (a set made once: building it per call cost half of
     ``sampling``)."""
     return set(SamplingIn.model_fields)
+
+
+@functools.cache
+def _plain_sampling_fields(model: type[SamplingIn]) -> tuple[str, ...] | None:
+    """``SamplingIn``'s fields in the order ``model_dump`` writes them for ``model``; None
+    (every call takes ``model_dump``) when ``model`` may write one of them otherwise than as
+    it is: an alias, an exclusion, a serializer."""
+    names = tuple(name for name in model.model_fields if name in _sampling_fields())
+    decorators = model.__pydantic_decorators__
+    if decorators.field_serializers or decorators.model_serializers:
+        return None
+    for name in names:
+        info = model.model_fields[name]
+        if info.alias or info.serialization_alias or info.exclude:
+            return None
+        if any(isinstance(m, PlainSerializer | WrapSerializer) for m in info.metadata):
+            return None
+    return names
 
 
 def _label_keys(schema: dict[str, Any]) -> None:

@@ -73,7 +73,10 @@ class SubmitIn(JsonBody, SamplingIn, SloIn, ToolsIn):
 
     def sampling(self) -> dict[str, Any]:
         """The sampling parameters, and the tools (passed to vLLM with them)."""
-        return super().sampling() | self.tool_parameters()
+        out = super().sampling()
+        if self.tools:  # without tools there are no tool parameters
+            out.update(self.tool_parameters())
+        return out
 
 
 class SubmitOut(BaseModel):

@@ -281,3 +281,49 @@ def test_the_fast_path_reads_a_body_as_json_loads_then_submitin(body: bytes) -> 
     assert type(got) is type(expected)
     assert repr(got.model_dump()) == repr(expected.model_dump())
     assert json.dumps(got.model_dump()) == json.dumps(expected.model_dump())
+
+
+_SAMPLING = [
+    {},
+    {"temperature": 0.7},
+    {"temperature": 1, "top_p": 0.5, "top_k": -1, "seed": 2**63 - 1, "presence_penalty": -0.0},
+    {"seed": True, "frequency_penalty": 2, "repetition_penalty": 1.5e-300},
+    {"stop": "END"},
+    {"stop": ["a", "b"], "temperature": 0},
+    {"response_format": {"type": "text"}, "temperature": 0.1},
+    {"response_format": {"type": "json_object"}},
+    {"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {}}}},
+]
+
+
+@pytest.mark.parametrize("given", _SAMPLING)
+def test_sampling_is_what_model_dump_makes_of_it(given: dict[str, Any]) -> None:
+    """The sampling parameters read off a body are ``model_dump``'s, value for value, types and
+    key order included, for every body that has them."""
+    import json
+
+    from qlm.api.schemas.common import SamplingIn
+    from qlm.api.schemas.native import SubmitIn
+    from qlm.api.schemas.openai import ChatCompletionIn, CompletionIn
+
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    for model, base in [
+        (SubmitIn, {"prompt": "x"}),
+        (SubmitIn, chat),
+        (CompletionIn, {"prompt": "x"}),
+        (ChatCompletionIn, chat),
+    ]:
+        body = model.model_validate_json(json.dumps({"model": "m", **base, **given}))
+        got, expected = SamplingIn.sampling(body), body._dumped_sampling()
+        assert repr(got) == repr(expected), model
+        assert [type(v) for v in got.values()] == [type(v) for v in expected.values()]
+
+
+def test_tier_names_are_tiers() -> None:
+    from typing import get_args
+
+    from qlm.api.schemas.common import TierName, tier_of
+    from qlm.domain import Tier
+
+    for name in get_args(TierName):
+        assert tier_of(name) is Tier.parse(name)

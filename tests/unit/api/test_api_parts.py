@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
+import secrets
 import threading
 import time
 from typing import Any
@@ -14,11 +16,12 @@ import pytest
 from pydantic import ValidationError
 from typer.testing import CliRunner
 
+from qlm.api import intake
 from qlm.api.auth import Authenticator
 from qlm.api.control import assess
 from qlm.api.limits import RateLimiter, retry_after
 from qlm.api.prompts import estimate_tokens, render_chat
-from qlm.api.schemas.common import MAX_JSON_DEPTH, SHALLOW, shallow
+from qlm.api.schemas.common import MAX_JSON_DEPTH, SHALLOW, clean_text, shallow
 from qlm.api.schemas.native import SubmitIn
 from qlm.api.submission import Submitter
 from qlm.cli import app
@@ -45,6 +48,29 @@ def new(i: int, **kw: Any) -> NewRequest:
 
 def test_tokens_are_estimated_at_four_characters_each() -> None:
     assert [estimate_tokens(t) for t in ("", "a", "abcd", "abcde")] == [1, 1, 1, 2]
+    for n in [*range(64), 4095, 4096, 4097, 10**6 + 1]:
+        assert estimate_tokens("x" * n) == max(1, math.ceil(n / 4))
+
+
+def test_request_ids_are_24_hex_digits_of_96_random_bits() -> None:
+    for seed in range(50):
+        intake._IDS.seed(seed)
+        got = intake.new_id()
+        intake._IDS.seed(seed)
+        assert got == f"req_{intake._IDS.getrandbits(96):024x}"
+    intake._IDS.seed(secrets.randbits(128))
+
+
+@pytest.mark.parametrize(
+    ("text", "refused"),
+    [("plain", None), ("été ☃ 😀", None), ("a\x00b", "NUL"), ("a\ud800b", "surrogates")],
+)
+def test_text_is_refused_with_a_nul_or_a_lone_surrogate(text: str, refused: str | None) -> None:
+    if refused is None:
+        assert clean_text(text) is text
+    else:
+        with pytest.raises(ValueError, match=refused):
+            clean_text(text)
 
 
 def test_chat_is_rendered_with_chatml_and_text_parts_are_joined() -> None:
@@ -103,6 +129,40 @@ def test_calls_that_find_a_key_uncached_together_ask_the_store_once() -> None:
 
         assert asyncio.run(main()) == ["acme"] * 21
         assert lookups == [key]
+
+
+def test_a_cached_key_names_the_principal_the_store_named() -> None:
+    from qlm.api.auth import Principal
+
+    with Store.open("sqlite://") as store:
+        keys = {
+            "acme": store.create_api_key("acme"),
+            "ops": store.create_api_key("ops", admin=True),
+        }
+        lookups: list[str] = []
+        lookup = store.lookup_api_key
+
+        def counted(token: str) -> Any:
+            lookups.append(token)
+            return lookup(token)
+
+        store.lookup_api_key = counted  # type: ignore[method-assign]
+        t = [0.0]
+        auth = Authenticator(store, ApiSettings(key_cache_s=5), clock=lambda: t[0])
+
+        async def main() -> None:
+            for tenant, key in keys.items():
+                found = store.lookup_api_key(key)
+                assert found is not None
+                expected = Principal(tenant, tenant == "ops", found.id)
+                assert await auth.authenticate(key) == expected  # asked the store
+                t[0] += 4.9
+                assert await auth.authenticate(key) == expected  # cached
+                t[0] += 0.2
+                assert await auth.authenticate(key) == expected  # expired: asked again
+
+        asyncio.run(main())
+        assert lookups == [keys["acme"]] * 3 + [keys["ops"]] * 3
 
 
 def message_of_new(n: NewRequest) -> QueuedRequest:
@@ -382,3 +442,31 @@ def test_a_body_whose_text_cannot_nest_too_deep_skips_the_walk_and_a_deep_one_is
     with pytest.raises(ValidationError, match="deeper than"):
         SubmitIn.model_validate(body)
     assert SubmitIn.model_validate(body | {"labels": {}}, context=SHALLOW).labels == {}
+
+
+def test_the_default_slo_is_its_tiers_setting() -> None:
+    from types import SimpleNamespace
+
+    from qlm.api.intake import default_slo
+    from qlm.domain import Tier
+
+    settings = ApiSettings(interactive_slo_s=5, standard_slo_s=50, batch_slo_s=500)
+    ctx: Any = SimpleNamespace(settings=settings)
+    for tier, expected in [(Tier.INTERACTIVE, 5.0), (Tier.STANDARD, 50.0), (Tier.BATCH, 500.0)]:
+        assert default_slo(ctx, tier) == default_slo(ctx, int(tier)) == expected  # type: ignore[arg-type]
+    with pytest.raises(KeyError):
+        default_slo(ctx, 3)  # type: ignore[arg-type]
+
+
+def test_a_submissions_labels_are_recorded_sorted_and_published_as_given() -> None:
+    from tests.unit.api.test_api import published, run
+
+    async def scenario(h: Any) -> None:
+        for labels in [{}, {"k": "v"}, {"z": "1", "a": "2", "m": "3"}]:
+            r = await h.submit(labels=labels)
+            assert r.status_code == 202, r.text
+            row = h.store.get(r.json()["id"])
+            assert row.labels == tuple(sorted(labels.items()))
+            assert list(published(h.queue)[-1].labels.items()) == list(labels.items())
+
+    run(scenario)

@@ -345,3 +345,40 @@ def test_any_valid_message_is_written_by_the_template_and_decodes_to_itself(
     assert message_module._templated(message) is not None
     assert raw == message_module._encoded(message).encode()
     assert QueuedRequest.decode(raw) == message
+
+
+def _reference_strings(value: object) -> bool:
+    return type(value) is dict and all(type(k) is str and type(v) is str for k, v in value.items())
+
+
+def _reference_sampling(value: object) -> bool:
+    scalar = message_module._is_scalar
+    return type(value) is dict and all(
+        k not in message_module.OBJECT_PARAMETERS
+        and (scalar(v) or (type(v) is list and all(map(scalar, v))))
+        for k, v in value.items()
+    )
+
+
+def _reference_messages(value: object) -> bool:
+    return type(value) is list and all(
+        type(item) is dict and all(type(k) is str for k in item) for item in value
+    )
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.data())
+def test_the_quick_checks_of_containers_decide_as_their_definitions(data: st.DataObject) -> None:
+    """Each quick check of a container field decides as the one-line definition it stands for
+    (every value of ``all`` over the items)."""
+    keys = st.one_of(st.sampled_from(["temperature", "stop", "tools"]), st.text(max_size=2))
+    value = data.draw(
+        st.one_of(
+            ODD,
+            st.dictionaries(st.one_of(keys, st.integers()), ODD, max_size=3),
+            st.lists(st.one_of(ODD, st.dictionaries(keys, ODD, max_size=2)), max_size=3),
+        )
+    )
+    assert message_module._plain_strings(value) == _reference_strings(value)
+    assert message_module._plain_sampling(value) == _reference_sampling(value)
+    assert message_module._plain_messages(value) == _reference_messages(value)
