@@ -40,7 +40,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -222,7 +222,8 @@ class Submitter:
         committed: asyncio.Future[BaseException | None] | None = None
         if early:
             committed = asyncio.get_running_loop().create_future()
-            self._track(self._answer([(p, None) for p in early], committed))
+            confirming = self._queue.publish_many_now([p.message for p in early])
+            self._track(self._answer([(p, None) for p in early], confirming, committed))
         try:
             created = await self._store.add_requests_async([p.new for p in batch])
         except BaseException as exc:
@@ -272,7 +273,8 @@ class Submitter:
     def _publish_soon(self, created: list[tuple[_Pending, RequestRow | None]]) -> None:
         if created:
             self.recorded += len(created)
-            self._track(self._answer(created))
+            confirming = self._queue.publish_many_now([p.message for p, _ in created])
+            self._track(self._answer(created, confirming))
 
     def _track(self, work: Coroutine[Any, Any, None]) -> None:
         task = asyncio.create_task(work, name="qlm-api-publish")
@@ -329,16 +331,15 @@ class Submitter:
     async def _answer(
         self,
         created: list[tuple[_Pending, RequestRow | None]],
+        confirming: Awaitable[Sequence[BaseException | None]],
         committed: asyncio.Future[BaseException | None] | None = None,
     ) -> None:
-        """Publish ``created`` and answer each caller once its message's publish ended:
-        accepted when the broker confirmed it, else its row goes and the caller gets 503.
-        ``committed``: the outcome of the commit the publish overlaps (None: it ended before),
-        awaited before any answer; a failed one leaves the rows unwritten."""
+        """Answer each caller of ``created`` once its message's publish (``confirming``, from
+        ``publish_many_now``) ended: accepted when the broker confirmed it, else its row goes
+        and the caller gets 503. ``committed``: the outcome of the commit the publish overlaps
+        (None: it ended before), awaited before any answer; a failed one left no rows."""
         try:
-            results: Sequence[BaseException | None] = await self._queue.publish_many(
-                [p.message for p, _ in created]
-            )
+            results: Sequence[BaseException | None] = await confirming
         except Exception as exc:  # a bug, not the broker: answer every caller all the same
             log.exception("publishing %d requests failed", len(created))
             results = [exc] * len(created)

@@ -103,6 +103,15 @@ class GlobalQueue(Protocol):
         Never raises for a message's failure: each caller answers its own client."""
         ...
 
+    def publish_many_now(
+        self, messages: Sequence[QueuedRequest]
+    ) -> Awaitable[list[QueueUnavailable | None]]:
+        """``publish_many`` started now: what the awaitable returns is ``publish_many``'s
+        result, but where the queue can, the messages are on their way before this returns
+        (not only once a task awaits it), so that they leave in the same pass of the event loop
+        as the caller's other I/O (the API's group commit). Never raises."""
+        ...
+
     async def consume(self, handler: Handler, *, on_leader: LeaderHandler | None = None) -> None:
         """Become a consumer: return once subscribed (raise ``QueueUnavailable`` if the queue
         cannot be reached at all), then call ``handler`` for each delivery in the background,

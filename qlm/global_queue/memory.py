@@ -25,7 +25,7 @@ import heapq
 import itertools
 import logging
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, field
 
 from qlm.global_queue.base import (
@@ -152,6 +152,11 @@ class MemoryGlobalQueue:
         if self._closed:
             raise QueueUnavailable("the in-process global queue is closed")
         self.broker.put_raw(message.encode())
+
+    def publish_many_now(
+        self, messages: Sequence[QueuedRequest]
+    ) -> Awaitable[list[QueueUnavailable | None]]:
+        return self.publish_many(messages)  # in memory: nothing to start early
 
     async def publish_many(
         self, messages: Sequence[QueuedRequest]

@@ -781,6 +781,31 @@ def test_publish_many_confirms_each_message_and_reports_each_failure(
 
 
 @pytest.mark.rabbitmq
+def test_publish_many_now_sends_before_it_is_awaited_and_falls_back_when_it_cannot(
+    amqp_url: str, names: Names
+) -> None:
+    """With the publishing channel open, the batch is on its way when ``publish_many_now``
+    returns: it reaches the queue before anyone awaits the outcome. Before the channel is open
+    (and for an empty batch), it is ``publish_many``, which opens it when awaited."""
+
+    async def scenario() -> None:
+        queue = open_queue(amqp_url, names)
+        first = queue.publish_many_now([make_message(0)])  # nothing open yet: sent when awaited
+        assert await first == [None]
+        assert await queue.publish_many_now([]) == []
+        batch = [make_message(i) for i in range(1, 6)]
+        outcome = queue.publish_many_now(batch)
+        deadline = time.monotonic() + 30
+        while await ready_counts(amqp_url, [names["queue"]]) != [6]:
+            assert time.monotonic() < deadline, "the batch did not leave before it was awaited"
+            await asyncio.sleep(0.05)
+        assert await outcome == [None] * 5
+        await queue.close()
+
+    run(scenario)
+
+
+@pytest.mark.rabbitmq
 def test_each_message_of_a_batch_is_answered_by_its_own_confirm(
     amqp_url: str, names: Names
 ) -> None:

@@ -16,7 +16,7 @@ hand-off that aio-pika makes unnecessary.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from typing import Any, cast
 
 import aiormq
@@ -24,7 +24,7 @@ from aiormq.exceptions import PublishError
 
 from qlm.global_queue.base import QueueUnavailable
 from qlm.global_queue.message import QueuedRequest
-from qlm.global_queue.rabbitmq.base import BROKER_ERRORS, RabbitBase, shard_of
+from qlm.global_queue.rabbitmq.base import BROKER_ERRORS, RabbitBase, _Publisher, shard_of
 from qlm.global_queue.rabbitmq.frames import PublishFrames
 
 
@@ -36,6 +36,9 @@ class Publishing(RabbitBase):
         (error,) = await self.publish_many([message])
         if error is not None:
             raise error
+
+    _underlay: aiormq.Channel | None = None
+    """The publishing channel's aiormq channel, as the last publish found it."""
 
     async def publish_many(
         self, messages: Sequence[QueuedRequest]
@@ -52,12 +55,13 @@ class Publishing(RabbitBase):
         per submission (docs/api.md, "Ingest throughput"). ``mandatory``: a message no queue
         takes (the queue was deleted) comes back as an error instead of being confirmed and
         dropped; the channel is then retired, so the next publish opens a new one, which
-        declares the queue again."""
+        declares the queues again."""
         if not messages:
             return []
         try:
             publisher = await self._publishing.open()
             channel = cast(aiormq.Channel, await publisher.channel.get_underlay_channel())
+            self._underlay = channel
             confirmations = await self._send(channel, messages)
         except (QueueUnavailable, *BROKER_ERRORS) as exc:
             error = (
@@ -66,6 +70,42 @@ class Publishing(RabbitBase):
                 else self._unavailable("cannot publish on the publishing channel", exc)
             )
             return [error] * len(messages)
+        return await self._outcomes(publisher, channel, messages, confirmations)
+
+    def publish_many_now(
+        self, messages: Sequence[QueuedRequest]
+    ) -> Awaitable[list[QueueUnavailable | None]]:
+        """``publish_many`` with the batch queued on the connection's writer before this returns
+        when the publishing channel is open and free (the usual case: what ``_send`` does,
+        without waiting for anything); otherwise, and for an empty batch, ``publish_many``
+        itself, which opens the channel or waits for it when it is awaited."""
+        publisher = self._publishing.publisher
+        channel = self._underlay
+        if (
+            messages
+            and publisher is not None
+            and channel is not None
+            and not publisher.channel.is_closed
+            and not channel.is_closed
+            and not _held(channel)
+        ):
+            frames, confirmations = self._register(channel, messages)
+            try:
+                channel.write_queue.put_nowait(frames)
+            except asyncio.QueueFull:
+                self._unregister(channel, messages, confirmations)
+            else:
+                return self._outcomes(publisher, channel, messages, confirmations)
+        return self.publish_many(messages)
+
+    async def _outcomes(
+        self,
+        publisher: _Publisher,
+        channel: aiormq.Channel,
+        messages: Sequence[QueuedRequest],
+        confirmations: list[tuple[int, asyncio.Future[Any]]],
+    ) -> list[QueueUnavailable | None]:
+        """Each sent message's outcome, once its confirm came or ``confirm_timeout_s`` passed."""
         late: set[asyncio.Future[Any]] = set()
         try:
             _, late = await asyncio.wait(
@@ -109,32 +149,60 @@ class Publishing(RabbitBase):
         left registered when this raises: the broker has seen none of them."""
         if channel.is_closed:
             raise QueueUnavailable("the publishing channel is closed")
-        frames = PublishFrames(channel.number, channel.max_content_size)
-        sent: list[tuple[int, asyncio.Future[Any]]] = []
         async with asyncio.timeout(self.confirm_timeout_s), channel.lock:
+            frames, sent = self._register(channel, messages)
             try:
-                for message in messages:
-                    shard = (
-                        self.queues[shard_of(message.id, self.shards)]
-                        if self.shards > 1
-                        else self.queue
-                    )
-                    channel.delivery_tag += 1
-                    tag = channel.delivery_tag
-                    confirmation = channel.create_future()
-                    channel.confirmations[tag] = confirmation
-                    channel.message_id_delivery_tag[message.id] = tag
-                    sent.append((tag, confirmation))
-                    frames.add(shard, message.id, message.encode())
-                await channel.write_queue.put(frames.channel_frame())
+                await channel.write_queue.put(frames)
             except BaseException:
-                # Not sent: the broker has not seen these tags; the next publish reuses them.
-                for (tag, confirmation), message in zip(sent, messages, strict=False):
-                    channel.confirmations.pop(tag, None)
-                    if channel.message_id_delivery_tag.get(message.id) == tag:
-                        del channel.message_id_delivery_tag[message.id]
-                    confirmation.cancel()
-                if sent:
-                    channel.delivery_tag = sent[0][0] - 1
+                self._unregister(channel, messages, sent)
                 raise
         return sent
+
+    def _register(
+        self, channel: aiormq.Channel, messages: Sequence[QueuedRequest]
+    ) -> tuple[Any, list[tuple[int, asyncio.Future[Any]]]]:
+        """The frames of ``messages`` as one buffer, each message with the next delivery tag
+        and its confirmation future registered on ``channel``."""
+        frames = PublishFrames(channel.number, channel.max_content_size)
+        sent: list[tuple[int, asyncio.Future[Any]]] = []
+        try:
+            for message in messages:
+                shard = (
+                    self.queues[shard_of(message.id, self.shards)]
+                    if self.shards > 1
+                    else self.queue
+                )
+                channel.delivery_tag += 1
+                tag = channel.delivery_tag
+                confirmation = channel.create_future()
+                channel.confirmations[tag] = confirmation
+                channel.message_id_delivery_tag[message.id] = tag
+                sent.append((tag, confirmation))
+                frames.add(shard, message.id, message.encode())
+        except BaseException:
+            self._unregister(channel, messages, sent)
+            raise
+        return frames.channel_frame(), sent
+
+    @staticmethod
+    def _unregister(
+        channel: aiormq.Channel,
+        messages: Sequence[QueuedRequest],
+        sent: list[tuple[int, asyncio.Future[Any]]],
+    ) -> None:
+        """Not sent: the broker has not seen these tags; the next publish reuses them."""
+        for (tag, confirmation), message in zip(sent, messages, strict=False):
+            channel.confirmations.pop(tag, None)
+            if channel.message_id_delivery_tag.get(message.id) == tag:
+                del channel.message_id_delivery_tag[message.id]
+            confirmation.cancel()
+        if sent:
+            channel.delivery_tag = sent[0][0] - 1
+
+
+def _held(channel: aiormq.Channel) -> bool:
+    """Whether a coroutine holds ``channel``'s lock (aiormq's ``basic_publish`` and RPCs take it
+    and may wait while they hold it: a delivery tag taken, its frame not queued yet). Unknown
+    (another aiormq than the one this was written for): held."""
+    lock = getattr(channel, "_Channel__lock", None)
+    return not isinstance(lock, asyncio.Lock) or lock.locked()
