@@ -198,7 +198,9 @@ class ApiSettings(BaseModel):
     max_queued_per_tenant: int = Field(default=10_000, ge=1)
     """Requests a tenant may have queued (429 beyond, from the store's count)."""
     queued_count_ttl_s: float = Field(default=0.5, ge=0)
-    """How stale the store's queued count may be; submissions since are added locally."""
+    """How stale the store's queued count may be before it is counted again (in the background:
+    submissions meanwhile are checked against the count it replaces, plus those added locally);
+    0: every submission waits for an exact count."""
     interactive_slo_s: float = Field(default=30.0, ge=MIN_SLO_S, le=MAX_API_SLO_S)
     standard_slo_s: float = Field(default=300.0, ge=MIN_SLO_S, le=MAX_API_SLO_S)
     batch_slo_s: float = Field(default=3600.0, ge=MIN_SLO_S, le=MAX_API_SLO_S)

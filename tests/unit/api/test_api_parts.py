@@ -19,7 +19,7 @@ from typer.testing import CliRunner
 from qlm.api import intake
 from qlm.api.auth import Authenticator
 from qlm.api.control import assess
-from qlm.api.limits import RateLimiter, retry_after
+from qlm.api.limits import QueuedCounter, RateLimiter, retry_after
 from qlm.api.prompts import estimate_tokens, render_chat
 from qlm.api.schemas.common import MAX_JSON_DEPTH, SHALLOW, clean_text, shallow
 from qlm.api.schemas.native import SubmitIn
@@ -386,6 +386,41 @@ def test_a_replay_waiting_on_a_first_call_that_went_away_gets_its_outcome() -> N
 
         replay = asyncio.run(main())
         assert replay.replayed and replay.row.id == "req_1"
+
+
+def test_a_stale_queued_count_is_counted_again_while_submissions_go_on() -> None:
+    with Store.open("sqlite://") as store:
+        counting = threading.Event()
+        release = threading.Event()
+        answers = iter([5, 8])
+
+        def queued_count(tenant: str) -> int:
+            if counting.is_set():
+                release.wait(30)
+            return next(answers)
+
+        store.queued_count = queued_count  # type: ignore[method-assign]
+        now = [0.0]
+        counter = QueuedCounter(store, ttl_s=1.0, clock=lambda: now[0])
+
+        async def main() -> list[bool]:
+            taken = [await counter.reserve("acme", 10)]  # the first count: waited for (5)
+            counting.set()
+            now[0] = 2.0  # stale: counted again in the background, held by the store
+            taken.append(await counter.reserve("acme", 10))  # checked against the old count
+            async with asyncio.timeout(30):
+                while "acme" not in counter._refreshing:
+                    await asyncio.sleep(0)
+            taken += [await counter.reserve("acme", 10) for _ in range(4)]  # 5 + 5 >= 10 last
+            release.set()
+            async with asyncio.timeout(30):
+                while counter._counts["acme"].queued != 8:
+                    await asyncio.sleep(0.01)
+            # The new count (8) keeps the 3 reserved while the store counted: 8 + 3 >= 10.
+            taken.append(await counter.reserve("acme", 10))
+            return taken
+
+        assert asyncio.run(main()) == [True, True, True, True, True, False, False]
 
 
 def test_add_requests_records_a_batch_and_reports_taken_idempotency_keys() -> None:
