@@ -458,22 +458,32 @@ class ControllerService(RuntimeListener):
 
         One transaction for the batch; if the store refuses it, one per request, so that a message
         whose row the store cannot take (a value it refuses) is dead-lettered with the reason
-        instead of holding up every delivery behind it. A store that answers none of them is
-        down: ``StoreError`` (the batch is requeued)."""
+        instead of holding up every delivery behind it. A request counts as refused only if the
+        store answers a read before and after a second try of it; a store that does not is down:
+        ``StoreError`` (the batch is requeued)."""
         try:
             return await asyncio.to_thread(self.store.ensure_requests, news), {}
         except StoreError as exc:
             if len(news) > 1:
                 log.warning("recording %d requests failed (%s); one at a time", len(news), exc)
         rows: dict[str, RequestRow] = {}
-        refused: dict[str, str] = {}
+        failed: list[NewRequest] = []
         for new in news:
+            try:
+                rows.update(await asyncio.to_thread(self.store.ensure_requests, [new]))
+            except StoreError:
+                failed.append(new)
+        if not failed:
+            return rows, {}
+        await asyncio.to_thread(self.store.controller_states)  # StoreError: the store is down
+        refused: dict[str, str] = {}
+        for new in failed:
             try:
                 rows.update(await asyncio.to_thread(self.store.ensure_requests, [new]))
             except StoreError as exc:
                 refused[new.id] = str(exc)
-        if not rows:
-            await asyncio.to_thread(self.store.controller_states)  # StoreError: the store is down
+        if refused:
+            await asyncio.to_thread(self.store.controller_states)
         return rows, refused
 
     async def _learn_history(self) -> None:
