@@ -25,6 +25,9 @@ import sys
 import time
 from typing import Any
 
+from ingest import BODY as INGEST_BODY
+from ingest import MODEL
+
 from qlm.api.app import Api, create_app
 from qlm.api.submission import Accepted
 from qlm.domain import InstanceSpec
@@ -33,22 +36,12 @@ from qlm.settings import ApiSettings, Settings
 from qlm.store import NewRequest, Store
 from qlm.store.ingest import _rows_document
 
-BODY = json.dumps(
-    {
-        "model": "llama-3-8b",
-        "prompt": "Summarise the following support ticket in two sentences: " + "x" * 400,
-        "max_tokens": 128,
-        "temperature": 0.7,
-        "slo_seconds": 30,
-        "tier": "interactive",
-        "labels": {"bench": "ingest"},
-    }
-).encode()
+BODY = json.dumps(INGEST_BODY).encode()  # benchmarks/ingest.py's
 
 
 async def measure(args: argparse.Namespace) -> None:
     store = Store.open("sqlite://")
-    store.upsert_instance(InstanceSpec("bench-0", "A100", ("llama-3-8b",)))
+    store.upsert_instance(InstanceSpec("bench-0", "A100", (MODEL,)))
     key = store.create_api_key("bench")
     api = ApiSettings(rate_per_s=1e9, rate_burst=10**9, max_queued_per_tenant=10**9)
     app = create_app(Settings(api=api), queue=MemoryGlobalQueue(), store=store)
