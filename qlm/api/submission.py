@@ -92,6 +92,7 @@ class _Pending:
     future: asyncio.Future[Accepted]
     followers: list[Callable[[Accepted | None, BaseException | None], None]] | None = None
     outcome: tuple[Accepted | None, BaseException | None] | None = None
+    handed: bool = False  # to a task that gives it its outcome (``_answer``, a replay's)
 
 
 def message_of(row: RequestRow) -> QueuedRequest:
@@ -211,6 +212,9 @@ class Submitter:
         except Exception as exc:  # one batch failing must not stop the others
             log.exception("recording %d submissions failed", len(batch))
             _fail(batch, exc)
+        except BaseException:  # cancelled mid-batch: nobody may be left waiting
+            _fail([p for p in batch if not p.handed], QueueUnavailable("the API is shutting down"))
+            raise
         finally:
             self._free.release()
 
@@ -223,7 +227,7 @@ class Submitter:
         if early:
             committed = asyncio.get_running_loop().create_future()
             confirming = self._queue.publish_many_now([p.message for p in early])
-            self._track(self._answer([(p, None) for p in early], confirming, committed))
+            self._track(self._answer([(p, None) for p in early], confirming, committed), *early)
         try:
             created = await self._store.add_requests_async([p.new for p in batch])
         except BaseException as exc:
@@ -233,7 +237,7 @@ class Submitter:
             if isinstance(exc, StoreError):
                 self._overlap = False  # committed first until the store takes a batch again
             elif not isinstance(exc, Exception):
-                raise
+                raise  # cancelled: ``_write_one`` answers the others
             else:
                 log.exception("recording %d submissions failed", len(batch))
             _fail([p for p in batch if p.new.idempotency_key is not None], exc)
@@ -274,9 +278,11 @@ class Submitter:
         if created:
             self.recorded += len(created)
             confirming = self._queue.publish_many_now([p.message for p, _ in created])
-            self._track(self._answer(created, confirming))
+            self._track(self._answer(created, confirming), *(p for p, _ in created))
 
-    def _track(self, work: Coroutine[Any, Any, None]) -> None:
+    def _track(self, work: Coroutine[Any, Any, None], *handed: _Pending) -> None:
+        for pending in handed:
+            pending.handed = True
         task = asyncio.create_task(work, name="qlm-api-publish")
         self._publishes.add(task)
         task.add_done_callback(self._publishes.discard)
@@ -307,6 +313,7 @@ class Submitter:
                 else:
                     _resolve(pending, Accepted(pending.new, True, first.row))
 
+            pending.handed = True
             if earlier.outcome is not None:
                 follow(*earlier.outcome)
             elif earlier.followers is None:
@@ -316,7 +323,7 @@ class Submitter:
             return
         if row.status is RequestStatus.QUEUED and row.attempts == 0:
             # Maybe never published (its API died between commit and confirm): publish again.
-            self._track(self._republish(pending, row))
+            self._track(self._republish(pending, row), pending)
             return
         _resolve(pending, Accepted(pending.new, True, row))
 

@@ -318,6 +318,40 @@ def test_requests_confirmed_while_the_store_fails_are_accepted_then_the_store_go
         assert "confirmed by the broker while the store failed" in caplog.text
 
 
+def test_a_batch_cancelled_during_its_commit_leaves_no_caller_waiting() -> None:
+    """A keyless request whose message was published is answered by its confirm; a keyed one,
+    not published yet, gets 503."""
+    with Store.open("sqlite://") as store:
+        queue = MemoryGlobalQueue()
+        gated = GatedStore(store)
+
+        async def main() -> list[Any]:
+            submitter = Submitter(gated, queue)  # type: ignore[arg-type]
+            submitter.start()
+            try:
+                await submitter.submit(new(0), message_of_new(new(0)))
+                gated.gate.clear()
+                gated.writing.clear()
+                keyed_new = new(2, idempotency_key="k")
+                calls = [
+                    asyncio.ensure_future(submitter.submit(new(1), message_of_new(new(1)))),
+                    asyncio.ensure_future(submitter.submit(keyed_new, message_of_new(keyed_new))),
+                ]
+                await gated.writing.wait()
+                for task in list(submitter._writing):
+                    task.cancel()
+                async with asyncio.timeout(30):  # nobody left waiting
+                    return await asyncio.gather(*calls, return_exceptions=True)
+            finally:
+                gated.gate.set()
+                await submitter.close()
+
+        keyless, keyed = asyncio.run(main())
+        assert not isinstance(keyless, BaseException) and not keyless.replayed
+        assert isinstance(keyed, QueueUnavailable)
+        assert queued_ids(queue) == {"req_0", "req_1"}
+
+
 def test_a_request_published_during_its_commit_and_refused_leaves_no_row() -> None:
     class Refusing(MemoryGlobalQueue):
         async def publish_many(self, messages: Any) -> list[QueueUnavailable | None]:
