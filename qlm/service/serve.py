@@ -14,7 +14,7 @@ import socket
 from qlm.api.app import create_app
 from qlm.api.server import ApiServer, bind, until_signalled
 from qlm.domain import Request
-from qlm.errors import ConfigError, WorkloadError
+from qlm.errors import ConfigError, QLMError, WorkloadError
 from qlm.service import (
     build_controller,
     check_profiled,
@@ -56,6 +56,10 @@ class ProgressLog:
             p.wall_s,
             extra={"submitted": p.submitted, "done": p.final, "total": p.total},
         )
+
+
+class ReplayStopped(QLMError):
+    """``qlm serve --replay`` stopped by SIGINT or SIGTERM before the replay ended."""
 
 
 async def serve(settings: Settings, *, replay_s: float | None = None) -> ReplayResult | None:
@@ -113,14 +117,25 @@ async def _serve(
     stack.push_async_callback(service.stop)
     if requests is not None:
         log.info("replaying %d requests of %s", len(requests), settings.demo.trace)
-        return await replay(
-            requests,
-            queue,
-            store,
-            service.runtime.clock,
-            time_scale=settings.controller.sim_time_scale,
-            progress=ProgressLog(REPLAY_PROGRESS_S),
+        replaying = asyncio.ensure_future(
+            replay(
+                requests,
+                queue,
+                store,
+                service.runtime.clock,
+                time_scale=settings.controller.sim_time_scale,
+                progress=ProgressLog(REPLAY_PROGRESS_S),
+            )
         )
+        # SIGINT or SIGTERM stop the replay as they stop a service: the controller stops
+        # cleanly (its state published as stopped), then the queue and the store close.
+        await until_signalled(also=replaying.done)
+        if not replaying.done():
+            replaying.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await replaying
+            raise ReplayStopped("the replay was stopped by a signal before it ended")
+        return replaying.result()
     app = create_app(
         settings, queue=queue, store=store, controller=service, clock=service.runtime.clock.now
     )

@@ -185,3 +185,45 @@ def test_an_unprofiled_instance_stops_serve_before_the_store_is_opened(tmp_path:
         "--out profile.json`) and set QLM_PROFILE_FILE=profile.json"
     )
     assert list(tmp_path.iterdir()) == [config]
+
+
+def test_a_replay_stopped_by_sigterm_stops_its_controller_cleanly(tmp_path: Path) -> None:
+    """SIGTERM during ``qlm serve --replay`` stops it as it stops a service: the controller
+    publishes its state as stopped, and the command says in one line that the replay did not
+    end (exit code 1, no summary)."""
+    import signal
+    import time
+
+    from qlm.store import Store
+
+    db = tmp_path / "qlm.db"
+    code = "from qlm.cli import main\nimport sys\nsys.argv = ['qlm', 'serve', '--replay', '3600']\nmain()"
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("QLM_")}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code],
+        cwd=tmp_path,
+        env={**clean, "QLM_DATABASE_URL": f"sqlite:///{db}"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while True:  # until the controller published its state (it is replaying)
+            assert proc.poll() is None, proc.communicate()[0]
+            assert time.monotonic() < deadline, "the controller never published its state"
+            if db.exists():
+                with Store.open(f"sqlite:///{db}") as store:
+                    if store.controller_states():
+                        break
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        printed, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1, printed
+    assert "the replay was stopped by a signal before it ended" in printed
+    with Store.open(f"sqlite:///{db}") as store:
+        (state,) = store.controller_states()
+    assert state.stopped_at is not None
