@@ -220,7 +220,7 @@ class Submitter:
 
     async def _write(self, batch: list[_Pending]) -> None:
         # Requests without an Idempotency-Key need nothing from the store before they are
-        # published (ids are fresh): while the store took its last batch, their messages go
+        # published (ids are fresh): unless the store failed the last batch, their messages go
         # out now and the commit and the confirm overlap (module docstring, "Order").
         early = [p for p in batch if p.new.idempotency_key is None] if self._overlap else []
         committed: asyncio.Future[BaseException | None] | None = None

@@ -800,6 +800,23 @@ def test_publish_many_now_sends_before_it_is_awaited_and_falls_back_when_it_cann
             assert time.monotonic() < deadline, "the batch did not leave before it was awaited"
             await asyncio.sleep(0.05)
         assert await outcome == [None] * 5
+        # A message that cannot be encoded: nothing raised by the call, the error when awaited.
+        broken = make_message(9)
+        original = QueuedRequest.encode
+
+        def encode(message: QueuedRequest) -> bytes:
+            if message.id == broken.id:
+                raise ValueError("cannot encode")
+            return original(message)
+
+        QueuedRequest.encode = encode  # type: ignore[method-assign]
+        try:
+            failing = queue.publish_many_now([broken])
+            with pytest.raises(ValueError, match="cannot encode"):
+                await failing
+        finally:
+            QueuedRequest.encode = original  # type: ignore[method-assign]
+        assert await queue.publish_many_now([make_message(10)]) == [None]  # nothing left over
         await queue.close()
 
     run(scenario)

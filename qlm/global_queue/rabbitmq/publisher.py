@@ -89,7 +89,10 @@ class Publishing(RabbitBase):
             and not channel.is_closed
             and not _held(channel)
         ):
-            frames, confirmations = self._register(channel, messages)
+            try:
+                frames, confirmations = self._register(channel, messages)
+            except Exception:  # a message that cannot be encoded: ``publish_many`` reports it
+                return self.publish_many(messages)
             try:
                 channel.write_queue.put_nowait(frames)
             except asyncio.QueueFull:
