@@ -40,7 +40,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -147,6 +147,9 @@ class Submitter:
         self._free = asyncio.Semaphore(writers)
         self._writing: set[asyncio.Task[None]] = set()
         self._publishes: set[asyncio.Task[None]] = set()
+        self._answering: set[_Answering] = set()
+        self._idle = asyncio.Event()
+        self._idle.set()
         self._closed = False
         self._overlap = False  # see _write
         self.batches = 0
@@ -164,6 +167,7 @@ class Submitter:
                 await self._writer
         if self._writing:
             await asyncio.gather(*self._writing, return_exceptions=True)
+        await self._idle.wait()  # the queue answers every publish (its confirm timeout at most)
         if self._publishes:
             await asyncio.gather(*self._publishes, return_exceptions=True)
         for pending in self._pending:
@@ -223,17 +227,15 @@ class Submitter:
         # published (ids are fresh): unless the store failed the last batch, their messages go
         # out now and the commit and the confirm overlap (module docstring, "Order").
         early = [p for p in batch if p.new.idempotency_key is None] if self._overlap else []
-        committed: asyncio.Future[BaseException | None] | None = None
+        answering: _Answering | None = None
         if early:
-            committed = asyncio.get_running_loop().create_future()
-            confirming = self._queue.publish_many_now([p.message for p in early])
-            self._track(self._answer([(p, None) for p in early], confirming, committed), *early)
+            answering = self._publish([(p, None) for p in early], committed=False)
         try:
             created = await self._store.add_requests_async([p.new for p in batch])
         except BaseException as exc:
-            if committed is None:
+            if answering is None:
                 raise
-            committed.set_result(exc)  # the broker may hold them: ``_answer`` decides
+            answering.commit_ended(exc)  # the broker may hold them: ``_Answering`` decides
             if isinstance(exc, StoreError):
                 self._overlap = False  # committed first until the store takes a batch again
             elif not isinstance(exc, Exception):
@@ -244,10 +246,10 @@ class Submitter:
             return
         self._overlap = True
         self.batches += 1
-        if committed is not None:
+        if answering is not None:
             # A fresh id the store already holds was recorded from its message by a controller
             # (the broker confirmed it first): the same request.
-            committed.set_result(None)
+            answering.commit_ended(None)
             self.recorded += len(early)
             batch = [p for p in batch if p.new.idempotency_key is not None]
         fresh: list[tuple[_Pending, RequestRow | None]] = [
@@ -277,8 +279,24 @@ class Submitter:
     def _publish_soon(self, created: list[tuple[_Pending, RequestRow | None]]) -> None:
         if created:
             self.recorded += len(created)
-            confirming = self._queue.publish_many_now([p.message for p, _ in created])
-            self._track(self._answer(created, confirming), *(p for p, _ in created))
+            self._publish(created, committed=True)
+
+    def _publish(
+        self, created: list[tuple[_Pending, RequestRow | None]], *, committed: bool
+    ) -> _Answering:
+        """Publish the messages of ``created`` now; ``_Answering`` answers their callers."""
+        answering = _Answering(self, created, committed)
+        for pending, _ in created:
+            pending.handed = True
+        self._answering.add(answering)
+        self._idle.clear()
+        self._queue.publish_many_then([p.message for p, _ in created], answering.confirmed)
+        return answering
+
+    def _answered(self, answering: _Answering) -> None:
+        self._answering.discard(answering)
+        if not self._answering:
+            self._idle.set()
 
     def _track(self, work: Coroutine[Any, Any, None], *handed: _Pending) -> None:
         for pending in handed:
@@ -335,34 +353,64 @@ class Submitter:
         else:
             _resolve(pending, Accepted(pending.new, True, row))
 
-    async def _answer(
-        self,
-        created: list[tuple[_Pending, RequestRow | None]],
-        confirming: Awaitable[Sequence[BaseException | None]],
-        committed: asyncio.Future[BaseException | None] | None = None,
-    ) -> None:
-        """Answer each caller of ``created`` once its message's publish (``confirming``, from
-        ``publish_many_now``) ended: accepted when the broker confirmed it, else its row goes
-        and the caller gets 503. ``committed``: the outcome of the commit the publish overlaps
-        (None: it ended before), awaited before any answer; a failed one left no rows."""
+    async def _remove(self, failed: list[tuple[_Pending, QueueUnavailable]]) -> None:
+        """Remove the rows of requests whose publish failed, then answer their callers 503:
+        so that a retry cannot find a row going away."""
+        ids = [pending.new.id for pending, _ in failed]
         try:
-            results: Sequence[BaseException | None] = await confirming
-        except Exception as exc:  # a bug, not the broker: answer every caller all the same
-            log.exception("publishing %d requests failed", len(created))
-            results = [exc] * len(created)
-        except BaseException:  # cancelled (shutting down): nobody may be left waiting
-            _fail([p for p, _ in created], QueueUnavailable("the API is shutting down"))
-            raise
-        unrecorded: BaseException | None = None
-        if committed is not None:
-            try:
-                unrecorded = await committed
-            except BaseException:
-                _fail([p for p, _ in created], QueueUnavailable("the API is shutting down"))
-                raise
-        failed: list[tuple[_Pending, BaseException]] = []
+            await self._threads.run(self._store.delete_requests, ids)
+        except StoreError:
+            log.exception(
+                "could not remove %d requests whose publish failed; they stay queued "
+                "without a message until retried with their Idempotency-Key: %s",
+                len(ids),
+                ", ".join(ids[:20]),
+            )
+        finally:
+            for pending, error in failed:
+                _resolve(pending, exc=error)
+
+
+class _Answering:
+    """The callers of one published batch (``created``), answered once the publish ended
+    (``confirmed``, called by the queue, straight from the broker's last confirm where it can)
+    and the commit it overlaps ended (``commit_ended``; ``committed``: it ended before): each
+    caller whose message the broker confirmed is accepted at once, in the same pass of the
+    event loop; the rows of the others are removed (unless the commit failed and left none)
+    and they get 503."""
+
+    __slots__ = ("_commit", "_created", "_results", "_submitter")
+
+    def __init__(
+        self,
+        submitter: Submitter,
+        created: list[tuple[_Pending, RequestRow | None]],
+        committed: bool,
+    ) -> None:
+        self._submitter = submitter
+        self._created = created
+        self._results: list[QueueUnavailable | None] | None = None
+        self._commit: BaseException | bool | None = None if committed else False
+        """False while the commit runs; then None (it succeeded) or its error."""
+
+    def confirmed(self, results: list[QueueUnavailable | None]) -> None:
+        self._results = results
+        if self._commit is not False:
+            self._end()
+
+    def commit_ended(self, error: BaseException | None) -> None:
+        self._commit = error
+        if self._results is not None:
+            self._end()
+
+    def _end(self) -> None:
+        submitter = self._submitter
+        results = self._results
+        assert results is not None and self._commit is not False
+        unrecorded = self._commit
+        failed: list[tuple[_Pending, QueueUnavailable]] = []
         confirmed = 0
-        for (pending, row), result in zip(created, results, strict=True):
+        for (pending, row), result in zip(self._created, results, strict=True):
             if result is not None:
                 failed.append((pending, result))
             else:
@@ -375,24 +423,12 @@ class Submitter:
                 confirmed,
                 unrecorded,
             )
-        if not failed:
-            return
-        if unrecorded is None:
-            # Remove the rows before answering, so that a retry cannot find one going away.
-            ids = [pending.new.id for pending, _ in failed]
-            try:
-                await self._threads.run(self._store.delete_requests, ids)
-            except StoreError:
-                log.exception(
-                    "could not remove %d requests whose publish failed; they stay queued "
-                    "without a message until retried with their Idempotency-Key: %s",
-                    len(ids),
-                    ", ".join(ids[:20]),
-                )
-        for pending, error in failed:
-            if not isinstance(error, QueueUnavailable):
-                error = QueueUnavailable(f"publish failed: {error!r}")
-            _resolve(pending, exc=error)
+        if failed and unrecorded is None:
+            submitter._track(submitter._remove(failed))
+        else:
+            for pending, error in failed:
+                _resolve(pending, exc=error)
+        submitter._answered(self)
 
 
 def _resolve(

@@ -20,12 +20,16 @@ request id is the key that makes both harmless.
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 from qlm.errors import QLMError
 from qlm.global_queue.message import QueuedRequest
+
+log = logging.getLogger(__name__)
 
 QUEUE = "qlm.requests"
 DEAD_LETTER_EXCHANGE = "qlm.dlx"
@@ -103,13 +107,17 @@ class GlobalQueue(Protocol):
         Never raises for a message's failure: each caller answers its own client."""
         ...
 
-    def publish_many_now(
-        self, messages: Sequence[QueuedRequest]
-    ) -> Awaitable[list[QueueUnavailable | None]]:
-        """``publish_many`` started now: what the awaitable returns is ``publish_many``'s
-        result, but where the queue can, the messages are on their way before this returns
-        (not only once a task awaits it), so that they leave in the same pass of the event loop
-        as the caller's other I/O (the API's group commit). Never raises."""
+    def publish_many_then(
+        self,
+        messages: Sequence[QueuedRequest],
+        then: Callable[[list[QueueUnavailable | None]], None],
+    ) -> None:
+        """``publish_many`` started now, its result handed to ``then`` (once, on the caller's
+        event loop) instead of being awaited. Where the queue can, the messages are on their
+        way before this returns and ``then`` is called straight from the broker's confirms, with
+        no task and no pass of the event loop in between (the API's group commit: the batch
+        leaves in the same pass as the commit it overlaps, and its callers are answered in the
+        pass that reads the last confirm). Never raises; ``then`` must not raise."""
         ...
 
     async def consume(self, handler: Handler, *, on_leader: LeaderHandler | None = None) -> None:
@@ -177,3 +185,30 @@ class GlobalQueue(Protocol):
     async def close(self) -> None:
         """Stop consuming and disconnect. Un-acked deliveries go back to the queue."""
         ...
+
+
+def publish_many_later(
+    publish_many: Callable[[Sequence[QueuedRequest]], Awaitable[list[QueueUnavailable | None]]],
+    messages: Sequence[QueuedRequest],
+    then: Callable[[list[QueueUnavailable | None]], None],
+) -> None:
+    """``publish_many_then`` by a task that awaits a queue's ``publish_many`` (where nothing
+    quicker is possible); a task that fails or is cancelled gives every message its error."""
+
+    def ended(task: asyncio.Future[list[QueueUnavailable | None]]) -> None:
+        _running.discard(task)
+        if task.cancelled():
+            then([QueueUnavailable("the publish was cancelled")] * len(messages))
+        elif (exc := task.exception()) is not None:
+            log.error("publishing %d requests failed", len(messages), exc_info=exc)
+            then([QueueUnavailable(f"publish failed: {exc!r}")] * len(messages))
+        else:
+            then(task.result())
+
+    task = asyncio.ensure_future(publish_many(messages))
+    _running.add(task)
+    task.add_done_callback(ended)
+
+
+_running: set[asyncio.Future[list[QueueUnavailable | None]]] = set()
+"""``publish_many_later``'s tasks, held until they end (the loop keeps only weak references)."""

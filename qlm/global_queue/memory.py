@@ -25,7 +25,7 @@ import heapq
 import itertools
 import logging
 from collections import deque
-from collections.abc import Awaitable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from qlm.global_queue.base import (
@@ -36,6 +36,7 @@ from qlm.global_queue.base import (
     Handler,
     LeaderHandler,
     QueueUnavailable,
+    publish_many_later,
 )
 from qlm.global_queue.message import MessageError, QueuedRequest
 
@@ -153,10 +154,12 @@ class MemoryGlobalQueue:
             raise QueueUnavailable("the in-process global queue is closed")
         self.broker.put_raw(message.encode())
 
-    def publish_many_now(
-        self, messages: Sequence[QueuedRequest]
-    ) -> Awaitable[list[QueueUnavailable | None]]:
-        return self.publish_many(messages)  # in memory: nothing to start early
+    def publish_many_then(
+        self,
+        messages: Sequence[QueuedRequest],
+        then: Callable[[list[QueueUnavailable | None]], None],
+    ) -> None:
+        publish_many_later(self.publish_many, messages, then)  # in memory: nothing to start early
 
     async def publish_many(
         self, messages: Sequence[QueuedRequest]

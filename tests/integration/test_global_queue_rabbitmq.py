@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import aio_pika
+import aiormq
 import pytest
 from queue_helpers import Inbox, make_message, poll
 from services import broker_names, in_ci
@@ -780,27 +781,40 @@ def test_publish_many_confirms_each_message_and_reports_each_failure(
     run(scenario)
 
 
+def publish_then(
+    queue: RabbitGlobalQueue, messages: list[QueuedRequest]
+) -> asyncio.Future[list[QueueUnavailable | None]]:
+    """``queue.publish_many_then``, its outcome as a future."""
+    outcome: asyncio.Future[list[QueueUnavailable | None]] = (
+        asyncio.get_running_loop().create_future()
+    )
+    queue.publish_many_then(messages, outcome.set_result)
+    return outcome
+
+
 @pytest.mark.rabbitmq
-def test_publish_many_now_sends_before_it_is_awaited_and_falls_back_when_it_cannot(
+def test_publish_many_then_sends_at_once_answers_from_the_confirms_and_falls_back(
     amqp_url: str, names: Names
 ) -> None:
-    """With the publishing channel open, the batch is on its way when ``publish_many_now``
-    returns: it reaches the queue before anyone awaits the outcome. Before the channel is open
-    (and for an empty batch), it is ``publish_many``, which opens it when awaited."""
+    """With the publishing channel open, the batch is on its way when ``publish_many_then``
+    returns, and no task is made for it: its outcome comes from the confirms. Before the
+    channel is open (and for an empty batch, or a message that cannot be encoded), a task
+    runs ``publish_many``, which opens it; an error there is the outcome of every message."""
 
     async def scenario() -> None:
         queue = open_queue(amqp_url, names)
-        first = queue.publish_many_now([make_message(0)])  # nothing open yet: sent when awaited
-        assert await first == [None]
-        assert await queue.publish_many_now([]) == []
+        assert await publish_then(queue, [make_message(0)]) == [None]  # opened by a task
+        assert await publish_then(queue, []) == []
         batch = [make_message(i) for i in range(1, 6)]
-        outcome = queue.publish_many_now(batch)
+        tasks = asyncio.all_tasks()
+        outcome = publish_then(queue, batch)
+        assert asyncio.all_tasks() == tasks  # sent as it is, answered by the reader
         deadline = time.monotonic() + 30
         while await ready_counts(amqp_url, [names["queue"]]) != [6]:
-            assert time.monotonic() < deadline, "the batch did not leave before it was awaited"
+            assert time.monotonic() < deadline, "the batch did not leave"
             await asyncio.sleep(0.05)
         assert await outcome == [None] * 5
-        # A message that cannot be encoded: nothing raised by the call, the error when awaited.
+        # A message that cannot be encoded: nothing raised by the call, an error for each.
         broken = make_message(9)
         original = QueuedRequest.encode
 
@@ -811,12 +825,109 @@ def test_publish_many_now_sends_before_it_is_awaited_and_falls_back_when_it_cann
 
         QueuedRequest.encode = encode  # type: ignore[method-assign]
         try:
-            failing = queue.publish_many_now([broken])
-            with pytest.raises(ValueError, match="cannot encode"):
-                await failing
+            (error, fine) = await publish_then(queue, [broken, make_message(11)])
         finally:
             QueuedRequest.encode = original  # type: ignore[method-assign]
-        assert await queue.publish_many_now([make_message(10)]) == [None]  # nothing left over
+        assert isinstance(error, QueueUnavailable) and "cannot encode" in str(error)
+        assert isinstance(fine, QueueUnavailable)  # the batch failed as one: nothing was sent
+        assert await publish_then(queue, [make_message(10)]) == [None]  # nothing left over
+        assert await ready_counts(amqp_url, [names["queue"]]) == [7]
+        await queue.close()
+
+    run(scenario)
+
+
+def unanswered(queue: RabbitGlobalQueue) -> Callable[[], None]:
+    """From now on the publishing channel reads no confirms (as if the broker sent none),
+    until the function returned is called."""
+    channel = queue._underlay
+    assert channel is not None
+    reading = channel._on_confirm_frame
+
+    async def ignore(frame: Any) -> None:
+        return None
+
+    channel._on_confirm_frame = ignore  # type: ignore[method-assign]
+    return lambda: setattr(channel, "_on_confirm_frame", reading)
+
+
+@pytest.mark.rabbitmq
+def test_a_batch_not_confirmed_in_time_fails_each_message_and_the_next_one_goes_through(
+    amqp_url: str, names: Names
+) -> None:
+    """Both ways of publishing give every message of a batch its error once
+    ``confirm_timeout_s`` passed without its confirm; publishing goes on afterwards."""
+
+    async def scenario() -> None:
+        queue = open_queue(amqp_url, names, confirm_timeout_s=0.5)
+        assert await queue.publish_many([make_message(0)]) == [None]
+        answer = unanswered(queue)
+        for outcome in (
+            publish_then(queue, [make_message(1), make_message(2)]),
+            queue.publish_many([make_message(3), make_message(4)]),
+        ):
+            errors = await outcome
+            assert len(errors) == 2
+            for error in errors:
+                assert isinstance(error, QueueUnavailable) and "no confirm within 0.5 s" in str(
+                    error
+                )
+        answer()
+        assert await publish_then(queue, [make_message(5)]) == [None]
+        assert await queue.publish_many([make_message(6)]) == [None]
+        await queue.close()
+
+    run(scenario)
+
+
+@pytest.mark.rabbitmq
+def test_a_multiple_ack_answers_every_message_it_names_as_it_is_read(
+    amqp_url: str, names: Names
+) -> None:
+    """An ack frame for several tags (``multiple``, as a quorum queue sends them under load)
+    settles each message it names while the frame is read, not in later loop passes: the
+    batch's outcome is there when the channel's reader is done with the frame."""
+
+    async def scenario() -> None:
+        queue = open_queue(amqp_url, names)
+        assert await queue.publish_many([make_message(0)]) == [None]
+        channel = queue._underlay
+        assert channel is not None
+        reading = channel._on_confirm_frame
+        unanswered(queue)  # the broker's own acks are not read: the test sends its own
+        got: list[list[QueueUnavailable | None]] = []
+        queue.publish_many_then([make_message(i) for i in (1, 2, 3)], got.append)
+        await reading(aiormq.spec.Basic.Ack(delivery_tag=channel.delivery_tag - 1, multiple=True))
+        assert got == []  # the last message is not named yet
+        await reading(aiormq.spec.Basic.Ack(delivery_tag=channel.delivery_tag, multiple=True))
+        assert got == [[None, None, None]]
+        await queue.close()
+
+    run(scenario)
+
+
+@pytest.mark.rabbitmq
+def test_a_connection_lost_before_the_confirms_fails_each_message_and_publishing_reconnects(
+    amqp_url: str, names: Names
+) -> None:
+    """When the publishing connection closes with confirms outstanding, every message still
+    waiting gets the error at once (not after ``confirm_timeout_s``); the next publish opens a
+    new connection."""
+
+    async def scenario() -> None:
+        queue = open_queue(amqp_url, names, confirm_timeout_s=600.0)
+        assert await queue.publish_many([make_message(0)]) == [None]
+        unanswered(queue)
+        waiting = publish_then(queue, [make_message(1), make_message(2)])
+        third = make_message(3)
+        awaited = asyncio.ensure_future(queue.publish_many([third]))
+        channel, publisher = queue._underlay, queue._publishing.publisher
+        assert channel is not None and publisher is not None
+        await poll(lambda: third.id in channel.message_id_delivery_tag, 10.0, "the second batch")
+        await publisher.connection.close()
+        for errors in (await waiting, await awaited):
+            assert errors and all(isinstance(e, QueueUnavailable) for e in errors)
+        assert await publish_then(queue, [make_message(4)]) == [None]
         await queue.close()
 
     run(scenario)

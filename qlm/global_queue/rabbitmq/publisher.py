@@ -3,8 +3,9 @@ hashes to, confirmed by the broker.
 
 Publishing uses aio-pika's connection on the caller's event loop, not pika. The API publishes from
 many concurrent HTTP requests and must answer each only after the broker's confirm; the confirms
-are pipelined on one channel (each publish awaits its own delivery tag), and ``publish_many`` sends
-a batch through aiormq's ``basic_publish`` directly, without aio-pika's per-message objects.
+are pipelined on one channel (each message has its own delivery tag), and ``publish_many`` and
+``publish_many_then`` send a batch as one write on aiormq's channel, without aio-pika's
+per-message objects, its confirms collected by ``_Confirms``.
 Through ``RabbitGlobalQueue`` that measured 6,100-7,700 confirmed publishes/s, p99 8-9 ms
 at concurrency 32 on the 2-core development machine (``benchmarks/global_queue.py``),
 against 650-900/s for pika's ``BlockingConnection`` behind a lock; one pika connection per thread
@@ -16,15 +17,15 @@ hand-off that aio-pika makes unnecessary.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 import aiormq
 from aiormq.exceptions import PublishError
 
-from qlm.global_queue.base import QueueUnavailable
+from qlm.global_queue.base import QueueUnavailable, publish_many_later
 from qlm.global_queue.message import QueuedRequest
-from qlm.global_queue.rabbitmq.base import BROKER_ERRORS, RabbitBase, _Publisher, shard_of
+from qlm.global_queue.rabbitmq.base import BROKER_ERRORS, RabbitBase, _Publisher, log, shard_of
 from qlm.global_queue.rabbitmq.frames import PublishFrames
 
 
@@ -61,7 +62,9 @@ class Publishing(RabbitBase):
         try:
             publisher = await self._publishing.open()
             channel = cast(aiormq.Channel, await publisher.channel.get_underlay_channel())
-            self._underlay = channel
+            if self._underlay is not channel:
+                _settle_at_once(channel)
+                self._underlay = channel
             confirmations = await self._send(channel, messages)
         except (QueueUnavailable, *BROKER_ERRORS) as exc:
             error = (
@@ -72,13 +75,16 @@ class Publishing(RabbitBase):
             return [error] * len(messages)
         return await self._outcomes(publisher, channel, messages, confirmations)
 
-    def publish_many_now(
-        self, messages: Sequence[QueuedRequest]
-    ) -> Awaitable[list[QueueUnavailable | None]]:
+    def publish_many_then(
+        self,
+        messages: Sequence[QueuedRequest],
+        then: Callable[[list[QueueUnavailable | None]], None],
+    ) -> None:
         """``publish_many`` with the batch queued on the connection's writer before this returns
         when the publishing channel is open and free (the usual case: what ``_send`` does,
-        without waiting for anything); otherwise, and for an empty batch, ``publish_many``
-        itself, which opens the channel or waits for it when it is awaited."""
+        without waiting for anything) and ``then`` called by the reader of the batch's last
+        confirm (``_Confirms``); otherwise, and for an empty batch, ``publish_many`` in a task,
+        which opens the channel or waits for it."""
         publisher = self._publishing.publisher
         channel = self._underlay
         if (
@@ -90,51 +96,78 @@ class Publishing(RabbitBase):
             and not _held(channel)
         ):
             try:
-                frames, confirmations = self._register(channel, messages)
+                frames, confirms = self._register(channel, messages)
             except Exception:  # a message that cannot be encoded: ``publish_many`` reports it
-                return self.publish_many(messages)
+                publish_many_later(self.publish_many, messages, then)
+                return
             try:
                 channel.write_queue.put_nowait(frames)
             except asyncio.QueueFull:
-                self._unregister(channel, messages, confirmations)
+                self._unregister(channel, messages, confirms)
             else:
-                return self._outcomes(publisher, channel, messages, confirmations)
-        return self.publish_many(messages)
+
+                def settled() -> None:
+                    try:
+                        outcomes = self._outcomes_of(publisher, channel, messages, confirms)
+                    except Exception as exc:  # a bug: every message gets its error all the same
+                        log.exception("reading the confirms of %d requests failed", len(messages))
+                        outcomes = [QueueUnavailable(f"publish failed: {exc!r}")] * len(messages)
+                    try:
+                        then(outcomes)
+                    except Exception:  # ``then`` runs inside aiormq's reader: it must go on
+                        log.exception("answering %d published requests failed", len(messages))
+
+                confirms.on_settled = settled
+                return
+        publish_many_later(self.publish_many, messages, then)
 
     async def _outcomes(
         self,
         publisher: _Publisher,
         channel: aiormq.Channel,
         messages: Sequence[QueuedRequest],
-        confirmations: list[tuple[int, asyncio.Future[Any]]],
+        confirms: _Confirms,
     ) -> list[QueueUnavailable | None]:
-        """Each sent message's outcome, once its confirm came or ``confirm_timeout_s`` passed."""
-        late: set[asyncio.Future[Any]] = set()
-        try:
-            _, late = await asyncio.wait(
-                [c for _, c in confirmations], timeout=self.confirm_timeout_s
-            )
-        finally:
-            for (tag, confirmation), message in zip(confirmations, messages, strict=True):
-                if not confirmation.done():
-                    confirmation.cancel()  # a confirm that comes later is ignored (aiormq)
-                if channel.message_id_delivery_tag.get(message.id) == tag:
-                    del channel.message_id_delivery_tag[message.id]
+        """Each sent message's outcome, once its confirm came, the channel closed or
+        ``confirm_timeout_s`` passed."""
+        if confirms.left:  # (the channel may have closed while the batch was being sent)
+            settled: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+            def wake() -> None:
+                if not settled.done():
+                    settled.set_result(None)
+
+            confirms.on_settled = wake
+            try:
+                await settled
+            finally:
+                confirms.abandon()  # cancelled: a confirm that comes later is ignored
+        return self._outcomes_of(publisher, channel, messages, confirms)
+
+    def _outcomes_of(
+        self,
+        publisher: _Publisher,
+        channel: aiormq.Channel,
+        messages: Sequence[QueuedRequest],
+        confirms: _Confirms,
+    ) -> list[QueueUnavailable | None]:
+        """Each message's outcome from the settled ``confirms``; the channel forgets the
+        messages, and is retired when one came back unroutable."""
+        tags = channel.message_id_delivery_tag
+        for tag, message in zip(confirms.tags, messages, strict=True):
+            if tags.get(message.id) == tag:
+                del tags[message.id]
         out: list[QueueUnavailable | None] = []
         returned = False
-        for message, (_, confirmation) in zip(messages, confirmations, strict=True):
+        for message, answer in zip(messages, confirms.answers, strict=True):
             reason: BaseException
-            if confirmation in late:
-                reason = TimeoutError(f"no confirm within {self.confirm_timeout_s:g} s")
-            elif confirmation.cancelled():
-                reason = ConnectionError("the publishing channel closed before the confirm")
-            elif confirmation.exception() is not None:
-                reason = cast(BaseException, confirmation.exception())
-            elif isinstance(confirmation.result(), aiormq.spec.Basic.Ack):
+            if answer is _ACK:
                 out.append(None)
                 continue
+            if isinstance(answer, BaseException):
+                reason = answer
             else:
-                reason = RuntimeError(f"the broker answered {confirmation.result()!r}, not an ack")
+                reason = RuntimeError(f"the broker answered {answer!r}, not an ack")
             returned = returned or isinstance(reason, PublishError)
             error = self._unavailable(f"request {message.id!r} not confirmed", reason)
             error.__cause__ = reason
@@ -143,33 +176,34 @@ class Publishing(RabbitBase):
             self._publishing.retire(publisher)
         return out
 
-    async def _send(
-        self, channel: aiormq.Channel, messages: Sequence[QueuedRequest]
-    ) -> list[tuple[int, asyncio.Future[Any]]]:
-        """Queue ``messages`` on the connection's writer as one buffer, each with its delivery
-        tag and confirmation future, registered as aiormq's ``basic_publish`` registers them so
-        that its reader settles them (acks, nacks, returns, the channel closing). Nothing is
-        left registered when this raises: the broker has seen none of them."""
+    async def _send(self, channel: aiormq.Channel, messages: Sequence[QueuedRequest]) -> _Confirms:
+        """Queue ``messages`` on the connection's writer as one buffer, each registered with its
+        delivery tag as aiormq's ``basic_publish`` registers it, so that its reader settles them
+        (acks, nacks, returns); see ``_Confirms``. Nothing is left registered when this raises:
+        the broker has seen none of them."""
         if channel.is_closed:
             raise QueueUnavailable("the publishing channel is closed")
         async with asyncio.timeout(self.confirm_timeout_s), channel.lock:
-            frames, sent = self._register(channel, messages)
+            frames, confirms = self._register(channel, messages)
             try:
                 await channel.write_queue.put(frames)
             except BaseException:
-                self._unregister(channel, messages, sent)
+                self._unregister(channel, messages, confirms)
                 raise
-        return sent
+        return confirms
 
     def _register(
         self, channel: aiormq.Channel, messages: Sequence[QueuedRequest]
-    ) -> tuple[Any, list[tuple[int, asyncio.Future[Any]]]]:
+    ) -> tuple[Any, _Confirms]:
         """The frames of ``messages`` as one buffer, each message with the next delivery tag
-        and its confirmation future registered on ``channel``."""
+        registered on ``channel``, and what settles their confirms."""
         frames = PublishFrames(channel.number, channel.max_content_size)
-        sent: list[tuple[int, asyncio.Future[Any]]] = []
+        confirms = _Confirms(channel, len(messages), self.confirm_timeout_s)
+        tags = confirms.tags
+        registered = channel.confirmations
+        by_id = channel.message_id_delivery_tag
         try:
-            for message in messages:
+            for index, message in enumerate(messages):
                 shard = (
                     self.queues[shard_of(message.id, self.shards)]
                     if self.shards > 1
@@ -177,30 +211,163 @@ class Publishing(RabbitBase):
                 )
                 channel.delivery_tag += 1
                 tag = channel.delivery_tag
-                confirmation = channel.create_future()
-                channel.confirmations[tag] = confirmation
-                channel.message_id_delivery_tag[message.id] = tag
-                sent.append((tag, confirmation))
+                registered[tag] = _Confirmation(confirms, index)  # type: ignore[assignment]
+                by_id[message.id] = tag
+                tags.append(tag)
                 frames.add(shard, message.id, message.encode())
         except BaseException:
-            self._unregister(channel, messages, sent)
+            self._unregister(channel, messages, confirms)
             raise
-        return frames.channel_frame(), sent
+        return frames.channel_frame(), confirms
 
     @staticmethod
     def _unregister(
-        channel: aiormq.Channel,
-        messages: Sequence[QueuedRequest],
-        sent: list[tuple[int, asyncio.Future[Any]]],
+        channel: aiormq.Channel, messages: Sequence[QueuedRequest], confirms: _Confirms
     ) -> None:
         """Not sent: the broker has not seen these tags; the next publish reuses them."""
-        for (tag, confirmation), message in zip(sent, messages, strict=False):
+        for tag, message in zip(confirms.tags, messages, strict=False):
             channel.confirmations.pop(tag, None)
             if channel.message_id_delivery_tag.get(message.id) == tag:
                 del channel.message_id_delivery_tag[message.id]
-            confirmation.cancel()
-        if sent:
-            channel.delivery_tag = sent[0][0] - 1
+        confirms.abandon()
+        if confirms.tags:
+            channel.delivery_tag = confirms.tags[0] - 1
+
+
+_PENDING: Any = object()
+"""A message of a batch the broker has not answered yet."""
+_ACK: Any = object()
+"""A message of a batch the broker confirmed."""
+
+
+class _Confirms:
+    """The broker's answers to one batch of publishes, collected without a future per message.
+
+    aiormq's ``basic_publish`` registers an asyncio future per message on the channel. Each one,
+    made by the channel's future store, carries three done callbacks (the channel's and the
+    connection's bookkeeping, a retrieval), and waiting for a batch adds one more each: every
+    callback is a handle the event loop runs when the confirm comes, and the waiter of the batch
+    woke up two loop passes after the last confirm was read. Here each message's entry on the
+    channel is a ``_Confirmation``, which aiormq's reader settles as it settles a future
+    (``done``, ``cancelled``, ``set_result``, ``set_exception``: acks, nacks and returns), and
+    the last one settled calls ``on_settled`` at once. ``answers`` holds each message's answer:
+    ``_ACK``, the frame of another answer, or an exception.
+
+    What aiormq does for the futures of its store when the channel or its connection closes —
+    fail them with the reason — ``_guard`` does here: one future of the channel's store per
+    batch, failed with the others, fails every message not answered yet. Past ``timeout_s`` the
+    messages not answered get ``TimeoutError``; ``abandon`` gives up on them (nobody waits)."""
+
+    __slots__ = (
+        "_guard",
+        "_timeout_s",
+        "_timer",
+        "answers",
+        "given_up",
+        "left",
+        "on_settled",
+        "tags",
+    )
+
+    def __init__(self, channel: aiormq.Channel, size: int, timeout_s: float) -> None:
+        loop = channel.loop
+        self.answers: list[Any] = [_PENDING] * size
+        self.left = size
+        self.given_up: BaseException | None = None
+        self.tags: list[int] = []
+        self.on_settled: Callable[[], Any] | None = None
+        self._timeout_s = timeout_s
+        self._timer = loop.call_later(timeout_s, self._expire)
+        self._guard = channel.create_future()
+        self._guard.add_done_callback(self._closed)
+
+    def settle(self, index: int, answer: Any) -> None:
+        if self.answers[index] is not _PENDING:
+            return
+        self.answers[index] = answer
+        self.left -= 1
+        if self.left == 0:
+            self._end()
+
+    def abandon(self) -> None:
+        """Nobody waits any more: the answers still missing are ignored when they come."""
+        if self.left:
+            self._fill(asyncio.CancelledError())
+
+    def _expire(self) -> None:
+        self._fill(TimeoutError(f"no confirm within {self._timeout_s:g} s"))
+
+    def _closed(self, guard: asyncio.Future[Any]) -> None:
+        if self.left == 0:
+            return
+        reason = None if guard.cancelled() else guard.exception()
+        self._fill(reason or ConnectionError("the publishing channel closed before the confirm"))
+
+    def _fill(self, reason: BaseException) -> None:
+        self.given_up = reason
+        answers = self.answers
+        for index, answer in enumerate(answers):
+            if answer is _PENDING:
+                answers[index] = reason
+        self.left = 0
+        self._end()
+
+    def _end(self) -> None:
+        self._timer.cancel()
+        if not self._guard.done():
+            self._guard.set_result(None)  # leaves the channel's store
+        on_settled, self.on_settled = self.on_settled, None
+        if on_settled is not None:
+            on_settled()
+
+
+class _Confirmation:
+    """One message's entry in aiormq's ``channel.confirmations`` (see ``_Confirms``): what
+    aiormq's reader calls on the future it would have put there."""
+
+    __slots__ = ("_confirms", "_index")
+
+    def __init__(self, confirms: _Confirms, index: int) -> None:
+        self._confirms = confirms
+        self._index = index
+
+    def done(self) -> bool:
+        return self._confirms.answers[self._index] is not _PENDING
+
+    def cancelled(self) -> bool:
+        """Given up on (timed out, abandoned): aiormq then logs a late confirm at DEBUG."""
+        confirms = self._confirms
+        return confirms.given_up is not None and confirms.answers[self._index] is confirms.given_up
+
+    def set_result(self, frame: Any) -> None:
+        self._confirms.settle(
+            self._index, _ACK if isinstance(frame, aiormq.spec.Basic.Ack) else frame
+        )
+
+    def set_exception(self, exc: BaseException) -> None:
+        self._confirms.settle(self._index, exc)
+
+
+def _settle_at_once(channel: aiormq.Channel) -> None:
+    """Have ``channel``'s reader settle every confirm an ack or nack frame names as it reads
+    the frame. aiormq settles the tags a ``multiple`` frame names (nearly every frame of a
+    quorum queue under load) in a later pass of the event loop, one handle each, so that it
+    does not copy the keys it iterates; copying the few tags that are waiting is cheaper than
+    a loop pass. What is settled, and how, is aiormq's ``_confirm_delivery``."""
+    confirmations = channel.confirmations
+
+    async def on_confirm_frame(frame: Any) -> None:
+        tag = frame.delivery_tag
+        if tag not in confirmations:
+            log.error("unexpected confirm frame %r from the broker", frame)
+            return
+        if getattr(frame, "multiple", False):
+            for settled in [t for t in confirmations if t <= tag]:
+                channel._confirm_delivery(settled, frame)
+        else:
+            channel._confirm_delivery(tag, frame)
+
+    channel._on_confirm_frame = on_confirm_frame  # type: ignore[method-assign]
 
 
 def _held(channel: aiormq.Channel) -> bool:
