@@ -31,7 +31,12 @@ bare app's, and, with the workers docs/api.md recommends, confirmed submissions/
 
 Reproduce: .venv/bin/python benchmarks/ingest.py [--duration 15] [--concurrency 32]
 [--workers 1] [--database postgresql+psycopg://postgres@127.0.0.1:5432/test | sqlite]
-[--client wrk|httpx] [--no-bare] [--py-spy FILE]
+[--client wrk|httpx] [--no-bare] [--py-spy FILE] [--rounds N]
+
+The host's speed can drift by tens of percent over minutes (a shared virtual machine), and the
+ratios compare two servers loaded one after the other: ``--rounds N`` loads the bare app and
+then ``qlm api`` N times, alternated, prints each round's ratios, their median and spread, and
+the details of the median round.
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ import re
 import shlex
 import shutil
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -444,7 +450,16 @@ def main() -> None:
         metavar="FILE",
         help="record the API processes with py-spy during the measured load (FILE, FILE.1, ...)",
     )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="load the bare app and then qlm api this many times, alternated, and give each "
+        "round's ratios and their median (the host's speed drifts: compare neighbours)",
+    )
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error(f"--rounds must be >= 1, got {args.rounds}")
     if args.client == "wrk" and not shutil.which("wrk"):
         sys.exit(WRK_MISSING)
     if args.py_spy is not None and PY_SPY is None:
@@ -490,34 +505,43 @@ def main() -> None:
     else:
         command = [qlm(), "api"]
     depth: list[int] = []
+    rounds: list[tuple[Run, Run | None, int]] = []  # qlm api, the bare app, messages landed
     try:
-        if not args.no_bare:
-            bare_port = free_port()
-            bare = run_server(
-                [sys.executable, "-c", BARE_APP, str(bare_port)], dict(os.environ), bare_port,
-                workdir / "bare.log", load, key, args,
+        for number in range(args.rounds):
+            bare: Run | None = None
+            if not args.no_bare:
+                bare_port = free_port()
+                bare = run_server(
+                    [sys.executable, "-c", BARE_APP, str(bare_port)], dict(os.environ),
+                    bare_port, workdir / "bare.log", load, key, args,
+                )  # fmt: skip
+            api = run_server(
+                command, env, port, workdir / "api.log", load, key, args,
+                between=lambda: depth.append(asyncio.run(queue_depth(base))),
+                profile=args.py_spy if number == 0 else None,
             )  # fmt: skip
-        api = run_server(
-            command, env, port, workdir / "api.log", load, key, args,
-            between=lambda: depth.append(asyncio.run(queue_depth(base))),
-            profile=args.py_spy,
-        )  # fmt: skip
-        confirmed = asyncio.run(queue_depth(base)) - depth[0]
+            rounds.append((api, bare, asyncio.run(queue_depth(base)) - depth[-1]))
+            if args.rounds > 1:
+                print(f"round {number + 1}: {round_line(api, bare)}", flush=True)
     finally:
         asyncio.run(delete_queue([base, f"{base}.dead"], f"{base}.dlx"))
         schema.close()
+    if args.rounds > 1:
+        summarize(rounds)
+    api, bare, confirmed = rounds[-1] if args.rounds == 1 else median_round(rounds)
     result = api.load
     print(
         f"ingest: {api.rate:,.0f} broker-confirmed submissions/s at concurrency "
         f"{args.concurrency} ({result['accepted']:,.0f} accepted in {result['seconds']:.1f} s, "
         f"{result['errors']:,.0f} errors; {confirmed:,} messages landed in the queue)"
+        + (" (the round of the median rate ratio)" if args.rounds > 1 else "")
     )
     print(
         f"latency: p50 {result['p50_ms']:.1f} ms, p90 {result['p90_ms']:.1f} ms, "
         f"p99 {result['p99_ms']:.1f} ms, max {result['max_ms']:.1f} ms"
     )
     print(f"API CPU per accepted submission: {_ms(api.cpu_ms)}; cpu: {cpu_line(api.samples)}")
-    if not args.no_bare:
+    if bare is not None:
         print(
             f"bare FastAPI app, same run: {bare.rate:,.0f}/s, p99 {bare.load['p99_ms']:.1f} ms, "
             f"CPU per answer {_ms(bare.cpu_ms)}; cpu: {cpu_line(bare.samples)}"
@@ -546,7 +570,49 @@ def main() -> None:
           + (f" --workers {args.workers}" if args.workers > 1 else "")
           + (" --database sqlite" if args.database == "sqlite" else "")
           + (" --no-bare" if args.no_bare else "")
+          + (f" --rounds {args.rounds}" if args.rounds > 1 else "")
           + (f" --server {shlex.quote(args.server)}" if args.server else ""))  # fmt: skip
+
+
+def round_line(api: Run, bare: Run | None) -> str:
+    """One round in a line: qlm api's rate, p99 and CPU per 202, the bare app's, the ratios."""
+    line = f"qlm api {api.rate:,.0f}/s, p99 {api.load['p99_ms']:.1f} ms, {_ms(api.cpu_ms)} CPU"
+    if bare is None:
+        return line
+    cpu = f"{api.cpu_ms / bare.cpu_ms:.2f}x" if api.cpu_ms is not None and bare.cpu_ms else "?"
+    return (
+        f"{line}; bare app {bare.rate:,.0f}/s, {_ms(bare.cpu_ms)} CPU; "
+        f"rate {api.rate / bare.rate:.2f}x, CPU per 202 {cpu}"
+    )
+
+
+def median_round(rounds: list[tuple[Run, Run | None, int]]) -> tuple[Run, Run | None, int]:
+    """The round whose rate ratio (or, without the bare app, rate) is the median (the lower
+    of the two middle ones for an even count)."""
+    ranked = sorted(rounds, key=lambda r: r[0].rate / r[1].rate if r[1] else r[0].rate)
+    return ranked[(len(ranked) - 1) // 2]
+
+
+def summarize(rounds: list[tuple[Run, Run | None, int]]) -> None:
+    """The ratios of every round: median, least and most."""
+    rates = sorted(api.rate / bare.rate for api, bare, _ in rounds if bare is not None)
+    cpus = sorted(
+        api.cpu_ms / bare.cpu_ms
+        for api, bare, _ in rounds
+        if bare is not None and api.cpu_ms is not None and bare.cpu_ms
+    )
+    if rates:
+        print(
+            f"over {len(rounds)} rounds: rate {statistics.median(rates):.2f}x the bare app's "
+            f"(median; {rates[0]:.2f}-{rates[-1]:.2f}x, {sum(r >= 0.7 for r in rates)} of "
+            f"{len(rates)} rounds >= 0.7x)"
+            + (
+                f", CPU per 202 {statistics.median(cpus):.2f}x (median; "
+                f"{cpus[0]:.2f}-{cpus[-1]:.2f}x)"
+                if cpus
+                else ""
+            )
+        )
 
 
 def _ms(value: float | None) -> str:
