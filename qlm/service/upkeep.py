@@ -33,11 +33,13 @@ ORPHAN_ERROR = (
 
 
 def new_request(msg: QueuedRequest, request: Request | None = None) -> NewRequest:
-    """The store's row of a queued request; ``request``: its domain request, when the caller
-    has made it already (``msg.to_request(arrival_s=msg.submitted_at)``)."""
+    """The store's row of a queued request, as the API records it; ``request``: its domain
+    request, when the caller has made it already (``msg.to_request(arrival_s=...)``). A chat's
+    message carries its rendered text as ``prompt`` (for estimates and for engines without a
+    chat template); its row holds the messages only."""
     return NewRequest.from_request(
         request if request is not None else msg.to_request(arrival_s=msg.submitted_at),
-        prompt=msg.prompt,
+        prompt=msg.prompt if msg.messages is None else None,
         messages=msg.messages,
         sampling=dict(msg.sampling),
     )

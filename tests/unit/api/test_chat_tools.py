@@ -303,3 +303,24 @@ def test_the_tools_count_in_the_prompt_estimate() -> None:
         )
 
     run_api(scenario)
+
+
+def test_a_chat_recorded_from_its_message_is_the_row_the_api_records() -> None:
+    """A controller records a request from its message when the API's row is missing (the
+    API's commit failed or lost the race after the broker confirmed): the same row, a chat's
+    messages without a prompt, as the API writes it."""
+    from qlm.service.upkeep import new_request
+
+    async def scenario(h: Harness) -> None:
+        r = await h.submit(
+            prompt=None, messages=HISTORY, labels={"team": "a"}, temperature=0.5, tier="batch"
+        )
+        assert r.status_code == 202, r.text
+        (msg,) = published(h.queue)
+        assert msg.prompt is not None  # the message carries the rendered chat, for estimates
+        row = h.store.get(msg.id)
+        assert row is not None and row.prompt is None
+        recorded = new_request(msg).queued_row(row.updated_at)
+        assert recorded == row
+
+    run_api(scenario)
