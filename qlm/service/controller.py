@@ -47,7 +47,7 @@ from qlm.service.hub import ResultEvent, ResultHub
 from qlm.service.jobs import Job, resume_point
 from qlm.service.publishing import PredictionWrites, Role, publish_wait, snapshot_dict
 from qlm.service.runtime import AgentRuntime, RuntimeListener
-from qlm.service.upkeep import OrphanSweep, new_request, prune, reap_dead
+from qlm.service.upkeep import OrphanSweep, ensure_each, new_request, prune, reap_dead
 from qlm.service.writes import Settle, StoreWriter
 from qlm.store import NewRequest, RequestRow, Store, StoreError
 from qlm.store.rows import InstanceState
@@ -454,37 +454,11 @@ class ControllerService(RuntimeListener):
             self._submit(msg, row, request)
 
     async def _record(self, news: list[NewRequest]) -> tuple[dict[str, RequestRow], dict[str, str]]:
-        """The rows of ``news``, recorded if need be, and the reasons of those the store refused.
-
-        One transaction for the batch; if the store refuses it, one per request, so that a message
-        whose row the store cannot take (a value it refuses) is dead-lettered with the reason
-        instead of holding up every delivery behind it. A request counts as refused only if the
-        store answers a read before and after a second try of it; a store that does not is down:
-        ``StoreError`` (the batch is requeued)."""
-        try:
-            return await asyncio.to_thread(self.store.ensure_requests, news), {}
-        except StoreError as exc:
-            if len(news) > 1:
-                log.warning("recording %d requests failed (%s); one at a time", len(news), exc)
-        rows: dict[str, RequestRow] = {}
-        failed: list[NewRequest] = []
-        for new in news:
-            try:
-                rows.update(await asyncio.to_thread(self.store.ensure_requests, [new]))
-            except StoreError:
-                failed.append(new)
-        if not failed:
-            return rows, {}
-        await asyncio.to_thread(self.store.controller_states)  # StoreError: the store is down
-        refused: dict[str, str] = {}
-        for new in failed:
-            try:
-                rows.update(await asyncio.to_thread(self.store.ensure_requests, [new]))
-            except StoreError as exc:
-                refused[new.id] = str(exc)
-        if refused:
-            await asyncio.to_thread(self.store.controller_states)
-        return rows, refused
+        """The rows of ``news``, recorded if need be, and the reasons of those the store refused
+        (``ensure_each``): a message whose row the store cannot take is dead-lettered with the
+        reason instead of holding up every delivery behind it. ``StoreError``: the store is
+        down (the batch is requeued)."""
+        return await asyncio.to_thread(ensure_each, self.store, news)
 
     async def _learn_history(self) -> None:
         """On becoming active (its first deliveries): the output lengths of the store's

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from qlm.domain import Request, RequestStatus
 from qlm.global_queue import DeadLetter, GlobalQueue, MessageError, QueuedRequest
 from qlm.outcomes import log_outcome
-from qlm.store import NewRequest, Store
+from qlm.store import NewRequest, RequestRow, Store, StoreError
 
 log = logging.getLogger(__name__)
 
@@ -60,39 +60,92 @@ def prune(store: Store, now: float, retain_s: float, retain_plans: int) -> tuple
     return requests, plans
 
 
+def ensure_each(
+    store: Store, news: list[NewRequest]
+) -> tuple[dict[str, RequestRow], dict[str, str]]:
+    """The rows of ``news``, recorded if need be, and the reasons of those the store refused.
+
+    One transaction for the batch; if the store refuses it, one per request, so that a request
+    whose row the store cannot take (a value it refuses) does not hold up the others. A request
+    counts as refused only if the store answers a read before and after a second try of it; a
+    store that does not is down: ``StoreError`` (nothing is taken as refused)."""
+    try:
+        return store.ensure_requests(news), {}
+    except StoreError as exc:
+        if len(news) > 1:
+            log.warning("recording %d requests failed (%s); one at a time", len(news), exc)
+    rows: dict[str, RequestRow] = {}
+    failed: list[NewRequest] = []
+    for new in news:
+        try:
+            rows.update(store.ensure_requests([new]))
+        except StoreError:
+            failed.append(new)
+    if not failed:
+        return rows, {}
+    store.controller_states()  # StoreError: the store is down
+    refused: dict[str, str] = {}
+    for new in failed:
+        try:
+            rows.update(store.ensure_requests([new]))
+        except StoreError as exc:
+            refused[new.id] = str(exc)
+    if refused:
+        store.controller_states()
+    return rows, refused
+
+
 async def reap_dead(queue: GlobalQueue, store: Store) -> int:
     """Record the dead-letter queue's requests as failed; a letter leaves the queue only
-    once its failure is committed. Returns how many requests were recorded."""
+    once its failure is committed, or once the store refused its row (``ensure_each``: then it
+    is logged as an error with its body, which nothing else can hold: kept, it would be read
+    again every round, and the orphan sweep waits for an empty dead-letter queue). Returns how
+    many requests were recorded."""
     recorded = 0
 
     async def record(letters: list[DeadLetter]) -> None:
         nonlocal recorded
-        failures: list[tuple[NewRequest, str]] = []
+        failures: list[tuple[NewRequest, DeadLetter]] = []
         for letter in letters:
             try:
                 msg = QueuedRequest.decode(letter.raw)
             except MessageError as exc:
                 log.warning("dead letter that is no request (%s): %s", letter.reason, exc)
                 continue
-            failures.append((new_request(msg), letter.reason))
+            failures.append((new_request(msg), letter))
         if failures:
-            await asyncio.to_thread(_record_dead, store, failures)
-        recorded += len(failures)
+            recorded += await asyncio.to_thread(_record_dead, store, failures)
 
     await queue.reap_dead(record)
     return recorded
 
 
-def _record_dead(store: Store, failures: list[tuple[NewRequest, str]]) -> None:
-    store.ensure_requests([new for new, _ in failures])
+def _record_dead(store: Store, failures: list[tuple[NewRequest, DeadLetter]]) -> int:
+    _, refused = ensure_each(store, [new for new, _ in failures])
     now = store.now()
-    for new, reason in failures:
-        recorded = store.record_outcome_row(
-            new.id, status=RequestStatus.FAILED, at=now, error=f"dead-lettered: {reason}"
+    for new, letter in failures:
+        if new.id in refused:
+            log.error(
+                "dead letter of request %s (tenant %s, %s) dropped: the store refuses its row "
+                "(%s); its message: %s",
+                new.id,
+                new.tenant,
+                letter.reason,
+                refused[new.id],
+                letter.raw[:DEAD_BODY_LOGGED].decode("utf-8", "replace"),
+            )
+            continue
+        row = store.record_outcome_row(
+            new.id, status=RequestStatus.FAILED, at=now, error=f"dead-lettered: {letter.reason}"
         )
-        if recorded is not None:
-            log.warning("request %s failed: dead-lettered (%s)", new.id, reason)
-            log_outcome(recorded)
+        if row is not None:
+            log.warning("request %s failed: dead-lettered (%s)", new.id, letter.reason)
+            log_outcome(row)
+    return len(failures) - len(refused)
+
+
+DEAD_BODY_LOGGED = 65536
+"""Bytes of a dropped dead letter's message that its error log line carries, at most."""
 
 
 class OrphanSweep:

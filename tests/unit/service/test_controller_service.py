@@ -812,24 +812,65 @@ def test_a_message_the_broker_gave_up_on_is_recorded_failed_with_the_reason() ->
         now = service.runtime.clock.now()
         broker.dead.append(DeadLetter(message(7, now).encode(), "delivery_limit"))
         broker.dead.append(DeadLetter(b"not json", "malformed message"))
-        real = store.ensure_requests
-        calls = []
+        real, states = store.ensure_requests, store.controller_states
+        down = True
 
-        def down_once(news: Any) -> Any:
-            calls.append(1)
-            if len(calls) == 1:
+        def ensure(news: Any) -> Any:
+            if down:
                 raise StoreError("the store is down")
             return real(news)
 
-        store.ensure_requests = down_once  # type: ignore[method-assign]
+        def read() -> Any:
+            if down:
+                raise StoreError("the store is down")
+            return states()
+
+        store.ensure_requests = ensure  # type: ignore[method-assign]
+        store.controller_states = read  # type: ignore[method-assign]
         with pytest.raises(StoreError):
             await service.reap_once()
         assert len(broker.dead) == 2  # nothing left the dead-letter queue
+        down = False
         assert await service.reap_once() == 1
         row = store.get("q0007", tenant="acme")
         assert row is not None and row.status is RequestStatus.FAILED
         assert row.error == "dead-lettered: delivery_limit"
         assert not broker.dead and await service.reap_once() == 0
+
+    run(scenario)
+
+
+def test_a_dead_letter_whose_row_the_store_refuses_is_logged_and_holds_up_no_other(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The store refuses one dead letter's row while it records the others': the others are
+    recorded failed, and the refused one leaves the dead-letter queue with an error log that
+    carries its message (kept, it would be read again every round and hold the orphan sweep)."""
+
+    async def scenario(store: Store) -> None:
+        broker = MemoryBroker()
+        service = make_service(store, broker)
+        now = service.runtime.clock.now()
+        for i in (1, 2, 3):
+            broker.dead.append(DeadLetter(message(i, now).encode(), "delivery_limit"))
+        real = store.ensure_requests
+
+        def refusing(news: Any) -> Any:
+            if any(n.id == "q0002" for n in news):
+                raise StoreError("cannot record requests: value refused")
+            return real(news)
+
+        store.ensure_requests = refusing  # type: ignore[method-assign]
+        assert await service.reap_once() == 2
+        for id in ("q0001", "q0003"):
+            row = store.get(id, tenant="acme")
+            assert row is not None and row.status is RequestStatus.FAILED
+        assert store.get("q0002", tenant="acme") is None
+        assert not broker.dead and await service.reap_once() == 0
+        (dropped,) = [r for r in caplog.records if "dropped" in r.getMessage()]
+        assert dropped.levelname == "ERROR"
+        assert "q0002" in dropped.getMessage() and "value refused" in dropped.getMessage()
+        assert '"id":"q0002"' in dropped.getMessage()  # the message itself
 
     run(scenario)
 
