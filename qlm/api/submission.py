@@ -92,7 +92,7 @@ class _Pending:
     future: asyncio.Future[Accepted]
     followers: list[Callable[[Accepted | None, BaseException | None], None]] | None = None
     outcome: tuple[Accepted | None, BaseException | None] | None = None
-    handed: bool = False  # to a task that gives it its outcome (``_answer``, a replay's)
+    handed: bool = False  # to what gives it its outcome (``_Answering``, a replay's task)
 
 
 def message_of(row: RequestRow) -> QueuedRequest:
@@ -404,6 +404,12 @@ class _Answering:
             self._end()
 
     def _end(self) -> None:
+        try:
+            self._answer()
+        finally:  # even after a bug: ``close`` waits for every batch to be answered
+            self._submitter._answered(self)
+
+    def _answer(self) -> None:
         submitter = self._submitter
         results = self._results
         assert results is not None and self._commit is not False
@@ -428,7 +434,6 @@ class _Answering:
         else:
             for pending, error in failed:
                 _resolve(pending, exc=error)
-        submitter._answered(self)
 
 
 def _resolve(

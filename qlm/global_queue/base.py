@@ -197,13 +197,18 @@ def publish_many_later(
 
     def ended(task: asyncio.Future[list[QueueUnavailable | None]]) -> None:
         _running.discard(task)
+        outcomes: list[QueueUnavailable | None]
         if task.cancelled():
-            then([QueueUnavailable("the publish was cancelled")] * len(messages))
+            outcomes = [QueueUnavailable("the publish was cancelled")] * len(messages)
         elif (exc := task.exception()) is not None:
             log.error("publishing %d requests failed", len(messages), exc_info=exc)
-            then([QueueUnavailable(f"publish failed: {exc!r}")] * len(messages))
+            outcomes = [QueueUnavailable(f"publish failed: {exc!r}")] * len(messages)
         else:
-            then(task.result())
+            outcomes = task.result()
+        try:
+            then(outcomes)
+        except Exception:  # a bug in ``then``: logged, as the fast way logs it
+            log.exception("answering %d published requests failed", len(messages))
 
     task = asyncio.ensure_future(publish_many(messages))
     _running.add(task)

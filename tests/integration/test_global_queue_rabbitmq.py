@@ -840,8 +840,8 @@ def test_publish_many_then_sends_at_once_answers_from_the_confirms_and_falls_bac
 def unanswered(queue: RabbitGlobalQueue) -> Callable[[], None]:
     """From now on the publishing channel reads no confirms (as if the broker sent none),
     until the function returned is called."""
-    channel = queue._underlay
-    assert channel is not None
+    assert queue._underlay is not None
+    channel = queue._underlay[1]
     reading = channel._on_confirm_frame
 
     async def ignore(frame: Any) -> None:
@@ -872,10 +872,51 @@ def test_a_batch_not_confirmed_in_time_fails_each_message_and_the_next_one_goes_
                 assert isinstance(error, QueueUnavailable) and "no confirm within 0.5 s" in str(
                     error
                 )
+        # A caller that stops waiting leaves nothing of its batch on the channel.
+        assert queue._underlay is not None
+        channel = queue._underlay[1]
+        left = make_message(7)
+        waiting = asyncio.ensure_future(queue.publish_many([left]))
+        await poll(lambda: left.id in channel.message_id_delivery_tag, 10.0, "the publish")
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        assert left.id not in channel.message_id_delivery_tag
         answer()
         assert await publish_then(queue, [make_message(5)]) == [None]
         assert await queue.publish_many([make_message(6)]) == [None]
         await queue.close()
+
+    run(scenario)
+
+
+@pytest.mark.rabbitmq
+def test_a_retired_channel_still_open_takes_no_new_batch(amqp_url: str, names: Names) -> None:
+    """A channel retired (a message came back unroutable) stays open until its confirms came;
+    once another publisher is open (a readiness probe opens one), batches go to the new
+    channel, not the old."""
+
+    async def scenario() -> None:
+        queue = open_queue(amqp_url, names, confirm_timeout_s=60.0)
+        assert await queue.publish_many([make_message(0)]) == [None]
+        assert queue._underlay is not None
+        old, channel = queue._underlay
+        unanswered(queue)
+        pending = publish_then(queue, [make_message(1)])  # keeps the old channel open
+        queue._publishing.retire(old)
+        new = await queue._publishing.open()  # as ``healthy`` does
+        await asyncio.sleep(0.1)  # (the retired channel would close now if nothing waited)
+        assert new is not old and not channel.is_closed
+        batch = [make_message(2), make_message(3)]
+        assert await publish_then(queue, batch) == [None, None]
+        assert queue._underlay is not None and queue._underlay[0] is new
+        assert queue._underlay[1] is not channel
+        assert not any(m.id in channel.message_id_delivery_tag for m in batch)
+        assert await publish_then(queue, [make_message(4)]) == [None]
+        await old.connection.close()
+        (error,) = await pending  # the old channel closed: its batch failed at once
+        assert isinstance(error, QueueUnavailable)
+        await queue.close()  # nothing left to wait for on the retired channel
 
     run(scenario)
 
@@ -891,8 +932,8 @@ def test_a_multiple_ack_answers_every_message_it_names_as_it_is_read(
     async def scenario() -> None:
         queue = open_queue(amqp_url, names)
         assert await queue.publish_many([make_message(0)]) == [None]
-        channel = queue._underlay
-        assert channel is not None
+        assert queue._underlay is not None
+        channel = queue._underlay[1]
         reading = channel._on_confirm_frame
         unanswered(queue)  # the broker's own acks are not read: the test sends its own
         got: list[list[QueueUnavailable | None]] = []
@@ -921,8 +962,8 @@ def test_a_connection_lost_before_the_confirms_fails_each_message_and_publishing
         waiting = publish_then(queue, [make_message(1), make_message(2)])
         third = make_message(3)
         awaited = asyncio.ensure_future(queue.publish_many([third]))
-        channel, publisher = queue._underlay, queue._publishing.publisher
-        assert channel is not None and publisher is not None
+        assert queue._underlay is not None
+        publisher, channel = queue._underlay
         await poll(lambda: third.id in channel.message_id_delivery_tag, 10.0, "the second batch")
         await publisher.connection.close()
         for errors in (await waiting, await awaited):

@@ -190,8 +190,8 @@ class _PublisherLink:
     def retire(self, publisher: _Publisher) -> None:
         """A message came back unroutable (its queue was deleted): the next publish opens a new
         channel, which declares the queues again. The old one is closed only once the confirms
-        still pending on it have come (or ``confirm_timeout_s`` passed): closing it at once
-        would fail other callers' messages that the broker did take."""
+        still pending on it have come (or ``confirm_timeout_s`` passed, or it closed): closing
+        it at once would fail other callers' messages that the broker did take."""
         if self.publisher is not publisher:
             return
         self.publisher = None
@@ -201,7 +201,9 @@ class _PublisherLink:
             deadline = time.monotonic() + timeout_s
             with contextlib.suppress(*BROKER_ERRORS):
                 channel = cast(aiormq.Channel, await publisher.channel.get_underlay_channel())
-                while channel.confirmations and time.monotonic() < deadline:
+                while (
+                    channel.confirmations and not channel.is_closed and time.monotonic() < deadline
+                ):
                     await asyncio.sleep(0.05)
             await _close_quietly(publisher.connection)
 

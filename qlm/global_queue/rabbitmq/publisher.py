@@ -38,8 +38,8 @@ class Publishing(RabbitBase):
         if error is not None:
             raise error
 
-    _underlay: aiormq.Channel | None = None
-    """The publishing channel's aiormq channel, as the last publish found it."""
+    _underlay: tuple[_Publisher, aiormq.Channel] | None = None
+    """The publisher the last ``publish_many`` opened or found, with its aiormq channel."""
 
     async def publish_many(
         self, messages: Sequence[QueuedRequest]
@@ -48,10 +48,10 @@ class Publishing(RabbitBase):
         confirm (see ``GlobalQueue``); each message gets its own outcome: None once the broker
         confirmed that message, else the error.
 
-        The batch goes out as one write (``_send``): every message gets its delivery tag and
-        its own confirmation future from the channel, as aiormq's ``basic_publish`` gives them,
-        but the frames of all of them are packed into one buffer (``PublishFrames``) and queued
-        on the connection's writer once. ``basic_publish`` per message costs a task, a lock round, a
+        The batch goes out as one write (``_send``): every message gets its delivery tag on the
+        channel, registered as aiormq's ``basic_publish`` registers it (``_Confirms``), but the
+        frames of all of them are packed into one buffer (``PublishFrames``) and queued on the
+        connection's writer once. ``basic_publish`` per message costs a task, a lock round, a
         timeout context and a socket write each: it was the largest part of the API's CPU
         per submission (docs/api.md, "Ingest throughput"). ``mandatory``: a message no queue
         takes (the queue was deleted) comes back as an error instead of being confirmed and
@@ -62,9 +62,9 @@ class Publishing(RabbitBase):
         try:
             publisher = await self._publishing.open()
             channel = cast(aiormq.Channel, await publisher.channel.get_underlay_channel())
-            if self._underlay is not channel:
+            if self._underlay is None or self._underlay[1] is not channel:
                 _settle_at_once(channel)
-                self._underlay = channel
+            self._underlay = (publisher, channel)
             confirmations = await self._send(channel, messages)
         except (QueueUnavailable, *BROKER_ERRORS) as exc:
             error = (
@@ -82,17 +82,20 @@ class Publishing(RabbitBase):
     ) -> None:
         """``publish_many`` with the batch queued on the connection's writer before this returns
         when the publishing channel is open and free (the usual case: what ``_send`` does,
-        without waiting for anything) and ``then`` called by the reader of the batch's last
-        confirm (``_Confirms``); otherwise, and for an empty batch, ``publish_many`` in a task,
-        which opens the channel or waits for it."""
+        without waiting for anything) and ``then`` called once the batch is settled
+        (``_Confirms``: by the reader of its last confirm, or when the channel closed or
+        ``confirm_timeout_s`` passed); otherwise, and for an empty batch, ``publish_many`` in a
+        task, which opens the channel or waits for it. Only the channel of the publisher in use
+        takes the fast way (not one retired, still open until its confirms came)."""
         publisher = self._publishing.publisher
-        channel = self._underlay
+        sending = self._underlay
+        channel = sending[1] if sending is not None and sending[0] is publisher else None
         if (
             messages
             and publisher is not None
             and channel is not None
             and not publisher.channel.is_closed
-            and not channel.is_closed
+            and not _closing(channel)
             and not _held(channel)
         ):
             try:
@@ -140,8 +143,10 @@ class Publishing(RabbitBase):
             confirms.on_settled = wake
             try:
                 await settled
-            finally:
-                confirms.abandon()  # cancelled: a confirm that comes later is ignored
+            except BaseException:  # cancelled: a confirm that comes later is ignored
+                confirms.abandon()
+                _forget(channel, messages, confirms)
+                raise
         return self._outcomes_of(publisher, channel, messages, confirms)
 
     def _outcomes_of(
@@ -153,10 +158,7 @@ class Publishing(RabbitBase):
     ) -> list[QueueUnavailable | None]:
         """Each message's outcome from the settled ``confirms``; the channel forgets the
         messages, and is retired when one came back unroutable."""
-        tags = channel.message_id_delivery_tag
-        for tag, message in zip(confirms.tags, messages, strict=True):
-            if tags.get(message.id) == tag:
-                del tags[message.id]
+        _forget(channel, messages, confirms)
         out: list[QueueUnavailable | None] = []
         returned = False
         for message, answer in zip(messages, confirms.answers, strict=True):
@@ -225,10 +227,9 @@ class Publishing(RabbitBase):
         channel: aiormq.Channel, messages: Sequence[QueuedRequest], confirms: _Confirms
     ) -> None:
         """Not sent: the broker has not seen these tags; the next publish reuses them."""
-        for tag, message in zip(confirms.tags, messages, strict=False):
+        for tag in confirms.tags:
             channel.confirmations.pop(tag, None)
-            if channel.message_id_delivery_tag.get(message.id) == tag:
-                del channel.message_id_delivery_tag[message.id]
+        _forget(channel, messages, confirms)
         confirms.abandon()
         if confirms.tags:
             channel.delivery_tag = confirms.tags[0] - 1
@@ -368,6 +369,27 @@ def _settle_at_once(channel: aiormq.Channel) -> None:
             channel._confirm_delivery(tag, frame)
 
     channel._on_confirm_frame = on_confirm_frame  # type: ignore[method-assign]
+
+
+def _forget(
+    channel: aiormq.Channel, messages: Sequence[QueuedRequest], confirms: _Confirms
+) -> None:
+    """The channel no longer maps these messages' ids to their tags (aiormq's ``basic_publish``
+    removes them once a confirm is done; a return is matched to its message by that map)."""
+    tags = channel.message_id_delivery_tag
+    for tag, message in zip(confirms.tags, messages, strict=False):
+        if tags.get(message.id) == tag:
+            del tags[message.id]
+
+
+def _closing(channel: aiormq.Channel) -> bool:
+    """Whether ``channel`` is closed or closing: the broker closed it and its reader answered
+    (``is_closed`` turns true a few loop passes later; a publish sent meanwhile would be a
+    connection error for the broker). Unknown (another aiormq): as ``is_closed`` says."""
+    if channel.is_closed:
+        return True
+    event = getattr(channel, "_Channel__close_event", None)
+    return isinstance(event, asyncio.Event) and event.is_set()
 
 
 def _held(channel: aiormq.Channel) -> bool:
