@@ -891,6 +891,35 @@ def test_a_batch_not_confirmed_in_time_fails_each_message_and_the_next_one_goes_
 
 
 @pytest.mark.rabbitmq
+def test_a_request_id_sent_twice_while_unconfirmed_gets_each_return_and_confirm_right(
+    amqp_url: str, names: Names
+) -> None:
+    """A return is matched to its message by the AMQP message id: two messages of one request
+    id waiting on the channel at once (a client's retry republishing it, or the same id twice
+    in a batch) each get their own answer. Unroutable, every one of them fails (none is taken
+    for confirmed); routable, every one is confirmed and lands."""
+
+    async def scenario() -> None:
+        queue = open_queue(amqp_url, names)
+        assert await queue.publish_many([make_message(0)]) == [None]  # declares the queue
+        connection = await aio_pika.connect(amqp_url)
+        async with connection:
+            channel = await connection.channel()
+            await channel.queue_delete(names["queue"])
+        twice = [make_message(1), make_message(1), make_message(2)]
+        first = publish_then(queue, twice[:2])
+        second = publish_then(queue, [make_message(1), twice[2]])
+        for errors in (await first, await second):
+            assert all(isinstance(e, QueueUnavailable) for e in errors), errors
+        # The channel was retired; the next one declares the queue again.
+        assert await queue.publish_many(twice) == [None, None, None]
+        assert await ready_counts(amqp_url, [names["queue"]]) == [3]
+        await queue.close()
+
+    run(scenario)
+
+
+@pytest.mark.rabbitmq
 def test_a_retired_channel_still_open_takes_no_new_batch(amqp_url: str, names: Names) -> None:
     """A channel retired (a message came back unroutable) stays open until its confirms came;
     once another publisher is open (a readiness probe opens one), batches go to the new

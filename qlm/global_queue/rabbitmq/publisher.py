@@ -106,7 +106,7 @@ class Publishing(RabbitBase):
             try:
                 channel.write_queue.put_nowait(frames)
             except asyncio.QueueFull:
-                self._unregister(channel, messages, confirms)
+                self._unregister(channel, confirms)
             else:
 
                 def settled() -> None:
@@ -145,7 +145,7 @@ class Publishing(RabbitBase):
                 await settled
             except BaseException:  # cancelled: a confirm that comes later is ignored
                 confirms.abandon()
-                _forget(channel, messages, confirms)
+                _forget(channel, confirms)
                 raise
         return self._outcomes_of(publisher, channel, messages, confirms)
 
@@ -158,7 +158,7 @@ class Publishing(RabbitBase):
     ) -> list[QueueUnavailable | None]:
         """Each message's outcome from the settled ``confirms``; the channel forgets the
         messages, and is retired when one came back unroutable."""
-        _forget(channel, messages, confirms)
+        _forget(channel, confirms)
         out: list[QueueUnavailable | None] = []
         returned = False
         for message, answer in zip(messages, confirms.answers, strict=True):
@@ -190,7 +190,7 @@ class Publishing(RabbitBase):
             try:
                 await channel.write_queue.put(frames)
             except BaseException:
-                self._unregister(channel, messages, confirms)
+                self._unregister(channel, confirms)
                 raise
         return confirms
 
@@ -198,10 +198,16 @@ class Publishing(RabbitBase):
         self, channel: aiormq.Channel, messages: Sequence[QueuedRequest]
     ) -> tuple[Any, _Confirms]:
         """The frames of ``messages`` as one buffer, each message with the next delivery tag
-        registered on ``channel``, and what settles their confirms."""
+        registered on ``channel``, and what settles their confirms.
+
+        A returned message is matched to its tag by its AMQP ``message_id`` (aiormq's
+        ``message_id_delivery_tag``), so no two messages waiting on the channel may share one:
+        a request id already waiting there (a client's retry republishing a request whose first
+        publish is still unconfirmed, or the same id twice in a batch) is sent with the
+        ``message_id`` ``<id>~<tag>``. Consumers read the request id from the body."""
         frames = PublishFrames(channel.number, channel.max_content_size)
         confirms = _Confirms(channel, len(messages), self.confirm_timeout_s)
-        tags = confirms.tags
+        tags, ids = confirms.tags, confirms.ids
         registered = channel.confirmations
         by_id = channel.message_id_delivery_tag
         try:
@@ -213,23 +219,23 @@ class Publishing(RabbitBase):
                 )
                 channel.delivery_tag += 1
                 tag = channel.delivery_tag
+                mid = message.id if message.id not in by_id else f"{message.id}~{tag}"
                 registered[tag] = _Confirmation(confirms, index)  # type: ignore[assignment]
-                by_id[message.id] = tag
+                by_id[mid] = tag
                 tags.append(tag)
-                frames.add(shard, message.id, message.encode())
+                ids.append(mid)
+                frames.add(shard, mid, message.encode())
         except BaseException:
-            self._unregister(channel, messages, confirms)
+            self._unregister(channel, confirms)
             raise
         return frames.channel_frame(), confirms
 
     @staticmethod
-    def _unregister(
-        channel: aiormq.Channel, messages: Sequence[QueuedRequest], confirms: _Confirms
-    ) -> None:
+    def _unregister(channel: aiormq.Channel, confirms: _Confirms) -> None:
         """Not sent: the broker has not seen these tags; the next publish reuses them."""
         for tag in confirms.tags:
             channel.confirmations.pop(tag, None)
-        _forget(channel, messages, confirms)
+        _forget(channel, confirms)
         confirms.abandon()
         if confirms.tags:
             channel.delivery_tag = confirms.tags[0] - 1
@@ -265,6 +271,7 @@ class _Confirms:
         "_timer",
         "answers",
         "given_up",
+        "ids",
         "left",
         "on_settled",
         "tags",
@@ -276,6 +283,7 @@ class _Confirms:
         self.left = size
         self.given_up: BaseException | None = None
         self.tags: list[int] = []
+        self.ids: list[str] = []  # each message's AMQP message_id (``Publishing._register``)
         self.on_settled: Callable[[], Any] | None = None
         self._timeout_s = timeout_s
         self._timer = loop.call_later(timeout_s, self._expire)
@@ -371,15 +379,13 @@ def _settle_at_once(channel: aiormq.Channel) -> None:
     channel._on_confirm_frame = on_confirm_frame  # type: ignore[method-assign]
 
 
-def _forget(
-    channel: aiormq.Channel, messages: Sequence[QueuedRequest], confirms: _Confirms
-) -> None:
+def _forget(channel: aiormq.Channel, confirms: _Confirms) -> None:
     """The channel no longer maps these messages' ids to their tags (aiormq's ``basic_publish``
     removes them once a confirm is done; a return is matched to its message by that map)."""
     tags = channel.message_id_delivery_tag
-    for tag, message in zip(confirms.tags, messages, strict=False):
-        if tags.get(message.id) == tag:
-            del tags[message.id]
+    for tag, mid in zip(confirms.tags, confirms.ids, strict=True):
+        if tags.get(mid) == tag:
+            del tags[mid]
 
 
 def _closing(channel: aiormq.Channel) -> bool:
