@@ -108,19 +108,7 @@ class Publishing(RabbitBase):
             except asyncio.QueueFull:
                 self._unregister(channel, confirms)
             else:
-
-                def settled() -> None:
-                    try:
-                        outcomes = self._outcomes_of(publisher, channel, messages, confirms)
-                    except Exception as exc:  # a bug: every message gets its error all the same
-                        log.exception("reading the confirms of %d requests failed", len(messages))
-                        outcomes = [QueueUnavailable(f"publish failed: {exc!r}")] * len(messages)
-                    try:
-                        then(outcomes)
-                    except Exception:  # ``then`` runs inside aiormq's reader: it must go on
-                        log.exception("answering %d published requests failed", len(messages))
-
-                confirms.on_settled = settled
+                self._deliver(publisher, channel, messages, confirms, then)
                 return
         publish_many_later(self.publish_many, messages, then)
 
@@ -133,21 +121,47 @@ class Publishing(RabbitBase):
     ) -> list[QueueUnavailable | None]:
         """Each sent message's outcome, once its confirm came, the channel closed or
         ``confirm_timeout_s`` passed."""
-        if confirms.left:  # (the channel may have closed while the batch was being sent)
-            settled: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        outcome: asyncio.Future[list[QueueUnavailable | None]] = (
+            asyncio.get_running_loop().create_future()
+        )
 
-            def wake() -> None:
-                if not settled.done():
-                    settled.set_result(None)
+        def answer(outcomes: list[QueueUnavailable | None]) -> None:
+            if not outcome.done():  # (cancelled: nobody waits)
+                outcome.set_result(outcomes)
 
-            confirms.on_settled = wake
+        self._deliver(publisher, channel, messages, confirms, answer)
+        try:
+            return await outcome
+        except BaseException:  # cancelled: a confirm that comes later is ignored
+            confirms.abandon()
+            raise
+
+    def _deliver(
+        self,
+        publisher: _Publisher,
+        channel: aiormq.Channel,
+        messages: Sequence[QueuedRequest],
+        confirms: _Confirms,
+        then: Callable[[list[QueueUnavailable | None]], None],
+    ) -> None:
+        """Hand ``then`` the messages' outcomes once ``confirms`` is settled (now, if it is):
+        called from aiormq's reader, the timer or the close callback, so nothing may escape."""
+
+        def settled() -> None:
             try:
-                await settled
-            except BaseException:  # cancelled: a confirm that comes later is ignored
-                confirms.abandon()
-                _forget(channel, confirms)
-                raise
-        return self._outcomes_of(publisher, channel, messages, confirms)
+                outcomes = self._outcomes_of(publisher, channel, messages, confirms)
+            except Exception as exc:  # a bug: every message gets its error all the same
+                log.exception("reading the confirms of %d requests failed", len(messages))
+                outcomes = [QueueUnavailable(f"publish failed: {exc!r}")] * len(messages)
+            try:
+                then(outcomes)
+            except Exception:  # ``then`` runs inside aiormq's reader: it must go on
+                log.exception("answering %d published requests failed", len(messages))
+
+        if confirms.left:
+            confirms.on_settled = settled
+        else:  # the channel closed while the batch was being sent
+            settled()
 
     def _outcomes_of(
         self,
