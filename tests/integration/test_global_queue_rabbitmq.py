@@ -859,9 +859,10 @@ def test_a_batch_not_confirmed_in_time_fails_each_message_and_the_next_one_goes_
     ``confirm_timeout_s`` passed without its confirm; publishing goes on afterwards."""
 
     async def scenario() -> None:
-        queue = open_queue(amqp_url, names, confirm_timeout_s=0.5)
+        queue = open_queue(amqp_url, names)
         assert await queue.publish_many([make_message(0)]) == [None]
         answer = unanswered(queue)
+        queue.confirm_timeout_s = 0.5  # no confirm is read from now on: the timeout ends it
         for outcome in (
             publish_then(queue, [make_message(1), make_message(2)]),
             queue.publish_many([make_message(3), make_message(4)]),
@@ -883,6 +884,7 @@ def test_a_batch_not_confirmed_in_time_fails_each_message_and_the_next_one_goes_
             await waiting
         assert left.id not in channel.message_id_delivery_tag
         answer()
+        queue.confirm_timeout_s = 30.0  # real confirms again, on a host that may be busy
         assert await publish_then(queue, [make_message(5)]) == [None]
         assert await queue.publish_many([make_message(6)]) == [None]
         await queue.close()
@@ -934,7 +936,8 @@ def test_a_retired_channel_still_open_takes_no_new_batch(amqp_url: str, names: N
         pending = publish_then(queue, [make_message(1)])  # keeps the old channel open
         queue._publishing.retire(old)
         new = await queue._publishing.open()  # as ``healthy`` does
-        await asyncio.sleep(0.1)  # (the retired channel would close now if nothing waited)
+        for _ in range(10):  # loop passes for the retiring task (it closes an idle channel)
+            await asyncio.sleep(0)
         assert new is not old and not channel.is_closed
         batch = [make_message(2), make_message(3)]
         assert await publish_then(queue, batch) == [None, None]
