@@ -9,12 +9,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import httpx
 import pytest
-from services import free_port
 
 from qlm.domain import ModelTier
 from qlm.engines.base import EngineOutput, EngineRequest, TokenChunk
@@ -22,7 +21,7 @@ from qlm.engines.vllm import VllmEngine
 from qlm.engines.vllm_wire import context_room
 from qlm.errors import RequestRejected, UnknownRequest
 
-from .conftest import KV_CACHE_BYTES, MODEL, SERVER_FLAGS, VllmEnv, VllmServer
+from .conftest import KV_CACHE_BYTES, MODEL, VllmServer
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]
 
@@ -157,27 +156,6 @@ def test_a_synthetic_prompt_fits_a_small_vocabulary(vllm_url: str) -> None:
             await e.close()
 
     run(scenario)
-
-
-@pytest.fixture(scope="module")
-def one_at_a_time(
-    vllm_env: VllmEnv, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[VllmServer]:
-    """A server of its own that runs one request at a time (``--max-num-seqs 1``): which of
-    those waiting it starts next is its scheduling policy's choice. It logs each request it
-    hands to its engine ("Added request") and says how much of a prompt its prefix cache held
-    (``usage.prompt_tokens_details.cached_tokens``)."""
-    log = tmp_path_factory.mktemp("vllm-one") / "vllm.log"
-    flags = (
-        *SERVER_FLAGS,
-        "--max-num-seqs", "1", "--enable-log-requests", "--enable-prompt-tokens-details",
-    )  # fmt: skip
-    server = VllmServer(vllm_env, free_port(), log, extra=flags)
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 def test_priority_lets_an_urgent_request_pass_those_waiting(one_at_a_time: VllmServer) -> None:

@@ -13,14 +13,13 @@ import asyncio
 import httpx
 import pytest
 from resume_helpers import Ended, EvictOnceAt, Watched, serve_one
-from services import free_port
 
 from qlm.domain import SLO, InstanceSpec, Request, Tier
 from qlm.engines.base import EngineRequest, TokenChunk
 from qlm.engines.vllm import VllmEngine
 from qlm.service.jobs import Job
 
-from .conftest import MODEL, VllmEnv, VllmServer
+from .conftest import MODEL, VllmServer
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
@@ -141,20 +140,16 @@ def test_a_parked_request_goes_on_from_the_kv_cache_vllm_kept(vllm_url: str) -> 
 OFFLOAD_REFUSED = "CPU Offloading is currently only supported on CUDA-alike and XPU GPUs"
 
 
-def test_the_cpu_build_refuses_kv_offloading_at_start_up(
-    vllm_env: VllmEnv, tmp_path_factory: pytest.TempPathFactory
-) -> None:
+def test_the_cpu_build_refuses_kv_offloading_at_start_up(offload_refused: VllmServer) -> None:
     """Why KV swap is not offered on the CPU build: started as ``qlm instance launch
     --kv-offload-gb`` starts vLLM (``--kv-offloading-size G --kv-offloading-backend native``,
     vLLM's ``OffloadingConnector``), its engine fails at start-up — the CPU offloading worker
     exists for CUDA-alike and XPU GPUs only (``vllm/v1/kv_offload/cpu/spec.py``). Should a
     later CPU build serve it, this fails: then test swap with offloading on."""
-    log = tmp_path_factory.mktemp("vllm-offload") / "vllm.log"
-    server = VllmServer(vllm_env, free_port(), log, kv_offload_gb=0.0625)
+    server = offload_refused
     assert "--kv-offloading-size" in server.command()
-    try:
-        code = server.start_or_exit()
-    finally:
-        server.stop()
-    assert code is not None, "vLLM's CPU build served with KV offloading on"
-    assert code != 0 and OFFLOAD_REFUSED in server.tail(10**7), server.tail()
+    assert not server.started_s, "vLLM's CPU build served with KV offloading on"
+    assert server.proc is not None
+    code = server.proc.returncode
+    assert code is not None and code != 0, code
+    assert OFFLOAD_REFUSED in server.tail(10**7), server.tail()
