@@ -288,6 +288,13 @@ class _Early:
             self.thread.start()
 
     def _launch_in_turn(self) -> None:
+        try:
+            self._launch_each()
+        finally:  # whatever happened, no fixture waits for a launch that will not come
+            for event in self.launched.values():
+                event.set()
+
+    def _launch_each(self) -> None:
         for name, server in self.order:
             if self.stopping.is_set():
                 return
@@ -309,6 +316,8 @@ class _Early:
         if server is not None:
             self.begin()
             self.launched[name].wait()
+            if server.proc is None:  # the thread failed before launching it
+                server.launch()
         return server
 
     def end(self) -> None:
