@@ -8,8 +8,10 @@ sending the requests to the last answer.
 
 1. a request alone at several prompt lengths with one output token, each length a few times
    (the shortest run counts: a disturbance only lengthens one): the prefill line
-   ``P(I) = a + b·I`` (the HTTP round trip lands in ``a``); a line that does not rise is an
-   error, not a profile;
+   ``P(I) = a + b·I`` (the HTTP round trip lands in ``a``); while the line does not rise (a
+   busy host: disturbances longer than the prompts' differences) each length runs a few times
+   more, up to ``PREFILL_ROUNDS`` rounds; a line that still does not rise is an error, not a
+   profile;
 2. a request alone generating ``O`` and ``O / 2`` tokens after a prompt of the profiling length,
    and after one four times as long: the time per token alone (the difference of the two over
    ``O / 2``), and what a token of context adds to a decode step;
@@ -45,6 +47,7 @@ from qlm.rct.profile import HardwareProfile
 TOKEN_IDS = (1000, 30000)  # random prompt ids from here for a server without /tokenize
 DECODE_TRIES = 3  # pairs of runs a decode time per token is measured from, at most
 PREFILL_TRIES = 3  # runs of each prompt length; the shortest is the prefill's time
+PREFILL_ROUNDS = 4  # of PREFILL_TRIES runs each, at most: another while the line does not rise
 PLAUSIBLE_SHARE = 0.02  # of the longer run that its extra output must take to be believed
 SERVED_READS = 20  # reads of the server's latency counts after a run, until they count it
 SERVED_READ_S = 0.05
@@ -163,14 +166,19 @@ async def profile_engine(
         return await _makespan(engine, clock, prompts, n, prompt, output, served=True)
 
     lengths = [n for n in PREFILL_LENGTHS if n + 1 <= ctx]
-    ttfts = [min([await span(1, n, 1) for _ in range(PREFILL_TRIES)]) for n in lengths]
-    b, a = fit_line(lengths, ttfts)
+    ttfts = [math.inf] * len(lengths)
+    for _ in range(PREFILL_ROUNDS):  # more runs while the shortest do not rise with the prompt
+        for i, n in enumerate(lengths):
+            ttfts[i] = min([ttfts[i], *[await span(1, n, 1) for _ in range(PREFILL_TRIES)]])
+        b, a = fit_line(lengths, ttfts)
+        if b > 0:
+            break
     if b <= 0:
         raise EngineError(
             f"{engine.name}: prefill time could not be measured (one request's time at "
             f"{', '.join(f'{n}' for n in lengths)} prompt tokens, the shortest of "
-            f"{PREFILL_TRIES} runs each: {', '.join(f'{t:.4f}' for t in ttfts)} s, does not "
-            "grow with the prompt); is another client using the server?"
+            f"{PREFILL_ROUNDS * PREFILL_TRIES} runs each: {', '.join(f'{t:.4f}' for t in ttfts)}"
+            " s, does not grow with the prompt); is another client using the server?"
         )
 
     half = output_tokens // 2
